@@ -1,0 +1,39 @@
+"""The `soapstone` command: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module with `configure(parser)` and `main(args) -> int`.
+Only the chosen module is imported, so `soapstone check` never pays for torch.
+Exit codes: 0 ok, 2 bad input (spec, flags, checkpoint), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("soapstone.comm.bench", "benchmark soapstone against its peers"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="soapstone", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        top.parse_args(argv or ["--help"])  # prints usage / the unknown-command error, exits 2
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"soapstone {name}", description=COMMANDS[name][1])
+    module.configure(parser)
+    args = parser.parse_args(argv[1:])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
