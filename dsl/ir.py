@@ -10,6 +10,7 @@ No torch here: `soapstone check` must answer without importing it.
 from __future__ import annotations
 
 import attrs
+from attrs import field as _field  # Op has a field named `attrs`, shadowing the module
 
 
 @attrs.frozen
@@ -70,7 +71,7 @@ class Op:
     attrs: tuple[tuple[str, object], ...] = ()
     block: str | None = None
     layer: str = ""  # the spec-level layer this op came from ("attention", "mlp", ...)
-    loc: Loc | None = attrs.field(default=None, eq=False)
+    loc: Loc | None = _field(default=None, eq=False)
 
     def attr(self, key: str, default: object = None) -> object:
         """The value of one option, or `default`."""
