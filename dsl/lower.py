@@ -1,0 +1,309 @@
+"""Lowering: give every tensor a layout, insert the collectives, produce the Program.
+
+Forward: params and inputs get layouts from the parallel block's statements; each op, in
+order, picks per mesh axis the cheapest sharding its rules allow (`rules.py`), and every arg
+whose layout differs is redistributed first (allreduce, reduce_scatter, allgather, local slice,
+all-to-all), each redistribution computed once and reused.
+
+Backward follows from one invariant: the gradient of a replicated value is replicated. Where
+a replicated value feeds rank-varying work (an op whose output is split or partial on that
+axis), its gradient arrives as per-rank terms; one `CopyTo` (Megatron's `f`: identity forward,
+allreduce backward) restores the invariant, unless the value was just allgathered on that axis
+(then the gather's backward becomes a reduce_scatter: sequence parallelism) or it is a parameter
+(then its gradient is summed over that axis in the gradient sync: data parallelism).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from soapstone.dsl import ir, rules
+from soapstone.shard.layout import Layout, P, R, transition, transition_cost
+from soapstone.shard.program import (
+    Compute,
+    CopyTo,
+    Output,
+    ParamSpec,
+    Program,
+    Redistribute,
+    Step,
+    Value,
+)
+
+
+class LoweringError(ValueError):
+    """No valid sharding exists for an op under the chosen layout."""
+
+    def __init__(self, message: str, loc: ir.Loc | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.loc = loc
+        self.hint = hint
+
+
+@attrs.frozen
+class _Candidate:
+    args: tuple[str, ...]  # placement wanted for each arg, in the arg's own dim names
+    out: str  # the output's placement
+    dim: str | None  # the iteration dim split over the axis, if any
+    stat: bool = False  # the op combines partial statistics over the axis
+
+
+def lower(model: ir.Model, parallel: ir.Parallel | None = None) -> Program:
+    """Compile a model under a parallel block (None: one rank) into a Program."""
+    return _Lowering(model, parallel).run()
+
+
+class _Lowering:
+    def __init__(self, model: ir.Model, parallel: ir.Parallel | None):
+        self.model = model
+        self.par = parallel
+        self.sizes = dict(model.dims)
+        self.mesh = dict(parallel.mesh) if parallel else {}
+        self.axes = tuple(a for a, _ in parallel.mesh) if parallel else ()
+        # Only axes with more than one rank shard anything.
+        self.active = tuple(a for a in self.axes if self.mesh[a] > 1)
+        alias = dict(model.dim_alias)
+        self.allowed: dict[str, set[str]] = {a: set() for a in self.axes}
+        if parallel:
+            for dim, axis in (*parallel.sample, *parallel.attribute, *parallel.parameter):
+                self.allowed[axis].add(dim)
+        for derived, base in alias.items():
+            for dims in self.allowed.values():
+                if base in dims:
+                    dims.add(derived)
+        self.values: dict[str, Value] = {}
+        self.params: dict[str, ir.Param] = {p.name: p for p in model.params}
+        self.steps: list[Step] = []
+        self.producer: dict[str, int] = {}
+        self.cache: dict[tuple[str, str, str], str] = {}
+
+    # --- layouts of the leaves -------------------------------------------------------------
+
+    def _leaf_layout(self, dims: tuple[str, ...], mapping: tuple[tuple[str, str], ...]) -> Layout:
+        placement: dict[str, str] = {}
+        for dim, axis in mapping:
+            if dim in dims and axis in self.active and axis not in placement:
+                placement[axis] = dim
+        return Layout.of(self.axes, placement)
+
+    def _add_value(self, name: str, dtype: str, dims: tuple[str, ...], layout: Layout) -> Value:
+        shape = layout.local_sizes(dims, self.sizes, self.mesh)
+        v = Value(name, dtype, dims, layout, shape)
+        self.values[name] = v
+        return v
+
+    # --- the walk --------------------------------------------------------------------------
+
+    def run(self) -> Program:
+        par = self.par
+        for inp in self.model.inputs:
+            mapping = (*par.sample, *par.attribute) if par else ()
+            self._add_value(inp.name, inp.type.dtype, inp.type.dims,
+                            self._leaf_layout(inp.type.dims, mapping))
+        for p in self.model.params:
+            self._add_value(p.name, p.type.dtype, p.type.dims,
+                            self._leaf_layout(p.type.dims, par.parameter if par else ()))
+        for op in self.model.ops:
+            self._lower_op(op)
+        grad_sync = self._backward()
+        params = tuple(
+            ParamSpec(
+                name=p.name, dtype=p.type.dtype, dims=p.type.dims,
+                shape=tuple(self.sizes[d] for d in p.type.dims), init=p.init,
+                layout=self.values[p.name].layout,
+                local_shape=self.values[p.name].local_shape,
+                grad_sync=grad_sync.get(p.name, ()), block=p.block,
+            )
+            for p in self.model.params
+        )
+        return Program(
+            model=self.model.name,
+            parallel=par.name if par else None,
+            mesh=par.mesh if par else (),
+            dims=self.model.dims,
+            inputs=tuple(i.name for i in self.model.inputs),
+            params=params,
+            values=tuple(self.values.values()),
+            steps=tuple(self.steps),
+            outputs=tuple(Output(o.name, o.value, o.is_loss) for o in self.model.outputs),
+        )
+
+    def _lower_op(self, op: ir.Op) -> None:
+        args = [self.values[a] for a in op.args]
+        iter_dims = [rules.arg_dims(op, i, v.dims) for i, v in enumerate(args)]
+        roles = rules.roles(op, iter_dims)
+        wanted: list[dict[str, str]] = [{} for _ in args]
+        out: dict[str, str] = {}
+        dist: list[str] = []
+        used: set[str] = set()
+        for axis in self.active:
+            best = self._choose(op, axis, args, iter_dims, roles, used)
+            for i, placement in enumerate(best.args):
+                wanted[i][axis] = placement
+            out[axis] = best.out
+            if best.dim:
+                used.add(best.dim)
+            if best.stat:
+                dist.append(axis)
+        names = tuple(self._redistribute(v.name, w) for v, w in zip(args, wanted, strict=True))
+        layout = Layout.of(self.axes, out)
+        self._add_value(op.out, op.type.dtype, op.type.dims, layout)
+        self._emit(Compute(
+            out=op.out, kind=op.kind, args=names, attrs=op.attrs,
+            arg_layouts=tuple(self.values[n].layout for n in names),
+            dist=tuple(dist), source=op.out,
+        ))
+
+    def _candidates(self, op: ir.Op, axis: str, args: list[Value],
+                    iter_dims: list[tuple[str, ...]], roles: dict[str, str],
+                    used: set[str]) -> list[_Candidate]:
+        out_dims = op.type.dims
+        order = [d for d in out_dims if d in roles] + [d for d in roles if d not in out_dims]
+        found = []
+        for d in order:
+            if d in used or d not in self.allowed[axis] or self.sizes[d] % self.mesh[axis]:
+                continue
+            found.append(_Candidate(
+                args=tuple(_own_dim(dims, v.dims, d) or R
+                           for dims, v in zip(iter_dims, args, strict=True)),
+                out=d if d in out_dims else (P if roles[d] == rules.SUM else R),
+                dim=d, stat=roles[d] == rules.STAT,
+            ))
+        mode = rules.PARTIAL_PASS.get(op.kind)
+        if mode == "one":
+            for i in range(len(args)):
+                found.append(_Candidate(tuple(P if j == i else R for j in range(len(args))), P,
+                                        None))
+        elif mode == "all":
+            found.append(_Candidate((P,) * len(args), P, None))
+        found.append(_Candidate((R,) * len(args), R, None))
+        return found
+
+    def _choose(self, op, axis, args, iter_dims, roles, used) -> _Candidate:
+        best, best_cost = None, float("inf")
+        for cand in self._candidates(op, axis, args, iter_dims, roles, used):
+            cost = sum(self._cost(v, axis, want) for v, want in zip(args, cand.args, strict=True))
+            if cost < best_cost:
+                best, best_cost = cand, cost
+        if best is None:
+            layouts = ", ".join(f"{v.name}: {v.layout}" for v in args)
+            raise LoweringError(
+                f"no valid sharding of {op.kind} ({op.layer or op.kind}) over mesh axis "
+                f"'{axis}': its args are laid out as {layouts}",
+                op.loc,
+                hint="parameters never move; map the dims of the parameters this op uses "
+                "to the same axis, or leave them replicated",
+            )
+        return best
+
+    def _cost(self, v: Value, axis: str, want: str) -> float:
+        cur = v.layout.get(axis)
+        if cur == want or (v.name, axis, want) in self.cache:
+            return 0.0
+        if v.name in self.params:
+            return float("inf")  # parameters keep the layout the parallel block gave them
+        kind = transition(cur, want)
+        if kind == "slice" and v.is_float:
+            # Free forward, but its backward is an allgather of the gradient.
+            return transition_cost("allgather", v.nbytes // self.mesh[axis], self.mesh[axis])
+        return transition_cost(kind, v.nbytes, self.mesh[axis])
+
+    def _redistribute(self, name: str, wanted: dict[str, str]) -> str:
+        v = self.values[name]
+        # Gathers and reductions first, so a dim is free before another axis takes it.
+        order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(v.layout.get(a),
+                                                                          wanted[a]) == "alltoall"))
+        for axis in order:
+            cur, want = v.layout.get(axis), wanted[axis]
+            if cur == want:
+                continue
+            key = (v.name, axis, want)
+            if key not in self.cache:
+                kind = transition(cur, want)
+                layout = v.layout.with_(self.axes, axis, want)
+                new = self._add_value(f"{v.name}@{axis}:{want}", v.dtype, v.dims, layout)
+                self._emit(Redistribute(
+                    out=new.name, src=v.name, axis=axis, kind=kind,
+                    frm=cur, to=want,
+                    nbytes=0 if kind == "slice" else v.nbytes,
+                ))
+                self.cache[key] = new.name
+            v = self.values[self.cache[key]]
+        return v.name
+
+    def _emit(self, step: Step) -> None:
+        self.producer[step.out] = len(self.steps)
+        self.steps.append(step)
+
+    # --- backward --------------------------------------------------------------------------
+
+    def _backward(self) -> dict[str, tuple[str, ...]]:
+        """Restore the invariant (see the module doc); return each param's grad-sync axes."""
+        consumers: dict[str, list[int]] = {}
+        for i, step in enumerate(self.steps):
+            for a in _step_args(step):
+                consumers.setdefault(a, []).append(i)
+        inputs = {i.name for i in self.model.inputs}
+        grad_sync: dict[str, list[str]] = {}
+        copies: dict[int, list[CopyTo]] = {}  # inserted before step i
+        rewire: dict[tuple[int, str], str] = {}  # (step, old arg) -> new arg
+        for name, v in list(self.values.items()):
+            if not v.is_float or name in inputs or name not in consumers:
+                continue
+            for axis in self.active:
+                if v.layout.get(axis) != R:
+                    continue
+                edges = consumers[name]
+                varying = [i for i in edges if self._rank_varying(self.steps[i], axis)]
+                if not varying:
+                    continue
+                every = len(varying) == len(edges)
+                prod = self.producer.get(name)
+                prod_step = self.steps[prod] if prod is not None else None
+                if name in self.params and every:
+                    grad_sync.setdefault(name, []).append(axis)
+                elif (every and isinstance(prod_step, Redistribute)
+                      and prod_step.kind == "allgather" and prod_step.axis == axis):
+                    self.steps[prod] = attrs.evolve(prod_step, grad="partial")
+                else:
+                    # One copy per source: edges already behind another axis's copy keep it.
+                    groups: dict[str, list[int]] = {}
+                    for i in varying:
+                        groups.setdefault(rewire.get((i, name), name), []).append(i)
+                    for src, group in groups.items():
+                        copy = CopyTo(out=f"{src}>copy:{axis}", src=src, axis=axis,
+                                      nbytes=v.nbytes)
+                        self.values[copy.out] = attrs.evolve(v, name=copy.out)
+                        copies.setdefault(group[0], []).append(copy)
+                        for i in group:
+                            rewire[(i, name)] = copy.out
+        steps: list[Step] = []
+        for i, step in enumerate(self.steps):
+            steps.extend(copies.get(i, []))
+            steps.append(_with_args(step, [rewire.get((i, a), a) for a in _step_args(step)]))
+        self.steps = steps
+        return {k: tuple(a for a in self.axes if a in v) for k, v in grad_sync.items()}
+
+    def _rank_varying(self, step: Step, axis: str) -> bool:
+        """Whether a consumer of a replicated value computes different things on each rank."""
+        if isinstance(step, Compute):
+            return self.values[step.out].layout.get(axis) != R
+        return False  # a slice's backward gathers; other-axis collectives keep R on this axis
+
+
+def _own_dim(iter_dims: tuple[str, ...], own_dims: tuple[str, ...], d: str) -> str | None:
+    """The arg's own name for iteration dim `d` (None if the arg lacks it)."""
+    for it, own in zip(iter_dims, own_dims, strict=True):
+        if it == d:
+            return own
+    return None
+
+
+def _step_args(step: Step) -> tuple[str, ...]:
+    return step.args if isinstance(step, Compute) else (step.src,)
+
+
+def _with_args(step: Step, args: list[str]) -> Step:
+    if isinstance(step, Compute):
+        return attrs.evolve(step, args=tuple(args))
+    return attrs.evolve(step, src=args[0])

@@ -1,0 +1,77 @@
+"""How each primitive op may be sharded: the role every dim of its iteration space plays.
+
+A dim's role decides what splitting it over a mesh axis means for the op:
+- FREE: the op works slice by slice along it; args that have the dim are split the same way
+  and so is the output (batch, seq, heads, ffn in an elementwise op or einsum's free dims);
+- SUM: the op sums over it linearly (einsum's contracted dims, the vocab lookup of an
+  embedding, the positions a mean loss averages): args split along it give a partial output;
+- STAT: the op reduces over it through a statistic with a distributed form (layernorm's mean
+  and variance, softmax's max and sum, cross-entropy's log-sum-exp): args split along it,
+  the op combines partial statistics across the axis, the output keeps the split (or is
+  replicated when the dim is gone).
+
+Besides splits, linear ops pass partial sums through (`PARTIAL_PASS`): einsum and mul with one
+partial arg, add with all args partial. Everything else in the Megatron and sequence-parallel
+patterns follows from these tables and the cost of moving data; nothing is special-cased.
+"""
+
+from __future__ import annotations
+
+from soapstone.dsl import ir
+
+FREE, SUM, STAT = "free", "sum", "stat"
+
+# "one": exactly one arg partial, the rest replicated; "all": every arg partial.
+PARTIAL_PASS = {"einsum": "one", "mul": "one", "add": "all", "rename": "one", "dropout": "one"}
+
+
+def arg_dims(op: ir.Op, arg: int, dims: tuple[str, ...]) -> tuple[str, ...]:
+    """An arg's dims named in the op's iteration space (rename maps src to dst)."""
+    if op.kind == "rename":
+        src, dst = op.attr("src"), op.attr("dst")
+        return tuple(dst if d == src else d for d in dims)
+    return dims
+
+
+def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
+    """The role of every dim the op iterates over (dims absent from the map may not split)."""
+    out = op.type.dims
+    kind = op.kind
+    if kind.startswith("custom:"):
+        from soapstone.dsl import custom
+
+        return custom_roles(custom.get(kind.split(":", 1)[1]), op, arg_dim_lists)
+    if kind in ("einsum", "embedding"):
+        every = dict.fromkeys(d for dims in arg_dim_lists for d in dims)
+        return {d: (FREE if d in out else SUM) for d in every}
+    if kind in ("layernorm", "rmsnorm", "softmax"):
+        over = op.attr("over")
+        return {d: (STAT if d == over else FREE) for d in out}
+    if kind == "cross_entropy":
+        over = op.attr("over")
+        return {d: (STAT if d == over else SUM) for d in arg_dim_lists[0]}
+    # elementwise (add, mul, activations, dropout, causal_mask) and rename
+    return dict.fromkeys(out, FREE)
+
+
+def custom_roles(layer, op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
+    """Roles of a custom layer: its leading `...` dims are free; `shard` names the rest."""
+    named = set()
+    for dims in layer_named_dims(layer, op):
+        named.update(dims)
+    result = {}
+    for dims in arg_dim_lists:
+        for d in dims:
+            if d not in named:
+                result[d] = FREE
+    bound = dict(zip(layer.dims, op.attr("dims", ()) or (), strict=False))
+    for dim, how in layer.shard.items():
+        result[bound.get(dim, dim)] = FREE if how == "split" else SUM
+    return result
+
+
+def layer_named_dims(layer, op: ir.Op) -> list[tuple[str, ...]]:
+    """The named (non-`...`) dims a custom layer declares, after binding its dim arguments."""
+    bound = dict(zip(layer.dims, op.attr("dims", ()) or (), strict=False))
+    sigs = [*layer.input_dims, *layer.param_dims, layer.output_dims]
+    return [tuple(bound.get(d, d) for d in sig if d != "...") for sig in sigs]

@@ -1,0 +1,108 @@
+"""Named-dim layouts: for each mesh axis a tensor is split along one dim, partial, or replicated.
+
+The same algebra as OneFlow SBP, GSPMD and DTensor placements, keyed by dim *names* as in
+Mesh-TensorFlow. An axis absent from a layout is replicated. Pure Python: the compiler and
+`soapstone show` use it without torch.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+R = "R"  # replicate: every rank of the axis holds the same full tensor
+P = "P"  # partial(sum): each rank holds one term of a pending sum
+
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
+
+
+@attrs.frozen
+class Layout:
+    """Placement per mesh axis: a dim name (split), P (partial) or absent (replicated)."""
+
+    placements: tuple[tuple[str, str], ...] = ()  # (axis, dim | P), in mesh-axis order
+
+    @staticmethod
+    def of(mesh_axes: tuple[str, ...], mapping: dict[str, str]) -> Layout:
+        """Build a layout from {axis: placement}, dropping replicated axes."""
+        return Layout(tuple((a, mapping[a]) for a in mesh_axes if mapping.get(a, R) != R))
+
+    def get(self, axis: str) -> str:
+        """The placement on one axis: a dim name, P or R."""
+        return dict(self.placements).get(axis, R)
+
+    def with_(self, mesh_axes: tuple[str, ...], axis: str, placement: str) -> Layout:
+        """This layout with one axis changed."""
+        mapping = dict(self.placements)
+        mapping[axis] = placement
+        return Layout.of(mesh_axes, mapping)
+
+    def split_axis(self, dim: str) -> str | None:
+        """The axis `dim` is split over, if any."""
+        for axis, p in self.placements:
+            if p == dim:
+                return axis
+        return None
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        """Axes on which the tensor is a pending sum."""
+        return tuple(a for a, p in self.placements if p == P)
+
+    def local_sizes(self, dims: tuple[str, ...], sizes: dict[str, int],
+                    mesh: dict[str, int]) -> tuple[int, ...]:
+        """The per-rank shape of a tensor with these dims under this layout."""
+        out = []
+        for d in dims:
+            axis = self.split_axis(d)
+            out.append(sizes[d] // mesh[axis] if axis else sizes[d])
+        return tuple(out)
+
+    def __str__(self) -> str:
+        if not self.placements:
+            return "replicate"
+        return ", ".join(f"{p if p != P else 'partial'}@{a}" for a, p in self.placements)
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a dense tensor."""
+    n = DTYPE_BYTES[dtype]
+    for s in shape:
+        n *= s
+    return n
+
+
+# What turning one placement into another on one axis costs, in the collective that does it.
+# (src, dst) kind: "allreduce" P->R, "reduce_scatter" P->S, "allgather" S->R, "slice" R->S
+# (local, free), "alltoall" S(a)->S(b). R->P and S->P are never needed: partials only arise
+# from contractions, so they are refused.
+def transition(src: str, dst: str) -> str | None:
+    """The collective that turns placement `src` into `dst` on one axis (None: nothing to do)."""
+    if src == dst:
+        return None
+    if src == P:
+        return "allreduce" if dst == R else "reduce_scatter"
+    if src == R:
+        return "slice" if dst != P else "invalid"
+    return "allgather" if dst == R else ("alltoall" if dst != P else "invalid")
+
+
+LATENCY_BYTES = 16 * 1024  # a collective's fixed cost, in bytes of bandwidth (alpha-beta model)
+
+
+def transition_cost(kind: str | None, local_bytes: int, n: int) -> float:
+    """Modelled cost of one per-axis transition of a tensor holding `local_bytes` on this rank.
+
+    Ring algorithms: allreduce moves 2(n-1)/n of the buffer, reduce_scatter and all-to-all
+    (n-1)/n of the input, allgather (n-1)/n of the output."""
+    if kind is None or kind == "slice" or n == 1:
+        return 0.0
+    if kind == "invalid":
+        return float("inf")
+    frac = (n - 1) / n
+    moved = {
+        "allreduce": 2 * frac * local_bytes,
+        "reduce_scatter": frac * local_bytes,
+        "allgather": frac * local_bytes * n,
+        "alltoall": frac * local_bytes,
+    }[kind]
+    return LATENCY_BYTES + moved

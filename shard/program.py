@@ -1,0 +1,151 @@
+"""The Program: what every rank runs, as printable, diffable data.
+
+A list of steps over named values. `Compute` runs one primitive on local shards;
+`Redistribute` moves a value between layouts on one mesh axis; `CopyTo` marks where a
+replicated value enters rank-varying work (identity forward, allreduce of its gradient
+backward). Every collective, forward and backward, is a step or a field of one, with its
+mesh axis and byte count, so `soapstone show` can print all traffic before launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from soapstone.shard.layout import Layout, nbytes
+
+
+@attrs.frozen
+class Value:
+    """A tensor of the program: its dims, layout and this rank's shape."""
+
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    layout: Layout
+    local_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds."""
+        return nbytes(self.dtype, self.local_shape)
+
+    @property
+    def is_float(self) -> bool:
+        """Whether gradients flow through it."""
+        return self.dtype.startswith(("f", "bf"))
+
+
+@attrs.frozen
+class ParamSpec:
+    """A trainable tensor: its global shape, init, layout, and the axes its grad is summed over."""
+
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    init: str
+    layout: Layout
+    local_shape: tuple[int, ...]
+    grad_sync: tuple[str, ...] = ()  # mesh axes over which the gradient is a partial sum
+    block: str | None = None
+
+
+@attrs.frozen
+class Compute:
+    """Run primitive `kind` on local shards. `dist` names the axes whose partial statistics the
+    op combines itself (its distributed form); `arg_layouts` lets it find its global offsets."""
+
+    out: str
+    kind: str
+    args: tuple[str, ...]
+    attrs: tuple[tuple[str, object], ...]
+    arg_layouts: tuple[Layout, ...]
+    dist: tuple[str, ...] = ()
+    source: str = ""  # the IR value this computes, for messages
+
+    def attr(self, key: str, default: object = None) -> object:
+        """One option of the primitive."""
+        return dict(self.attrs).get(key, default)
+
+
+@attrs.frozen
+class Redistribute:
+    """Change `src`'s placement on one axis. kind: allreduce | reduce_scatter | allgather |
+    slice | alltoall. `grad` (allgather only): "partial" when the gathered value's gradient
+    arrives as a partial sum (backward reduce_scatter) or "replicate" (backward local slice)."""
+
+    out: str
+    src: str
+    axis: str
+    kind: str
+    frm: str  # placement before: a dim name, "P" or "R"
+    to: str  # placement after
+    nbytes: int  # payload this rank sends into the collective (0 for slice)
+    grad: str = "replicate"
+
+
+@attrs.frozen
+class CopyTo:
+    """Identity forward; backward allreduces the gradient over `axis` (Megatron's `f`)."""
+
+    out: str
+    src: str
+    axis: str
+    nbytes: int
+
+
+Step = Compute | Redistribute | CopyTo
+
+
+@attrs.frozen
+class Output:
+    """A model output: which value holds it; `is_loss` marks the one training minimises."""
+
+    name: str
+    value: str
+    is_loss: bool
+
+
+@attrs.frozen(slots=False)  # not slotted, so cached_property can memoise lookups
+class Program:
+    """Everything a rank needs to run one layout of one model."""
+
+    model: str
+    parallel: str | None
+    mesh: tuple[tuple[str, int], ...]
+    dims: tuple[tuple[str, int], ...]
+    inputs: tuple[str, ...]
+    params: tuple[ParamSpec, ...]
+    values: tuple[Value, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[Output, ...]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this program needs."""
+        n = 1
+        for _, s in self.mesh:
+            n *= s
+        return n
+
+    def value(self, name: str) -> Value:
+        """Look up a value by name."""
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    def param(self, name: str) -> ParamSpec:
+        """Look up a parameter by name."""
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def loss(self) -> Output | None:
+        """The output training minimises, if any."""
+        return next((o for o in self.outputs if o.is_loss), None)

@@ -1,0 +1,149 @@
+"""Printing a Program: the text `soapstone show` prints and golden files pin, and its JSON.
+
+Every collective appears twice over: in place, in the step list, and totalled per direction,
+kind and mesh axis at the end, with the bytes this rank sends into it each step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+
+from soapstone.shard.layout import Layout
+from soapstone.shard.program import Compute, CopyTo, Program, Redistribute, Step
+
+# The backward of each forward redistribution (allgather depends on its `grad` field).
+BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
+            "alltoall": "alltoall"}
+
+# Collectives a distributed form runs per forward (count of allreduces of statistics) and
+# per backward.
+DIST_COLLECTIVES = {"layernorm": (2, 2), "rmsnorm": (1, 1), "softmax": (2, 1),
+                    "cross_entropy": (3, 0)}
+
+
+def _kib(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+def _shape(program: Program, name: str) -> str:
+    v = program.value(name)
+    dims = " ".join(f"{d}:{s}" for d, s in zip(v.dims, v.local_shape, strict=True))
+    return f"{v.dtype}[{dims}]"
+
+
+def _layout(layout: Layout) -> str:
+    return "{" + str(layout) + "}"
+
+
+def backward_collective(step: Step) -> str | None:
+    """The collective that runs in the backward pass for this forward step, if any."""
+    if isinstance(step, CopyTo):
+        return "allreduce"
+    if isinstance(step, Redistribute):
+        if step.kind == "allgather":
+            return "reduce_scatter" if step.grad == "partial" else None
+        return BACKWARD[step.kind]
+    return None
+
+
+def collective_totals(program: Program) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """(direction, kind, axis) -> (count, bytes sent by this rank) for one step of training."""
+    totals: dict[tuple[str, str, str], list[int]] = {}
+
+    def add(direction: str, kind: str, axis: str, n: int) -> None:
+        t = totals.setdefault((direction, kind, axis), [0, 0])
+        t[0] += 1
+        t[1] += n
+
+    for step in program.steps:
+        if isinstance(step, Redistribute) and step.kind != "slice":
+            add("forward", step.kind, step.axis, step.nbytes)
+        if isinstance(step, Compute):
+            for axis in step.dist:
+                fwd, bwd = DIST_COLLECTIVES.get(step.kind, (1, 1))
+                for _ in range(fwd):
+                    add("forward", "allreduce(stats)", axis, 0)
+                for _ in range(bwd):
+                    add("backward", "allreduce(stats)", axis, 0)
+        bwd = backward_collective(step)
+        if bwd:
+            v = program.value(step.out)
+            add("backward", bwd, step.axis, v.nbytes)
+    for p in program.params:
+        for axis in p.grad_sync:
+            v = program.value(p.name)
+            add("grad sync", "allreduce", axis, v.nbytes)
+    return {k: (c, b) for k, (c, b) in totals.items()}
+
+
+def format_step(program: Program, step: Step) -> str:
+    """One line of the step list."""
+    if isinstance(step, Compute):
+        dist = f"  dist@{','.join(step.dist)}" if step.dist else ""
+        call = f"{step.kind}({', '.join(step.args)})"
+        return (f"  {step.out} = {call}\n      -> {_shape(program, step.out)} "
+                f"{_layout(program.value(step.out).layout)}{dist}")
+    if isinstance(step, CopyTo):
+        return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
+                f"(backward allreduce {_kib(step.nbytes)})")
+    names = {"R": "replicate", "P": "partial"}
+    dims = f" {names.get(step.frm, step.frm)}->{names.get(step.to, step.to)}"
+    bwd = backward_collective(step)
+    back = f", backward {bwd}" if bwd else ""
+    return (f"  {step.kind}[{step.axis}]{dims} {step.src} -> {step.out}   "
+            f"({_kib(step.nbytes)}{back})")
+
+
+def format_program(program: Program) -> str:
+    """The whole program as text: params, inputs, steps, grad sync, collective totals."""
+    mesh = ", ".join(f"{a}={s}" for a, s in program.mesh) or "single rank"
+    lines = [f"program {program.model}" + (f" / {program.parallel}" if program.parallel else "")
+             + f"  mesh({mesh})  ranks {program.world_size}"]
+    lines.append("params (local shapes):")
+    for p in program.params:
+        sync = f"  grad-sync@{','.join(p.grad_sync)}" if p.grad_sync else ""
+        lines.append(f"  {p.name} : {_shape(program, p.name)} {_layout(p.layout)}{sync}")
+    lines.append("inputs:")
+    for name in program.inputs:
+        lines.append(f"  {name} : {_shape(program, name)} "
+                     f"{_layout(program.value(name).layout)}")
+    lines.append("steps:")
+    lines.extend(format_step(program, s) for s in program.steps)
+    lines.append("outputs:")
+    for o in program.outputs:
+        tag = " (loss)" if o.is_loss else ""
+        lines.append(f"  {o.name}{tag} = {o.value} {_layout(program.value(o.value).layout)}")
+    lines.append("collectives per training step (count, bytes sent by this rank):")
+    totals = collective_totals(program)
+    if not totals:
+        lines.append("  none")
+    for (direction, kind, axis), (count, n) in sorted(totals.items()):
+        size = f"  {_kib(n)}" if n else ""
+        lines.append(f"  {direction:<9} {kind}[{axis}] x{count}{size}")
+    return "\n".join(lines) + "\n"
+
+
+def program_to_json(program: Program) -> str:
+    """The program as JSON (layouts as {axis: placement})."""
+
+    def convert(obj):
+        if isinstance(obj, Layout):
+            return dict(obj.placements)
+        if attrs.has(type(obj)):
+            d = {"type": type(obj).__name__}
+            d.update({f.name: convert(getattr(obj, f.name)) for f in attrs.fields(type(obj))})
+            return d
+        if isinstance(obj, tuple | list):
+            return [convert(x) for x in obj]
+        return obj
+
+    data = convert(program)
+    data["collectives"] = [
+        {"direction": d, "kind": k, "axis": a, "count": c, "bytes": b}
+        for (d, k, a), (c, b) in sorted(collective_totals(program).items())
+    ]
+    return json.dumps(data, indent=1)
