@@ -55,23 +55,13 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
 
 
 def custom_roles(layer, op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
-    """Roles of a custom layer: its leading `...` dims are free; `shard` names the rest."""
-    named = set()
-    for dims in layer_named_dims(layer, op):
-        named.update(dims)
-    result = {}
-    for dims in arg_dim_lists:
-        for d in dims:
-            if d not in named:
-                result[d] = FREE
-    bound = dict(zip(layer.dims, op.attr("dims", ()) or (), strict=False))
-    for dim, how in layer.shard.items():
-        result[bound.get(dim, dim)] = FREE if how == "split" else SUM
+    """Roles of a custom layer: its leading `...` dims are free; `shard` names the rest.
+
+    The op's attrs bind each of the layer's dim variables to a model dim."""
+    bound = {var: dim for var, dim in op.attrs if isinstance(dim, str)}
+    named = set(bound.values())
+    result = {d: FREE for dims in arg_dim_lists for d in dims if d not in named}
+    for var, how in layer.shard:
+        if var in bound:
+            result[bound[var]] = FREE if how == "split" else SUM
     return result
-
-
-def layer_named_dims(layer, op: ir.Op) -> list[tuple[str, ...]]:
-    """The named (non-`...`) dims a custom layer declares, after binding its dim arguments."""
-    bound = dict(zip(layer.dims, op.attr("dims", ()) or (), strict=False))
-    sigs = [*layer.input_dims, *layer.param_dims, layer.output_dims]
-    return [tuple(bound.get(d, d) for d in sig if d != "...") for sig in sigs]

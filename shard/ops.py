@@ -1,0 +1,250 @@
+"""Local implementations of the primitive ops, over this rank's shards.
+
+Each takes the Compute step, its arg tensors (dims in the order of their program values) and a
+`Shards` context that knows the mesh and the global offset of every local slice. An op split
+along a dim it reduces over (`step.dist`) runs its distributed form: it combines partial
+statistics across that axis with autograd-aware allreduces.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from soapstone.comm import autograd as ag
+from soapstone.shard.program import Compute, Program, Value
+
+OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
+REGISTRY: dict[str, OpFn] = {}
+
+
+class Shards:
+    """Where this rank's pieces sit in the global tensors: offsets and axis communicators."""
+
+    def __init__(self, program: Program, mesh=None):
+        self.program = program
+        self.mesh = mesh
+        self.sizes = dict(program.dims)
+        self.training = True
+        self.rng_seed = 0  # dropout masks depend on (seed, step, op) only, never on the layout
+        self.rng_step = 0
+
+    def comm(self, axis: str):
+        """The communicator along one mesh axis."""
+        return self.mesh.comm(axis)
+
+    def offset(self, value: Value, dim: str) -> int:
+        """Global index of this rank's first element along `dim` of `value`."""
+        axis = value.layout.split_axis(dim)
+        if axis is None:
+            return 0
+        return self.mesh.coord(axis) * value.local_shape[value.dims.index(dim)]
+
+    def local_slices(self, value: Value) -> tuple[slice, ...]:
+        """This rank's window into the global tensor."""
+        return tuple(slice(self.offset(value, d), self.offset(value, d) + n)
+                     for d, n in zip(value.dims, value.local_shape, strict=True))
+
+    def arg(self, step: Compute, i: int) -> Value:
+        """The program value of arg i."""
+        return self.program.value(step.args[i])
+
+    def out(self, step: Compute) -> Value:
+        """The program value the step produces."""
+        return self.program.value(step.out)
+
+
+def op(kind: str):
+    """Register a local implementation for a primitive kind."""
+    def register(fn: OpFn) -> OpFn:
+        REGISTRY[kind] = fn
+        return fn
+    return register
+
+
+def align(t: torch.Tensor, dims: tuple[str, ...], target: tuple[str, ...]) -> torch.Tensor:
+    """View `t` (with `dims`) laid out along `target`, size-1 where it lacks a dim."""
+    order = [dims.index(d) for d in target if d in dims]
+    t = t.permute(order) if order != list(range(len(order))) else t
+    shape = []
+    it = iter(t.shape)
+    for d in target:
+        shape.append(next(it) if d in dims else 1)
+    return t.reshape(shape)
+
+
+def _letters(*dim_lists: tuple[str, ...]) -> dict[str, str]:
+    names = dict.fromkeys(d for dims in dim_lists for d in dims)
+    return {d: chr(ord("a") + i) for i, d in enumerate(names)}
+
+
+@op("einsum")
+def einsum(step, args, ctx):
+    """Named-dim contraction; a split contracted dim leaves each rank a partial sum."""
+    a, b, out = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims, ctx.out(step).dims
+    letter = _letters(a, b, out)
+    spec = "".join(letter[d] for d in a) + "," + "".join(letter[d] for d in b) + "->" + \
+        "".join(letter[d] for d in out)
+    y = torch.einsum(spec, args[0], args[1])
+    scale = step.attr("scale")
+    return y * scale if scale is not None else y
+
+
+@op("embedding")
+def embedding(step, args, ctx):
+    """Lookup; with the vocab split, rows outside this rank's range contribute zeros."""
+    ids, table = args
+    tv = ctx.arg(step, 1)
+    vocab_dim = tv.dims[0]
+    if tv.layout.split_axis(vocab_dim) is None:
+        return F.embedding(ids, table)
+    lo, n = ctx.offset(tv, vocab_dim), tv.local_shape[0]
+    inside = (ids >= lo) & (ids < lo + n)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    return F.embedding(local, table) * inside.unsqueeze(-1).to(table.dtype)
+
+
+def _binary(step, args, ctx, fn):
+    out = ctx.out(step).dims
+    a, b = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims
+    return fn(align(args[0], a, out), align(args[1], b, out))
+
+
+@op("add")
+def add(step, args, ctx):
+    """Broadcasting sum by dim name."""
+    return _binary(step, args, ctx, torch.add)
+
+
+@op("mul")
+def mul(step, args, ctx):
+    """Broadcasting product by dim name."""
+    return _binary(step, args, ctx, torch.mul)
+
+
+REGISTRY["gelu"] = lambda step, args, ctx: F.gelu(args[0])
+REGISTRY["relu"] = lambda step, args, ctx: F.relu(args[0])
+REGISTRY["silu"] = lambda step, args, ctx: F.silu(args[0])
+REGISTRY["rename"] = lambda step, args, ctx: args[0]
+
+
+@op("dropout")
+def dropout(step, args, ctx):
+    """The mask is drawn for the global tensor and sliced, so every layout drops the same."""
+    p = float(step.attr("p", 0.0))
+    if p == 0.0 or not ctx.training:
+        return args[0]
+    v = ctx.arg(step, 0)
+    key = f"{ctx.rng_seed}/{ctx.rng_step}/{step.out}".encode()
+    g = torch.Generator().manual_seed(zlib.crc32(key))
+    full = tuple(ctx.sizes[d] for d in v.dims)
+    keep = (torch.rand(full, generator=g) >= p)[ctx.local_slices(v)]
+    return args[0] * keep.to(args[0].dtype) / (1.0 - p)
+
+
+def _stat_sum(t: torch.Tensor, dim: int, step: Compute, ctx: Shards) -> torch.Tensor:
+    """Sum over `dim`, across ranks too when that dim is split (gradient summed back)."""
+    s = t.sum(dim, keepdim=True)
+    for axis in step.dist:
+        s = ag.all_reduce(s, ctx.comm(axis), backward="allreduce")
+    return s
+
+
+def _stat_max(t: torch.Tensor, dim: int, step: Compute, ctx: Shards) -> torch.Tensor:
+    """Max over `dim` across ranks; a constant for stability, so no gradient."""
+    m = t.detach().amax(dim, keepdim=True)
+    for axis in step.dist:
+        m = ctx.comm(axis).allreduce(m.clone(), op="max")
+    return m
+
+
+@op("layernorm")
+def layernorm(step, args, ctx):
+    """Normalise over `over`; split, mean and variance combine partial sums across ranks."""
+    x, gamma, beta = args
+    xv = ctx.arg(step, 0)
+    over, eps = step.attr("over"), float(step.attr("eps", 1e-5))
+    d = xv.dims.index(over)
+    g, b = align(gamma, (over,), xv.dims), align(beta, (over,), xv.dims)
+    if not step.dist and d == x.dim() - 1:
+        return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
+    n = ctx.sizes[over]
+    centred = x - _stat_sum(x, d, step, ctx) / n
+    var = _stat_sum(centred * centred, d, step, ctx) / n
+    return centred * torch.rsqrt(var + eps) * g + b
+
+
+@op("rmsnorm")
+def rmsnorm(step, args, ctx):
+    """x / rms(x) * gamma over `over`, the mean square combined across ranks when split."""
+    x, gamma = args
+    xv = ctx.arg(step, 0)
+    over, eps = step.attr("over"), float(step.attr("eps", 1e-6))
+    d = xv.dims.index(over)
+    ms = _stat_sum(x * x, d, step, ctx) / ctx.sizes[over]
+    return x * torch.rsqrt(ms + eps) * align(gamma, (over,), xv.dims)
+
+
+@op("softmax")
+def softmax(step, args, ctx):
+    """Softmax over `over`; split, the max and the normaliser are combined across ranks."""
+    x = args[0]
+    d = ctx.arg(step, 0).dims.index(step.attr("over"))
+    if not step.dist:
+        return torch.softmax(x, d)
+    e = torch.exp(x - _stat_max(x, d, step, ctx))
+    return e / _stat_sum(e, d, step, ctx)
+
+
+@op("causal_mask")
+def causal_mask(step, args, ctx):
+    """-inf where the key position is after the query position (global positions)."""
+    x = args[0]
+    v = ctx.arg(step, 0)
+    q, k = step.attr("query"), step.attr("key")
+    qi = torch.arange(v.local_shape[v.dims.index(q)]) + ctx.offset(v, q)
+    ki = torch.arange(v.local_shape[v.dims.index(k)]) + ctx.offset(v, k)
+    future = align(ki.view(1, -1) > qi.view(-1, 1), (q, k), v.dims)
+    return x.masked_fill(future, float("-inf"))
+
+
+@op("cross_entropy")
+def cross_entropy(step, args, ctx):
+    """Mean token loss. Split positions give partial sums (divided by the global count);
+    a split class dim combines max, log-sum-exp and the target logit across ranks."""
+    logits, targets = args
+    lv, tv = ctx.arg(step, 0), ctx.arg(step, 1)
+    over = step.attr("over")
+    lead = tuple(d for d in lv.dims if d != over)
+    x = align(logits, lv.dims, (*lead, over))
+    t = align(targets, tv.dims, lead)
+    count = math.prod(ctx.sizes[d] for d in lead)
+    if not step.dist:
+        c = x.shape[-1]
+        return F.cross_entropy(x.reshape(-1, c), t.reshape(-1), reduction="sum") / count
+    m = _stat_max(x, -1, step, ctx)
+    se = torch.exp(x - m).sum(-1)
+    for axis in step.dist:
+        se = ag.all_reduce(se, ctx.comm(axis), backward="identity")
+    lse = torch.log(se) + m.squeeze(-1)
+    lo, n = ctx.offset(lv, over), x.shape[-1]
+    inside = (t >= lo) & (t < lo + n)
+    local = torch.where(inside, t - lo, torch.zeros_like(t))
+    picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside.to(x.dtype)
+    for axis in step.dist:
+        picked = ag.all_reduce(picked, ctx.comm(axis), backward="identity")
+    return (lse - picked).sum() / count
+
+
+def run_op(step: Compute, args: list[torch.Tensor], ctx: Shards, custom: dict) -> torch.Tensor:
+    """Dispatch one Compute step to its implementation."""
+    if step.kind.startswith("custom:"):
+        return custom[step.kind](*args)
+    fn = REGISTRY.get(step.kind)
+    if fn is None:
+        raise KeyError(f"no local implementation for primitive {step.kind!r}")
+    return fn(step, args, ctx)

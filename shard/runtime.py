@@ -1,0 +1,178 @@
+"""The small runtime that executes a Program on one rank.
+
+`ShardedModel` holds this rank's parameter shards (cut from exactly the tensors the single-rank
+model draws for the same seed), runs the steps in order with torch autograd recording them,
+and sums parameter gradients over the axes the Program says they are partial on.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from soapstone.comm import autograd as ag
+from soapstone.shard.ops import Shards, run_op
+from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Redistribute, Value
+
+TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
+                "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+class ShapeMismatch(RuntimeError):
+    """A tensor's shape differs from the one the Program was compiled with."""
+
+
+def init_full(p: ParamSpec, seed: int) -> torch.Tensor:
+    """The full (unsharded) initial value of a parameter: a function of (seed, name) only."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{p.name}".encode()))
+    dtype = TORCH_DTYPES[p.dtype]
+    if p.init == "zeros":
+        return torch.zeros(p.shape, dtype=dtype)
+    if p.init == "ones":
+        return torch.ones(p.shape, dtype=dtype)
+    kind, _, arg = p.init.partition("(")
+    scale = float(arg.rstrip(")"))
+    if kind == "normal":
+        return (torch.randn(p.shape, generator=g) * scale).to(dtype)
+    if kind == "uniform":
+        return ((torch.rand(p.shape, generator=g) * 2 - 1) * scale).to(dtype)
+    raise ValueError(f"parameter {p.name}: unknown init {p.init!r}")
+
+
+class ShardedModel:
+    """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
+
+    def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None):
+        if program.world_size > 1:
+            want = dict(program.mesh)
+            have = dict(getattr(mesh, "shape", {}) or {})
+            if have != want:
+                raise ValueError(f"program {program.model}/{program.parallel} needs a mesh "
+                                 f"{want}, got {have or 'none'}")
+        self.program = program
+        self.mesh = mesh
+        self.ctx = Shards(program, mesh)
+        self.ctx.rng_seed = seed
+        self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
+        self.params: dict[str, torch.nn.Parameter] = {
+            p.name: torch.nn.Parameter(self.local(init_full(p, seed), program.value(p.name)))
+            for p in program.params
+        }
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The local parameter shards, in program order (for a torch optimizer)."""
+        return list(self.params.values())
+
+    def named_parameters(self):
+        """(qualified name, local shard) pairs."""
+        return iter(self.params.items())
+
+    def local(self, full: torch.Tensor, value: Value) -> torch.Tensor:
+        """This rank's slice of a full tensor laid out as `value`."""
+        want = tuple(dict(self.program.dims)[d] for d in value.dims)
+        if tuple(full.shape) != want:
+            dims = ", ".join(f"{d}={s}" for d, s in zip(value.dims, want, strict=True))
+            raise ShapeMismatch(f"{value.name}: expected global shape [{dims}], got "
+                                f"{list(full.shape)}")
+        return full[self.ctx.local_slices(value)].contiguous()
+
+    def gather(self, t: torch.Tensor, value: Value) -> torch.Tensor:
+        """The full tensor from this rank's piece: allgather splits, allreduce partials."""
+        t = t.detach()
+        for axis, placement in value.layout.placements:
+            comm = self.mesh.comm(axis)
+            if placement == "P":
+                t = comm.allreduce(t.clone())
+            else:
+                t = comm.allgather(t.contiguous(), dim=value.dims.index(placement))
+        return t
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as its full tensor (collective: all ranks must call it)."""
+        return {n: self.gather(p, self.program.value(n)) for n, p in self.params.items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) tensors, keeping this rank's slices."""
+        missing = sorted(set(self.params) - set(state))
+        if missing:
+            raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[0]}")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.local(state[n].to(p.dtype), self.program.value(n)))
+
+    # --- forward and backward --------------------------------------------------------------
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the steps on full inputs (every rank passes the same); local outputs by name."""
+        env: dict[str, torch.Tensor] = {}
+        for name in self.program.inputs:
+            if name not in inputs:
+                raise KeyError(f"missing input {name!r}")
+            env[name] = self.local(inputs[name], self.program.value(name))
+        env.update(self.params)
+        for step in self.program.steps:
+            env[step.out] = self._run(step, env)
+        return {o.name: env[o.value] for o in self.program.outputs}
+
+    __call__ = forward
+
+    def _run(self, step, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(step, Compute):
+            y = run_op(step, [env[a] for a in step.args], self.ctx, self.custom)
+            v = self.program.value(step.out)
+            if tuple(y.shape) != v.local_shape:
+                raise ShapeMismatch(
+                    f"{step.kind} producing {step.source}: local shape {list(y.shape)} differs "
+                    f"from the compiled {list(v.local_shape)} (dims {', '.join(v.dims)})")
+            return y
+        x = env[step.src]
+        comm = self.mesh.comm(step.axis)
+        if isinstance(step, CopyTo):
+            return ag.copy_to(x, comm)
+        src = self.program.value(step.src)
+        dim = src.dims.index(step.to if step.kind == "slice" else step.frm) \
+            if step.kind in ("slice", "allgather") else None
+        if not src.is_float:  # integer data (token ids): no gradient to route
+            if step.kind == "allgather":
+                return comm.allgather(x.contiguous(), dim=dim)
+            if step.kind == "slice":
+                n, i = comm.size, comm.rank
+                return x.chunk(n, dim)[i].contiguous()
+        if step.kind == "allreduce":
+            return ag.reduce_from(x, comm)
+        if step.kind == "reduce_scatter":
+            return ag.reduce_scatter(x, comm, src.dims.index(step.to))
+        if step.kind == "allgather":
+            return ag.all_gather(x, comm, dim, grad=step.grad)
+        if step.kind == "slice":
+            return ag.split(x, comm, dim)
+        if step.kind == "alltoall":
+            return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to),
+                                 concat_dim=src.dims.index(step.frm))
+        raise ValueError(f"unknown redistribution {step.kind!r}")
+
+    def loss_value(self, outputs: dict[str, torch.Tensor]) -> float:
+        """The global loss (summed over the axes it is partial on), as a float."""
+        out = self.program.loss
+        return float(self.gather(outputs[out.name], self.program.value(out.value)))
+
+    def sync_grads(self) -> None:
+        """Sum each parameter's gradient over the axes where it holds a partial sum.
+
+        Parameters sharing the same axes travel in one flat buffer (one allreduce)."""
+        groups: dict[tuple[str, ...], list[torch.nn.Parameter]] = {}
+        for spec in self.program.params:
+            p = self.params[spec.name]
+            if spec.grad_sync and p.grad is not None:
+                groups.setdefault(spec.grad_sync, []).append(p)
+        for axes, ps in groups.items():
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            self.mesh.comm(*axes).allreduce(flat)
+            offset = 0
+            for p in ps:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
