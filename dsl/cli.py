@@ -14,6 +14,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("soapstone.comm.bench", "benchmark soapstone against its peers"),
+    "check": ("soapstone.dsl.check_command", "parse and validate .par specs (no torch)"),
+    "show": ("soapstone.dsl.show_command", "print the checked IR of a spec"),
 }
 
 

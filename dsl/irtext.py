@@ -1,0 +1,87 @@
+"""The IR as text (`soapstone show`) and as JSON-ready data (`show --json`)."""
+
+from __future__ import annotations
+
+import attrs
+
+from .ir import Model, Op, Parallel, TensorType
+
+
+def format_type(t: TensorType) -> str:
+    """`f32[batch, seq, hidden]`."""
+    return f"{t.dtype}[{', '.join(t.dims)}]"
+
+
+def _value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def format_op(op: Op) -> str:
+    """`out : f32[...] = kind(arg, ..., key=value, ...)`."""
+    parts = list(op.args) + [f"{k}={_value(v)}" for k, v in op.attrs]
+    return f"{op.out} : {format_type(op.type)} = {op.kind}({', '.join(parts)})"
+
+
+def format_model(model: Model) -> str:
+    """The model: dims, inputs, params with shapes, ops one per line, outputs."""
+    alias = dict(model.dim_alias)
+    lines = [f"model {model.name}"]
+    dims = []
+    for d, n in model.dims:
+        dims.append(f"{d} = {n}" + (f" (renames {alias[d]})" if d in alias else ""))
+    lines.append("  dims: " + ", ".join(dims))
+    if model.blocks:
+        lines.append("  blocks: " + " ".join(model.blocks))
+    lines.append("inputs:")
+    lines += [f"  {i.name} : {format_type(i.type)}" for i in model.inputs]
+    total = 0
+    sizes = dict(model.dims)
+    lines.append("params:")
+    for p in model.params:
+        n = 1
+        for d in p.type.dims:
+            n *= sizes[d]
+        total += n
+        tied = f" tied to {p.tied_to}" if p.tied_to else ""
+        lines.append(f"  {p.name} : {format_type(p.type)} = {p.init}{tied}")
+    lines.append(f"  # {len(model.params)} tensors, {total} elements")
+    lines.append("ops:")
+    block = None
+    for op in model.ops:
+        if op.block != block:
+            block = op.block
+            lines.append(f"  # {block if block else '(top level)'}")
+        lines.append("  " + format_op(op))
+    lines.append("outputs:")
+    for o in model.outputs:
+        lines.append(f"  {o.name} = {o.value}" + ("  (loss)" if o.is_loss else ""))
+    return "\n".join(lines) + "\n"
+
+
+def format_parallel(par: Parallel) -> str:
+    """The parallel block, one SOAP statement per line."""
+    mesh = ", ".join(f"{a} = {n}" for a, n in par.mesh)
+    lines = [f"parallel {par.name} for {par.model} on mesh({mesh})  # {par.world_size} ranks"]
+    for kind in ("sample", "attribute", "parameter"):
+        pairs = getattr(par, kind)
+        if pairs:
+            lines.append(f"  {kind:<9} " + ", ".join(f"{d} -> {a}" for d, a in pairs))
+    for i, st in enumerate(par.operator):
+        head = "  operator  " if i == 0 else "            "
+        lines.append(f"{head}{', '.join(st.blocks)} -> {st.axis} {st.stage}")
+    s = par.schedule
+    lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}, chunks = {s.chunks}")
+    lines.append(f"  zero      {par.zero}")
+    return "\n".join(lines) + "\n"
+
+
+def to_data(obj) -> dict:
+    """attrs IR -> plain dicts/lists (locations dropped), for JSON."""
+    data = attrs.asdict(obj, filter=lambda a, v: a.name != "loc", retain_collection_types=False)
+    if isinstance(obj, Parallel):
+        data["world_size"] = obj.world_size
+    return data
