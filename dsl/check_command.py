@@ -67,5 +67,5 @@ def main(args: argparse.Namespace) -> int:
             continue
         models = ", ".join(spec.models) or "none"
         pars = ", ".join(spec.parallels) or "none"
-        print(f"ok: {path} (models: {models}; parallels: {pars})")
+        print(f"ok: {path} (models: {models}, parallels: {pars})")
     return status

@@ -243,8 +243,9 @@ class ModelBuilder:
             if cl is not None:
                 return self.custom_call(c, cl, out)
             names = list(LAYERS) + list(_custom._REGISTRY)
-            hint = did_you_mean(c.func, names) or \
-                "custom layers are registered from Python and loaded with --plugin"
+            plugin = "custom layers are registered in Python and loaded with --plugin"
+            close = did_you_mean(c.func, names)
+            hint = f"{close} ({plugin})" if close else plugin
             self.fail(c.func_loc, f"unknown layer '{c.func}'", hint)
         bound = self.bind(c, defn.args)
         vals = {}
