@@ -81,7 +81,7 @@ def format_parallel(par: Parallel) -> str:
 
 def to_data(obj) -> dict:
     """attrs IR -> plain dicts/lists (locations dropped), for JSON."""
-    data = attrs.asdict(obj, filter=lambda a, v: a.name != "loc", retain_collection_types=False)
+    data = attrs.asdict(obj, filter=lambda a, v: a.name != "loc")
     if isinstance(obj, Parallel):
         data["world_size"] = obj.world_size
     return data

@@ -214,8 +214,8 @@ def _attention(ctx, x, heads, causal):
     hs, Hs = ctx.size(h), ctx.size(H)
     if hs % Hs:
         ok = [n for n in range(1, hs + 1) if hs % n == 0]
-        near = min(ok, key=lambda n: (abs(n - Hs), n))
-        ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs} heads",
+        near = min(ok, key=lambda n: (abs(n - Hs), -n))
+        ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
                   f"use {H} = {near} (head_dim = {hs // near})")
     hd = ctx.derive("head_dim", hs // Hs, why=f"{h} / {H}")
     Sk = ctx.derive(f"{S}_k", ctx.size(S), alias_of=S, why=f"the key positions of {S}")
