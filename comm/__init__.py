@@ -1,1 +1,38 @@
-"""soapstone.comm"""
+"""soapstone.comm: communicators (MPI, NCCL), Mesh, autograd-aware collectives, p2p.
+
+Attributes load lazily so that `import soapstone.comm` (and `soapstone bench --help`) costs no
+torch or MPI import until something is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Communicator": "communicator",
+    "CommError": "communicator",
+    "Work": "communicator",
+    "OpStats": "communicator",
+    "bus_bytes": "communicator",
+    "MPICommunicator": "mpi",
+    "NCCLCommunicator": "nccl",
+    "nccl_available": "nccl",
+    "Mesh": "mesh",
+    "init": "world",
+    "install_failure_handler": "failure",
+    "abort_on_exception": "failure",
+    "autograd": None,
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'soapstone.comm' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    if module is None:
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,394 @@
+"""The Communicator interface, its Work handle, CommError and the byte counter.
+
+The public methods here check their input (before any backend call, so a wrong argument is a
+clear CommError on the rank that passed it, not a hang), optionally cross-check the call across
+ranks (SOAPSTONE_DEBUG_COLLECTIVES=1), count bytes, and hand over to the backend's `_op` method.
+Backends (mpi.py, nccl.py) implement only the `_op` methods.
+
+Semantics the compiler relies on:
+- allreduce, broadcast: in place on `t`, return `t`.
+- allgather, reduce_scatter, alltoall, alltoallv: return a new tensor, never touch the input.
+- async_op=True returns a Work whose wait() returns what the blocking call would have returned.
+
+Byte accounting (`stats`): bytes this rank puts on the wire under the ring algorithms, i.e. the
+nccl-tests "bus bytes" of the call, so that a predicted figure and busbw use one convention.
+See `bus_bytes` for the formula of each op.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .dtypes import SUPPORTED, dtype_name
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class CommError(ValueError):
+    """Wrong input to a collective (or ranks that disagree): names the op, the argument, the fix."""
+
+
+class OpStats(NamedTuple):
+    """Per-op counter: number of calls and bus bytes sent by this rank (see `bus_bytes`)."""
+
+    calls: int
+    bytes: int
+
+
+def bus_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends for `op` under the ring algorithms (nccl-tests bus bytes).
+
+    `nbytes` is the op's payload: the full tensor for allreduce, broadcast, reduce_scatter
+    (its input), allgather (its output), alltoall (its input); the message for send.
+    allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; broadcast 1; send 1.
+    A size-1 communicator moves nothing.
+    """
+    if size <= 1 and op not in ("send", "recv"):
+        return 0
+    if op == "allreduce":
+        return 2 * (size - 1) * nbytes // size
+    if op in ("reduce_scatter", "allgather", "alltoall"):
+        return (size - 1) * nbytes // size
+    if op == "recv":
+        return 0  # counted on the sender
+    return nbytes  # broadcast, send, alltoallv (caller passes the off-rank bytes)
+
+
+class Work:
+    """Handle of an async op: wait() completes it and returns the result tensor."""
+
+    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep")
+
+    def __init__(
+        self,
+        wait: Callable[[], None] | None,
+        result: torch.Tensor | None,
+        finish: Callable[[], torch.Tensor] | None = None,
+        keep: Any = None,
+    ):
+        self._wait = wait
+        self._finish = finish
+        self._result = result
+        self._done = False
+        self._keep = keep  # buffers the backend reads or writes until completion stay alive
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until the op is complete; return its result (idempotent)."""
+        if not self._done:
+            if self._wait is not None:
+                self._wait()
+            if self._finish is not None:
+                self._result = self._finish()
+            self._done = True
+            self._keep = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        """True once wait() has run."""
+        return self._done
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get("SOAPSTONE_DEBUG_COLLECTIVES", "") not in ("", "0")
+
+
+def _prod(xs: Sequence[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+class Communicator(abc.ABC):
+    """A group of ranks and the collectives over it (see the module doc for the semantics)."""
+
+    #: "cpu" or "cuda": where tensors passed to this communicator must live.
+    device_type: str = "cpu"
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.debug = _debug_from_env()
+        self._stats: dict[str, list[int]] = {}
+
+    # -- the byte counter ------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, OpStats]:
+        """op name -> OpStats(calls, bus bytes sent by this rank)."""
+        return {k: OpStats(v[0], v[1]) for k, v in self._stats.items()}
+
+    def reset_stats(self) -> None:
+        """Zero the byte counter."""
+        self._stats.clear()
+
+    def _count(self, op: str, nbytes: int) -> None:
+        s = self._stats.get(op)
+        if s is None:
+            s = self._stats[op] = [0, 0]
+        s[0] += 1
+        s[1] += bus_bytes(op, nbytes, self.size)
+
+    # -- input checks (before the backend is called) --------------------------------------
+    def _check(self, op: str, t: Any, name: str = "t") -> None:
+        if not isinstance(t, torch.Tensor):
+            raise CommError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED:
+            raise CommError(
+                f"{op}: `{name}` has dtype {t.dtype}, which soapstone.comm does not support; "
+                f"cast it to one of {', '.join(dtype_name(d) for d in SUPPORTED)}"
+            )
+        if self.device_type == "cpu":
+            if not t.is_cpu:
+                raise CommError(
+                    f"{op}: `{name}` is on {t.device}, but this is a CPU (MPI) communicator; "
+                    "move it with .cpu() or use the nccl backend"
+                )
+        elif not t.is_cuda:
+            raise CommError(
+                f"{op}: `{name}` is on {t.device}, but this is a CUDA (NCCL) communicator; "
+                "move it with .cuda() or use the mpi backend"
+            )
+        if not t.is_contiguous():
+            raise CommError(f"{op}: `{name}` is not contiguous; pass `{name}.contiguous()`")
+
+    def _check_dim(self, op: str, t: torch.Tensor, dim: int, name: str = "dim") -> int:
+        nd = t.dim()
+        if not -nd <= dim < nd or nd == 0:
+            raise CommError(
+                f"{op}: `{name}`={dim} is out of range for a tensor of shape {tuple(t.shape)}; "
+                f"pass a dim in [{-nd}, {nd - 1}]"
+            )
+        return dim % nd
+
+    def _check_divides(self, op: str, t: torch.Tensor, dim: int, name: str = "dim") -> None:
+        if t.shape[dim] % self.size:
+            raise CommError(
+                f"{op}: size {t.shape[dim]} of `{name}`={dim} (shape {tuple(t.shape)}) is not "
+                f"divisible by the communicator size {self.size}; pad or pick another dim"
+            )
+
+    def _check_rank(self, op: str, r: Any, name: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.size:
+            raise CommError(
+                f"{op}: `{name}`={r!r} is not a rank of this communicator; "
+                f"pass an int in [0, {self.size - 1}]"
+            )
+
+    def _debug(self, op: str, t: torch.Tensor, *args: int) -> None:
+        from .debug import check_agree
+
+        check_agree(self, op, t, args)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """Reduce `t` over all ranks in place (op: sum, avg, max, min); return `t`."""
+        self._check("allreduce", t)
+        if op not in REDUCE_OPS:
+            raise CommError(f"allreduce: `op`={op!r} is unknown; pass one of {REDUCE_OPS}")
+        if op == "avg" and t.dtype not in _FLOATING:
+            raise CommError(
+                f"allreduce: op='avg' needs a floating dtype, got {t.dtype}; "
+                "use op='sum' and divide, or cast"
+            )
+        if self.debug:
+            self._debug("allreduce", t, REDUCE_OPS.index(op))
+        self._count("allreduce", t.numel() * t.element_size())
+        return self._allreduce(t, op, async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
+        """Sum `t` over ranks; return this rank's equal chunk along `dim` (a new tensor)."""
+        self._check("reduce_scatter", t)
+        dim = self._check_dim("reduce_scatter", t, dim)
+        self._check_divides("reduce_scatter", t, dim)
+        if self.debug:
+            self._debug("reduce_scatter", t, dim)
+        self._count("reduce_scatter", t.numel() * t.element_size())
+        return self._reduce_scatter(t, dim, async_op)
+
+    def allgather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
+        """Concatenate every rank's `t` along `dim` in rank order (a new tensor)."""
+        self._check("allgather", t)
+        dim = self._check_dim("allgather", t, dim)
+        if self.debug:
+            self._debug("allgather", t, dim)
+        self._count("allgather", t.numel() * t.element_size() * self.size)
+        return self._allgather(t, dim, async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Copy rank `src`'s `t` into every rank's `t` in place; return `t`."""
+        self._check("broadcast", t)
+        self._check_rank("broadcast", src, "src")
+        if self.debug:
+            self._debug("broadcast", t, src)
+        self._count("broadcast", t.numel() * t.element_size())
+        return self._broadcast(t, src, async_op)
+
+    def alltoall(
+        self, t: torch.Tensor, split_dim: int = 0, concat_dim: int = 0, async_op: bool = False
+    ):
+        """Send chunk j of `t` (split along split_dim) to rank j; concat what arrives along
+        concat_dim in rank order (a new tensor)."""
+        self._check("alltoall", t)
+        split_dim = self._check_dim("alltoall", t, split_dim, "split_dim")
+        concat_dim = self._check_dim("alltoall", t, concat_dim, "concat_dim")
+        self._check_divides("alltoall", t, split_dim, "split_dim")
+        if self.debug:
+            self._debug("alltoall", t, split_dim, concat_dim)
+        self._count("alltoall", t.numel() * t.element_size())
+        return self._alltoall(t, split_dim, concat_dim, async_op)
+
+    def alltoallv(
+        self,
+        t: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        dim: int = 0,
+        async_op: bool = False,
+    ):
+        """Send `send_sizes[j]` slices of `t` along `dim` to rank j; concat the `recv_sizes[j]`
+        slices from each rank j along `dim` (a new tensor)."""
+        self._check("alltoallv", t)
+        dim = self._check_dim("alltoallv", t, dim)
+        send_sizes = [int(s) for s in send_sizes]
+        recv_sizes = [int(s) for s in recv_sizes]
+        for name, sizes in (("send_sizes", send_sizes), ("recv_sizes", recv_sizes)):
+            if len(sizes) != self.size or min(sizes, default=0) < 0:
+                raise CommError(
+                    f"alltoallv: `{name}`={sizes} must be {self.size} non-negative counts, "
+                    "one per rank"
+                )
+        if sum(send_sizes) != t.shape[dim]:
+            raise CommError(
+                f"alltoallv: `send_sizes`={send_sizes} sum to {sum(send_sizes)}, but `t` has "
+                f"{t.shape[dim]} along dim {dim}; make them sum to t.shape[dim]"
+            )
+        if self.debug:
+            self._debug("alltoallv", t, dim)
+            from .debug import check_alltoallv_sizes
+
+            check_alltoallv_sizes(self, send_sizes, recv_sizes)
+        row = t.numel() // max(t.shape[dim], 1) * t.element_size()
+        off_rank = sum(s for j, s in enumerate(send_sizes) if j != self.rank)
+        self._count("alltoallv", off_rank * row)
+        return self._alltoallv(t, send_sizes, recv_sizes, dim, async_op)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send `t` to rank `dst` (blocking; the receiver knows the shape)."""
+        self._check_p2p("send", t, dst, "dst")
+        self._count("send", t.numel() * t.element_size())
+        self._send(t, dst, tag, False)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive from rank `src` into `t` (its shape and dtype must match); return `t`."""
+        self._check_p2p("recv", t, src, "src")
+        self._count("recv", 0)
+        return self._recv(t, src, tag, False)
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Start sending `t` to `dst`; wait() on the handle before reusing `t`."""
+        self._check_p2p("isend", t, dst, "dst")
+        self._count("send", t.numel() * t.element_size())
+        return self._send(t, dst, tag, True)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Start receiving from `src` into `t`; wait() returns `t` once it has arrived."""
+        self._check_p2p("irecv", t, src, "src")
+        self._count("recv", 0)
+        return self._recv(t, src, tag, True)
+
+    def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> None:
+        self._check(op, t)
+        self._check_rank(op, peer, name)
+        if peer == self.rank:
+            raise CommError(f"{op}: `{name}`={peer} is this rank; p2p to oneself deadlocks")
+        if self.debug:
+            from .debug import check_p2p
+
+            check_p2p(self, op, t, peer)
+
+    def barrier(self) -> None:
+        """Block until every rank of this communicator has reached the barrier."""
+        self._barrier()
+
+    def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Sub-communicator of the ranks passing the same `color`, ordered by `key` (collective).
+
+        color=None: this rank joins none and gets None.
+        """
+        return self._split(color, key)
+
+    # -- backend hooks ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _allreduce(self, t, op, async_op): ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, t, dim, async_op): ...
+
+    @abc.abstractmethod
+    def _allgather(self, t, dim, async_op): ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t, src, async_op): ...
+
+    @abc.abstractmethod
+    def _alltoall(self, t, split_dim, concat_dim, async_op): ...
+
+    @abc.abstractmethod
+    def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op): ...
+
+    @abc.abstractmethod
+    def _send(self, t, dst, tag, async_op): ...
+
+    @abc.abstractmethod
+    def _recv(self, t, src, tag, async_op): ...
+
+    @abc.abstractmethod
+    def _barrier(self): ...
+
+    @abc.abstractmethod
+    def _split(self, color, key): ...
+
+    #: the MPI communicator over the same ranks (debug checks and splits use it).
+    mpi: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where new tensors for this communicator are made."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+# -- layout helpers shared by the backends (pure torch, no communication) --------------------
+def gather_layout(t: torch.Tensor, dim: int, n: int) -> tuple[list[int], bool]:
+    """Output shape of an allgather along `dim`, and whether the flat gather already is it."""
+    out_shape = list(t.shape)
+    out_shape[dim] *= n
+    return out_shape, _prod(t.shape[:dim]) == 1
+
+
+def chunks_first(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """`t` rearranged to [n, *chunk_shape] with chunk j of `dim` contiguous at [j] (a copy
+    only when the chunks are not already contiguous)."""
+    shape = list(t.shape)
+    split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :]
+    return t.reshape(split).movedim(dim, 0).contiguous()
+
+
+def concat_from_first(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of gathering into [n, *chunk]: concatenate the n chunks along `dim`."""
+    n = buf.shape[0]
+    shape = list(buf.shape[1:])
+    shape[dim] *= n
+    if dim == 0 or _prod(buf.shape[1 : dim + 1]) == 1:
+        return buf.reshape(shape)
+    return buf.movedim(0, dim).reshape(shape)

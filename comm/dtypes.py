@@ -1,0 +1,89 @@
+"""Which torch dtypes the communicators carry, and how each maps onto MPI.
+
+fp16 and bf16 have no MPI datatype in MPICH or mpi4py: their bytes travel as MPI_UINT16_T (pure
+data movement needs nothing more) and reductions use a user-defined MPI op that views the
+uint16 buffers as the real dtype and does the math in torch. That keeps reductions zero-copy
+(no fp32 upcast buffer: the upcast would double the bytes on the wire and cost two extra passes
+over memory); torch's half/bf16 add rounds exactly as the single-process op does.
+No torch import at module level beyond what `SUPPORTED` needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+)
+
+# dtypes that need a user-defined MPI reduction op
+CUSTOM_REDUCE = (torch.float16, torch.bfloat16)
+
+_NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
+DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED)}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    """Short name of a dtype ("float32")."""
+    return _NAMES.get(d, str(d))
+
+
+_mpi_types: dict[torch.dtype, object] | None = None
+_custom_ops: dict[tuple[torch.dtype, str], object] = {}
+
+
+def mpi_type(d: torch.dtype):
+    """The MPI datatype whose elements have `d`'s size (and, for natives, its arithmetic)."""
+    global _mpi_types
+    if _mpi_types is None:
+        from mpi4py import MPI
+
+        _mpi_types = {
+            torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE,
+            torch.float16: MPI.UINT16_T,
+            torch.bfloat16: MPI.UINT16_T,
+            torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T,
+            torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T,
+        }
+    return _mpi_types[d]
+
+
+def mpi_op(d: torch.dtype, op: str):
+    """The MPI op for reducing dtype `d` with `op` ("sum"/"avg" -> SUM, "max", "min")."""
+    from mpi4py import MPI
+
+    base = "sum" if op == "avg" else op
+    if d not in CUSTOM_REDUCE:
+        return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[base]
+    key = (d, base)
+    found = _custom_ops.get(key)
+    if found is None:
+        found = _custom_ops[key] = MPI.Op.Create(_half_reducer(d, base), commute=True)
+    return found
+
+
+def _half_reducer(d: torch.dtype, op: str):
+    # MPI calls fn(invec, inoutvec, datatype) with raw buffers; inoutvec = invec (op) inoutvec.
+    def fn(inbuf, inoutbuf, datatype):
+        if len(inoutbuf) == 0:
+            return
+        a = torch.frombuffer(inbuf, dtype=d)
+        b = torch.frombuffer(inoutbuf, dtype=d)
+        if op == "sum":
+            b.add_(a)
+        elif op == "max":
+            torch.maximum(a, b, out=b)
+        else:
+            torch.minimum(a, b, out=b)
+
+    return fn

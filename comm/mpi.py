@@ -1,0 +1,146 @@
+"""MPICommunicator: the Communicator over mpi4py on torch CPU tensors.
+
+Zero-copy: every MPI call gets `[MPI.buffer.fromaddress(t.data_ptr(), nbytes), count, type]`,
+a view of the tensor's own memory (no numpy conversion, no pickling). The only copies are the
+ones the layout math needs: gathering or scattering along a dim that is not outermost
+(the ranks' chunks are then not contiguous in memory, so they are rearranged once).
+Nonblocking variants use MPI's I-collectives so that communication overlaps compute.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .communicator import (
+    Communicator,
+    Work,
+    chunks_first,
+    concat_from_first,
+    gather_layout,
+)
+from .dtypes import mpi_op, mpi_type
+
+_fromaddress = MPI.buffer.fromaddress
+
+
+def _spec(t: torch.Tensor) -> list:
+    """The MPI buffer spec of a contiguous CPU tensor's own memory. No count: mpi4py derives
+    it from the byte length (and divides by the size for the per-rank sides of allgather,
+    alltoall and reduce_scatter_block)."""
+    return [_fromaddress(t.data_ptr(), t.numel() * t.element_size()), mpi_type(t.dtype)]
+
+
+def _waiter(reqs):
+    if isinstance(reqs, MPI.Request):
+        return reqs.Wait
+    return lambda: MPI.Request.Waitall(reqs)
+
+
+class MPICommunicator(Communicator):
+    """Collectives over an mpi4py communicator (default: MPI.COMM_WORLD) on CPU tensors."""
+
+    device_type = "cpu"
+
+    def __init__(self, mpi_comm: MPI.Comm | None = None):
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+
+    def _run(self, blocking, nonblocking, args, result, async_op, finish=None, keep=None):
+        # One place that chooses the blocking or the I-variant, so each op is written once.
+        if async_op:
+            return Work(_waiter(nonblocking(*args)), result, finish, keep=(args, keep))
+        blocking(*args)
+        return finish() if finish is not None else result
+
+    def _allreduce(self, t, op, async_op):
+        c = self.mpi
+        finish = (lambda: t.div_(self.size)) if op == "avg" else None
+        args = (MPI.IN_PLACE, _spec(t), mpi_op(t.dtype, op))
+        return self._run(c.Allreduce, c.Iallreduce, args, t, async_op, finish, keep=t)
+
+    def _reduce_scatter(self, t, dim, async_op):
+        c = self.mpi
+        src = chunks_first(t, dim, self.size)  # t itself when the chunks are contiguous
+        out_shape = list(t.shape)
+        out_shape[dim] //= self.size
+        out = torch.empty(out_shape, dtype=t.dtype)
+        args = (_spec(src), _spec(out), mpi_op(t.dtype, "sum"))
+        return self._run(
+            c.Reduce_scatter_block, c.Ireduce_scatter_block, args, out, async_op, keep=src
+        )
+
+    def _allgather(self, t, dim, async_op):
+        c = self.mpi
+        out_shape, flat = gather_layout(t, dim, self.size)
+        if flat:
+            out = torch.empty(out_shape, dtype=t.dtype)
+            return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(out)), out, async_op,
+                             keep=t)
+        buf = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(buf)), None, async_op,
+                         finish=lambda: concat_from_first(buf, dim), keep=(t, buf))
+
+    def _broadcast(self, t, src, async_op):
+        c = self.mpi
+        return self._run(c.Bcast, c.Ibcast, (_spec(t), src), t, async_op, keep=t)
+
+    def _alltoall(self, t, split_dim, concat_dim, async_op):
+        c = self.mpi
+        send = chunks_first(t, split_dim, self.size)
+        recv = torch.empty_like(send)
+        return self._run(c.Alltoall, c.Ialltoall, (_spec(send), _spec(recv)), None, async_op,
+                         finish=lambda: concat_from_first(recv, concat_dim), keep=(send, recv))
+
+    def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):
+        c = self.mpi
+        # MPI splits flat memory: put `dim` outermost so each rank's rows are contiguous.
+        send = t.movedim(dim, 0).contiguous() if dim else t
+        row_shape = list(send.shape[1:])
+        row = _rows(row_shape)
+        recv = torch.empty([sum(recv_sizes), *row_shape], dtype=t.dtype)
+        typ = mpi_type(t.dtype)
+        sc = [s * row for s in send_sizes]
+        rc = [s * row for s in recv_sizes]
+        sbuf = _fromaddress(send.data_ptr(), send.numel() * send.element_size())
+        rbuf = _fromaddress(recv.data_ptr(), recv.numel() * recv.element_size())
+        args = ([sbuf, (sc, _displs(sc)), typ], [rbuf, (rc, _displs(rc)), typ])
+        finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
+        return self._run(c.Alltoallv, c.Ialltoallv, args, recv, async_op, finish,
+                         keep=(send, recv))
+
+    def _send(self, t, dst, tag, async_op):
+        if async_op:
+            return Work(self.mpi.Isend(_spec(t), dst, tag).Wait, None, keep=t)
+        self.mpi.Send(_spec(t), dst, tag)
+        return None
+
+    def _recv(self, t, src, tag, async_op):
+        if async_op:
+            return Work(self.mpi.Irecv(_spec(t), src, tag).Wait, t, keep=t)
+        self.mpi.Recv(_spec(t), src, tag)
+        return t
+
+    def _barrier(self):
+        self.mpi.Barrier()
+
+    def _split(self, color, key):
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return MPICommunicator(sub)
+
+
+def _rows(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

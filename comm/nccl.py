@@ -1,0 +1,199 @@
+"""NCCLCommunicator: the Communicator over cupy.cuda.nccl on torch CUDA tensors.
+
+Calls are enqueued on torch's current CUDA stream (raw pointers from `data_ptr()`), so they are
+ordered with the surrounding torch kernels and need no host synchronisation. `async_op=True`
+returns a Work whose wait() is immediate: NCCL work is already asynchronous to the host and
+stream-ordered with later kernels (overlap with compute would need a side stream; not done).
+Set-up goes over MPI: rank 0's `nccl.get_unique_id()` is broadcast unchanged (bytes in cupy 14,
+a tuple in cupy 13). cupy is imported lazily: soapstone imports and runs without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .communicator import (
+    CommError,
+    Communicator,
+    Work,
+    chunks_first,
+    concat_from_first,
+    gather_layout,
+)
+
+# ncclDataType_t and ncclRedOp_t values, used when a cupy build lacks the named constant.
+_NCCL_TYPES = {
+    torch.int8: ("NCCL_INT8", 0),
+    torch.uint8: ("NCCL_UINT8", 1),
+    torch.int32: ("NCCL_INT32", 2),
+    torch.int64: ("NCCL_INT64", 4),
+    torch.float16: ("NCCL_FLOAT16", 6),
+    torch.float32: ("NCCL_FLOAT32", 7),
+    torch.float64: ("NCCL_FLOAT64", 8),
+    torch.bfloat16: ("NCCL_BFLOAT16", 9),
+}
+_NCCL_OPS = {"sum": ("NCCL_SUM", 0), "max": ("NCCL_MAX", 2), "min": ("NCCL_MIN", 3),
+             "avg": ("NCCL_AVG", 4)}
+
+
+def nccl_module():
+    """cupy.cuda.nccl, or CommError saying how to get it."""
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:  # ImportError, or cupy present without a usable CUDA
+        raise CommError(
+            f"nccl backend: cannot import cupy.cuda.nccl ({e}); install soapstone[gpu] "
+            "(cupy-cuda12x) or use backend='mpi'"
+        ) from e
+    if not getattr(nccl, "available", True):
+        raise CommError("nccl backend: cupy was built without NCCL; use backend='mpi'")
+    return nccl
+
+
+def nccl_available() -> bool:
+    """True when CUDA is usable and cupy.cuda.nccl imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        nccl_module()
+    except CommError:
+        return False
+    return True
+
+
+def select_local_device() -> int:
+    """Set torch's (and cupy's) CUDA device from this rank's node-local rank; return it."""
+    from mpi4py import MPI
+
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        dev = local.Get_rank() % torch.cuda.device_count()
+    finally:
+        local.Free()
+    torch.cuda.set_device(dev)
+    import cupy
+
+    cupy.cuda.Device(dev).use()
+    return dev
+
+
+class NCCLCommunicator(Communicator):
+    """Collectives over NCCL on CUDA tensors; `mpi_comm` (same ranks) carries the set-up."""
+
+    device_type = "cuda"
+
+    def __init__(self, mpi_comm=None):
+        from mpi4py import MPI
+
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+        nccl = self._nccl = nccl_module()
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = self.mpi.bcast(uid, root=0)  # passed through unchanged: bytes or tuple
+        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._types = {d: getattr(nccl, n, v) for d, (n, v) in _NCCL_TYPES.items()}
+        self._ops = {o: getattr(nccl, n, v) for o, (n, v) in _NCCL_OPS.items()}
+
+    def _check(self, op, t, name="t"):
+        super()._check(op, t, name)
+        if t.device.index != torch.cuda.current_device():
+            raise CommError(
+                f"{op}: `{name}` is on {t.device}, but this rank's NCCL communicator is on "
+                f"cuda:{torch.cuda.current_device()}; move it there"
+            )
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _done(self, result, async_op, finish=None):
+        # NCCL calls are stream-ordered: nothing to wait for on the host.
+        if async_op:
+            return Work(None, result, finish)
+        return finish() if finish is not None else result
+
+    def _allreduce(self, t, op, async_op):
+        n = t.numel()
+        ptr = t.data_ptr()
+        self._comm.allReduce(ptr, ptr, n, self._types[t.dtype], self._ops[op], self._stream())
+        return self._done(t, async_op)
+
+    def _reduce_scatter(self, t, dim, async_op):
+        src = chunks_first(t, dim, self.size)
+        shape = list(t.shape)
+        shape[dim] //= self.size
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        self._comm.reduceScatter(src.data_ptr(), out.data_ptr(), out.numel(),
+                                 self._types[t.dtype], self._ops["sum"], self._stream())
+        return self._done(out, async_op)
+
+    def _allgather(self, t, dim, async_op):
+        out_shape, flat = gather_layout(t, dim, self.size)
+        buf = torch.empty(out_shape if flat else (self.size, *t.shape), dtype=t.dtype,
+                          device=t.device)
+        self._comm.allGather(t.data_ptr(), buf.data_ptr(), t.numel(), self._types[t.dtype],
+                             self._stream())
+        if flat:
+            return self._done(buf, async_op)
+        return self._done(None, async_op, lambda: concat_from_first(buf, dim))
+
+    def _broadcast(self, t, src, async_op):
+        self._comm.bcast(t.data_ptr(), t.numel(), self._types[t.dtype], src, self._stream())
+        return self._done(t, async_op)
+
+    def _exchange(self, send, send_counts, recv, recv_counts, elem):
+        # NCCL has no alltoall: grouped send/recv pairs with every peer (NCCL >= 2.7).
+        nccl, typ, stream = self._nccl, self._types[send.dtype], self._stream()
+        sp, rp, size = send.data_ptr(), recv.data_ptr(), send.element_size()
+        so = ro = 0
+        nccl.groupStart()
+        try:
+            for j in range(self.size):
+                if send_counts[j]:
+                    self._comm.send(sp + so * size, send_counts[j] * elem, typ, j, stream)
+                if recv_counts[j]:
+                    self._comm.recv(rp + ro * size, recv_counts[j] * elem, typ, j, stream)
+                so += send_counts[j] * elem
+                ro += recv_counts[j] * elem
+        finally:
+            nccl.groupEnd()
+
+    def _alltoall(self, t, split_dim, concat_dim, async_op):
+        send = chunks_first(t, split_dim, self.size)
+        recv = torch.empty_like(send)
+        chunk = send[0].numel() if self.size else 0
+        ones = [1] * self.size
+        self._exchange(send, ones, recv, ones, chunk)
+        return self._done(None, async_op, lambda: concat_from_first(recv, concat_dim))
+
+    def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):
+        send = t.movedim(dim, 0).contiguous() if dim else t
+        rows = list(send.shape[1:])
+        recv = torch.empty([sum(recv_sizes), *rows], dtype=t.dtype, device=t.device)
+        elem = 1
+        for r in rows:
+            elem *= r
+        self._exchange(send, send_sizes, recv, recv_sizes, elem)
+        finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
+        return self._done(recv, async_op, finish)
+
+    def _send(self, t, dst, tag, async_op):
+        # NCCL has no tags: messages between a pair arrive in the order they were sent.
+        self._comm.send(t.data_ptr(), t.numel(), self._types[t.dtype], dst, self._stream())
+        return self._done(None, True) if async_op else None
+
+    def _recv(self, t, src, tag, async_op):
+        self._comm.recv(t.data_ptr(), t.numel(), self._types[t.dtype], src, self._stream())
+        return self._done(t, async_op)
+
+    def _barrier(self):
+        torch.cuda.current_stream().synchronize()
+        self.mpi.Barrier()
+
+    def _split(self, color, key):
+        from mpi4py import MPI
+
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return NCCLCommunicator(sub)

@@ -1,0 +1,45 @@
+"""init(): the world communicator, created once per process."""
+
+from __future__ import annotations
+
+from .communicator import CommError, Communicator
+from .failure import install_failure_handler
+
+BACKENDS = ("mpi", "nccl", "auto")
+_world: Communicator | None = None
+
+
+def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
+    """Return the world communicator (created on the first call; later calls return it).
+
+    backend: "mpi" (CPU tensors), "nccl" (CUDA tensors; selects this rank's GPU from its
+    node-local rank first), or "auto" (nccl when CUDA and cupy's NCCL are usable, else mpi).
+    Also installs the failure handler: an uncaught exception on any rank aborts the job.
+    """
+    global _world
+    if backend not in BACKENDS:
+        raise CommError(f"init: `backend`={backend!r} is unknown; pass one of {BACKENDS}")
+    if _world is not None:
+        have = "nccl" if _world.device_type == "cuda" else "mpi"
+        if backend not in ("auto", have):
+            raise CommError(
+                f"init: already initialised with backend {have!r}, asked for {backend!r}; "
+                "call init() once per process"
+            )
+        return _world
+    if failure_handler:
+        install_failure_handler()
+    if backend == "auto":
+        from .nccl import nccl_available
+
+        backend = "nccl" if nccl_available() else "mpi"
+    if backend == "nccl":
+        from .nccl import NCCLCommunicator, select_local_device
+
+        select_local_device()
+        _world = NCCLCommunicator()
+    else:
+        from .mpi import MPICommunicator
+
+        _world = MPICommunicator()
+    return _world
