@@ -206,14 +206,13 @@ def _describe_terminal(name: str) -> str:
 
 
 def _expected(names) -> str:
-    items = sorted({_describe_terminal(n) for n in names})
-    # names and keywords after punctuation reads better: put quoted items first
+    # keywords first, then punctuation, then kinds of token ("a name")
+    items = sorted({_describe_terminal(n) for n in names},
+                   key=lambda s: (not s[1:2].isalpha(), not s.startswith("'"), s))
     if not items:
         return ""
     if len(items) == 1:
         return f"; expected {items[0]}"
-    if len(items) > 8:
-        items = items[:8] + ["..."]
     return "; expected one of " + ", ".join(items)
 
 
