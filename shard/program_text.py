@@ -73,10 +73,13 @@ def collective_totals(program: Program) -> dict[tuple[str, str, str], tuple[int,
         if bwd:
             v = program.value(step.out)
             add("backward", bwd, step.axis, v.nbytes)
+    # Parameters whose gradients are partial over the same axes share one flat allreduce.
+    groups: dict[tuple[str, ...], int] = {}
     for p in program.params:
-        for axis in p.grad_sync:
-            v = program.value(p.name)
-            add("grad sync", "allreduce", axis, v.nbytes)
+        if p.grad_sync:
+            groups[p.grad_sync] = groups.get(p.grad_sync, 0) + program.value(p.name).nbytes
+    for axes, n in groups.items():
+        add("grad sync", "allreduce", ",".join(axes), n)
     return {k: (c, b) for k, (c, b) in totals.items()}
 
 

@@ -13,7 +13,7 @@ import torch
 
 from soapstone.comm import autograd as ag
 from soapstone.shard.ops import Shards, run_op
-from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Redistribute, Value
+from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Value
 
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
                 "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
@@ -43,7 +43,8 @@ def init_full(p: ParamSpec, seed: int) -> torch.Tensor:
 class ShardedModel:
     """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
 
-    def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None):
+    def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
+                 dtype: torch.dtype | None = None):
         if program.world_size > 1:
             want = dict(program.mesh)
             have = dict(getattr(mesh, "shape", {}) or {})
@@ -55,10 +56,15 @@ class ShardedModel:
         self.ctx = Shards(program, mesh)
         self.ctx.rng_seed = seed
         self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
+        self.dtype = dtype  # overrides the spec's float dtypes (e.g. float64 for checks)
         self.params: dict[str, torch.nn.Parameter] = {
-            p.name: torch.nn.Parameter(self.local(init_full(p, seed), program.value(p.name)))
+            p.name: torch.nn.Parameter(self._cast(self.local(init_full(p, seed),
+                                                             program.value(p.name))))
             for p in program.params
         }
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -111,7 +117,7 @@ class ShardedModel:
         for name in self.program.inputs:
             if name not in inputs:
                 raise KeyError(f"missing input {name!r}")
-            env[name] = self.local(inputs[name], self.program.value(name))
+            env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
         env.update(self.params)
         for step in self.program.steps:
             env[step.out] = self._run(step, env)

@@ -1,0 +1,27 @@
+"""Every example layout reproduces the single-rank run (tests/cases/numerics_cases.py),
+launched under real mpiexec: one launch per world size, each case at the size its layout needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mpirun import case_names
+
+from soapstone import dsl
+
+CASES = "tests/cases/numerics_cases.py"
+ROOT = Path(__file__).resolve().parents[1]
+dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
+
+
+def world_size(case: str) -> int:
+    """case_<spec>_<layout> -> the layout's world size, read from tests/specs/<spec>_layouts.par."""
+    spec, layout = case.removeprefix("case_").split("_", 1)
+    return dsl.load(ROOT / f"tests/specs/{spec}_layouts.par", check=False).parallels[layout] \
+        .world_size
+
+
+@pytest.mark.parametrize("case", case_names(CASES))
+def test_layout_matches_single_rank(comm_runs, case):
+    comm_runs(world_size(case), CASES).check(case)
