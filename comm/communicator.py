@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .dtypes import SUPPORTED, dtype_name
+from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -138,7 +138,7 @@ class Communicator(abc.ABC):
     def _check(self, op: str, t: Any, name: str = "t") -> None:
         if not isinstance(t, torch.Tensor):
             raise CommError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED:
+        if t.dtype not in SUPPORTED_SET:
             raise CommError(
                 f"{op}: `{name}` has dtype {t.dtype}, which soapstone.comm does not support; "
                 f"cast it to one of {', '.join(dtype_name(d) for d in SUPPORTED)}"

@@ -26,6 +26,7 @@ SUPPORTED = (
 # dtypes that need a user-defined MPI reduction op
 CUSTOM_REDUCE = (torch.float16, torch.bfloat16)
 
+SUPPORTED_SET = frozenset(SUPPORTED)
 _NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
 DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED)}
 
@@ -36,7 +37,7 @@ def dtype_name(d: torch.dtype) -> str:
 
 
 _mpi_types: dict[torch.dtype, object] | None = None
-_custom_ops: dict[tuple[torch.dtype, str], object] = {}
+_ops: dict[tuple[torch.dtype, str], object] = {}
 
 
 def mpi_type(d: torch.dtype):
@@ -60,15 +61,16 @@ def mpi_type(d: torch.dtype):
 
 def mpi_op(d: torch.dtype, op: str):
     """The MPI op for reducing dtype `d` with `op` ("sum"/"avg" -> SUM, "max", "min")."""
-    from mpi4py import MPI
-
-    base = "sum" if op == "avg" else op
-    if d not in CUSTOM_REDUCE:
-        return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[base]
-    key = (d, base)
-    found = _custom_ops.get(key)
+    found = _ops.get((d, op))  # one dict lookup on the hot path
     if found is None:
-        found = _custom_ops[key] = MPI.Op.Create(_half_reducer(d, base), commute=True)
+        from mpi4py import MPI
+
+        base = "sum" if op == "avg" else op
+        if d in CUSTOM_REDUCE:
+            found = MPI.Op.Create(_half_reducer(d, base), commute=True)
+        else:
+            found = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[base]
+        _ops[(d, op)] = found
     return found
 
 

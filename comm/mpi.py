@@ -19,16 +19,17 @@ from .communicator import (
     concat_from_first,
     gather_layout,
 )
-from .dtypes import mpi_op, mpi_type
+from .dtypes import SUPPORTED, mpi_op, mpi_type
 
 _fromaddress = MPI.buffer.fromaddress
+_TYPES = {d: mpi_type(d) for d in SUPPORTED}  # datatypes looked up once, not per call
 
 
 def _spec(t: torch.Tensor) -> list:
     """The MPI buffer spec of a contiguous CPU tensor's own memory. No count: mpi4py derives
     it from the byte length (and divides by the size for the per-rank sides of allgather,
     alltoall and reduce_scatter_block)."""
-    return [_fromaddress(t.data_ptr(), t.numel() * t.element_size()), mpi_type(t.dtype)]
+    return [_fromaddress(t.data_ptr(), t.numel() * t.element_size()), _TYPES[t.dtype]]
 
 
 def _waiter(reqs):
