@@ -377,3 +377,14 @@ def test_cli_exit_code_and_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and f"{bad}:2:7: error: unexpected '='" in r.stderr
+
+
+def test_repeat_1000_is_fast():
+    import time
+
+    text = (EXAMPLES / "gpt.par").read_text().replace("repeat 4 as", "repeat 1000 as")
+    text = text.split("parallel single")[0]
+    load(text)
+    t0 = time.perf_counter()
+    m = load(text).model()
+    assert len(m.blocks) == 1000 and time.perf_counter() - t0 < 1.5
