@@ -27,9 +27,9 @@ def main() -> int:
     text = (ROOT / "examples" / "gpt.par").read_text()
     text = text.replace("repeat 4 as layer", f"repeat {args.repeat} as layer")
     # the pipeline layout must cover every block: stretch its ranges to the new depth
-    half = args.repeat // 2
-    text = text.replace("layer[0..1] -> pipe 0, layer[2..3] -> pipe 1",
-                        f"layer[0..{half - 1}] -> pipe 0, layer[{half}..{args.repeat - 1}] -> pipe 1")
+    half, last = args.repeat // 2, args.repeat - 1
+    stages = f"layer[0..{half - 1}] -> pipe 0, layer[{half}..{last}] -> pipe 1"
+    text = text.replace("layer[0..1] -> pipe 0, layer[2..3] -> pipe 1", stages)
     load(text)  # warm-up: builds the lark parser once per process
     times = []
     for _ in range(args.runs):
