@@ -15,9 +15,12 @@ allreduce backward) restores the invariant, unless the value was just allgathere
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from soapstone.dsl import ir, rules
+from soapstone.dsl.errors import Diagnostic, SpecError
 from soapstone.shard.layout import Layout, P, R, transition, transition_cost
 from soapstone.shard.program import (
     Compute,
@@ -31,13 +34,19 @@ from soapstone.shard.program import (
 )
 
 
-class LoweringError(ValueError):
-    """No valid sharding exists for an op under the chosen layout."""
+class LoweringError(SpecError):
+    """No valid sharding exists for an op under the chosen layout (a located spec error)."""
 
-    def __init__(self, message: str, loc: ir.Loc | None = None, hint: str | None = None):
-        super().__init__(message)
-        self.loc = loc
-        self.hint = hint
+    @classmethod
+    def at(cls, message: str, loc: ir.Loc | None, hint: str | None = None) -> LoweringError:
+        """The error pointing at `loc` in its spec file, with the source line when readable."""
+        if loc is None:
+            return cls([Diagnostic("<model>", 0, 0, message, hint)])
+        try:
+            source = Path(loc.file).read_text().splitlines()[loc.line - 1]
+        except (OSError, IndexError):
+            source = None
+        return cls([Diagnostic(loc.file, loc.line, loc.col, message, hint, source, loc.end_col)])
 
 
 @attrs.frozen
@@ -50,6 +59,11 @@ class _Candidate:
 
 def lower(model: ir.Model, parallel: ir.Parallel | None = None) -> Program:
     """Compile a model under a parallel block (None: one rank) into a Program."""
+    if parallel is not None and parallel.operator:
+        raise LoweringError.at(
+            f"parallel block '{parallel.name}' places blocks on pipeline stages, and the "
+            "operator-axis lowering (stage graph, schedules) is not built yet",
+            parallel.loc, hint="drop the operator and schedule statements to run it unpipelined")
     return _Lowering(model, parallel).run()
 
 
@@ -187,9 +201,9 @@ class _Lowering:
                 best, best_cost = cand, cost
         if best is None:
             layouts = ", ".join(f"{v.name}: {v.layout}" for v in args)
-            raise LoweringError(
-                f"no valid sharding of {op.kind} ({op.layer or op.kind}) over mesh axis "
-                f"'{axis}': its args are laid out as {layouts}",
+            raise LoweringError.at(
+                f"no valid sharding of {op.layer or op.kind} (producing {op.out}) over mesh "
+                f"axis '{axis}': its args are laid out as {layouts}",
                 op.loc,
                 hint="parameters never move; map the dims of the parameters this op uses "
                 "to the same axis, or leave them replicated",

@@ -1,4 +1,5 @@
-"""`soapstone show SPEC [--model M] [--parallel P] [--json]`: the checked IR as text or JSON."""
+"""`soapstone show SPEC [--model M] [--parallel P] [--json]`: the checked IR, and with
+--parallel the lowered Program (every tensor's layout, every collective with its bytes)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def render(spec, model_name: str | None = None, parallel: str | None = None,
            as_json: bool = False) -> str:
     """The text `show` prints for a loaded spec (SpecError for unknown names)."""
+    from soapstone.shard.program_text import format_program, program_to_data
+
     from .irtext import format_model, format_parallel, to_data
+    from .lower import lower
 
     par = spec.parallel(parallel) if parallel else None
     model = spec.model(model_name if model_name else (par.model if par else None))
+    # Pipeline layouts need the operator-axis lowering, which does not exist yet: say so
+    # instead of printing a program that would ignore the stages.
+    staged = par is not None and bool(par.operator)
+    program = lower(model, par) if par is not None and not staged else None
     if as_json:
         data = {"model": to_data(model)}
         if par is not None:
             data["parallel"] = to_data(par)
+            data["program"] = program_to_data(program) if program else None
         return json.dumps(data, indent=1) + "\n"
     text = format_model(model)
     if par is not None:
-        text += "\n" + format_parallel(par)
+        text += "\n" + format_parallel(par) + "\n"
+        text += format_program(program) if program else \
+            "program: not lowered (pipeline stages need the operator-axis compiler)\n"
     return text
 
 

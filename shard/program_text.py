@@ -132,6 +132,11 @@ def format_program(program: Program) -> str:
 
 def program_to_json(program: Program) -> str:
     """The program as JSON (layouts as {axis: placement})."""
+    return json.dumps(program_to_data(program), indent=1)
+
+
+def program_to_data(program: Program) -> dict:
+    """The program as plain data: lists, dicts, strings and numbers."""
 
     def convert(obj):
         if isinstance(obj, Layout):
@@ -149,4 +154,4 @@ def program_to_json(program: Program) -> str:
         {"direction": d, "kind": k, "axis": a, "count": c, "bytes": b}
         for (d, k, a), (c, b) in sorted(collective_totals(program).items())
     ]
-    return json.dumps(data, indent=1)
+    return data

@@ -1,0 +1,141 @@
+"""The compiler's layouts and collectives, read off the Program (no processes needed).
+
+The parallel patterns people know by name are not special cases in soapstone: these tests
+show each one falling out of the sharding rules and the cost of moving data.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import pytest
+
+from soapstone import dsl
+from soapstone.dsl.lower import LoweringError, lower
+from soapstone.shard.program import Compute, CopyTo, Redistribute
+from soapstone.shard.program_text import backward_collective, format_program, program_to_json
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = dsl.load(ROOT / "tests/specs/gpt_layouts.par")
+LAYERS = len(GPT.model().blocks)
+
+
+def program(spec, layout):
+    return lower(spec.model(), spec.parallel(layout))
+
+
+def activation_collectives(prog, axis="model"):
+    """(forward, backward) Counters of collective kinds over `axis`, per step."""
+    fwd, bwd = Counter(), Counter()
+    for s in prog.steps:
+        if isinstance(s, Redistribute) and s.axis == axis and s.kind != "slice":
+            fwd[s.kind] += 1
+        if isinstance(s, Redistribute | CopyTo) and s.axis == axis and backward_collective(s):
+            bwd[backward_collective(s)] += 1
+    return fwd, bwd
+
+
+def test_megatron_tensor_parallel_is_two_allreduces_per_layer_each_way():
+    fwd, bwd = activation_collectives(program(GPT, "tp2"))
+    # per layer: after attention's output projection and after the MLP (forward), and at the
+    # entry of each (backward, Megatron's f); plus the vocab-parallel embedding and the head.
+    assert fwd == {"allreduce": 2 * LAYERS + 1}
+    assert bwd == {"allreduce": 2 * LAYERS + 1}
+
+
+def test_sequence_parallel_trades_each_allreduce_for_allgather_and_reduce_scatter():
+    prog = program(GPT, "sp2")
+    fwd, bwd = activation_collectives(prog)
+    assert "allreduce" not in fwd and "allreduce" not in bwd
+    assert fwd["reduce_scatter"] == 2 * LAYERS + 1  # the embedding's partial sum too
+    assert bwd["reduce_scatter"] == 2 * LAYERS + 1  # each gather of the normalised input
+    # layernorm runs on sequence shards: its params' gradients are summed over model
+    ln = [p for p in prog.params if p.name.endswith("gamma")]
+    assert ln and all(p.grad_sync == ("model",) for p in ln)
+
+
+def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
+    prog = program(GPT, "tp2")
+    ce = next(s for s in prog.steps if isinstance(s, Compute) and s.kind == "cross_entropy")
+    assert ce.dist == ("model",)
+    logits = prog.value(ce.args[0])
+    assert logits.layout.get("model") == "vocab"
+    gathered = [s for s in prog.steps if isinstance(s, Redistribute) and s.src == ce.args[0]]
+    assert not gathered
+
+
+def test_data_parallel_sums_every_gradient_over_data_and_moves_no_activation():
+    prog = program(GPT, "dp2")
+    assert not [s for s in prog.steps if isinstance(s, Redistribute | CopyTo)]
+    assert all(p.grad_sync == ("data",) for p in prog.params)
+
+
+def test_context_parallel_gathers_keys_and_values_only():
+    prog = program(GPT, "cp2")
+    gathers = [s for s in prog.steps if isinstance(s, Redistribute)]
+    assert {s.kind for s in gathers} == {"allgather"}
+    assert all(s.src.endswith((".k", ".v")) or "rename" in s.src or s.frm == "seq_k"
+               for s in gathers)
+    assert len(gathers) == 2 * LAYERS and all(s.grad == "partial" for s in gathers)
+
+
+def test_row_parallel_first_layer_slices_its_input_locally():
+    mlp = dsl.load(ROOT / "tests/specs/mlp_layouts.par")
+    prog = program(mlp, "rowfirst")
+    kinds = Counter(s.kind for s in prog.steps if isinstance(s, Redistribute))
+    assert kinds == {"slice": 1, "allreduce": 1}
+
+
+def test_ulysses_all_to_all_falls_out_when_heads_may_split_but_weights_stay_whole():
+    # sequence split over 4 ranks; heads may split there too, but no weight is split. With
+    # long enough sequences the cost model prefers all-to-all (DeepSpeed-Ulysses) to gathering
+    # keys and values: seq->heads before the attention core, heads->seq after it.
+    spec = dsl.load(ROOT / "examples/gpt.par", dims={"seq": 256})
+    par = attrs.evolve(spec.parallel("cp2"), mesh=(("cp", 4),),
+                       attribute=(("seq", "cp"), ("heads", "cp")))
+    prog = lower(spec.model(), par)
+    moves = Counter((s.kind, s.frm, s.to) for s in prog.steps if isinstance(s, Redistribute))
+    assert moves == {("alltoall", "seq", "heads"): LAYERS, ("alltoall", "seq_k", "heads"):
+                     2 * LAYERS, ("alltoall", "heads", "seq"): LAYERS}
+
+
+def test_sharded_shapes_are_the_global_ones_divided():
+    prog = program(GPT, "tp4")
+    wq = prog.param("layer.0.attention0.wq")
+    assert wq.shape == (32, 4, 8) and wq.local_shape == (32, 1, 8)
+
+
+def test_an_op_that_cannot_be_sharded_is_a_located_error():
+    # swiglu declares only ffn splittable; its weights split along hidden leave no valid way
+    dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
+    spec = dsl.load(ROOT / "examples/swiglu.par")
+    par = attrs.evolve(spec.parallel("tp2"), parameter=(("hidden", "model"),))
+    with pytest.raises(LoweringError) as err:
+        lower(spec.model(), par)
+    (diag,) = err.value.diagnostics
+    assert "swiglu" in diag.message and "'model'" in diag.message
+    assert (diag.file.endswith("swiglu.par"), diag.line) == (True, 17)
+    assert "parameters never move" in diag.hint
+    assert "^" in err.value.format()  # the caret line under the call
+
+
+def test_show_text_and_json_name_every_collective():
+    prog = program(GPT, "sp2")
+    text = format_program(prog)
+    assert "reduce_scatter[model]" in text and "allgather[model]" in text
+    data = program_to_json(prog)
+    assert '"kind": "reduce_scatter"' in data
+
+
+@pytest.mark.parametrize("layout", sorted(n for n, p in GPT.parallels.items() if not p.operator))
+def test_every_gpt_layout_lowers(layout):
+    prog = program(GPT, layout)
+    assert prog.loss is not None and prog.world_size == GPT.parallel(layout).world_size
+
+
+def test_pipeline_layouts_are_refused_until_the_operator_axis_exists():
+    with pytest.raises(LoweringError) as err:
+        program(GPT, "gpt8")
+    assert "pipeline" in err.value.diagnostics[0].message
