@@ -321,7 +321,12 @@ class Communicator(abc.ABC):
 
         color=None: this rank joins none and gets None.
         """
-        return self._split(color, key)
+        from mpi4py import MPI
+
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return type(self)(sub)  # each backend is built from the MPI comm over its ranks
 
     # -- backend hooks ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -350,9 +355,6 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _barrier(self): ...
-
-    @abc.abstractmethod
-    def _split(self, color, key): ...
 
     #: the MPI communicator over the same ranks (debug checks and splits use it).
     mpi: Any = None

@@ -125,11 +125,6 @@ class MPICommunicator(Communicator):
     def _barrier(self):
         self.mpi.Barrier()
 
-    def _split(self, color, key):
-        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        if sub == MPI.COMM_NULL:
-            return None
-        return MPICommunicator(sub)
 
 
 def _rows(shape) -> int:

@@ -189,11 +189,3 @@ class NCCLCommunicator(Communicator):
     def _barrier(self):
         torch.cuda.current_stream().synchronize()
         self.mpi.Barrier()
-
-    def _split(self, color, key):
-        from mpi4py import MPI
-
-        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
-        if sub == MPI.COMM_NULL:
-            return None
-        return NCCLCommunicator(sub)
