@@ -243,6 +243,10 @@ def cross_entropy(step, args, ctx):
 def run_op(step: Compute, args: list[torch.Tensor], ctx: Shards, custom: dict) -> torch.Tensor:
     """Dispatch one Compute step to its implementation."""
     if step.kind.startswith("custom:"):
+        if step.kind not in custom:
+            name = step.kind.split(":", 1)[1]
+            raise KeyError(f"custom layer {name!r} has no implementation here: pass "
+                           f"custom={{{name!r}: fn}} to ShardedModel (--plugin does it)")
         return custom[step.kind](*args)
     fn = REGISTRY.get(step.kind)
     if fn is None:
