@@ -16,6 +16,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("soapstone.comm.bench", "benchmark soapstone against its peers"),
     "check": ("soapstone.dsl.check_command", "parse and validate .par specs (no torch)"),
     "show": ("soapstone.dsl.show_command", "print the checked IR of a spec"),
+    "run": ("soapstone.dsl.run_command", "train a spec's model (under mpiexec for a layout)"),
+    "golden": ("soapstone.dsl.golden_command",
+               "record a single-rank run; check that a layout reproduces it"),
+    "explain": ("soapstone.dsl.explain_command",
+                "per-rank memory, communication and bubble estimates before launch"),
 }
 
 

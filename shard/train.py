@@ -1,0 +1,139 @@
+"""The training loop behind `soapstone run` and `soapstone golden`.
+
+One step: every rank builds the same full batch (shard/data.py), runs its share of the forward,
+backpropagates the loss, and the optimizer (shard/optim.py) syncs gradients and updates the
+local shards. `Trainer.step(i)` returns the step's metrics; the global loss is gathered on
+every rank (a collective: all ranks call it), so any rank may log it.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from soapstone.shard.data import SyntheticTask
+from soapstone.shard.program import Program
+from soapstone.shard.runtime import ShardedModel
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@attrs.define
+class StepMetrics:
+    """What one training step did (the fields of a --metrics JSON line, plus grad_norm)."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    max_rss_bytes: int
+    grad_norm: float | None = None
+
+    def to_json(self) -> dict:
+        """The --metrics line: step, loss, step_time_s, tokens_per_s, max_rss_bytes."""
+        return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
+                "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes}
+
+
+def max_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def make_optimizer(model: ShardedModel, name: str, lr: float, weight_decay: float = 0.0,
+                   grad_clip: float | None = None, zero: int = 0):
+    """shard/optim.py's optimizer (gradient sync, ZeRO, clipping) for the model's shards."""
+    try:
+        from soapstone.shard.optim import build_optimizer
+    except ImportError:  # TEMP until shard/optim.py lands
+        return _Plain(model, name, lr)
+    return build_optimizer(model, name=name, lr=lr, weight_decay=weight_decay,
+                           grad_clip=grad_clip, zero=zero)
+
+
+class Trainer:
+    """A sharded model, its optimizer and its data: `step(i)` trains on batch i."""
+
+    def __init__(self, program: Program, mesh=None, *, task: SyntheticTask | None = None,
+                 seed: int = 0, custom: dict | None = None, precision: str = "fp32",
+                 optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
+                 grad_clip: float | None = None, zero: int = 0):
+        self.program = program
+        self.model = ShardedModel(program, mesh, seed=seed, custom=custom,
+                                  dtype=PRECISIONS[precision])
+        self.opt = make_optimizer(self.model, optimizer, lr, weight_decay, grad_clip, zero)
+        self.task = task or SyntheticTask(program, seed)
+        loss = program.loss
+        if loss is None:
+            raise ValueError(f"model {program.model} marks no output as the loss")
+        self.loss_name = loss.name
+
+    def step(self, i: int) -> StepMetrics:
+        """Forward, backward and optimizer step on batch `i`; the global loss and timings."""
+        batch = self.task.batch(i)
+        t0 = time.perf_counter()
+        self.model.ctx.rng_step = i  # dropout masks: a function of (seed, step, value)
+        out = self.model(batch)
+        out[self.loss_name].backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        loss = self.model.loss_value(out)
+        dt = time.perf_counter() - t0
+        norm = getattr(self.opt, "grad_norm", None)
+        return StepMetrics(i, loss, dt, self.task.tokens(i) / dt if dt > 0 else 0.0,
+                           max_rss_bytes(), None if norm is None else float(norm))
+
+    def run(self, steps: int, start: int = 0) -> Iterator[StepMetrics]:
+        """Train `steps` steps, yielding each step's metrics."""
+        for i in range(start, start + steps):
+            yield self.step(i)
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (redrawn in place on a terminal; on a pipe, a line
+    every tenth of the run) showing the step, loss and tokens/s."""
+
+    def __init__(self, total: int, stream=None, width: int = 24):
+        self.total, self.width = total, width
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = max(1, total // 10)
+        self.t0 = time.perf_counter()
+
+    def update(self, m: StepMetrics) -> None:
+        done = m.step + 1
+        if not self.tty and done % self.every and done != self.total:
+            return
+        fill = self.width * done // max(self.total, 1)
+        bar = "#" * fill + "." * (self.width - fill)
+        text = (f"[{bar}] {done}/{self.total}  loss {m.loss:.4f}  "
+                f"{m.tokens_per_s:,.0f} tok/s  {time.perf_counter() - self.t0:.1f}s")
+        self.stream.write(("\r" + text) if self.tty else text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class _Plain:  # TEMP
+    def __init__(self, model, name, lr):
+        self.model = model
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
+        kw = {} if name == "adamw" else {"momentum": 0.9}
+        self.opt = cls(model.parameters(), lr=lr, **kw)
+        self.grad_norm = None
+
+    def step(self):
+        self.model.sync_grads()
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
