@@ -57,6 +57,10 @@ class ShardedModel:
         self.ctx.rng_seed = seed
         self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
         self.dtype = dtype  # overrides the spec's float dtypes (e.g. float64 for checks)
+        # Optional ZeRO-3 hook (shard/zero.py): when set, forward asks it for parameters step
+        # by step (`before_step`/`after_step`) inside its `forward_context()`, instead of
+        # reading self.params directly.
+        self.param_provider = None
         self.params: dict[str, torch.nn.Parameter] = {
             p.name: torch.nn.Parameter(self._cast(self.local(init_full(p, seed),
                                                              program.value(p.name))))
@@ -118,9 +122,17 @@ class ShardedModel:
             if name not in inputs:
                 raise KeyError(f"missing input {name!r}")
             env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
-        env.update(self.params)
-        for step in self.program.steps:
-            env[step.out] = self._run(step, env)
+        provider = self.param_provider
+        if provider is None:
+            env.update(self.params)
+            for step in self.program.steps:
+                env[step.out] = self._run(step, env)
+        else:
+            with provider.forward_context():
+                for i, step in enumerate(self.program.steps):
+                    provider.before_step(i, env)
+                    env[step.out] = self._run(step, env)
+                    provider.after_step(i)
         return {o.name: env[o.value] for o in self.program.outputs}
 
     __call__ = forward

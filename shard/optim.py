@@ -1,0 +1,153 @@
+"""Optimizers over flat fp32 buffers, and `build_optimizer`, the one entry point for training.
+
+    opt = build_optimizer(model, "adamw", lr=1e-3, weight_decay=0.0, grad_clip=1.0, zero=1)
+    for batch in data:
+        model(batch)["loss"].backward()   # gradient buckets reduce while backward runs
+        opt.step()                        # finish reduction, clip by global norm, update
+        opt.zero_grad()
+    opt.grad_norm                         # the global gradient norm of the last step
+
+`zero` picks the ZeRO stage (0 plain data parallel, 1 optimizer state sharded, 2 gradients too,
+3 parameters too); see data_parallel.py for the buckets and zero.py for stage 3. The update
+rules are written out here on flat tensors (one bucket's slice at a time) with exactly the
+arithmetic of torch.optim.AdamW and torch.optim.SGD (single-tensor path), so a sharded update
+of a slice computes, element by element, what the single-rank optimizer computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from soapstone.shard.data_parallel import GradReducer
+
+
+class FlatAdamW:
+    """torch.optim.AdamW's update (amsgrad off) on one flat fp32 slice."""
+
+    def __init__(self, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+
+    def init_state(self, p: torch.Tensor) -> dict:
+        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
+        beta1, beta2 = self.betas
+        if self.weight_decay:
+            p.mul_(1 - self.lr * self.weight_decay)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = self.lr / (1 - beta1 ** step)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(self.eps)
+        p.addcdiv_(m, denom, value=-step_size)
+
+
+class FlatSGD:
+    """torch.optim.SGD's update (dampening 0, no nesterov) on one flat fp32 slice."""
+
+    def __init__(self, lr: float, momentum: float = 0.9, weight_decay: float = 0.0):
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+    def init_state(self, p: torch.Tensor) -> dict:
+        return {"momentum_buffer": torch.zeros_like(p)} if self.momentum else {}
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
+        d = g.add(p, alpha=self.weight_decay) if self.weight_decay else g
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            if step == 1:
+                buf.copy_(d)
+            else:
+                buf.mul_(self.momentum).add_(d)
+            d = buf
+        p.add_(d, alpha=-self.lr)
+
+
+class Optimizer:
+    """Gradient reduction + global-norm clipping + a flat update rule, for one ShardedModel."""
+
+    def __init__(self, model, rule, grad_clip: float | None, reducer: GradReducer):
+        self.model = model
+        self.rule = rule
+        self.grad_clip = grad_clip
+        self.reducer = reducer
+        self.grad_norm: float = 0.0
+        self.steps = 0
+        self.state = [rule.init_state(seg.master) if seg.master is not None else {}
+                      for seg in reducer.segments()]
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage."""
+        return self.reducer.stage
+
+    def no_sync(self):
+        """Context: backward passes inside accumulate gradients without reducing them (stages
+        0 and 1; stages 2 and 3 keep only gradient shards, so they reduce-scatter every
+        microbatch and accumulate the shards)."""
+        return self.reducer.no_sync()
+
+    def step(self) -> None:
+        """Finish gradient reduction, clip by the global norm (if grad_clip), update params."""
+        self.reducer.finish()
+        self.steps += 1
+        segs = self.reducer.segments()
+        self.grad_norm = self.reducer.global_grad_norm()
+        if self.grad_clip is not None:
+            coef = min(self.grad_clip / (self.grad_norm + 1e-6), 1.0)
+            if coef < 1.0:
+                for seg in segs:
+                    if seg.grad is not None:
+                        seg.grad.mul_(coef)
+        with torch.no_grad():
+            for seg, state in zip(segs, self.state, strict=True):
+                if seg.master is not None and seg.grad is not None and seg.master.numel():
+                    self.rule.update(seg.master, seg.grad, state, self.steps)
+        self.reducer.publish_params()
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (the flat buffers are zeroed, not freed)."""
+        self.reducer.zero_grad()
+
+    def gathered(self):
+        """Context: under ZeRO-3, every parameter holds its full value inside it (for
+        model.full_state_dict() or evaluation); a no-op otherwise."""
+        return self.reducer.gathered() if self.reducer.stage == 3 else contextlib.nullcontext()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(t.numel() * t.element_size() for s in self.state for t in s.values())
+
+
+def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
+                    momentum: float = 0.9, grad_clip: float | None = None, zero: int = 0,
+                    bucket_mb: float = 25.0, precision: str | None = None,
+                    data_axes: tuple[str, ...] | None = None, overlap: bool = True,
+                    betas=(0.9, 0.999), eps: float = 1e-8) -> Optimizer:
+    """An optimizer for `model` (a ShardedModel) that also owns its gradient reduction.
+
+    name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data-parallel axes.
+    bucket_mb: gradient bucket size (the first bucket is 1 MiB at most, as in PyTorch DDP).
+    precision: None/"fp32", or "bf16": the model computes in bf16, the optimizer keeps fp32
+    master weights, fp32 gradient buffers and fp32 state. data_axes: the sample axes to shard
+    over (default: derived from the Program). overlap=False reduces only after backward (for
+    benchmarks).
+    """
+    if name == "adamw":
+        rule = FlatAdamW(lr, betas, eps, weight_decay)
+    elif name == "sgd":
+        rule = FlatSGD(lr, momentum, weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}; use 'adamw' or 'sgd'")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if precision not in (None, "fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    reducer = GradReducer(model, stage=zero, bucket_mb=bucket_mb,
+                          compute_dtype=torch.bfloat16 if precision == "bf16" else None,
+                          data_axes=data_axes, overlap=overlap)
+    return Optimizer(model, rule, grad_clip, reducer)
