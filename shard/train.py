@@ -49,9 +49,12 @@ def max_rss_bytes() -> int:
 def make_optimizer(model: ShardedModel, name: str, lr: float, weight_decay: float = 0.0,
                    grad_clip: float | None = None, zero: int = 0):
     """shard/optim.py's optimizer (gradient sync, ZeRO, clipping) for the model's shards."""
+    import os
     try:
         from soapstone.shard.optim import build_optimizer
     except ImportError:  # TEMP until shard/optim.py lands
+        return _Plain(model, name, lr)
+    if os.environ.get("SOAPSTONE_PLAIN_OPTIM"):  # TEMP
         return _Plain(model, name, lr)
     return build_optimizer(model, name=name, lr=lr, weight_decay=weight_decay,
                            grad_clip=grad_clip, zero=zero)

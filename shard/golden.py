@@ -1,0 +1,198 @@
+"""Golden runs: record a single-rank training run, check that a sharded layout reproduces it.
+
+File format (`.npz`, written and read with allow_pickle=False, so loading runs no code):
+
+    header            uint8[]  UTF-8 JSON: {"format": "soapstone-golden/1", "model", "spec",
+                               "dims" (the --dim overrides), "steps", "seed", "optimizer", "lr",
+                               "precision", "data", "params" (names, program order),
+                               "samples" (flat indices sampled per param), "full": bool,
+                               "torch" (version that recorded it)}
+    loss              f64[steps]            the global loss of each step's forward
+    digest/<param>    f64[steps, 3 + k]     after each step's update: sum, abs-sum, abs-max,
+                                            then the values at the k sampled flat indices
+    final/<param>     the full final tensor (only when the model has <= FULL_LIMIT elements)
+
+Tolerances (`Tolerance`): losses rtol 1e-5. Parameters are compared against their own scale:
+|got - want| <= rtol * (|want| + scale) where scale is the tensor's abs-max (abs-sum for the
+sum). That holds for SGD (the default optimizer of golden runs): an update is lr * gradient,
+and the gradient differs between layouts only by summation order (~1e-7 relative). AdamW
+divides each gradient by its own running magnitude, so an element whose gradient is near zero
+turns that rounding into a visible change of its update (tests/cases/numerics_cases.py): for
+AdamW records the parameter tolerance adds an absolute 1e-2 * lr per step, 1% of one update.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+FORMAT = "soapstone-golden/1"
+SAMPLES = 8
+FULL_LIMIT = 1 << 20
+
+
+class GoldenError(ValueError):
+    """An unreadable or mismatched record file (bad input: exit 2)."""
+
+
+@attrs.define
+class Record:
+    """A recorded run: its header and, per step, the loss and each parameter's digest."""
+
+    header: dict
+    loss: np.ndarray
+    digests: dict[str, np.ndarray]
+    final: dict[str, np.ndarray] = attrs.field(factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return int(self.header["steps"])
+
+
+@attrs.define
+class Tolerance:
+    """rtol on losses and on parameters relative to their scale; atol added per step."""
+
+    loss_rtol: float = 1e-5
+    param_rtol: float = 1e-5
+    param_atol_per_step: float = 0.0
+
+    @classmethod
+    def for_record(cls, header: dict) -> Tolerance:
+        """The documented default: AdamW records allow 1% of an update (lr) per step."""
+        atol = 1e-2 * float(header["lr"]) if header.get("optimizer") == "adamw" else 0.0
+        return cls(param_atol_per_step=atol)
+
+
+@attrs.define
+class Mismatch:
+    """Where a run first left the record."""
+
+    step: int
+    tensor: str  # "loss" or a parameter name
+    what: str  # "loss", "sum", "abs-sum", "abs-max", "sample i", "final"
+    got: float
+    want: float
+    limit: float
+
+    def __str__(self) -> str:
+        where = "the loss" if self.tensor == "loss" else f"parameter {self.tensor} ({self.what})"
+        return (f"step {self.step}: {where} = {self.got!r}, recorded {self.want!r} "
+                f"(|diff| {abs(self.got - self.want):.3e} > {self.limit:.3e})")
+
+
+def sample_indices(numel: int, k: int = SAMPLES) -> list[int]:
+    """k flat indices spread evenly over a tensor (all of them when it is smaller)."""
+    if numel <= k:
+        return list(range(numel))
+    return [int(round(i * (numel - 1) / (k - 1))) for i in range(k)]
+
+
+def digest(t: torch.Tensor) -> np.ndarray:
+    """sum, abs-sum, abs-max and the sampled values of a full tensor, in float64."""
+    flat = t.detach().reshape(-1).double()
+    idx = sample_indices(flat.numel())
+    head = [float(flat.sum()), float(flat.abs().sum()), float(flat.abs().max())
+            if flat.numel() else 0.0]
+    return np.array(head + [float(flat[i]) for i in idx], dtype=np.float64)
+
+
+class Recorder:
+    """Collects a run step by step; `save(path)` writes the .npz."""
+
+    def __init__(self, header: dict, params: list[str]):
+        self.header = dict(header, format=FORMAT, params=list(params), torch=torch.__version__)
+        self.loss: list[float] = []
+        self.digests: dict[str, list[np.ndarray]] = {n: [] for n in params}
+        self.final: dict[str, np.ndarray] = {}
+
+    def add(self, loss: float, state: dict[str, torch.Tensor]) -> None:
+        self.loss.append(float(loss))
+        for name in self.digests:
+            self.digests[name].append(digest(state[name]))
+
+    def finish(self, state: dict[str, torch.Tensor]) -> Record:
+        total = sum(t.numel() for t in state.values())
+        self.header["steps"] = len(self.loss)
+        self.header["full"] = total <= FULL_LIMIT
+        final = {n: t.detach().float().numpy().copy() for n, t in state.items()} \
+            if self.header["full"] else {}
+        return Record(self.header, np.array(self.loss, dtype=np.float64),
+                      {n: np.stack(d) for n, d in self.digests.items()}, final)
+
+
+def save(record: Record, path: str | Path) -> None:
+    """Write a record (.npz, no pickles)."""
+    arrays = {"header": np.frombuffer(json.dumps(record.header, indent=1).encode(), np.uint8),
+              "loss": record.loss}
+    arrays.update({f"digest/{n}": d for n, d in record.digests.items()})
+    arrays.update({f"final/{n}": t for n, t in record.final.items()})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load(path: str | Path) -> Record:
+    """Read a record; GoldenError when the file is missing or not a soapstone record."""
+    p = Path(path)
+    if not p.is_file():
+        raise GoldenError(f"{path}: no such golden record")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            header = json.loads(bytes(z["header"]).decode())
+            if header.get("format") != FORMAT:
+                raise GoldenError(f"{path}: format {header.get('format')!r}, expected {FORMAT}")
+            digests = {n: z[f"digest/{n}"] for n in header["params"]}
+            final = {n: z[f"final/{n}"] for n in header["params"]} if header.get("full") else {}
+            return Record(header, z["loss"], digests, final)
+    except GoldenError:
+        raise
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise GoldenError(f"{path}: not a soapstone golden record ({type(e).__name__}: {e})") \
+            from None
+
+
+def compare_step(record: Record, step: int, loss: float, state: dict[str, torch.Tensor],
+                 tol: Tolerance) -> Mismatch | None:
+    """The first difference at `step` (loss first, then parameters in program order)."""
+    want = float(record.loss[step])
+    limit = tol.loss_rtol * abs(want)
+    if not abs(loss - want) <= limit:
+        return Mismatch(step, "loss", "loss", float(loss), want, limit)
+    atol = tol.param_atol_per_step * (step + 1)
+    names = ["sum", "abs-sum", "abs-max"]
+    for name in record.header["params"]:
+        want_d, got_d = record.digests[name][step], digest(state[name])
+        scale = want_d[2]
+        for i, (g, w) in enumerate(zip(got_d, want_d, strict=True)):
+            ref = want_d[1] if i == 0 else scale  # the sum cancels: judge it by the abs-sum
+            n = atol * (state[name].numel() if i in (0, 1) else 1)
+            lim = tol.param_rtol * (abs(w) + ref) + n
+            if not abs(g - w) <= lim:
+                what = names[i] if i < 3 else f"value at flat index " \
+                    f"{sample_indices(state[name].numel())[i - 3]}"
+                return Mismatch(step, name, what, float(g), float(w), lim)
+    return None
+
+
+def compare_final(record: Record, state: dict[str, torch.Tensor],
+                  tol: Tolerance) -> Mismatch | None:
+    """Every element of every final parameter (records of small models only)."""
+    step = record.steps - 1
+    atol = tol.param_atol_per_step * record.steps
+    for name, want in record.final.items():
+        got = state[name].detach().double()
+        w = torch.from_numpy(want).double()
+        if got.shape != w.shape:
+            return Mismatch(step, name, f"shape {list(got.shape)} vs {list(w.shape)}",
+                            0.0, 0.0, 0.0)
+        lim = tol.param_rtol * (w.abs() + w.abs().max()) + atol
+        bad = (got - w).abs() > lim
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0])
+            return Mismatch(step, name, f"final, flat index {i}", float(got.reshape(-1)[i]),
+                            float(w.reshape(-1)[i]), float(lim.reshape(-1)[i]))
+    return None
