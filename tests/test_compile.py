@@ -92,10 +92,8 @@ def test_ulysses_all_to_all_falls_out_when_heads_may_split_but_weights_stay_whol
     # sequence split over 4 ranks; heads may split there too, but no weight is split. With
     # long enough sequences the cost model prefers all-to-all (DeepSpeed-Ulysses) to gathering
     # keys and values: seq->heads before the attention core, heads->seq after it.
-    spec = dsl.load(ROOT / "examples/gpt.par", dims={"seq": 256})
-    par = attrs.evolve(spec.parallel("cp2"), mesh=(("cp", 4),),
-                       attribute=(("seq", "cp"), ("heads", "cp")))
-    prog = lower(spec.model(), par)
+    spec = dsl.load(ROOT / "tests/specs/gpt_layouts.par", dims={"seq": 128})
+    prog = program(spec, "ulysses4")
     moves = Counter((s.kind, s.frm, s.to) for s in prog.steps if isinstance(s, Redistribute))
     assert moves == {("alltoall", "seq", "heads"): LAYERS, ("alltoall", "seq_k", "heads"):
                      2 * LAYERS, ("alltoall", "heads", "seq"): LAYERS}

@@ -31,7 +31,7 @@ SEED, STEPS, RTOL, LR = 7, 3, 1e-5, 1e-3
 dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
 CUSTOM = {"swiglu": dsl.custom.get("swiglu").fn}
 SPECS = {name: dsl.load(ROOT / f"tests/specs/{name}_layouts.par") for name in
-         ("gpt", "mlp", "llama")}
+         ("gpt", "mlp", "llama", "ops")}
 
 
 def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
@@ -60,8 +60,8 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         f"{what}: max abs diff {float((got - want).abs().max()):.3e} (scale {scale:.3e})"
 
 
-def golden(spec: str, layout: str) -> None:
-    s = SPECS[spec]
+def golden(spec: str, layout: str, dims: dict | None = None) -> None:
+    s = dsl.load(ROOT / f"tests/specs/{spec}_layouts.par", dims=dims) if dims else SPECS[spec]
     model, par = s.model(), s.parallel(layout)
     if par.world_size != W.size:
         raise Skip(f"{layout} needs {par.world_size} ranks")
@@ -136,6 +136,11 @@ def case_gpt_dp2sp2():
     golden("gpt", "dp2sp2")
 
 
+def case_gpt_ulysses4():
+    # long enough sequences that the compiler picks all-to-alls (checked in test_compile.py)
+    golden("gpt", "ulysses4", dims={"seq": 128})
+
+
 def case_mlp_dp2():
     golden("mlp", "dp2")
 
@@ -178,3 +183,30 @@ def case_llama_tp4():
 
 def case_llama_dp2tp2():
     golden("llama", "dp2tp2")
+
+
+def case_ops_hid2():
+    golden("ops", "hid2")
+
+
+def case_ops_cls2():
+    golden("ops", "cls2")
+
+
+def case_ops_dp2hid2():
+    golden("ops", "dp2hid2")
+
+
+def case_full_state_dict_round_trip():
+    """A plain (unsharded) state dict loads into any layout and comes back unchanged."""
+    s = SPECS["gpt"]
+    for name in ("tp2", "sp2", "cp2", "dp2") if W.size == 2 else ("tp4", "dp2tp2"):
+        par = s.parallel(name)
+        program = lower(s.model(), par)
+        g = torch.Generator().manual_seed(5)
+        plain = {p.name: torch.randn(p.shape, generator=g) for p in program.params}
+        m = ShardedModel(program, Mesh(W, **dict(par.mesh)), seed=0)
+        m.load_full_state_dict(plain)
+        back = m.full_state_dict()
+        for k, v in plain.items():
+            assert torch.equal(back[k], v), f"{name}: {k} changed in the round trip"
