@@ -47,17 +47,13 @@ def max_rss_bytes() -> int:
 
 
 def make_optimizer(model: ShardedModel, name: str, lr: float, weight_decay: float = 0.0,
-                   grad_clip: float | None = None, zero: int = 0):
-    """shard/optim.py's optimizer (gradient sync, ZeRO, clipping) for the model's shards."""
-    import os
-    try:
-        from soapstone.shard.optim import build_optimizer
-    except ImportError:  # TEMP until shard/optim.py lands
-        return _Plain(model, name, lr)
-    if os.environ.get("SOAPSTONE_PLAIN_OPTIM"):  # TEMP
-        return _Plain(model, name, lr)
+                   grad_clip: float | None = None, zero: int = 0, precision: str = "fp32"):
+    """shard/optim.py's optimizer (gradient sync, ZeRO, clipping, bf16 compute with fp32
+    master weights) for the model's shards."""
+    from soapstone.shard.optim import build_optimizer
+
     return build_optimizer(model, name=name, lr=lr, weight_decay=weight_decay,
-                           grad_clip=grad_clip, zero=zero)
+                           grad_clip=grad_clip, zero=zero, precision=precision)
 
 
 class Trainer:
@@ -68,9 +64,13 @@ class Trainer:
                  optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float | None = None, zero: int = 0):
         self.program = program
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        # bf16: the optimizer keeps fp32 masters and makes the model compute in bf16
         self.model = ShardedModel(program, mesh, seed=seed, custom=custom,
-                                  dtype=PRECISIONS[precision])
-        self.opt = make_optimizer(self.model, optimizer, lr, weight_decay, grad_clip, zero)
+                                  dtype=torch.float64 if precision == "fp64" else None)
+        self.opt = make_optimizer(self.model, optimizer, lr, weight_decay, grad_clip, zero,
+                                  precision if precision == "bf16" else None)
         self.task = task or SyntheticTask(program, seed)
         loss = program.loss
         if loss is None:
@@ -125,18 +125,3 @@ class ProgressBar:
             self.stream.write("\n")
             self.stream.flush()
 
-
-class _Plain:  # TEMP
-    def __init__(self, model, name, lr):
-        self.model = model
-        cls = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
-        kw = {} if name == "adamw" else {"momentum": 0.9}
-        self.opt = cls(model.parameters(), lr=lr, **kw)
-        self.grad_norm = None
-
-    def step(self):
-        self.model.sync_grads()
-        self.opt.step()
-
-    def zero_grad(self):
-        self.opt.zero_grad()

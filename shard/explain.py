@@ -1,0 +1,262 @@
+"""Estimates from a Program, before launch: what each rank holds and sends per training step.
+
+All ranks of a Program hold equal shards (the compiler only splits evenly), so one rank's
+figures are every rank's.
+
+Memory (bytes per rank):
+- params: the local shards in the spec's dtype (ZeRO-3: 1/D of them, D the data-parallel size).
+- grads: the optimizer's fp32 gradient buffers, one element per local parameter element
+  (ZeRO-2/3: 1/D).
+- optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
+  SGD with momentum 4 bytes (ZeRO >= 1: 1/D).
+- activations: the sum of the bytes of every float value the forward computes (each Compute
+  output and each redistributed copy; CopyTo is a view and costs nothing). This is what
+  autograd may keep alive for backward in the worst case: an upper bound, since some ops
+  (adds, views) keep less. Inputs and integer values are left out.
+
+Communication (bytes this rank sends per training step, per mesh axis and collective kind):
+the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
+2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
+the figures equal what the communicators' `stats` counters record during one step of
+`soapstone run` (tests/test_explain.py checks it):
+- forward: the Program's redistributions, and the statistics allreduces of distributed ops
+  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums).
+- backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
+  partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
+  alltoall, and the backward allreduce of each statistics sum).
+- grad sync (shard/data_parallel.py): ZeRO-0 allreduces each parameter's fp32 gradient over
+  its grad_sync axes; ZeRO >= 1 reduce-scatters it over the data axes, allreduces the shard
+  over the other grad_sync axes and allgathers the updated parameters over the data axes.
+- grad norm: one float64 allreduce per distinct set of axes the gradient pieces are split
+  over (the optimizer always computes the global norm).
+- loss: the float allreduce(s) that report the global loss each step.
+ZeRO buckets are padded to a multiple of D elements in the runtime if needed; the estimate
+ignores that padding (at most D-1 elements per bucket).
+
+Pipelines: bubble fraction (p-1)/(m+p-1) for p stages and m microbatches (0 without), stage
+imbalance = the largest stage's parameter elements over the mean (1.0 without).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from soapstone.shard.program import Compute, CopyTo, Program, Redistribute
+
+# (forward, backward) statistics allreduces per distributed op and split axis: (op, bwd?)
+DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "layernorm": (("sum", True), ("sum", True)),
+    "rmsnorm": (("sum", True),),
+    "softmax": (("max", False), ("sum", True)),
+    "cross_entropy": (("max", False), ("sum", False), ("sum", False)),
+}
+FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
+
+
+def bus_bytes(op: str, nbytes: int, size: int) -> int:
+    """Bytes one rank sends for `op` (the comm layer's counter convention)."""
+    if size <= 1:
+        return 0
+    if op == "allreduce":
+        return 2 * (size - 1) * nbytes // size
+    return (size - 1) * nbytes // size
+
+
+@attrs.define
+class Traffic:
+    """One row: this rank's calls and bytes for one collective on one axis (or axes)."""
+
+    phase: str  # forward | backward | grad sync | grad norm | loss
+    kind: str  # allreduce | reduce_scatter | allgather | alltoall
+    axis: str  # mesh axis, or "a,b" for a communicator over several
+    calls: int = 0
+    bytes: int = 0
+
+
+@attrs.define
+class Estimate:
+    """Per-rank memory and per-step communication of one layout."""
+
+    model: str
+    parallel: str | None
+    world_size: int
+    mesh: dict[str, int]
+    zero: int
+    optimizer: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    traffic: list[Traffic]
+    bubble: float = 0.0
+    imbalance: float = 1.0
+    stages: int = 1
+    microbatches: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def comm_by(self, *, merge_phases: bool = True) -> dict[tuple[str, str], tuple[int, int]]:
+        """(axis, kind) -> (calls, bytes), summed over phases: what `stats` counters show."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for t in self.traffic:
+            key = (t.axis, t.kind) if merge_phases else (t.phase, t.axis, t.kind)
+            row = out.setdefault(key, [0, 0])
+            row[0] += t.calls
+            row[1] += t.bytes
+        return {k: (c, b) for k, (c, b) in out.items()}
+
+    def to_data(self) -> dict:
+        d = attrs.asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["comm_bytes_per_axis"] = {}
+        for t in self.traffic:
+            d["comm_bytes_per_axis"][t.axis] = d["comm_bytes_per_axis"].get(t.axis, 0) + t.bytes
+        return d
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """GPipe/1F1B idle fraction: (p-1)/(m+p-1)."""
+    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
+
+
+def data_axes(program: Program) -> tuple[str, ...]:
+    """The sample axes ZeRO shards over (as shard/data_parallel.py picks them)."""
+    from soapstone.shard.data_parallel import default_data_axes
+
+    return default_data_axes(program)
+
+
+def estimate(program: Program, zero: int = 0, optimizer: str = "adamw") -> Estimate:
+    """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`."""
+    mesh = dict(program.mesh)
+    dp_axes = data_axes(program) if zero else ()
+    d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
+    rows: dict[tuple[str, str, str], Traffic] = {}
+
+    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1):
+        axes = (axes,) if isinstance(axes, str) else tuple(a for a in mesh if a in axes)
+        n = math.prod(mesh[a] for a in axes)
+        if n <= 1:
+            return
+        key = (phase, kind, ",".join(axes))
+        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes)))
+        row.calls += calls
+        row.bytes += bus_bytes(kind, nbytes, n) * calls
+
+    float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
+    elems = sum(math.prod(p.local_shape) for p in float_params)
+    param_bytes = sum(program.value(p.name).nbytes for p in program.params)
+    activations = 0
+    for step in program.steps:
+        out = program.value(step.out)
+        if isinstance(step, CopyTo):
+            add("backward", "allreduce", step.axis, out.nbytes)
+            continue
+        if out.is_float:
+            activations += out.nbytes
+        if isinstance(step, Redistribute):
+            src = program.value(step.src)
+            if step.kind == "allreduce":
+                add("forward", "allreduce", step.axis, src.nbytes)
+            elif step.kind == "reduce_scatter":
+                add("forward", "reduce_scatter", step.axis, src.nbytes)
+                if src.is_float:
+                    add("backward", "allgather", step.axis, src.nbytes)
+            elif step.kind == "allgather":
+                add("forward", "allgather", step.axis, out.nbytes)
+                if src.is_float and step.grad == "partial":
+                    add("backward", "reduce_scatter", step.axis, out.nbytes)
+            elif step.kind == "slice":
+                if src.is_float:
+                    add("backward", "allgather", step.axis, src.nbytes)
+            elif step.kind == "alltoall":
+                add("forward", "alltoall", step.axis, src.nbytes)
+                if src.is_float:
+                    add("backward", "alltoall", step.axis, out.nbytes)
+        elif isinstance(step, Compute) and step.dist:
+            x = program.value(step.args[0])
+            item = FLOAT_BYTES.get(x.dtype, 4)
+            over = str(step.attr("over"))
+            stat = math.prod(s for dim, s in zip(x.dims, x.local_shape, strict=True)
+                             if dim != over) * item
+            for axis in step.dist:
+                for _, backward in DIST_STATS.get(step.kind, ()):
+                    add("forward", "allreduce", axis, stat)
+                    if backward:
+                        add("backward", "allreduce", axis, stat)
+    # gradient sync, as shard/data_parallel.py does it (fp32 buffers, one bucket per group of
+    # parameters with the same sync and split axes while a group fits in a bucket)
+    norm_keys: set[tuple[str, ...]] = set()
+    groups: dict[tuple, list[int]] = {}
+    for p in float_params:
+        dp = tuple(a for a in p.grad_sync if a in dp_axes)
+        split = tuple(a for a, pl in p.layout.placements if pl != "P")
+        g = groups.setdefault((p.grad_sync, dp, split), [0, 0])
+        g[0] += math.prod(p.local_shape) * 4
+        g[1] += program.value(p.name).nbytes
+    for (sync, dp, split), (nb, param_nb) in groups.items():
+        rest = tuple(a for a in sync if a not in dp)
+        if zero == 0 or not dp:
+            add("grad sync", "allreduce", sync, nb)
+            norm_keys.add(tuple(a for a in mesh if a in split))
+        else:
+            n_dp = math.prod(mesh[a] for a in dp)
+            add("grad sync", "reduce_scatter", dp, nb)
+            add("grad sync", "allreduce", rest, nb // n_dp)
+            add("grad sync", "allgather", dp, param_nb)
+            norm_keys.add(tuple(a for a in mesh if a in set(split) | set(dp)))
+    for key in norm_keys:
+        add("grad norm", "allreduce", key, 8)
+    loss = program.loss
+    if loss is not None:
+        lv = program.value(loss.value)
+        for axis, placement in lv.layout.placements:
+            if placement == "P":
+                add("loss", "allreduce", axis, lv.nbytes)
+            else:
+                add("loss", "allgather", axis, lv.nbytes * mesh[axis])
+    grad_bytes = elems * 4 // (d if zero >= 2 else 1)
+    opt_bytes = elems * OPTIMIZER_STATE.get(optimizer, 8) // (d if zero >= 1 else 1)
+    return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
+                    param_bytes // (d if zero >= 3 else 1), grad_bytes, opt_bytes, activations,
+                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_estimate(e: Estimate) -> str:
+    """The table `soapstone explain` prints."""
+    mesh = " x ".join(f"{a}={s}" for a, s in e.mesh.items()) or "single rank"
+    lines = [f"explain {e.model}" + (f" / {e.parallel}" if e.parallel else "") +
+             f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
+             f"zero {e.zero}, {e.optimizer}",
+             "memory per rank (every rank alike):",
+             f"  params        {_size(e.param_bytes):>12}",
+             f"  grads         {_size(e.grad_bytes):>12}   (fp32 buffers)",
+             f"  optimizer     {_size(e.optimizer_bytes):>12}   (fp32 state)",
+             f"  activations   {_size(e.activation_bytes):>12}   (forward values kept for "
+             "backward, upper bound)",
+             f"  total         {_size(e.total_bytes):>12}",
+             "communication per training step (bytes this rank sends, ring convention):"]
+    if not e.traffic:
+        lines.append("  none")
+    per_axis: dict[str, int] = {}
+    for t in e.traffic:
+        lines.append(f"  {t.phase:<10} {t.kind:<15} [{t.axis}]  x{t.calls:<4} "
+                     f"{_size(t.bytes):>12}")
+        per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
+    for axis, n in sorted(per_axis.items()):
+        lines.append(f"  total on [{axis}]{'':<20}{_size(n):>12}")
+    lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
+                 f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
+    return "\n".join(lines) + "\n"
