@@ -185,6 +185,7 @@ class GradReducer:
         self._next = 0
         self._callback_queued = False
         self._grads_exposed = False
+        self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
         self.provider = None
         if stage == 3:
             from soapstone.shard.zero import Zero3Provider
@@ -240,8 +241,9 @@ class GradReducer:
                     full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
                 if b.stage == 3:
                     b.master = full[b.shard_range()].clone()
-                    for s in b.slots:
-                        s.param.data = torch.empty(0, dtype=self.dtype)
+                    from soapstone.shard.zero import release_params
+
+                    release_params(b, self.dtype)
                     continue
                 b.flat_param = full if self.dtype == b.mdtype else full.to(self.dtype)
                 for s in b.slots:
@@ -286,6 +288,7 @@ class GradReducer:
         while self._next < len(self.buckets) and \
                 self.buckets[self._next].filled == len(self.buckets[self._next].slots):
             self._launch(self.buckets[self._next])
+            self.launched_in_backward += 1
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:

@@ -27,6 +27,14 @@ import torch
 from soapstone.shard.program import Compute
 
 
+def release_params(bucket, dtype: torch.dtype) -> None:
+    """Point a bucket's parameters at a one-element placeholder broadcast to their shape (no
+    memory, but autograd's AccumulateGrad still sees the right shape)."""
+    one = torch.zeros(1, dtype=dtype)
+    for s in bucket.slots:
+        s.param.data = one.expand(s.shape)
+
+
 class _Packed:
     __slots__ = ("index", "size", "stride", "offset")
 
@@ -62,6 +70,7 @@ class Zero3Provider:
         self.by_ptr: dict[int, int] = {}
         self.shard_cache: dict[int, torch.Tensor] = {}
         self.gathers = 0  # allgathers issued (for tests and benchmarks)
+        self.peak_live = 0  # most gathered buckets alive at once
 
     # --- gathering and freeing ------------------------------------------------------------
     def _source(self, b) -> torch.Tensor:
@@ -86,6 +95,7 @@ class Zero3Provider:
         self.prefetch(idx)
         full = self.pending.pop(idx).wait()
         self.full[idx] = full
+        self.peak_live = max(self.peak_live, len(self.full))
         self.by_ptr[full.untyped_storage().data_ptr()] = idx
         for s in self.buckets[idx].slots:
             s.param.data = full[s.offset:s.offset + s.numel].view(s.shape)
@@ -96,9 +106,7 @@ class Zero3Provider:
         if full is None:
             return
         del self.by_ptr[full.untyped_storage().data_ptr()]
-        empty = torch.empty(0, dtype=full.dtype)
-        for s in self.buckets[idx].slots:
-            s.param.data = empty
+        release_params(self.buckets[idx], full.dtype)
 
     def _next_of(self, idx: int, step: int) -> int | None:
         k = self.order.index(idx) + step
@@ -158,6 +166,7 @@ class Zero3Provider:
     @contextlib.contextmanager
     def gathered(self):
         """Every ZeRO-3 parameter holds its full value inside the block."""
+        peak = self.peak_live  # deliberate, not a training-time peak
         for idx in self.order:
             self.gather(idx)
         try:
@@ -165,3 +174,4 @@ class Zero3Provider:
         finally:
             for idx in self.order:
                 self.release(idx)
+            self.peak_live = peak
