@@ -115,6 +115,9 @@ def check_run(spec_path: str, parallel: str | None, record_file: str, *,
     load_plugins(list(plugins))
     spec = load(spec_path, dims=header.get("dims") or None, filename=spec_path)
     par = spec.parallel(parallel) if parallel else None
+    if par is None and header["model"] not in spec.models:
+        raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
+                                 f"{spec_path} defines {', '.join(spec.models) or 'none'}")
     model = spec.model(par.model if par else header["model"])
     if model.name != header["model"]:
         raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "

@@ -1,0 +1,52 @@
+"""`soapstone explain`: the estimates agree with a real step (cases in
+tests/cases/run_cases.py: communication bytes equal the comm layer's counters per axis and
+collective; param/grad/optimizer memory within 10% of the measured tensors), and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mpirun import run_mpi
+
+from soapstone.shard.explain import bubble_fraction
+
+CASES = "tests/cases/run_cases.py"
+CLI = ["-m", "soapstone.dsl.cli", "explain"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_explain_matches_a_real_step(comm_runs, n, optimizer):
+    comm_runs(n, CASES).check(f"case_explain_matches_counters_{optimizer}")
+
+
+def test_bubble_formula():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_explain_table_and_json():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "dp2tp2"], check=True)
+    for needle in ("params", "optimizer", "activations", "grad sync  allreduce       [data]",
+                   "total on [model]", "bubble 0.000"):
+        assert needle in r.stdout, r.stdout
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "tp2", "--json"], check=True)
+    data = json.loads(r.stdout)
+    assert data["optimizer_bytes"] == 2 * data["grad_bytes"]  # AdamW: 2 x fp32 per param
+    assert data["bubble"] == 0.0 and data["imbalance"] == 1.0
+    assert data["comm_bytes_per_axis"]["model"] > 0
+
+
+def test_explain_pipeline_layout_gives_bubble():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "gpt8", "--json"], check=True)
+    data = json.loads(r.stdout)
+    assert data["stages"] == 2 and data["bubble"] == pytest.approx(1 / 5)
+    assert data["memory"] is None and "not lowered" in data["note"]
+
+
+def test_explain_unknown_layout_exit_2():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "tp3"])
+    assert r.returncode == 2 and "no parallel block named 'tp3'" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
