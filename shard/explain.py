@@ -252,11 +252,11 @@ def format_estimate(e: Estimate) -> str:
         lines.append("  none")
     per_axis: dict[str, int] = {}
     for t in e.traffic:
-        lines.append(f"  {t.phase:<10} {t.kind:<15} [{t.axis}]  x{t.calls:<4} "
+        lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
                      f"{_size(t.bytes):>12}")
         per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
     for axis, n in sorted(per_axis.items()):
-        lines.append(f"  total on [{axis}]{'':<20}{_size(n):>12}")
+        lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{_size(n):>12}")
     lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
                  f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
     return "\n".join(lines) + "\n"
