@@ -1,0 +1,370 @@
+"""The pipeline executor: one rank's virtual stages, driven by a schedule over p2p.
+
+    graph = soapstone.dsl.stages.lower_pipeline(model, parallel)   # a StageGraph
+    pipe = PipelineModel(graph, Mesh(world, **dict(parallel.mesh)), seed=0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    for batch in data:                   # full global batches, the same on every rank
+        loss = pipe.train_step(batch)    # forward + backward of every microbatch; the loss
+                                         # (mean over microbatches) on every rank
+        pipe.sync_grads()                # data/model-axis sums per stage + shared (tied) params
+        pipe.clip_grad_norm_(1.0)        # optional: the global norm over every axis and stage
+        opt.step(); opt.zero_grad()
+    pipe.write_chrome_trace("trace.json")   # the last step's timeline, every rank (collective)
+
+Each virtual stage this rank runs is a `ShardedModel` of its stage Program on the mesh without
+the pipe axis, so collectives inside a stage are those of the single-program runtime. The
+schedule (shard/schedules.py) is a list of actions; receives are posted ahead as non-blocking
+irecvs into buffers of the compile-time boundary shapes, sends are non-blocking isends waited on
+at the end of the step, so a rank computes while its messages travel. Every message has a tag
+naming (direction, edge, microbatch, tensor), so matching never depends on arrival order.
+Before sending, the actual tensor is checked against the stage graph (ShapeMismatch, which
+aborts the MPI job through the failure handler instead of leaving the receiver hanging).
+
+The loss of a microbatch is a mean over it; the last stage backpropagates loss / microbatches,
+so the accumulated gradients are those of the mean over the whole batch, as on one rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from soapstone.shard import schedules
+from soapstone.shard import trace as tr
+from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel
+from soapstone.shard.stage_graph import Boundary, StageGraph
+
+
+class SubMesh:
+    """A mesh seen without one axis: what a stage's ShardedModel runs on. Communicators are
+    the full mesh's (those over the remaining axes hold ranks of one pipe stage)."""
+
+    def __init__(self, mesh, drop: str):
+        self.mesh = mesh
+        self.shape = {a: n for a, n in mesh.shape.items() if a != drop}
+        self.axes = tuple(self.shape)
+        self.rank = mesh.rank
+
+    def comm(self, *axes: str):
+        return self.mesh.comm(*axes)
+
+    def coord(self, axis: str) -> int:
+        return self.mesh.coord(axis)
+
+    def size(self, axis: str) -> int:
+        return self.mesh.size(axis)
+
+
+def forward_local(model: ShardedModel, full: dict[str, torch.Tensor],
+                  local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ShardedModel.forward where some inputs (`local`) are already this rank's shards."""
+    env: dict[str, torch.Tensor] = {}
+    for name in model.program.inputs:
+        if name in local:
+            env[name] = local[name]
+        elif name in full:
+            env[name] = model._cast(model.local(full[name], model.program.value(name)))
+        else:
+            raise KeyError(f"missing input {name!r}")
+    provider = model.param_provider
+    if provider is None:
+        env.update(model.params)
+        for step in model.program.steps:
+            env[step.out] = model._run(step, env)
+    else:
+        with provider.forward_context():
+            for i, step in enumerate(model.program.steps):
+                provider.before_step(i, env)
+                env[step.out] = model._run(step, env)
+                provider.after_step(i)
+    return {o.name: env[o.value] for o in model.program.outputs}
+
+
+class PipelineModel:
+    """This rank's share of a pipelined layout (see the module doc for the training loop)."""
+
+    def __init__(self, graph: StageGraph, mesh, seed: int = 0, custom: dict | None = None,
+                 dtype: torch.dtype | None = None, trace: bool = False):
+        want = dict(graph.mesh)
+        have = dict(getattr(mesh, "shape", {}) or {})
+        if have != want:
+            raise ValueError(f"stage graph {graph.model}/{graph.parallel} needs a mesh {want}, "
+                             f"got {have or 'none'}")
+        self.graph = graph
+        self.mesh = mesh
+        self.dtype = dtype
+        self.trace = trace
+        self.pipe_rank = mesh.coord(graph.axis)
+        self.pipe_comm = mesh.comm(graph.axis)
+        self.sub = SubMesh(mesh, graph.axis)
+        self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
+        self.models = {i: ShardedModel(s.program, self.sub, seed=seed, custom=custom,
+                                       dtype=dtype) for i, s in self.stages.items()}
+        self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
+                                        graph.chunks)
+        self.actions = self.schedule.with_comm(self.pipe_rank)
+        self.timeline = tr.Timeline(self.pipe_rank)
+        self.last_loss: float | None = None
+        self._ntensors = max([len(e.tensors) for e in graph.edges] + [1])
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every local parameter shard of every virtual stage on this rank (a shared param has
+        one copy per stage holding it; the copies get equal gradients and stay equal)."""
+        return [p for m in self.models.values() for p in m.parameters()]
+
+    def named_parameters(self):
+        """(stage index, qualified name, local shard) triples."""
+        for i, m in self.models.items():
+            for n, p in m.named_parameters():
+                yield i, n, p
+
+    def sync_grads(self) -> None:
+        """Sum gradients over the axes where they are partial (per stage), and shared params'
+        gradients over the pipe axis (every pipe rank takes part, zeros where it holds none)."""
+        for m in self.models.values():
+            m.sync_grads()
+        if not self.graph.shared:
+            return
+        pieces, holders = [], []
+        for name, where in self.graph.shared:
+            local = [self.models[v].params[name] for v in where if v in self.models]
+            shape = self.graph.stages[where[0]].program.value(name).local_shape
+            g = torch.zeros(shape, dtype=self._float_dtype("f32"))
+            for p in local:
+                if p.grad is not None:
+                    g = g + p.grad
+            pieces.append(g.reshape(-1))
+            holders.append((local, shape))
+        flat = torch.cat(pieces)
+        self.pipe_comm.allreduce(flat)
+        offset = 0
+        for local, shape in holders:
+            n = math.prod(shape)
+            for p in local:
+                p.grad = flat[offset:offset + n].view(shape).clone().to(p.dtype)
+            offset += n
+
+    def grad_norm_sq(self) -> float:
+        """The squared global gradient norm over every stage and axis (collective over the
+        world): each rank adds its shards' squares divided by how many ranks and stages hold
+        the same elements, then one allreduce sums it all. Call after sync_grads."""
+        copies = {n: len(w) for n, w in self.graph.shared}
+        total = 0.0
+        for m in self.models.values():
+            for spec in m.program.params:
+                p = m.params[spec.name]
+                if p.grad is None:
+                    continue
+                split = {a for a, _ in spec.layout.placements}
+                replicas = math.prod(n for a, n in self.sub.shape.items() if a not in split)
+                total += float(p.grad.double().square().sum()) / (
+                    replicas * copies.get(spec.name, 1))
+        t = torch.tensor([total], dtype=torch.float64)
+        self.mesh.world.allreduce(t)
+        return float(t)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient so the global norm is at most max_norm; return the norm before
+        (torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), capped at 1)."""
+        norm = self.grad_norm_sq() ** 0.5
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        if coef < 1.0:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model as its full tensor, on every rank (collective)."""
+        mine = {}
+        for m in self.models.values():
+            for name, full in m.full_state_dict().items():
+                mine.setdefault(name, full)
+        out = {}
+        for stage in self.graph.stages:
+            for spec in stage.program.params:
+                if spec.name in out:
+                    continue
+                if stage.rank == self.pipe_rank:
+                    t = mine[spec.name].contiguous()
+                else:
+                    t = torch.empty(spec.shape, dtype=self._float_dtype(spec.dtype))
+                if self.graph.pipe > 1:
+                    self.pipe_comm.broadcast(t, src=stage.rank)
+                out[spec.name] = t
+        return out
+
+    # --- one training step -----------------------------------------------------------------
+
+    def microbatches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Cut full inputs into the schedule's microbatches along the batch dim."""
+        g = self.graph
+        dims = {}
+        for s in g.stages:
+            for n in s.data_inputs:
+                dims[n] = s.program.value(n).dims
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(g.microbatches)]
+        for n, d in dims.items():
+            if n not in batch:
+                raise KeyError(f"missing input {n!r}")
+            t = batch[n]
+            if g.batch_dim in d:
+                k = d.index(g.batch_dim)
+                if t.shape[k] != g.batch:
+                    raise ShapeMismatch(f"input {n}: {g.batch_dim} is {t.shape[k]}, the stage "
+                                        f"graph was compiled for {g.batch}")
+                for i, piece in enumerate(t.chunk(g.microbatches, k)):
+                    out[i][n] = piece
+            else:
+                for piece in out:
+                    piece[n] = t
+        return out
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> float:
+        """Forward and backward of every microbatch (gradients accumulate into .grad); returns
+        the loss of the whole batch (the mean over microbatches) on every rank."""
+        g = self.graph
+        mbs = self.microbatches(batch)
+        if self.trace:
+            self.pipe_comm.barrier()
+        self.timeline.begin()
+        store: dict[tuple[int, int], tuple[dict, list]] = {}
+        pending: dict[tuple[str, int, int], list] = {}
+        sends: list = []
+        losses: dict[int, torch.Tensor] = {}
+        for a in self.actions:
+            if a.kind == "RA":
+                pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
+            elif a.kind == "RG":
+                pending[("G", a.mb, a.stage)] = self._post_recv(a.mb, a.stage, "G")
+            elif a.kind == "F":
+                got = self._wait(pending.pop(("A", a.mb, a.stage), None), a)
+                t0 = self.timeline.now()
+                stage = self.stages[a.stage]
+                leaves = {}
+                for b, t in got:
+                    leaves[b.name] = t.requires_grad_() if b.is_float else t
+                outs = forward_local(self.models[a.stage], mbs[a.mb], leaves)
+                if stage.is_last:
+                    loss = outs[self.models[a.stage].program.loss.name]
+                    losses[a.mb] = loss.detach()
+                    store[(a.mb, a.stage)] = (leaves, [loss])
+                else:
+                    store[(a.mb, a.stage)] = (leaves, [outs[n] for n in stage.send])
+                self.timeline.record("F", a.mb, a.stage, t0, self.timeline.now())
+            elif a.kind == "B":
+                got = self._wait(pending.pop(("G", a.mb, a.stage), None), a)
+                t0 = self.timeline.now()
+                leaves, outs = store[(a.mb, a.stage)]
+                if self.stages[a.stage].is_last:
+                    (outs[0] / g.microbatches).backward()
+                else:
+                    pairs = [(o, t) for o, (b, t) in zip(self._float_outs(a.stage, outs), got,
+                                                         strict=True) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [t for _, t in pairs])
+                self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
+            elif a.kind == "SA":
+                _, outs = store[(a.mb, a.stage)]
+                edge = g.edges[a.stage]
+                sends += self._send(edge.tensors, outs, edge.dst_rank, "A", a.mb, a.stage,
+                                    a.stage)
+            elif a.kind == "SG":
+                leaves, _ = store.pop((a.mb, a.stage))
+                edge = g.edges[a.stage - 1]
+                floats = [b for b in edge.tensors if b.is_float]
+                grads = [leaves[b.name].grad if leaves[b.name].grad is not None
+                         else torch.zeros_like(leaves[b.name]) for b in floats]
+                sends += self._send(floats, grads, edge.src_rank, "G", a.mb, a.stage,
+                                    a.stage - 1)
+        for w, _ in sends:
+            w.wait()
+        store.clear()
+        self.timeline.end()
+        return self._loss(losses)
+
+    def _float_outs(self, stage: int, outs: list) -> list:
+        edge = self.graph.edges[stage]
+        return [o for o, b in zip(outs, edge.tensors, strict=True) if b.is_float]
+
+    def _float_dtype(self, dtype: str) -> torch.dtype:
+        t = TORCH_DTYPES[dtype]
+        return self.dtype if self.dtype is not None and t.is_floating_point else t
+
+    def _tag(self, direction: str, mb: int, edge: int, i: int) -> int:
+        g = self.graph
+        d = 0 if direction == "A" else 1
+        return ((d * max(len(g.edges), 1) + edge) * g.microbatches + mb) * self._ntensors + i
+
+    def _post_recv(self, mb: int, edge_index: int, direction: str) -> list:
+        edge = self.graph.edges[edge_index]
+        if direction == "A":
+            tensors, src = edge.tensors, edge.src_rank
+        else:
+            tensors, src = [b for b in edge.tensors if b.is_float], edge.dst_rank
+        out = []
+        for i, b in enumerate(tensors):
+            buf = torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype))
+            work = self.pipe_comm.irecv(buf, src, self._tag(direction, mb, edge_index, i))
+            out.append((b, buf, work))
+        return out
+
+    def _wait(self, posted: list | None, a) -> list[tuple[Boundary, torch.Tensor]]:
+        if not posted:
+            return []
+        t0 = self.timeline.now()
+        got = [(b, w.wait()) for b, _, w in posted]
+        self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
+        return got
+
+    def _send(self, bounds, tensors, dst: int, direction: str, mb: int, stage: int,
+              edge_index: int) -> list:
+        out = []
+        for i, (b, t) in enumerate(zip(bounds, tensors, strict=True)):
+            want = self._float_dtype(b.dtype)
+            if tuple(t.shape) != b.local_shape or t.dtype != want:
+                what = "activation" if direction == "A" else "gradient"
+                raise ShapeMismatch(
+                    f"stage {stage} would send the {what} of {b.name} (microbatch {mb}) as "
+                    f"{t.dtype} {list(t.shape)}, but the stage graph compiled {want} "
+                    f"{list(b.local_shape)} (dims {', '.join(b.dims)}); the receiver allocates "
+                    "the compiled shape, so this is refused before sending")
+            buf = t.detach().contiguous()
+            work = self.pipe_comm.isend(buf, dst, self._tag(direction, mb, edge_index, i))
+            out.append((work, buf))
+        return out
+
+    def _loss(self, losses: dict[int, torch.Tensor]) -> float:
+        g = self.graph
+        value = 0.0
+        last = g.stages[-1]
+        if last.index in self.models:
+            m = self.models[last.index]
+            name = m.program.loss.name
+            value = sum(m.loss_value({name: losses[i]}) for i in range(g.microbatches))
+            value /= g.microbatches
+        if g.pipe > 1:
+            t = torch.tensor([value], dtype=torch.float64)
+            self.pipe_comm.allreduce(t)
+            value = float(t)
+        self.last_loss = value
+        return value
+
+    # --- timeline ---------------------------------------------------------------------------
+
+    def events(self) -> list[tr.Event]:
+        """The last step's timeline of every pipe rank (collective over the pipe axis)."""
+        return tr.gather(self.timeline, self.pipe_comm)
+
+    def bubble(self) -> tuple[float, float]:
+        """(measured idle fraction of the last step, theory (P-1)/(v*M+P-1)) (collective)."""
+        return tr.bubble(self.events(), self.graph.pipe), self.schedule.theory_bubble()
+
+    def write_chrome_trace(self, path) -> None:
+        """Write the last step's timeline as a Chrome trace (collective; pipe rank 0 writes)."""
+        events = self.events()
+        if self.pipe_rank == 0 and self.mesh.rank == 0:
+            tr.write_chrome_trace(path, events, f"{self.graph.model}/{self.graph.parallel}")

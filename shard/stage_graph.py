@@ -1,0 +1,191 @@
+"""The stage graph: a pipelined layout as printable data (no torch, no grammar).
+
+A pipeline layout cuts a model into *virtual stages* at repeat-block boundaries. Virtual stage
+`v` runs on pipe rank `stage.rank` (v itself without interleaving; v mod P with it, `chunks`
+virtual stages per rank). Each virtual stage is an ordinary `Program`, compiled for one
+microbatch under the layout's other axes (data, model, ...), so tensor, sequence and data
+parallelism inside a stage are the single-program compiler's business.
+
+Edges join consecutive virtual stages only: a value made in stage s and used in stage t > s+1
+is relayed (it is an output of every stage in between, passed through untouched), so every
+rank talks only to its two pipe neighbours. Each edge lists the tensors crossing it with
+their dtype, local shape and layout, all known at compile time: the receiver allocates from
+them and the sender checks its actual output against them before sending.
+
+Parameters used by more than one virtual stage (tied embeddings) are `shared`: every stage
+using one holds a copy, and their gradients are summed over the pipe axis each step.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from soapstone.shard.layout import Layout, nbytes
+from soapstone.shard.program import Program
+
+
+@attrs.frozen
+class Boundary:
+    """One tensor crossing an edge: its name, dtype, dims and per-rank shape and layout."""
+
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    local_shape: tuple[int, ...]
+    layout: Layout
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one rank sends per microbatch (forward; the gradient is as big)."""
+        return nbytes(self.dtype, self.local_shape)
+
+    @property
+    def is_float(self) -> bool:
+        """Whether a gradient flows back over the edge."""
+        return self.dtype.startswith(("f", "bf"))
+
+
+@attrs.frozen
+class Edge:
+    """Virtual stage `src` sends `tensors` to `dst = src + 1` (pipe ranks src_rank -> dst_rank)."""
+
+    src: int
+    dst: int
+    src_rank: int
+    dst_rank: int
+    tensors: tuple[Boundary, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Activation bytes per microbatch per sending rank."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+@attrs.frozen
+class Stage:
+    """One virtual stage: its blocks, the pipe rank running it, and its compiled Program.
+
+    `data_inputs` are model inputs the stage reads from the batch itself (tokens on the first
+    stage, targets on the last); `recv`/`send` name the boundary tensors of its edges."""
+
+    index: int
+    rank: int
+    chunk: int
+    blocks: tuple[str, ...]
+    program: Program
+    data_inputs: tuple[str, ...]
+    recv: tuple[str, ...]
+    send: tuple[str, ...]
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage computes the loss."""
+        return self.program.loss is not None
+
+
+@attrs.frozen
+class StageGraph:
+    """Everything the pipeline executor and `soapstone show` need for one pipeline layout."""
+
+    model: str
+    parallel: str
+    mesh: tuple[tuple[str, int], ...]  # the full mesh, pipe axis included
+    axis: str  # the pipe axis
+    stages: tuple[Stage, ...]  # virtual stages in model order
+    edges: tuple[Edge, ...]
+    schedule: str  # gpipe | 1f1b | interleaved
+    microbatches: int
+    chunks: int
+    batch_dim: str  # the dim microbatching cuts
+    batch: int  # its global size
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # param -> virtual stages using it
+
+    @property
+    def pipe(self) -> int:
+        """Number of pipe ranks."""
+        return dict(self.mesh)[self.axis]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the whole layout needs."""
+        n = 1
+        for _, s in self.mesh:
+            n *= s
+        return n
+
+    @property
+    def microbatch(self) -> int:
+        """Global size of the batch dim in one microbatch."""
+        return self.batch // self.microbatches
+
+    def stages_of(self, rank: int) -> tuple[Stage, ...]:
+        """The virtual stages pipe rank `rank` runs, in chunk order."""
+        return tuple(s for s in self.stages if s.rank == rank)
+
+    def format(self, programs: bool = True) -> str:
+        """The text `soapstone show` prints: stages, edges with bytes, then each program."""
+        from soapstone.shard.program_text import format_program
+
+        inner = [(a, n) for a, n in self.mesh if a != self.axis]
+        others = " x ".join(f"{a}={n}" for a, n in inner) or "nothing else"
+        lines = [f"stage graph: {len(self.stages)} virtual stages over {self.axis}="
+                 f"{self.pipe} ({self.schedule}, microbatches={self.microbatches}"
+                 + (f", chunks={self.chunks}" if self.chunks > 1 else "") + "); "
+                 f"each stage on {others}",
+                 f"  microbatch: {self.batch_dim} {self.batch} / {self.microbatches} = "
+                 f"{self.microbatch}"]
+        for s in self.stages:
+            blocks = f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0]
+            extra = []
+            if s.data_inputs:
+                extra.append("reads " + ", ".join(s.data_inputs))
+            if s.is_last:
+                extra.append("loss")
+            lines.append(f"  stage {s.index}  {self.axis} {s.rank}  blocks {blocks}  "
+                         f"{len(s.program.params)} params, {len(s.program.steps)} steps"
+                         + (f"  ({'; '.join(extra)})" if extra else ""))
+        for e in self.edges:
+            lines.append(f"  edge {e.src} -> {e.dst}  ({self.axis} {e.src_rank} -> "
+                         f"{e.dst_rank}): {_kib(e.nbytes)} per microbatch per rank, "
+                         "the same back as gradients")
+            for t in e.tensors:
+                dims = " ".join(f"{d}:{n}" for d, n in zip(t.dims, t.local_shape, strict=True))
+                lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  {_kib(t.nbytes)}")
+        for name, where in self.shared:
+            lines.append(f"  shared {name}: stages {', '.join(map(str, where))} hold copies; "
+                         f"gradient summed over {self.axis}")
+        per_step = sum(e.nbytes for e in self.edges) * self.microbatches * 2
+        lines.append(f"  p2p per step (all edges, forward + backward): {_kib(per_step)} per "
+                     "rank column")
+        text = "\n".join(lines) + "\n"
+        if programs:
+            for s in self.stages:
+                text += f"\n--- stage {s.index} ({self.axis} {s.rank}) ---\n"
+                text += format_program(s.program)
+        return text
+
+    def to_data(self) -> dict:
+        """JSON-ready summary (the programs via program_to_data)."""
+        from soapstone.shard.program_text import program_to_data
+
+        return {
+            "model": self.model, "parallel": self.parallel, "axis": self.axis,
+            "schedule": self.schedule, "microbatches": self.microbatches,
+            "chunks": self.chunks, "batch_dim": self.batch_dim, "batch": self.batch,
+            "stages": [{"index": s.index, "rank": s.rank, "chunk": s.chunk,
+                        "blocks": list(s.blocks), "data_inputs": list(s.data_inputs),
+                        "recv": list(s.recv), "send": list(s.send),
+                        "program": program_to_data(s.program)} for s in self.stages],
+            "edges": [{"src": e.src, "dst": e.dst, "bytes": e.nbytes,
+                       "tensors": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims),
+                                    "local_shape": list(t.local_shape),
+                                    "layout": str(t.layout), "bytes": t.nbytes}
+                                   for t in e.tensors]} for e in self.edges],
+            "shared": [{"param": n, "stages": list(w)} for n, w in self.shared],
+        }
+
+
+def _kib(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
