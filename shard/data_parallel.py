@@ -350,8 +350,8 @@ class GradReducer:
         for b in self.buckets:
             g = b.segment().grad
             key = b.norm_axes()
-            sums[key] = sums.get(key, 0.0) + (float(g.double().square().sum())
-                                              if g is not None else 0.0)
+            sq = float(torch.linalg.vector_norm(g)) ** 2 if g is not None else 0.0
+            sums[key] = sums.get(key, 0.0) + sq
         total = 0.0
         for key in sorted(sums):
             t = torch.tensor([sums[key]], dtype=torch.float64)
