@@ -60,10 +60,12 @@ class _Candidate:
 def lower(model: ir.Model, parallel: ir.Parallel | None = None) -> Program:
     """Compile a model under a parallel block (None: one rank) into a Program."""
     if parallel is not None and parallel.operator:
+        # A pipeline layout is one Program per stage: soapstone.dsl.stages.lower_pipeline.
         raise LoweringError.at(
-            f"parallel block '{parallel.name}' places blocks on pipeline stages, and the "
-            "operator-axis lowering (stage graph, schedules) is not built yet",
-            parallel.loc, hint="drop the operator and schedule statements to run it unpipelined")
+            f"parallel block '{parallel.name}' places blocks on pipeline stages: it compiles "
+            "to a stage graph (one Program per stage), not one Program",
+            parallel.loc, hint="call soapstone.dsl.stages.lower_pipeline(model, parallel) "
+            "and run it with soapstone.shard.pipeline.PipelineModel")
     return _Lowering(model, parallel).run()
 
 

@@ -29,21 +29,38 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
 
     par = spec.parallel(parallel) if parallel else None
     model = spec.model(model_name if model_name else (par.model if par else None))
-    # Pipeline layouts need the operator-axis lowering, which does not exist yet: say so
-    # instead of printing a program that would ignore the stages.
+    # Pipeline layouts compile to a stage graph: one Program per virtual stage, the p2p edges
+    # between them, and the schedule every pipe rank runs.
     staged = par is not None and bool(par.operator)
     program = lower(model, par) if par is not None and not staged else None
+    graph = schedule = None
+    if staged:
+        from soapstone.shard.schedules import build
+
+        from .stages import lower_pipeline
+
+        graph = lower_pipeline(model, par)
+        schedule = build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
     if as_json:
         data = {"model": to_data(model)}
         if par is not None:
             data["parallel"] = to_data(par)
             data["program"] = program_to_data(program) if program else None
+            if graph is not None:
+                data["stage_graph"] = graph.to_data()
+                data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
+                                    for r in range(schedule.pipe)]
         return json.dumps(data, indent=1) + "\n"
     text = format_model(model)
     if par is not None:
         text += "\n" + format_parallel(par) + "\n"
-        text += format_program(program) if program else \
-            "program: not lowered (pipeline stages need the operator-axis compiler)\n"
+        if graph is not None:
+            text += graph.format(programs=False) + "\n" + schedule.format()
+            for s in graph.stages:
+                text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
+                text += format_program(s.program)
+        else:
+            text += format_program(program)
     return text
 
 

@@ -26,6 +26,7 @@ so the accumulated gradients are those of the mean over the whole batch, as on o
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -106,6 +107,7 @@ class PipelineModel:
         self.actions = self.schedule.with_comm(self.pipe_rank)
         self.timeline = tr.Timeline(self.pipe_rank)
         self.last_loss: float | None = None
+        self.optimizers: dict[int, object] = {}
         self._ntensors = max([len(e.tensors) for e in graph.edges] + [1])
 
     # --- parameters ------------------------------------------------------------------------
@@ -120,6 +122,29 @@ class PipelineModel:
         for i, m in self.models.items():
             for n, p in m.named_parameters():
                 yield i, n, p
+
+    def use_optimizer(self, build) -> None:
+        """Give each stage model its own optimizer from `build(sharded_model)`, e.g.
+        `lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1)` (shard/optim.py). Such an
+        optimizer reduces gradients itself, so the pipeline runs every microbatch's backward
+        but the last in its `no_sync()`; then call `step()` instead of sync_grads + a torch
+        optimizer. Shared params and per-stage clipping are refused: both need a sum over the
+        pipe axis inside the optimizer's step."""
+        if self.graph.shared:
+            raise ValueError("shared (tied) params across stages need sync_grads() and a torch "
+                             "optimizer; build_optimizer cannot sum them over the pipe axis yet")
+        for i, m in self.models.items():
+            opt = build(m)
+            if getattr(opt, "grad_clip", None) is not None and self.graph.pipe > 1:
+                raise ValueError("build_optimizer's grad_clip would clip each stage by its own "
+                                 "norm; clip with clip_grad_norm_ over the torch optimizer path")
+            self.optimizers[i] = opt
+
+    def step(self) -> None:
+        """The optimizers of use_optimizer(): reduce, update, clear gradients."""
+        for opt in self.optimizers.values():
+            opt.step()
+            opt.zero_grad()
 
     def sync_grads(self) -> None:
         """Sum gradients over the axes where they are partial (per stage), and shared params'
@@ -259,13 +284,18 @@ class PipelineModel:
                 got = self._wait(pending.pop(("G", a.mb, a.stage), None), a)
                 t0 = self.timeline.now()
                 leaves, outs = store[(a.mb, a.stage)]
-                if self.stages[a.stage].is_last:
-                    (outs[0] / g.microbatches).backward()
-                else:
-                    pairs = [(o, t) for o, (b, t) in zip(self._float_outs(a.stage, outs), got,
-                                                         strict=True) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [t for _, t in pairs])
+                opt = self.optimizers.get(a.stage)
+                ctx = opt.no_sync() if opt is not None and a.mb != g.microbatches - 1 \
+                    else contextlib.nullcontext()
+                with ctx:
+                    if self.stages[a.stage].is_last:
+                        (outs[0] / g.microbatches).backward()
+                    else:
+                        pairs = [(o, t) for o, (b, t) in zip(self._float_outs(a.stage, outs),
+                                                             got, strict=True) if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs],
+                                                    [t for _, t in pairs])
                 self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
             elif a.kind == "SA":
                 _, outs = store[(a.mb, a.stage)]

@@ -1,0 +1,198 @@
+"""Golden numerics of pipelined layouts: every schedule reproduces the single-rank run.
+
+Run on every rank by tests/mpirun.py (see tests/test_pipeline.py). For each pipeline layout of
+tests/specs/pipe_layouts.par, 5 AdamW steps with global-norm clipping (0.5, so it clips):
+the loss of each step matches the single-rank run with the same global batch at rtol 1e-5 in
+fp32, and in float64 the loss, the clipped global gradient norm and the final parameters match
+at rtol 1e-5 (fp32 final params after Adam differ by rounding; see numerics_cases.py).
+
+Run as a script (`python tests/cases/pipe_cases.py mismatch`) it is the shape-mismatch job:
+a stage graph whose boundary shape disagrees with what the stage computes must end the job
+with ShapeMismatch, not hang.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import attrs
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from mpirun import Skip  # noqa: E402
+
+from soapstone import dsl  # noqa: E402
+from soapstone.comm import Mesh, init  # noqa: E402
+from soapstone.dsl import ir  # noqa: E402
+from soapstone.dsl.lower import lower  # noqa: E402
+from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
+from soapstone.shard.pipeline import PipelineModel  # noqa: E402
+from soapstone.shard.runtime import ShardedModel  # noqa: E402
+
+W = init("mpi")
+SEED, STEPS, RTOL, LR, CLIP = 7, 5, 1e-5, 1e-3, 0.5
+SPEC = dsl.load(ROOT / "tests/specs/pipe_layouts.par")
+
+
+def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
+    """A deterministic batch of token ids and targets below the vocab size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    shape = tuple(model.size(d) for d in ("batch", "seq"))
+    vocab = model.size("vocab")
+    return {"tokens": torch.randint(0, vocab, shape, generator=g),
+            "targets": torch.randint(0, vocab, shape, generator=g)}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    scale = float(want.abs().max())
+    assert torch.allclose(got, want, rtol=RTOL, atol=RTOL * scale + 1e-12), \
+        f"{what}: max abs diff {float((got - want).abs().max()):.3e} (scale {scale:.3e})"
+
+
+def rel(got: float, want: float, what: str) -> None:
+    assert abs(got - want) <= RTOL * abs(want), f"{what}: {got!r} vs single-rank {want!r}"
+
+
+def golden(model, par, optimizer: str = "torch") -> None:
+    """Train the pipeline layout and the single-rank model side by side and compare."""
+    if par.world_size != W.size:
+        raise Skip(f"{par.name} needs {par.world_size} ranks")
+    mesh = Mesh(W, **dict(par.mesh))
+    graph = lower_pipeline(model, par)
+    single = lower(resolve_ties(model), None)
+    for dtype in (torch.float32, torch.float64):
+        ref = ShardedModel(single, None, seed=SEED, dtype=dtype)
+        pm = PipelineModel(graph, mesh, seed=SEED, dtype=dtype)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
+        if optimizer == "zero1":
+            from soapstone.shard.optim import build_optimizer
+
+            pm.use_optimizer(lambda m: build_optimizer(m, "adamw", lr=LR, zero=1))
+        else:
+            opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+        for step in range(STEPS):
+            batch = synthetic_inputs(model, step)
+            want = ref(batch)["loss"]
+            want.backward()
+            got = pm.train_step(batch)
+            rel(got, float(want), f"{par.name} step {step} loss ({dtype})")
+            if optimizer == "zero1":
+                pm.step()
+            else:
+                want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+                pm.sync_grads()
+                norm = pm.clip_grad_norm_(CLIP)
+                if dtype == torch.float64:
+                    rel(norm, want_norm, f"{par.name} step {step} grad norm")
+                opt.step()
+                opt.zero_grad()
+            opt_ref.step()
+            opt_ref.zero_grad()
+        if dtype == torch.float64:
+            state = pm.full_state_dict()
+            assert set(state) == set(ref.params), "the pipeline holds other params"
+            for name, full in state.items():
+                close(full, ref.params[name].detach(),
+                      f"{par.name}: {name} after {STEPS} AdamW steps (float64)")
+
+
+def layout(name: str) -> None:
+    golden(SPEC.model(), SPEC.parallel(name))
+
+
+def case_pp2_gpipe_mb4():
+    layout("pp2gpipe")
+
+
+def case_pp2_1f1b_mb8():
+    layout("pp2f1b")
+
+
+def case_pp2_interleaved_mb4():
+    layout("pp2inter")
+
+
+def tied_model():
+    """gpt with the output projection tied to the embedding table: the head reads a param
+    `head.table` [vocab, hidden] with tied_to = embedding0.table (no syntax for it yet)."""
+    m = SPEC.model()
+    table = next(p for p in m.params if p.name == "embedding0.table")
+    head = attrs.evolve(table, name="head.table", tied_to=table.name)
+    params = tuple(p for p in m.params if p.name != "linear0.weight") + (head,)
+    ops = tuple(attrs.evolve(op, args=tuple("head.table" if a == "linear0.weight" else a
+                                            for a in op.args)) for op in m.ops)
+    return attrs.evolve(m, params=params, ops=ops)
+
+
+def case_pp2_tied_embedding():
+    model = tied_model()
+    par = SPEC.parallel("pp2f1b")
+    graph = lower_pipeline(model, par)
+    assert graph.shared == (("embedding0.table", (0, 1)),), graph.shared
+    golden(model, par)
+
+
+def case_pp2_trace():
+    """A traced step: Chrome trace JSON with every F and B of both ranks, a measured bubble."""
+    if W.size != 2:
+        raise Skip("2 ranks")
+    par = SPEC.parallel("pp2f1b")
+    pm = PipelineModel(lower_pipeline(SPEC.model(), par), Mesh(W, **dict(par.mesh)), trace=True)
+    pm.train_step(synthetic_inputs(SPEC.model(), 0))
+    measured, theory = pm.bubble()
+    assert 0.0 <= measured < 1.0 and abs(theory - 1 / 9) < 1e-12, (measured, theory)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        pm.write_chrome_trace(path)
+        if W.rank == 0:
+            events = json.loads(path.read_text())["traceEvents"]
+            work = [e for e in events if e.get("cat") in ("forward", "backward")]
+            assert len(work) == 2 * 2 * 8, len(work)
+            assert {e["tid"] for e in work} == {0, 1}
+
+
+def case_pp4_1f1b_mb8():
+    layout("pp4f1b")
+
+
+def case_pp4_gpipe_mb4():
+    layout("pp4gpipe")
+
+
+def case_pp2_dp2_1f1b():
+    layout("pp2dp2")
+
+
+def case_pp2_sp2_interleaved():
+    layout("pp2tp2")
+
+
+def case_gpt8_pipe_data_model_zero1():
+    """gpt.par's gpt8: pipe 2 x data 2 x model (tensor + sequence) 2, 1F1B, ZeRO-1 through
+    build_optimizer (its own gradient reduction; every microbatch but the last in no_sync)."""
+    golden(SPEC.model(), SPEC.parallel("gpt8"), optimizer="zero1")
+
+
+def mismatch_main() -> None:
+    """Stage 0 computes [mb, seq, hidden] but the graph says seq is 1 shorter: stage 0 must
+    refuse to send (ShapeMismatch), and the failure handler must end the whole job."""
+    par = SPEC.parallel("pp2f1b")
+    graph = lower_pipeline(SPEC.model(), par)
+    edge = graph.edges[0]
+    b = edge.tensors[0]
+    bad = attrs.evolve(b, local_shape=(b.local_shape[0], b.local_shape[1] - 1,
+                                       b.local_shape[2]))
+    graph = attrs.evolve(graph, edges=(attrs.evolve(edge, tensors=(bad,)),))
+    pm = PipelineModel(graph, Mesh(W, **dict(par.mesh)))
+    pm.train_step(synthetic_inputs(SPEC.model(), 0))
+    print("no error raised", flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["mismatch"]:
+    mismatch_main()
+_ = ir  # the IR module is what tied_model edits (kept imported for readers)
