@@ -124,8 +124,8 @@ class Optimizer:
 
 
 def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
-                    momentum: float = 0.9, grad_clip: float | None = None, zero: int = 0,
-                    bucket_mb: float = 25.0, precision: str | None = None,
+                    momentum: float = 0.9, grad_clip: float | None = None, zero: int | None = None,
+                    bucket_mb: float = 25.0, precision: str | None = None, parallel=None,
                     data_axes: tuple[str, ...] | None = None, overlap: bool = True,
                     betas=(0.9, 0.999), eps: float = 1e-8) -> Optimizer:
     """An optimizer for `model` (a ShardedModel) that also owns its gradient reduction.
@@ -134,7 +134,9 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
     bucket_mb: gradient bucket size (the first bucket is 1 MiB at most, as in PyTorch DDP).
     precision: None/"fp32", or "bf16": the model computes in bf16, the optimizer keeps fp32
     master weights, fp32 gradient buffers and fp32 state. data_axes: the sample axes to shard
-    over (default: derived from the Program). overlap=False reduces only after backward (for
+    over (default: the axes of `parallel.sample` if given, else derived from the Program).
+    parallel: the spec's ir.Parallel; its `zero N` is the stage when `zero` is None.
+    overlap=False reduces only after backward (for
     benchmarks).
     """
     if name == "adamw":
@@ -143,6 +145,10 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
         rule = FlatSGD(lr, momentum, weight_decay)
     else:
         raise ValueError(f"unknown optimizer {name!r}; use 'adamw' or 'sgd'")
+    if zero is None:
+        zero = getattr(parallel, "zero", 0) or 0
+    if data_axes is None and parallel is not None:
+        data_axes = tuple(dict.fromkeys(axis for _, axis in parallel.sample))
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if precision not in (None, "fp32", "bf16"):
