@@ -68,19 +68,22 @@ def golden(model, par, optimizer: str = "torch") -> None:
     for dtype in (torch.float32, torch.float64):
         ref = ShardedModel(single, None, seed=SEED, dtype=dtype)
         pm = PipelineModel(graph, mesh, seed=SEED, dtype=dtype)
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
         if optimizer == "zero1":
+            # build_optimizer updates on fp32 flat buffers, where Adam's per-element division
+            # turns rounding into visible differences (numerics_cases.py): SGD, checked in both
             from soapstone.shard.optim import build_optimizer
 
-            pm.use_optimizer(lambda m: build_optimizer(m, "adamw", lr=LR, zero=1))
+            opt_ref = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+            pm.use_optimizer(lambda m: build_optimizer(m, "sgd", lr=LR, momentum=0.9, zero=1))
         else:
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
             opt = torch.optim.AdamW(pm.parameters(), lr=LR)
         for step in range(STEPS):
             batch = synthetic_inputs(model, step)
             want = ref(batch)["loss"]
             want.backward()
             got = pm.train_step(batch)
-            rel(got, float(want), f"{par.name} step {step} loss ({dtype})")
+            rel(got, float(want.detach()), f"{par.name} step {step} loss ({dtype})")
             if optimizer == "zero1":
                 pm.step()
             else:
@@ -93,12 +96,12 @@ def golden(model, par, optimizer: str = "torch") -> None:
                 opt.zero_grad()
             opt_ref.step()
             opt_ref.zero_grad()
-        if dtype == torch.float64:
+        if dtype == torch.float64 or optimizer == "zero1":
             state = pm.full_state_dict()
             assert set(state) == set(ref.params), "the pipeline holds other params"
             for name, full in state.items():
                 close(full, ref.params[name].detach(),
-                      f"{par.name}: {name} after {STEPS} AdamW steps (float64)")
+                      f"{par.name}: {name} after {STEPS} {optimizer} steps ({dtype})")
 
 
 def layout(name: str) -> None:
@@ -174,7 +177,8 @@ def case_pp2_sp2_interleaved():
 
 def case_gpt8_pipe_data_model_zero1():
     """gpt.par's gpt8: pipe 2 x data 2 x model (tensor + sequence) 2, 1F1B, ZeRO-1 through
-    build_optimizer (its own gradient reduction; every microbatch but the last in no_sync)."""
+    build_optimizer (its own gradient reduction; every microbatch but the last in no_sync),
+    SGD with momentum, final params at rtol 1e-5 in fp32 and float64."""
     golden(SPEC.model(), SPEC.parallel("gpt8"), optimizer="zero1")
 
 

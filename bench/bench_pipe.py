@@ -1,0 +1,185 @@
+"""Pipeline parallel at 2 ranks: soapstone 1F1B vs torch.distributed.pipelining Schedule1F1B.
+
+    mpiexec -n 2 .venv/bin/python bench/bench_pipe.py [--iters 10] [--microbatches 8]
+            [--trace pipe.json] [--png pipe.png] [--json out.json]
+
+Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
+batch 16, 4 layers: layers 0-1 with the embedding on rank 0, layers 2-3 with the head and loss
+on rank 1) with the same weights and batch, in one job, alternating. soapstone: a 2-stage
+pipeline layout compiled by lower_pipeline, PipelineModel over MPI p2p. PyTorch: the
+plain-torch GPT of bench/torch_gpt.py cut at the same place, PipelineStage + Schedule1F1B on
+gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
+median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
+The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+DIMS = {"batch": 16, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
+
+
+def soapstone_pipe(world, microbatches: int):
+    from soapstone import dsl
+    from soapstone.comm import Mesh
+    from soapstone.dsl import ir
+    from soapstone.dsl.stages import lower_pipeline
+    from soapstone.shard.pipeline import PipelineModel
+
+    model = dsl.load(ROOT / "examples/gpt.par", dims=DIMS).model()
+    b = model.blocks
+    par = ir.Parallel("pp2", model.name, (("pipe", 2),),
+                      operator=(ir.StageAssignment(b[:2], "pipe", 0),
+                                ir.StageAssignment(b[2:], "pipe", 1)),
+                      schedule=ir.Schedule("1f1b", microbatches))
+    graph = lower_pipeline(model, par)
+    return model, graph, PipelineModel(graph, Mesh(world, pipe=2), seed=0, trace=True)
+
+
+def torch_stage(model_spec, graph, rank: int, microbatches: int):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch_gpt import GPT, load_from_soapstone
+
+    from soapstone.shard.runtime import init_full
+
+    d = DIMS
+    full = GPT(d["vocab"], d["hidden"], d["heads"], d["ffn"], len(model_spec.blocks))
+    params = {p.name: init_full(p, 0) for s in graph.stages for p in s.program.params}
+    load_from_soapstone(full, params)
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = full.emb, nn.ModuleList(full.blocks[:2])
+
+        def forward(self, tokens):
+            x = self.emb(tokens)
+            for blk in self.blocks:
+                x = blk(x)
+            return x
+
+    class Last(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks, self.norm, self.head = nn.ModuleList(full.blocks[2:]), full.norm, \
+                full.head
+
+        def forward(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.norm(x))
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    module = First() if rank == 0 else Last()
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--trace", help="write soapstone's last step as a Chrome trace here")
+    ap.add_argument("--png", help="draw soapstone's last step here (needs matplotlib)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+
+    import torch
+    from mpi4py import MPI
+
+    from soapstone.comm import init
+    from soapstone.comm.bench import _init_gloo
+    from soapstone.shard import trace as tr
+
+    torch.set_num_threads(1)
+    world = init("mpi")
+    if world.size != 2:
+        raise SystemExit("run with mpiexec -n 2")
+    mpi = MPI.COMM_WORLD
+    dist = _init_gloo(mpi)
+    rank = world.rank
+    model, graph, pm = soapstone_pipe(world, args.microbatches)
+    sched = torch_stage(model, graph, rank, args.microbatches)
+    g = torch.Generator().manual_seed(0)
+    shape = (DIMS["batch"], DIMS["seq"])
+    batch = {"tokens": torch.randint(0, DIMS["vocab"], shape, generator=g),
+             "targets": torch.randint(0, DIMS["vocab"], shape, generator=g)}
+
+    def run_soapstone():
+        loss = pm.train_step(batch)
+        for p in pm.parameters():
+            p.grad = None
+        return loss
+
+    def run_torch():
+        losses = []
+        if rank == 0:
+            sched.step(batch["tokens"])
+        else:
+            sched.step(target=batch["targets"], losses=losses)
+        sched._stage.submod.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    times = {"soapstone": [], "torch": []}
+    first = {}
+    bubbles = []
+    for it in range(args.warmup + args.iters):
+        for name, fn in (("soapstone", run_soapstone), ("torch", run_torch)):
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            loss = fn()
+            dt = mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if it == 0:
+                first[name] = loss
+            if it >= args.warmup:
+                times[name].append(dt)
+        if it >= args.warmup:
+            bubbles.append(pm.bubble()[0])
+    torch_loss = mpi.bcast(first["torch"], root=1)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    ok = abs(first["soapstone"] - torch_loss) <= 1e-4 * abs(torch_loss)
+    soap, peer = statistics.median(times["soapstone"]), statistics.median(times["torch"])
+    theory = pm.schedule.theory_bubble()
+    bubble = statistics.median(bubbles)
+    say(f"# bench_pipe: gpt {DIMS}, 2 stages, 1F1B, {args.microbatches} microbatches, "
+        f"median of {args.iters} steps (fwd+bwd, slowest rank)")
+    say(f"first-step loss: soapstone {first['soapstone']:.6f}  torch {torch_loss:.6f}  "
+        f"{'equal' if ok else 'DIFFERENT'}")
+    say(f"step time: soapstone {soap * 1e3:.1f} ms   torch.distributed.pipelining "
+        f"{peer * 1e3:.1f} ms   torch/soapstone {peer / soap:.2f}x")
+    say(f"soapstone bubble: measured {bubble:.1%}  theory (p-1)/(m+p-1) = {theory:.1%}")
+    events = pm.events()
+    if args.trace and rank == 0:
+        tr.write_chrome_trace(args.trace, events, "bench_pipe soapstone 1f1b")
+        say(f"wrote {args.trace}")
+    if args.png and rank == 0:
+        if tr.write_png(args.png, events):
+            say(f"wrote {args.png}")
+        else:
+            say("no PNG: matplotlib is not installed (pip install matplotlib)")
+    if args.json and rank == 0:
+        Path(args.json).write_text(json.dumps({
+            "dims": DIMS, "microbatches": args.microbatches, "soapstone_s": soap,
+            "torch_s": peer, "bubble_measured": bubble, "bubble_theory": theory,
+            "loss_soapstone": first["soapstone"], "loss_torch": torch_loss}, indent=1))
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
