@@ -173,6 +173,8 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
         program = attrs.evolve(program, model=model.name, parallel=parallel.name)
         stages.append(Stage(sm.index, sm.rank, sm.chunk, sm.blocks, program, sm.data_inputs,
                             sm.recv, sm.send))
+    for s in stages:
+        _check_boundary_grads(s, parallel)
     edges = []
     for a, b in zip(stages, stages[1:], strict=False):
         tensors = []
@@ -196,3 +198,27 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
         model=model.name, parallel=parallel.name, mesh=parallel.mesh, axis=axis,
         stages=tuple(stages), edges=tuple(edges), schedule=sched.kind,
         microbatches=mb, chunks=sched.chunks, batch_dim=bdim, batch=batch, shared=shared)
+
+
+def _check_boundary_grads(stage: Stage, parallel: ir.Parallel) -> None:
+    """A received float tensor replicated over an axis must not feed rank-varying work
+    directly: the compiler restores replicated gradients for values, not for inputs, so its
+    gradient would leave the stage as per-rank terms. Refused at compile time."""
+    from soapstone.shard.program import Compute
+
+    prog = stage.program
+    for name in stage.recv:
+        v = prog.value(name)
+        if not v.is_float:
+            continue
+        for step in prog.steps:
+            if not isinstance(step, Compute) or name not in step.args:
+                continue
+            out = prog.value(step.out).layout
+            bad = [a for a, _ in prog.mesh if v.layout.get(a) == "R" and out.get(a) != "R"]
+            if bad:
+                raise LoweringError.at(
+                    f"stage {stage.index} receives {name} replicated over '{bad[0]}' and feeds "
+                    f"it straight into {step.kind} (producing {step.source}), which is split "
+                    f"or partial there; its gradient would not be summed over '{bad[0]}'",
+                    parallel.loc, hint="move the stage boundary before a norm or residual add")
