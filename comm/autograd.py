@@ -101,6 +101,19 @@ class _AllToAll(torch.autograd.Function):
         return ctx.comm.alltoall(_dense(g), concat_dim, split_dim), None, None, None
 
 
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, src):
+        ctx.keep = comm.rank == src
+        return comm.broadcast(_fresh(x), src=src)
+
+    @staticmethod
+    def backward(ctx, g):
+        # The broadcast value is replicated, so every rank's gradient is the whole one:
+        # the source keeps it; the others' inputs were placeholders.
+        return (g if ctx.keep else torch.zeros_like(g)), None, None
+
+
 class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dst, tag):
@@ -171,6 +184,12 @@ def split(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, comm: Communicator, split_dim: int, concat_dim: int):
     """Forward alltoall(split_dim -> concat_dim); backward the inverse all-to-all."""
     return _AllToAll.apply(x, comm, split_dim, concat_dim)
+
+
+def broadcast(x: torch.Tensor, comm: Communicator, src: int) -> torch.Tensor:
+    """Forward: rank `src`'s tensor on every rank. Backward: the (replicated) gradient goes to
+    `src`'s input; the other ranks' inputs get zeros."""
+    return _Broadcast.apply(x, comm, src)
 
 
 def send(x: torch.Tensor, comm: Communicator, dst: int, tag: int = 0) -> torch.Tensor:

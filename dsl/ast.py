@@ -135,6 +135,16 @@ class StageDef:
 
 
 @dataclass(slots=True)
+class BranchDef:
+    value: str
+    axis: str
+    coord: int
+    loc: Loc  # the value name
+    axis_loc: Loc
+    coord_loc: Loc
+
+
+@dataclass(slots=True)
 class Operator:
     stages: list
     loc: Loc

@@ -18,6 +18,7 @@ from . import ast
 from . import custom as _custom
 from .errors import Diagnostic, did_you_mean, nearest_divisible
 from .ir import (
+    Branch,
     Input,
     Loc,
     Model,
@@ -515,6 +516,7 @@ class _ParallelChecker:
         mapped: dict[str, tuple[str, str]] = {}  # dim -> (kind, axis)
         soap: dict[str, list[tuple[str, str]]] = {"sample": [], "attribute": [], "parameter": []}
         operator: list[StageAssignment] = []
+        branches: list[Branch] = []
         schedule = None
         zero = 0
         seen_kw: dict[str, Loc] = {}
@@ -569,9 +571,15 @@ class _ParallelChecker:
                         soap[s.kind].append((d, axis))
                         used_axes.setdefault(axis, s.kind)
             elif isinstance(s, ast.Operator):
-                operator, pipe_axis = self.operator(s)
-                if pipe_axis:
-                    used_axes[pipe_axis] = "operator"
+                stage_defs = [d for d in s.stages if not isinstance(d, ast.BranchDef)]
+                branch_defs = [d for d in s.stages if isinstance(d, ast.BranchDef)]
+                branches = self.branches(branch_defs)
+                for d in branch_defs:  # even a bad placement uses its axis: no second error
+                    used_axes.setdefault(d.axis, "branch")
+                if stage_defs:
+                    operator, pipe_axis = self.operator(ast.Operator(stage_defs, s.loc))
+                    if pipe_axis:
+                        used_axes[pipe_axis] = "operator"
             elif isinstance(s, ast.ScheduleStmt):
                 schedule = s
             elif isinstance(s, ast.Zero):
@@ -579,6 +587,11 @@ class _ParallelChecker:
                     self.err(s.loc, f"zero {s.level}: the ZeRO stage is 0, 1, 2 or 3")
                 else:
                     zero = s.level
+        for b in branches:
+            if used_axes.get(b.axis) != "branch":
+                self.err(b.loc, f"axis '{b.axis}' places branches and cannot also "
+                         f"{'hold pipeline stages' if b.axis == pipe_axis else 'split dims'}",
+                         "give the branches their own mesh axis")
         for ax in {ax for _, ax in soap["sample"] + soap["attribute"] + soap["parameter"]}:
             if pipe_axis is not None and ax == pipe_axis:
                 self.err(seen_kw["Operator"], f"axis '{ax}' holds pipeline stages and cannot "
@@ -598,7 +611,42 @@ class _ParallelChecker:
             return None
         return Parallel(p.name, p.model, tuple(p_ for p_ in mesh.items()),
                         tuple(soap["sample"]), tuple(soap["attribute"]),
-                        tuple(soap["parameter"]), tuple(operator), sched, zero, p.loc)
+                        tuple(soap["parameter"]), tuple(operator), sched, zero, p.loc,
+                        tuple(branches))
+
+    def branches(self, defs: list) -> list[Branch]:
+        """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
+        m = self.m
+        top = {op.out for op in m.ops if op.block is None}
+        outputs = {o.value for o in m.outputs}
+        out: list[Branch] = []
+        seen: set[str] = set()
+        for d in defs:
+            if d.value in seen:
+                self.err(d.loc, f"value '{d.value}' is placed twice")
+                continue
+            seen.add(d.value)
+            if d.value not in top:
+                self.err(d.loc, f"'{d.value}' is no top-level value of model '{m.name}'",
+                         did_you_mean(d.value, top) or "branches name values assigned "
+                         "outside repeat blocks")
+                continue
+            if f"{d.value}.1" in top:
+                self.err(d.loc, f"'{d.value}' is assigned more than once; a branch names "
+                         "one value", "give the branch's result its own name")
+                continue
+            if d.value in outputs:
+                self.err(d.loc, f"'{d.value}' is a model output; a branch must feed later ops",
+                         "place the ops before the output instead")
+                continue
+            if not self.axis(d.axis, d.axis_loc):
+                continue
+            if not 0 <= d.coord < self.mesh[d.axis]:
+                self.err(d.coord_loc, f"{d.axis} {d.coord} is out of range: axis '{d.axis}' "
+                         f"has size {self.mesh[d.axis]} (0..{self.mesh[d.axis] - 1})")
+                continue
+            out.append(Branch(d.value, d.axis, d.coord, d.loc))
+        return out
 
     def axis(self, axis: str, loc: Loc) -> bool:
         if axis in self.mesh:

@@ -118,6 +118,17 @@ class StageAssignment:
 
 
 @attrs.frozen
+class Branch:
+    """`operator a -> branch 0`: the ops that compute value `a` and nothing else run only on
+    coordinate `coord` of mesh axis `axis`."""
+
+    value: str
+    axis: str
+    coord: int
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
 class Schedule:
     """Pipeline schedule: kind in gpipe | 1f1b | interleaved."""
 
@@ -140,6 +151,7 @@ class Parallel:
     schedule: Schedule = Schedule()
     zero: int = 0
     loc: Loc | None = attrs.field(default=None, eq=False)
+    branches: tuple[Branch, ...] = ()
 
     @property
     def world_size(self) -> int:

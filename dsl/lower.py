@@ -21,7 +21,7 @@ import attrs
 
 from soapstone.dsl import ir, rules
 from soapstone.dsl.errors import Diagnostic, SpecError
-from soapstone.shard.layout import Layout, P, R, transition, transition_cost
+from soapstone.shard.layout import Layout, P, R, owned, owner_of, transition, transition_cost
 from soapstone.shard.program import (
     Compute,
     CopyTo,
@@ -87,6 +87,8 @@ class _Lowering:
             for dims in self.allowed.values():
                 if base in dims:
                     dims.add(derived)
+        branches = [b for b in (parallel.branches if parallel else ()) if b.axis in self.active]
+        self.owner = branch_owners(model, branches)
         self.values: dict[str, Value] = {}
         self.params: dict[str, ir.Param] = {p.name: p for p in model.params}
         self.steps: list[Step] = []
@@ -152,8 +154,16 @@ class _Lowering:
         out: dict[str, str] = {}
         dist: list[str] = []
         used: set[str] = set()
+        own = self.owner.get(op.out)
         for axis in self.active:
-            best = self._choose(op, axis, args, iter_dims, roles, used)
+            if own is not None and own[0] == axis:
+                # a branch op: only the owner computes it, from whole (or its own) args
+                keep = [owner_of(v.layout.get(axis)) == own[1] for v in args]
+                best = _Candidate(tuple(v.layout.get(axis) if k else R
+                                        for v, k in zip(args, keep, strict=True)),
+                                  owned(own[1]), None)
+            else:
+                best = self._choose(op, axis, args, iter_dims, roles, used)
             for i, placement in enumerate(best.args):
                 wanted[i][axis] = placement
             out[axis] = best.out
@@ -167,7 +177,7 @@ class _Lowering:
         self._emit(Compute(
             out=op.out, kind=op.kind, args=names, attrs=op.attrs,
             arg_layouts=tuple(self.values[n].layout for n in names),
-            dist=tuple(dist), source=op.out,
+            dist=tuple(dist), source=op.out, owner=own,
         ))
 
     def _candidates(self, op: ir.Op, axis: str, args: list[Value],
@@ -241,7 +251,7 @@ class _Lowering:
                 self._emit(Redistribute(
                     out=new.name, src=v.name, axis=axis, kind=kind,
                     frm=cur, to=want,
-                    nbytes=0 if kind == "slice" else v.nbytes,
+                    nbytes=0 if kind in ("slice", "zero_fill") else v.nbytes,
                 ))
                 self.cache[key] = new.name
             v = self.values[self.cache[key]]
@@ -305,6 +315,27 @@ class _Lowering:
         if isinstance(step, Compute):
             return self.values[step.out].layout.get(axis) != R
         return False  # a slice's backward gathers; other-axis collectives keep R on this axis
+
+
+def branch_owners(model: ir.Model, branches) -> dict[str, tuple[str, int]]:
+    """op output -> (axis, coord) for every op a branch owns: the op computing the branch's
+    value, and every op whose results feed only ops the branch already owns."""
+    consumers: dict[str, set[str]] = {}
+    for op in model.ops:
+        for a in op.args:
+            consumers.setdefault(a, set()).add(op.out)
+    outputs = {o.value for o in model.outputs}
+    owner: dict[str, tuple[str, int]] = {}
+    for b in branches:
+        members = {b.value}
+        for op in reversed(model.ops):
+            used_by = consumers.get(op.out)
+            if op.out not in members and used_by and used_by <= members \
+                    and op.out not in outputs:
+                members.add(op.out)
+        for out in members:
+            owner[out] = (b.axis, b.coord)
+    return owner
 
 
 def _own_dim(iter_dims: tuple[str, ...], own_dims: tuple[str, ...], d: str) -> str | None:

@@ -184,6 +184,11 @@ class _Build(Transformer):
         return ast.StageDef(str(name), int(lo), int(hi_tok), str(axis), int(stage), self._l(name),
                             rng, self._l(axis), self._l(stage))
 
+    def branch_def(self, meta, c):
+        name, axis, coord = c
+        return ast.BranchDef(str(name), str(axis), int(coord), self._l(name), self._l(axis),
+                             self._l(coord))
+
     def schedule(self, meta, c):
         return ast.ScheduleStmt(str(c[0]), self._l(c[0]), list(c[1:]), _meta_loc(self.file, meta))
 

@@ -11,6 +11,18 @@ import attrs
 
 R = "R"  # replicate: every rank of the axis holds the same full tensor
 P = "P"  # partial(sum): each rank holds one term of a pending sum
+# "@c": owned: only coordinate c of the axis computes the tensor (a branch placed there by an
+# `operator` statement); the other ranks hold a zero placeholder.
+
+
+def owned(coord: int) -> str:
+    """The placement of a value only coordinate `coord` computes."""
+    return f"@{coord}"
+
+
+def owner_of(placement: str) -> int | None:
+    """The owning coordinate of an owned placement, else None."""
+    return int(placement[1:]) if placement.startswith("@") else None
 
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 
@@ -60,7 +72,9 @@ class Layout:
     def __str__(self) -> str:
         if not self.placements:
             return "replicate"
-        return ", ".join(f"{p if p != P else 'partial'}@{a}" for a, p in self.placements)
+        names = {P: "partial"}
+        return ", ".join(f"{names.get(p, p.replace('@', 'owned:'))}@{a}"
+                         for a, p in self.placements)
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -73,12 +87,17 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 # What turning one placement into another on one axis costs, in the collective that does it.
 # (src, dst) kind: "allreduce" P->R, "reduce_scatter" P->S, "allgather" S->R, "slice" R->S
-# (local, free), "alltoall" S(a)->S(b). R->P and S->P are never needed: partials only arise
-# from contractions, so they are refused.
+# (local, free), "alltoall" S(a)->S(b), "zero_fill" owned->P (free), "broadcast" owned->R.
+# R->P and S->P are never needed: partials only arise from contractions (and branches), so
+# they are refused.
 def transition(src: str, dst: str) -> str | None:
     """The collective that turns placement `src` into `dst` on one axis (None: nothing to do)."""
     if src == dst:
         return None
+    if owner_of(src) is not None:  # the owner's value as a partial sum (zeros elsewhere) or R
+        return {P: "zero_fill", R: "broadcast"}.get(dst, "invalid")
+    if owner_of(dst) is not None:
+        return "invalid"
     if src == P:
         return "allreduce" if dst == R else "reduce_scatter"
     if src == R:
@@ -94,7 +113,7 @@ def transition_cost(kind: str | None, local_bytes: int, n: int) -> float:
 
     Ring algorithms: allreduce moves 2(n-1)/n of the buffer, reduce_scatter and all-to-all
     (n-1)/n of the input, allgather (n-1)/n of the output."""
-    if kind is None or kind == "slice" or n == 1:
+    if kind is None or kind in ("slice", "zero_fill") or n == 1:
         return 0.0
     if kind == "invalid":
         return float("inf")
@@ -104,5 +123,6 @@ def transition_cost(kind: str | None, local_bytes: int, n: int) -> float:
         "reduce_scatter": frac * local_bytes,
         "allgather": frac * local_bytes * n,
         "alltoall": frac * local_bytes,
+        "broadcast": local_bytes,
     }[kind]
     return LATENCY_BYTES + moved

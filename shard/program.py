@@ -55,7 +55,8 @@ class ParamSpec:
 @attrs.frozen
 class Compute:
     """Run primitive `kind` on local shards. `dist` names the axes whose partial statistics the
-    op combines itself (its distributed form); `arg_layouts` lets it find its global offsets."""
+    op combines itself (its distributed form); `arg_layouts` lets it find its global offsets;
+    `owner` places it on one coordinate of a branch axis (the others skip it)."""
 
     out: str
     kind: str
@@ -64,6 +65,7 @@ class Compute:
     arg_layouts: tuple[Layout, ...]
     dist: tuple[str, ...] = ()
     source: str = ""  # the IR value this computes, for messages
+    owner: tuple[str, int] | None = None  # (axis, coord): only that coordinate computes it
 
     def attr(self, key: str, default: object = None) -> object:
         """One option of the primitive."""
@@ -73,8 +75,10 @@ class Compute:
 @attrs.frozen
 class Redistribute:
     """Change `src`'s placement on one axis. kind: allreduce | reduce_scatter | allgather |
-    slice | alltoall. `grad` (allgather only): "partial" when the gathered value's gradient
-    arrives as a partial sum (backward reduce_scatter) or "replicate" (backward local slice)."""
+    slice | alltoall | broadcast (from a branch's owner) | zero_fill (a branch's value as a
+    partial sum: zeros off the owner). `grad` (allgather only): "partial" when the gathered
+    value's gradient arrives as a partial sum (backward reduce_scatter) or "replicate"
+    (backward local slice)."""
 
     out: str
     src: str

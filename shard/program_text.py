@@ -15,7 +15,7 @@ from soapstone.shard.program import Compute, CopyTo, Program, Redistribute, Step
 
 # The backward of each forward redistribution (allgather depends on its `grad` field).
 BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
-            "alltoall": "alltoall"}
+            "alltoall": "alltoall", "zero_fill": None, "broadcast": None}
 
 # Collectives a distributed form runs per forward (count of allreduces of statistics) and
 # per backward.
@@ -60,7 +60,7 @@ def collective_totals(program: Program) -> dict[tuple[str, str, str], tuple[int,
         t[1] += n
 
     for step in program.steps:
-        if isinstance(step, Redistribute) and step.kind != "slice":
+        if isinstance(step, Redistribute) and step.kind not in ("slice", "zero_fill"):
             add("forward", step.kind, step.axis, step.nbytes)
         if isinstance(step, Compute):
             for axis in step.dist:
@@ -87,13 +87,17 @@ def format_step(program: Program, step: Step) -> str:
     """One line of the step list."""
     if isinstance(step, Compute):
         dist = f"  dist@{','.join(step.dist)}" if step.dist else ""
+        if step.owner:
+            dist += f"  only {step.owner[0]}={step.owner[1]}"
         call = f"{step.kind}({', '.join(step.args)})"
         return (f"  {step.out} = {call}\n      -> {_shape(program, step.out)} "
                 f"{_layout(program.value(step.out).layout)}{dist}")
     if isinstance(step, CopyTo):
         return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
                 f"(backward allreduce {_kib(step.nbytes)})")
-    names = {"R": "replicate", "P": "partial"}
+    names = {"R": "replicate", "P": "partial", **{p: p.replace("@", "owned:")
+                                                   for p in (step.frm, step.to)
+                                                   if p.startswith("@")}}
     dims = f" {names.get(step.frm, step.frm)}->{names.get(step.to, step.to)}"
     bwd = backward_collective(step)
     back = f", backward {bwd}" if bwd else ""

@@ -139,6 +139,8 @@ class ShardedModel:
 
     def _run(self, step, env: dict[str, torch.Tensor]) -> torch.Tensor:
         if isinstance(step, Compute):
+            if step.owner and self.mesh.coord(step.owner[0]) != step.owner[1]:
+                return self._placeholder(step, env)
             y = run_op(step, [env[a] for a in step.args], self.ctx, self.custom)
             v = self.program.value(step.out)
             if tuple(y.shape) != v.local_shape:
@@ -159,6 +161,10 @@ class ShardedModel:
             if step.kind == "slice":
                 n, i = comm.size, comm.rank
                 return x.chunk(n, dim)[i].contiguous()
+        if step.kind == "zero_fill":  # a branch's value as a partial sum: zeros off the owner
+            return x if comm.rank == int(step.frm[1:]) else x * 0
+        if step.kind == "broadcast":
+            return ag.broadcast(x.contiguous(), comm, src=int(step.frm[1:]))
         if step.kind == "allreduce":
             return ag.reduce_from(x, comm)
         if step.kind == "reduce_scatter":
@@ -171,6 +177,19 @@ class ShardedModel:
             return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to),
                                  concat_dim=src.dims.index(step.frm))
         raise ValueError(f"unknown redistribution {step.kind!r}")
+
+    def _placeholder(self, step: Compute, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What a rank off a branch holds for the branch's op: zeros, wired to the op's inputs
+        so that backward passes through the same collectives, in the same order, as on the
+        owner (with zero gradients)."""
+        v = self.program.value(step.out)
+        y = torch.zeros(v.local_shape, dtype=self._cast(torch.zeros((), dtype=TORCH_DTYPES[
+            v.dtype])).dtype)
+        for a in step.args:
+            t = env[a]
+            if t.is_floating_point() and t.requires_grad:
+                y = y + 0 * t.sum()
+        return y
 
     def loss_value(self, outputs: dict[str, torch.Tensor]) -> float:
         """The global loss (summed over the axes it is partial on), as a float."""

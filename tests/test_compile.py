@@ -137,3 +137,18 @@ def test_pipeline_layouts_are_refused_until_the_operator_axis_exists():
     with pytest.raises(LoweringError) as err:
         program(GPT, "gpt8")
     assert "pipeline" in err.value.diagnostics[0].message
+
+
+def test_branches_run_on_their_owner_and_meet_in_one_allreduce():
+    spec = dsl.load(ROOT / "tests/specs/branch_layouts.par")
+    prog = program(spec, "br2")
+    owners = Counter(s.owner for s in prog.steps if isinstance(s, Compute) and s.owner)
+    assert owners == {("branch", 0): 5, ("branch", 1): 6}  # tower b also owns its layernorm
+    kinds = Counter(s.kind for s in prog.steps if isinstance(s, Redistribute))
+    # each tower's result becomes a partial sum for free; the head's output is then reduced
+    # once, after the contraction, on the small logits rather than the hidden activations
+    assert kinds == {"zero_fill": 2, "allreduce": 1}
+    (ar,) = [s for s in prog.steps if isinstance(s, Redistribute) and s.kind == "allreduce"]
+    assert prog.value(ar.src).dims == ("batch", "classes")
+    # the shared input reaches both towers: its gradient is summed back over the axis
+    assert [s.src for s in prog.steps if isinstance(s, CopyTo)] == ["h"]

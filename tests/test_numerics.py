@@ -23,12 +23,17 @@ def world_size(case: str) -> int:
         .world_size
 
 
-LAYOUT_CASES = [c for c in case_names(CASES) if not c.startswith("case_full_state")]
+LAYOUT_CASES = [c for c in case_names(CASES)
+                if not c.startswith(("case_full_state", "case_branch_ops"))]
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_layout_matches_single_rank(comm_runs, case):
     comm_runs(world_size(case), CASES).check(case)
+
+
+def test_branch_ops_run_only_on_their_owner(comm_runs):
+    comm_runs(2, CASES).check("case_branch_ops_run_only_on_their_owner")
 
 
 @pytest.mark.parametrize("n", [2, 4])

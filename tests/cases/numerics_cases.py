@@ -31,7 +31,7 @@ SEED, STEPS, RTOL, LR = 7, 3, 1e-5, 1e-3
 dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
 CUSTOM = {"swiglu": dsl.custom.get("swiglu").fn}
 SPECS = {name: dsl.load(ROOT / f"tests/specs/{name}_layouts.par") for name in
-         ("gpt", "mlp", "llama", "ops")}
+         ("gpt", "mlp", "llama", "ops", "branch")}
 
 
 def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
@@ -195,6 +195,34 @@ def case_ops_cls2():
 
 def case_ops_dp2hid2():
     golden("ops", "dp2hid2")
+
+
+def case_branch_br2():
+    golden("branch", "br2")
+
+
+def case_branch_dp2br2():
+    golden("branch", "dp2br2")
+
+
+def case_branch_br2tp2():
+    golden("branch", "br2tp2")
+
+
+def case_branch_ops_run_only_on_their_owner():
+    """Off its owner a branch op does no work: a torch profiler sees no matmul for it."""
+    if W.size != 2:
+        raise Skip("needs 2 ranks")
+    s = SPECS["branch"]
+    program = lower(s.model(), s.parallel("br2"))
+    m = ShardedModel(program, Mesh(W, branch=2), seed=0)
+    from torch.profiler import profile
+
+    with profile() as prof:
+        m(synthetic_inputs(s.model(), 0))
+    # 2 matmuls per tower, on its owner only, plus the input layer and the head everywhere
+    mms = sum(e.count for e in prof.key_averages() if e.key in ("aten::bmm", "aten::mm"))
+    assert mms == 2 + 2, f"rank {W.rank} ran {mms} matmuls"
 
 
 def case_full_state_dict_round_trip():
