@@ -141,7 +141,7 @@ def test_pipeline_layouts_are_refused_until_the_operator_axis_exists():
 
 def test_branches_run_on_their_owner_and_meet_in_one_allreduce():
     spec = dsl.load(ROOT / "tests/specs/branch_layouts.par")
-    prog = program(spec, "br2")
+    prog = lower(spec.model("towers"), spec.parallel("br2"))
     owners = Counter(s.owner for s in prog.steps if isinstance(s, Compute) and s.owner)
     assert owners == {("branch", 0): 5, ("branch", 1): 6}  # tower b also owns its layernorm
     kinds = Counter(s.kind for s in prog.steps if isinstance(s, Redistribute))
@@ -152,3 +152,12 @@ def test_branches_run_on_their_owner_and_meet_in_one_allreduce():
     assert prog.value(ar.src).dims == ("batch", "classes")
     # the shared input reaches both towers: its gradient is summed back over the axis
     assert [s.src for s in prog.steps if isinstance(s, CopyTo)] == ["h"]
+
+
+def test_a_branch_value_a_product_needs_whole_is_broadcast_from_its_owner():
+    spec = dsl.load(ROOT / "tests/specs/branch_layouts.par")
+    prog = lower(spec.model("gated"), spec.parallel("gated_br2"))
+    moves = sorted((s.kind, s.src) for s in prog.steps if isinstance(s, Redistribute))
+    assert moves == [("allreduce", "linear1.mm"), ("broadcast", "b"), ("zero_fill", "a")]
+    # the broadcast copy feeds a product with a partial factor: its gradient is summed back
+    assert [s.src for s in prog.steps if isinstance(s, CopyTo)] == ["h", "b@branch:R"]

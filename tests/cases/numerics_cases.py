@@ -62,7 +62,8 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def golden(spec: str, layout: str, dims: dict | None = None) -> None:
     s = dsl.load(ROOT / f"tests/specs/{spec}_layouts.par", dims=dims) if dims else SPECS[spec]
-    model, par = s.model(), s.parallel(layout)
+    par = s.parallel(layout)
+    model = s.model(par.model)
     if par.world_size != W.size:
         raise Skip(f"{layout} needs {par.world_size} ranks")
     mesh = Mesh(W, **dict(par.mesh))
@@ -209,17 +210,21 @@ def case_branch_br2tp2():
     golden("branch", "br2tp2")
 
 
+def case_branch_gated_br2():
+    golden("branch", "gated_br2")
+
+
 def case_branch_ops_run_only_on_their_owner():
     """Off its owner a branch op does no work: a torch profiler sees no matmul for it."""
     if W.size != 2:
         raise Skip("needs 2 ranks")
     s = SPECS["branch"]
-    program = lower(s.model(), s.parallel("br2"))
+    program = lower(s.model("towers"), s.parallel("br2"))
     m = ShardedModel(program, Mesh(W, branch=2), seed=0)
     from torch.profiler import profile
 
     with profile() as prof:
-        m(synthetic_inputs(s.model(), 0))
+        m(synthetic_inputs(s.model("towers"), 0))
     # 2 matmuls per tower, on its owner only, plus the input layer and the head everywhere
     mms = sum(e.count for e in prof.key_averages() if e.key in ("aten::bmm", "aten::mm"))
     assert mms == 2 + 2, f"rank {W.rank} ran {mms} matmuls"
