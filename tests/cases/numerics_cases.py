@@ -22,6 +22,7 @@ from mpirun import Skip
 from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.dsl.lower import lower
+from soapstone.shard.data import random_inputs
 from soapstone.shard.runtime import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,25 +33,6 @@ dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
 CUSTOM = {"swiglu": dsl.custom.get("swiglu").fn}
 SPECS = {name: dsl.load(ROOT / f"tests/specs/{name}_layouts.par") for name in
          ("gpt", "mlp", "llama", "ops", "branch")}
-
-
-def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
-    """A deterministic batch: integer inputs drawn below the size of the dim they index."""
-    g = torch.Generator().manual_seed(1000 + step)
-    limits = {}
-    for op in model.ops:
-        if op.kind == "embedding":
-            limits[op.args[0]] = model.size(dict(op.attrs)["vocab"])
-        if op.kind == "cross_entropy":
-            limits[op.args[1]] = model.size(op.attr("over"))
-    out = {}
-    for inp in model.inputs:
-        shape = tuple(model.size(d) for d in inp.type.dims)
-        if inp.type.dtype.startswith("i"):
-            out[inp.name] = torch.randint(0, limits[inp.name], shape, generator=g)
-        else:
-            out[inp.name] = torch.randn(shape, generator=g)
-    return out
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -79,7 +61,7 @@ def train_and_compare(model, par, mesh, dtype, final_atol) -> None:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
     opt = torch.optim.AdamW(sharded.parameters(), lr=LR)
     for step in range(STEPS):
-        batch = synthetic_inputs(model, step)
+        batch = random_inputs(ref.program, step)
         want = ref(batch)["loss"]
         want.backward()
         out = sharded(batch)
@@ -224,7 +206,7 @@ def case_branch_ops_run_only_on_their_owner():
     from torch.profiler import profile
 
     with profile() as prof:
-        m(synthetic_inputs(s.model("towers"), 0))
+        m(random_inputs(program, 0))
     # 2 matmuls per tower, on its owner only, plus the input layer and the head everywhere
     mms = sum(e.count for e in prof.key_averages() if e.key in ("aten::bmm", "aten::mm"))
     assert mms == 2 + 2, f"rank {W.rank} ran {mms} matmuls"
