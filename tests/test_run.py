@@ -74,7 +74,7 @@ def one_line_error(r, *needles: str) -> None:
 
 @pytest.mark.parametrize("args,needles", [
     (["--data", "no/such/file.bin"], ["--data no/such/file.bin: no such file"]),
-    (["--data", "README.md"], ["does not fit the vocab", "--dim vocab=256"]),
+    (["--data", "README.md"], ["does not fit the vocab of 64", "--dim vocab="]),
     (["--parallel", "nope"], ["no parallel block named 'nope'", "parallel blocks: single"]),
     (["--steps", "0"], ["--steps 0"]),
     (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
