@@ -57,31 +57,6 @@ class SubMesh:
         return self.mesh.size(axis)
 
 
-def forward_local(model: ShardedModel, full: dict[str, torch.Tensor],
-                  local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ShardedModel.forward where some inputs (`local`) are already this rank's shards."""
-    env: dict[str, torch.Tensor] = {}
-    for name in model.program.inputs:
-        if name in local:
-            env[name] = local[name]
-        elif name in full:
-            env[name] = model._cast(model.local(full[name], model.program.value(name)))
-        else:
-            raise KeyError(f"missing input {name!r}")
-    provider = model.param_provider
-    if provider is None:
-        env.update(model.params)
-        for step in model.program.steps:
-            env[step.out] = model._run(step, env)
-    else:
-        with provider.forward_context():
-            for i, step in enumerate(model.program.steps):
-                provider.before_step(i, env)
-                env[step.out] = model._run(step, env)
-                provider.after_step(i)
-    return {o.name: env[o.value] for o in model.program.outputs}
-
-
 class PipelineModel:
     """This rank's share of a pipelined layout (see the module doc for the training loop)."""
 
@@ -272,7 +247,7 @@ class PipelineModel:
                 leaves = {}
                 for b, t in got:
                     leaves[b.name] = t.requires_grad_() if b.is_float else t
-                outs = forward_local(self.models[a.stage], mbs[a.mb], leaves)
+                outs = self.models[a.stage].forward(mbs[a.mb], local=leaves)
                 if stage.is_last:
                     loss = outs[self.models[a.stage].program.loss.name]
                     losses[a.mb] = loss.detach()

@@ -7,11 +7,13 @@ and sums parameter gradients over the axes the Program says they are partial on.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
 
 from soapstone.comm import autograd as ag
+from soapstone.shard.fusion import find_attention, run_attention
 from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Value
 
@@ -44,7 +46,7 @@ class ShardedModel:
     """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
 
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, fuse: bool = True):
         if program.world_size > 1:
             want = dict(program.mesh)
             have = dict(getattr(mesh, "shape", {}) or {})
@@ -56,6 +58,9 @@ class ShardedModel:
         self.ctx = Shards(program, mesh)
         self.ctx.rng_seed = seed
         self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
+        # attention chains run as one fused kernel (shard/fusion.py); fuse=False runs each op
+        self.fused = find_attention(program) if fuse else {}
+        self.covered = {i for f in self.fused.values() for i in f.covered}
         self.dtype = dtype  # overrides the spec's float dtypes (e.g. float64 for checks)
         # Optional ZeRO-3 hook (shard/zero.py): when set, forward asks it for parameters step
         # by step (`before_step`/`after_step`) inside its `forward_context()`, instead of
@@ -115,23 +120,32 @@ class ShardedModel:
 
     # --- forward and backward --------------------------------------------------------------
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run the steps on full inputs (every rank passes the same); local outputs by name."""
+    def forward(self, inputs: dict[str, torch.Tensor],
+                local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the steps on full inputs (every rank passes the same) or, for names in `local`,
+        on this rank's shards already (a pipeline stage's received tensors); local outputs."""
         env: dict[str, torch.Tensor] = {}
         for name in self.program.inputs:
-            if name not in inputs:
+            if local and name in local:
+                env[name] = local[name]
+            elif name in inputs:
+                env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
+            else:
                 raise KeyError(f"missing input {name!r}")
-            env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
         provider = self.param_provider
         if provider is None:
             env.update(self.params)
-            for step in self.program.steps:
-                env[step.out] = self._run(step, env)
-        else:
-            with provider.forward_context():
-                for i, step in enumerate(self.program.steps):
+        with provider.forward_context() if provider else contextlib.nullcontext():
+            for i, step in enumerate(self.program.steps):
+                if provider:
                     provider.before_step(i, env)
+                if i in self.fused:
+                    f = self.fused[i]
+                    env[f.out] = self._checked(step, run_attention(
+                        f, env, self.program, self.ctx.offset), f.out)
+                elif i not in self.covered:
                     env[step.out] = self._run(step, env)
+                if provider:
                     provider.after_step(i)
         return {o.name: env[o.value] for o in self.program.outputs}
 
@@ -142,12 +156,7 @@ class ShardedModel:
             if step.owner and self.mesh.coord(step.owner[0]) != step.owner[1]:
                 return self._placeholder(step, env)
             y = run_op(step, [env[a] for a in step.args], self.ctx, self.custom)
-            v = self.program.value(step.out)
-            if tuple(y.shape) != v.local_shape:
-                raise ShapeMismatch(
-                    f"{step.kind} producing {step.source}: local shape {list(y.shape)} differs "
-                    f"from the compiled {list(v.local_shape)} (dims {', '.join(v.dims)})")
-            return y
+            return self._checked(step, y, step.out)
         x = env[step.src]
         comm = self.mesh.comm(step.axis)
         if isinstance(step, CopyTo):
@@ -177,6 +186,14 @@ class ShardedModel:
             return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to),
                                  concat_dim=src.dims.index(step.frm))
         raise ValueError(f"unknown redistribution {step.kind!r}")
+
+    def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:
+        v = self.program.value(name)
+        if tuple(y.shape) != v.local_shape:
+            raise ShapeMismatch(
+                f"{step.kind} producing {name}: local shape {list(y.shape)} differs "
+                f"from the compiled {list(v.local_shape)} (dims {', '.join(v.dims)})")
+        return y
 
     def _placeholder(self, step: Compute, env: dict[str, torch.Tensor]) -> torch.Tensor:
         """What a rank off a branch holds for the branch's op: zeros, wired to the op's inputs
