@@ -32,10 +32,20 @@ class FlatAdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
 
     def init_state(self, p: torch.Tensor) -> dict:
-        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                "step": torch.zeros((), dtype=torch.float32)}
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
         beta1, beta2 = self.betas
+        if p.dtype in (torch.float32, torch.float64):
+            # torch's fused CPU kernel: one pass over p, g, m, v instead of seven, the same
+            # arithmetic as torch.optim.AdamW (fused=True), which the tests check bitwise
+            state["step"].fill_(step)
+            torch._fused_adamw_([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [],
+                                [state["step"]], lr=self.lr, beta1=beta1, beta2=beta2,
+                                weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
+                                maximize=False)
+            return
         if self.weight_decay:
             p.mul_(1 - self.lr * self.weight_decay)
         m, v = state["exp_avg"], state["exp_avg_sq"]
