@@ -30,7 +30,7 @@ import attrs
 
 from soapstone.dsl import ir
 from soapstone.dsl.lower import LoweringError, lower
-from soapstone.shard.stage_graph import Boundary, Edge, Stage, StageGraph
+from soapstone.shard.stage_graph import Edge, Stage, StageGraph
 
 
 @attrs.frozen
@@ -187,7 +187,7 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
                     f"{list(into.local_shape)}; boundary resharding is not supported",
                     parallel.loc, hint="move the stage boundary, or map the boundary "
                     "tensor's dims so that it leaves its stage in the input layout")
-            tensors.append(Boundary(name, out.dtype, out.dims, out.local_shape, out.layout))
+            tensors.append(out)
         edges.append(Edge(a.index, b.index, a.rank, b.rank, tuple(tensors)))
     users: dict[str, list[int]] = {}
     for s in stages:

@@ -33,8 +33,9 @@ import torch
 
 from soapstone.shard import schedules
 from soapstone.shard import trace as tr
+from soapstone.shard.program import Value
 from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel
-from soapstone.shard.stage_graph import Boundary, StageGraph
+from soapstone.shard.stage_graph import StageGraph
 
 
 class SubMesh:
@@ -317,7 +318,7 @@ class PipelineModel:
             out.append((b, buf, work))
         return out
 
-    def _wait(self, posted: list | None, a) -> list[tuple[Boundary, torch.Tensor]]:
+    def _wait(self, posted: list | None, a) -> list[tuple[Value, torch.Tensor]]:
         if not posted:
             return []
         t0 = self.timeline.now()

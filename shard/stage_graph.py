@@ -20,29 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-from soapstone.shard.layout import Layout, nbytes
-from soapstone.shard.program import Program
-
-
-@attrs.frozen
-class Boundary:
-    """One tensor crossing an edge: its name, dtype, dims and per-rank shape and layout."""
-
-    name: str
-    dtype: str
-    dims: tuple[str, ...]
-    local_shape: tuple[int, ...]
-    layout: Layout
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one rank sends per microbatch (forward; the gradient is as big)."""
-        return nbytes(self.dtype, self.local_shape)
-
-    @property
-    def is_float(self) -> bool:
-        """Whether a gradient flows back over the edge."""
-        return self.dtype.startswith(("f", "bf"))
+from soapstone.shard.program import Program, Value
 
 
 @attrs.frozen
@@ -53,7 +31,7 @@ class Edge:
     dst: int
     src_rank: int
     dst_rank: int
-    tensors: tuple[Boundary, ...]
+    tensors: tuple[Value, ...]  # the program values crossing (the same on both sides)
 
     @property
     def nbytes(self) -> int:
