@@ -10,6 +10,7 @@ itself is checked against torch.optim in tests/test_data_parallel.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from mpirun import Skip
 from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.dsl.lower import lower
+from soapstone.shard.data import random_inputs
 from soapstone.shard.memory import memory_report
 from soapstone.shard.optim import build_optimizer
 from soapstone.shard.runtime import ShardedModel
@@ -30,25 +32,6 @@ SPECS = {"gpt": dsl.load(ROOT / "tests/specs/dp_gpt.par"),
          "mlp": dsl.load(ROOT / "tests/specs/dp_mlp.par")}
 BUCKET_MB = 0.004  # ~1000 floats: several buckets even for these small models
 _REF: dict = {}
-
-
-def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
-    """A deterministic global batch (as numerics_cases.py): ids below the dim they index."""
-    g = torch.Generator().manual_seed(1000 + step)
-    limits = {}
-    for op in model.ops:
-        if op.kind == "embedding":
-            limits[op.args[0]] = model.size(dict(op.attrs)["vocab"])
-        if op.kind == "cross_entropy":
-            limits[op.args[1]] = model.size(op.attr("over"))
-    out = {}
-    for inp in model.inputs:
-        shape = tuple(model.size(d) for d in inp.type.dims)
-        if inp.type.dtype.startswith("i"):
-            out[inp.name] = torch.randint(0, limits[inp.name], shape, generator=g)
-        else:
-            out[inp.name] = torch.randn(shape, generator=g)
-    return out
 
 
 def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
@@ -69,8 +52,9 @@ def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
     opt = build_optimizer(m, name, lr=LR if name == "adamw" else 1e-2, weight_decay=0.01,
                           zero=zero, bucket_mb=BUCKET_MB, grad_clip=clip, precision=precision)
     losses, norms = [], []
+    whole = lower(model, None)  # the global batch is drawn for the full-size model
     for step in range(steps):
-        batch = synthetic_inputs(model, step)
+        batch = random_inputs(whole, step)
         if micro == 1:
             out = m(batch)
             out["loss"].backward()
@@ -79,8 +63,7 @@ def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
             total = 0.0
             for k in range(micro):
                 part = {n: t.chunk(micro, 0)[k] for n, t in batch.items()}
-                ctx = opt.no_sync() if k < micro - 1 else _null()
-                with ctx:
+                with opt.no_sync() if k < micro - 1 else contextlib.nullcontext():
                     out = m(part)
                     (out["loss"] / micro).backward()
                 total += m.loss_value(out) / micro
@@ -91,14 +74,6 @@ def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
     with opt.gathered():
         full = m.full_state_dict()
     return losses, norms, full, (m, opt)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def reference(spec: str, dtype, name: str = "adamw", clip=None):

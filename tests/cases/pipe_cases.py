@@ -31,6 +31,8 @@ from soapstone.comm import Mesh, init  # noqa: E402
 from soapstone.dsl import ir  # noqa: E402
 from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
+from soapstone.shard.data import random_inputs  # noqa: E402
+from soapstone.shard import trace as tr  # noqa: E402
 from soapstone.shard.pipeline import PipelineModel  # noqa: E402
 from soapstone.shard.runtime import ShardedModel  # noqa: E402
 
@@ -40,12 +42,8 @@ SPEC = dsl.load(ROOT / "tests/specs/pipe_layouts.par")
 
 
 def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
-    """A deterministic batch of token ids and targets below the vocab size."""
-    g = torch.Generator().manual_seed(1000 + step)
-    shape = tuple(model.size(d) for d in ("batch", "seq"))
-    vocab = model.size("vocab")
-    return {"tokens": torch.randint(0, vocab, shape, generator=g),
-            "targets": torch.randint(0, vocab, shape, generator=g)}
+    """The deterministic global batch of `step` (ids below the dims they index)."""
+    return random_inputs(lower(model, None), step)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -157,6 +155,8 @@ def case_pp2_trace():
             work = [e for e in events if e.get("cat") in ("forward", "backward")]
             assert len(work) == 2 * 2 * 8, len(work)
             assert {e["tid"] for e in work} == {0, 1}
+            png = Path(d) / "trace.png"  # matplotlib comes with the dev extra
+            assert tr.write_png(png, pm.events()) and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def case_pp4_1f1b_mb8():
