@@ -31,8 +31,8 @@ from soapstone.comm import Mesh, init  # noqa: E402
 from soapstone.dsl import ir  # noqa: E402
 from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
-from soapstone.shard.data import random_inputs  # noqa: E402
 from soapstone.shard import trace as tr  # noqa: E402
+from soapstone.shard.data import random_inputs  # noqa: E402
 from soapstone.shard.pipeline import PipelineModel  # noqa: E402
 from soapstone.shard.runtime import ShardedModel  # noqa: E402
 
