@@ -22,6 +22,11 @@ sequence-parallel layernorm weights, are a plain allreduce):
   stage 3  as 2, and the parameters too are kept as shards (see zero.py).
 
 The loss is already the global mean, so partial gradients are SUMMED, never averaged.
+
+Deferred parameters (`model.deferred_grads`, set by the pipeline executor for weights tied
+across pipeline stages) get a bucket each that is never launched during backward: the caller
+adds to its local sum (`unreduced_grad(name)`, e.g. the other stages' gradients summed over the
+pipe axis) and `finish()` then reduces it like any other bucket.
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ class Bucket:
 
     def __init__(self, index: int, slots: list[Slot], sync: tuple[str, ...],
                  dp: tuple[str, ...], split: tuple[str, ...], block: str | None, mesh,
-                 stage: int, dtype: torch.dtype):
+                 stage: int, dtype: torch.dtype, deferred: bool = False):
         self.index, self.slots, self.block = index, slots, block
+        self.deferred = deferred  # reduced only in finish() (see the module doc)
         self.sync, self.dp, self.split = sync, dp, split
         self.rest = tuple(a for a in sync if a not in dp)
         self.comm_all = mesh.comm(*sync) if sync and mesh is not None else None
@@ -175,6 +181,7 @@ class GradReducer:
             (p.dtype for p in model.params.values() if p.is_floating_point()), torch.float32)
         if compute_dtype is not None:
             model.dtype = compute_dtype  # inputs and casts follow the compute dtype
+        self.deferred = tuple(getattr(model, "deferred_grads", ()) or ())
         self.buckets = self._make_buckets(bucket_mb)
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {}
         for b in self.buckets:
@@ -211,7 +218,8 @@ class GradReducer:
                 continue
             split = tuple(a for a, pl in spec.layout.placements if pl != "P")
             dp = tuple(a for a in axes_order if a in spec.grad_sync and a in self.data_axes)
-            key = (spec.grad_sync, dp, split, spec.block if self.stage == 3 else None)
+            key = (spec.grad_sync, dp, split, spec.block if self.stage == 3 else None,
+                   spec.name if spec.name in self.deferred else None)
             nbytes = p.numel() * 4
             group = open_.get(key)
             limit = first_cap if not order or (order and group is order[0][1]) else cap
@@ -224,13 +232,13 @@ class GradReducer:
             group.append(Slot(spec.name, p, 0, p.numel(), tuple(p.shape)))
             open_bytes[key] += nbytes
         buckets = []
-        for i, ((sync, dp, split, block), slots) in enumerate(order):
+        for i, ((sync, dp, split, block, own), slots) in enumerate(order):
             off = 0
             for s in slots:
                 s.offset = off
                 off += s.numel
             buckets.append(Bucket(i, slots, sync, dp, split, block, self.mesh, self.stage,
-                                  self.dtype))
+                                  self.dtype, deferred=own is not None))
         return buckets
 
     def _init_flat(self) -> None:
@@ -292,6 +300,8 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
+        if b.deferred:
+            return  # reduced in finish(), after the caller's own sum
         if self._accumulating and b.keeps_full_grad:
             return  # reduce the accumulated sum later
         if b.dirty:
@@ -309,6 +319,17 @@ class GradReducer:
             self.provider.backward_done()
 
     # --- at the optimizer step ------------------------------------------------------------
+    def unreduced_grad(self, name: str) -> torch.Tensor:
+        """A deferred parameter's gradient as accumulated on this rank, not yet reduced over
+        any axis: a flat view the caller may add to in place before finish()."""
+        b, s = self.slot_of[id(self.model.params[name])]
+        if not b.deferred:
+            raise ValueError(f"{name} is not a deferred parameter (model.deferred_grads)")
+        if b.full_grad is None:
+            b.full_grad = torch.zeros(b.numel, dtype=b.mdtype)
+        b.dirty = True
+        return b.full_grad[s.offset:s.offset + s.numel]
+
     def finish(self) -> None:
         """Wait for every reduction (launching any still pending); idempotent."""
         for b in self.buckets:
@@ -346,11 +367,19 @@ class GradReducer:
     def global_grad_norm(self) -> float:
         """sqrt of the sum of squares over every element of the global gradient, counted once:
         a segment split over some axes is summed over them; replicas are not summed."""
+        return self.global_grad_norm_sq() ** 0.5
+
+    def global_grad_norm_sq(self, weights: dict[str, float] | None = None) -> float:
+        """The squared global norm of this model's gradient (collective over its mesh).
+        weights: a factor per deferred parameter (e.g. 1/copies for a weight tied across
+        pipeline stages, so that the sum over stages counts it once)."""
         sums: dict[tuple[str, ...], float] = {}
         for b in self.buckets:
             g = b.segment().grad
             key = b.norm_axes()
             sq = float(torch.linalg.vector_norm(g)) ** 2 if g is not None else 0.0
+            if weights and b.deferred:
+                sq *= weights.get(b.slots[0].name, 1.0)
             sums[key] = sums.get(key, 0.0) + sq
         total = 0.0
         for key in sorted(sums):
@@ -358,7 +387,7 @@ class GradReducer:
             if key and self.mesh is not None:
                 self.mesh.comm(*key).allreduce(t)
             total += float(t)
-        return total ** 0.5
+        return total
 
     def publish_params(self) -> None:
         """After the update: every rank's parameters hold the new values again."""

@@ -101,12 +101,29 @@ class Optimizer:
         microbatch and accumulate the shards)."""
         return self.reducer.no_sync()
 
-    def step(self) -> None:
-        """Finish gradient reduction, clip by the global norm (if grad_clip), update params."""
+    def reduce_grads(self) -> None:
+        """Finish every gradient reduction (step() does it too; idempotent)."""
+        self.reducer.finish()
+
+    def unreduced_grad(self, name: str) -> torch.Tensor:
+        """A deferred parameter's local gradient before its reduction: the pre-reduction hook
+        for a caller that must add to it first (see data_parallel.py, deferred parameters)."""
+        return self.reducer.unreduced_grad(name)
+
+    def grad_norm_sq(self, weights: dict[str, float] | None = None) -> float:
+        """The squared global gradient norm of this model after reduce_grads() (collective
+        over the model's mesh); weights scale deferred parameters' terms."""
+        self.reducer.finish()
+        return self.reducer.global_grad_norm_sq(weights)
+
+    def step(self, grad_norm: float | None = None) -> None:
+        """Finish gradient reduction, clip by the global norm (if grad_clip), update params.
+        grad_norm: a norm the caller computed over more than this model (a pipeline's norm
+        over every stage, PipelineModel.step); default: this model's own global norm."""
         self.reducer.finish()
         self.steps += 1
         segs = self.reducer.segments()
-        self.grad_norm = self.reducer.global_grad_norm()
+        self.grad_norm = self.reducer.global_grad_norm() if grad_norm is None else grad_norm
         if self.grad_clip is not None:
             coef = min(self.grad_clip / (self.grad_norm + 1e-6), 1.0)
             if coef < 1.0:

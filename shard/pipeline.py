@@ -84,6 +84,7 @@ class PipelineModel:
         self.timeline = tr.Timeline(self.pipe_rank)
         self.last_loss: float | None = None
         self.optimizers: dict[int, object] = {}
+        self.grad_norm: float | None = None  # the global norm of the last step()
         self._ntensors = max([len(e.tensors) for e in graph.edges] + [1])
 
     # --- parameters ------------------------------------------------------------------------
@@ -101,26 +102,60 @@ class PipelineModel:
 
     def use_optimizer(self, build) -> None:
         """Give each stage model its own optimizer from `build(sharded_model)`, e.g.
-        `lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1)` (shard/optim.py). Such an
-        optimizer reduces gradients itself, so the pipeline runs every microbatch's backward
-        but the last in its `no_sync()`; then call `step()` instead of sync_grads + a torch
-        optimizer. Shared params and per-stage clipping are refused: both need a sum over the
-        pipe axis inside the optimizer's step."""
-        if self.graph.shared:
-            raise ValueError("shared (tied) params across stages need sync_grads() and a torch "
-                             "optimizer; build_optimizer cannot sum them over the pipe axis yet")
+        `lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1, grad_clip=1.0)`
+        (shard/optim.py). Such an optimizer reduces gradients itself, so the pipeline runs
+        every microbatch's backward but the last in its `no_sync()`; then call `step()`
+        instead of sync_grads + a torch optimizer. Weights tied across stages are deferred
+        parameters of each holder's optimizer (data_parallel.py): step() sums them over the
+        pipe axis before their data-axis reduction; grad_clip clips by the norm over every
+        stage and axis (the same for every stage's optimizer)."""
+        shared = {n for n, _ in self.graph.shared}
         for i, m in self.models.items():
-            opt = build(m)
-            if getattr(opt, "grad_clip", None) is not None and self.graph.pipe > 1:
-                raise ValueError("build_optimizer's grad_clip would clip each stage by its own "
-                                 "norm; clip with clip_grad_norm_ over the torch optimizer path")
-            self.optimizers[i] = opt
+            m.deferred_grads = tuple(n for n in m.params if n in shared)
+            self.optimizers[i] = build(m)
 
     def step(self) -> None:
-        """The optimizers of use_optimizer(): reduce, update, clear gradients."""
-        for opt in self.optimizers.values():
-            opt.step()
+        """The optimizers of use_optimizer(): sum tied weights' gradients over the pipe axis,
+        reduce, clip by the global norm over every stage (collective over the world), update,
+        clear gradients. The norm before clipping is left in `self.grad_norm`."""
+        opts = self.optimizers
+        if self.graph.shared:
+            self._sum_shared(lambda i, name: opts[i].unreduced_grad(name))
+        copies = {n: 1.0 / len(w) for n, w in self.graph.shared}
+        total = 0.0
+        for opt in opts.values():
+            total += opt.grad_norm_sq(copies)
+        if self.graph.pipe > 1:
+            t = torch.tensor([total], dtype=torch.float64)
+            self.pipe_comm.allreduce(t)
+            total = float(t)
+        self.grad_norm = total ** 0.5
+        for opt in opts.values():
+            opt.step(grad_norm=self.grad_norm)
             opt.zero_grad()
+
+    def _sum_shared(self, local_grad) -> None:
+        """Sum each shared param's gradient over the pipe axis in place: local_grad(stage,
+        name) is a holder's gradient tensor (every pipe rank takes part, zeros where it holds
+        none; a rank holding several copies adds them once and writes the sum to each)."""
+        pieces, holders = [], []
+        for name, where in self.graph.shared:
+            shape = self.graph.stages[where[0]].program.value(name).local_shape
+            local = [local_grad(v, name) for v in where if v in self.models]
+            g = torch.zeros(math.prod(shape), dtype=torch.float64)
+            for t in local:
+                g += t.reshape(-1)
+            pieces.append(g)
+            holders.append(local)
+        flat = torch.cat(pieces)
+        if self.graph.pipe > 1:
+            self.pipe_comm.allreduce(flat)
+        offset = 0
+        for piece, local in zip(pieces, holders, strict=True):
+            n = piece.numel()
+            for t in local:
+                t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
 
     def sync_grads(self) -> None:
         """Sum gradients over the axes where they are partial (per stage), and shared params'

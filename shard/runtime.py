@@ -66,6 +66,9 @@ class ShardedModel:
         # by step (`before_step`/`after_step`) inside its `forward_context()`, instead of
         # reading self.params directly.
         self.param_provider = None
+        # Params whose gradients a caller sums further before reduction (pipeline tied weights;
+        # GradReducer gives each its own deferred bucket, shard/data_parallel.py)
+        self.deferred_grads: tuple[str, ...] = ()
         self.params: dict[str, torch.nn.Parameter] = {
             p.name: torch.nn.Parameter(self._cast(self.local(init_full(p, seed),
                                                              program.value(p.name))))
