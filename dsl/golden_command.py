@@ -60,11 +60,7 @@ def _trainer(program, mesh, header: dict, zero: int = 0):
 
 
 def _state(trainer) -> dict:
-    gathered = getattr(trainer.opt, "gathered", None)
-    if gathered is None:
-        return trainer.model.full_state_dict()
-    with gathered():
-        return trainer.model.full_state_dict()
+    return trainer.full_state_dict()
 
 
 def record_run(spec_path: str, output: str, *, model: str | None = None,

@@ -68,11 +68,35 @@ def custom_layers() -> dict:
     return {name: layer.fn for name, layer in registered().items()}
 
 
+def compile_layout(model, par):
+    """The layout's Program, or its StageGraph when it places blocks on pipeline stages."""
+    if par is not None and par.operator:
+        from .stages import lower_pipeline
+
+        return lower_pipeline(model, par)
+    from .lower import lower
+
+    return lower(model, par)
+
+
+def single_program(model, program):
+    """The Program whose global input shapes the data task draws (a pipeline's stages see
+    microbatches: the single-rank Program of the model, tied weights resolved)."""
+    from soapstone.shard.stage_graph import StageGraph
+
+    if not isinstance(program, StageGraph):
+        return program
+    from .lower import lower
+    from .stages import resolve_ties
+
+    return lower(resolve_ties(model), None)
+
+
 def build_program(args: argparse.Namespace, world_size: int | None):
-    """(model, parallel or None, Program) for the flags; SpecError / BadInput when unusable.
+    """(model, parallel or None, Program or StageGraph) for the flags; SpecError / BadInput
+    when unusable.
 
     With world_size, also checks that the layout needs exactly that many ranks."""
-    from .lower import lower
     from .spec import load
 
     dims = parse_dims(args.dim)
@@ -83,14 +107,13 @@ def build_program(args: argparse.Namespace, world_size: int | None):
     if par is not None and par.model != model.name:
         raise BadInput(f"parallel block '{par.name}' is for model '{par.model}', "
                        f"not '{model.name}'")
-    program = lower(model, par)  # a pipeline layout fails here, whatever the launch
     need = par.world_size if par else 1
     if world_size is not None and world_size != need:
         what = f"layout '{par.name}' (mesh {' x '.join(f'{a}={s}' for a, s in par.mesh)})" \
             if par else f"model '{model.name}' without --parallel"
         raise BadInput(f"{what} needs {need} rank{'s' if need > 1 else ''}, but this run has "
                        f"{world_size}: launch it with `mpiexec -n {need} soapstone ...`")
-    return model, par, program
+    return model, par, compile_layout(model, par)
 
 
 def check_train_flags(args: argparse.Namespace) -> None:
@@ -107,6 +130,15 @@ def check_train_flags(args: argparse.Namespace) -> None:
                        "does not exist")
 
 
+def check_trace_flag(path: str, par) -> None:
+    """--trace needs a pipeline layout and a writable directory (BadInput)."""
+    if par is None or not par.operator:
+        raise BadInput(f"--trace {path}: only pipeline layouts (an operator statement) have "
+                       "a schedule timeline to trace")
+    if not Path(path).resolve().parent.is_dir():
+        raise BadInput(f"--trace {path}: the directory {Path(path).parent} does not exist")
+
+
 def report(rank: int, message: str) -> int:
     """Print a bad-input error on rank 0 (every rank returns 2)."""
     if rank == 0:
@@ -120,6 +152,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", metavar="F.jsonl",
                         help="write one JSON line per step (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="pipeline layouts: write the last step's timeline as a Chrome "
+                             "trace (and FILE with .png if matplotlib is installed) and print "
+                             "the measured bubble next to the schedule's theoretical one")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -130,7 +166,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_train_flags(args)
         model, par, program = build_program(args, comm.size)
-        task = make_task(program, args.seed, args.data)
+        if getattr(args, "trace", None):
+            check_trace_flag(args.trace, par)
+        task = make_task(single_program(model, program), args.seed, args.data)
     except SpecError as e:
         return report(rank, e.format())
     except (BadInput, DataError) as e:
@@ -145,10 +183,11 @@ def train(args, comm, par, program, task) -> int:
     rank = comm.rank
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and program.world_size > 1 else None
     lr = args.lr if args.lr is not None else default_lr(args.optimizer)
+    trace = getattr(args, "trace", None)
     trainer = Trainer(program, mesh, task=task, seed=args.seed, custom=custom_layers(),
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      zero=par.zero if par is not None else 0)
+                      zero=par.zero if par is not None else 0, trace=bool(trace))
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
@@ -178,4 +217,28 @@ def train(args, comm, par, program, task) -> int:
     if rank == 0:
         print(f"done: {args.steps} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
               f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
+    if trace:
+        write_trace(trainer.pipeline, trace, rank)
     return 0
+
+
+def write_trace(pipe, path: str, rank: int) -> None:
+    """The last step's timeline: Chrome trace JSON (+ .png) and the bubble (collective)."""
+    from soapstone.shard import trace as tr
+
+    events = pipe.events()
+    measured, theory = tr.bubble(events, pipe.graph.pipe), pipe.schedule.theory_bubble()
+    if rank != 0:
+        return
+    g = pipe.graph
+    tr.write_chrome_trace(path, events, f"{g.model}/{g.parallel}")
+    png = str(Path(path).with_suffix(".png"))
+    drew = tr.write_png(png, events, f"{g.model}/{g.parallel} {g.schedule}, "
+                        f"bubble {measured:.1%}")
+    print(f"trace: {path}" + (f" and {png}" if drew else
+                              " (no .png: matplotlib is not installed)"), flush=True)
+    formula = (f"(p-1)/(v*m+p-1) = {g.pipe - 1}/({g.chunks}*{g.microbatches}+{g.pipe - 1})"
+               if g.chunks > 1 else
+               f"(p-1)/(m+p-1) = {g.pipe - 1}/({g.microbatches}+{g.pipe - 1})")
+    print(f"bubble: measured {measured:.1%} of the last step, theory {theory:.1%} "
+          f"({g.schedule}, {formula})", flush=True)

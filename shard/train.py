@@ -4,10 +4,17 @@ One step: every rank builds the same full batch (shard/data.py), runs its share 
 backpropagates the loss, and the optimizer (shard/optim.py) syncs gradients and updates the
 local shards. `Trainer.step(i)` returns the step's metrics; the global loss is gathered on
 every rank (a collective: all ranks call it), so any rank may log it.
+
+Given a StageGraph (a pipeline layout) instead of a Program, the model is a PipelineModel
+(shard/pipeline.py): each step runs the schedule over every microbatch of the batch, and
+build_optimizer per stage (via use_optimizer) reduces, sums tied weights over the pipe axis,
+clips by the norm over every stage and updates. `task` is then required (built from the
+single-rank Program: the batch is the same global batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -19,6 +26,7 @@ import torch
 from soapstone.shard.data import SyntheticTask
 from soapstone.shard.program import Program
 from soapstone.shard.runtime import ShardedModel
+from soapstone.shard.stage_graph import StageGraph
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -57,20 +65,38 @@ def make_optimizer(model: ShardedModel, name: str, lr: float, weight_decay: floa
 
 
 class Trainer:
-    """A sharded model, its optimizer and its data: `step(i)` trains on batch i."""
+    """A sharded model (or pipeline), its optimizer and its data: `step(i)` trains on batch i."""
 
-    def __init__(self, program: Program, mesh=None, *, task: SyntheticTask | None = None,
-                 seed: int = 0, custom: dict | None = None, precision: str = "fp32",
-                 optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
-                 grad_clip: float | None = None, zero: int = 0):
+    def __init__(self, program: Program | StageGraph, mesh=None, *,
+                 task: SyntheticTask | None = None, seed: int = 0, custom: dict | None = None,
+                 precision: str = "fp32", optimizer: str = "adamw", lr: float = 1e-3,
+                 weight_decay: float = 0.0, grad_clip: float | None = None, zero: int = 0,
+                 trace: bool = False):
         self.program = program
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        dtype = torch.float64 if precision == "fp64" else None
+        mixed = precision if precision == "bf16" else None
+        self.pipeline = None
+        if isinstance(program, StageGraph):
+            from soapstone.shard.pipeline import PipelineModel
+
+            if task is None:
+                raise ValueError("a pipeline Trainer needs the task (from the single-rank "
+                                 "Program)")
+            self.pipeline = self.model = PipelineModel(program, mesh, seed=seed, custom=custom,
+                                                       dtype=dtype, trace=trace)
+            self.model.use_optimizer(lambda m: make_optimizer(m, optimizer, lr, weight_decay,
+                                                              grad_clip, zero, mixed))
+            if mixed:  # boundary buffers follow the stages' compute dtype
+                self.model.dtype = torch.bfloat16
+            self.opt = None
+            self.task = task
+            return
         # bf16: the optimizer keeps fp32 masters and makes the model compute in bf16
-        self.model = ShardedModel(program, mesh, seed=seed, custom=custom,
-                                  dtype=torch.float64 if precision == "fp64" else None)
+        self.model = ShardedModel(program, mesh, seed=seed, custom=custom, dtype=dtype)
         self.opt = make_optimizer(self.model, optimizer, lr, weight_decay, grad_clip, zero,
-                                  precision if precision == "bf16" else None)
+                                  mixed)
         self.task = task or SyntheticTask(program, seed)
         loss = program.loss
         if loss is None:
@@ -81,16 +107,36 @@ class Trainer:
         """Forward, backward and optimizer step on batch `i`; the global loss and timings."""
         batch = self.task.batch(i)
         t0 = time.perf_counter()
-        self.model.ctx.rng_step = i  # dropout masks: a function of (seed, step, value)
-        out = self.model(batch)
-        out[self.loss_name].backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        loss = self.model.loss_value(out)
+        if self.pipeline is not None:
+            for m in self.pipeline.models.values():
+                m.ctx.rng_step = i
+            loss = self.pipeline.train_step(batch)
+            self.pipeline.step()
+            norm = self.pipeline.grad_norm
+        else:
+            self.model.ctx.rng_step = i  # dropout masks: a function of (seed, step, value)
+            out = self.model(batch)
+            out[self.loss_name].backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            loss = self.model.loss_value(out)
+            norm = getattr(self.opt, "grad_norm", None)
         dt = time.perf_counter() - t0
-        norm = getattr(self.opt, "grad_norm", None)
         return StepMetrics(i, loss, dt, self.task.tokens(i) / dt if dt > 0 else 0.0,
                            max_rss_bytes(), None if norm is None else float(norm))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as its full tensor, on every rank (collective)."""
+        if self.pipeline is not None:
+            with contextlib.ExitStack() as stack:
+                for opt in self.pipeline.optimizers.values():
+                    stack.enter_context(opt.gathered())
+                return self.pipeline.full_state_dict()
+        gathered = getattr(self.opt, "gathered", None)
+        if gathered is None:
+            return self.model.full_state_dict()
+        with gathered():
+            return self.model.full_state_dict()
 
     def run(self, steps: int, start: int = 0) -> Iterator[StepMetrics]:
         """Train `steps` steps, yielding each step's metrics."""

@@ -45,6 +45,26 @@ def test_loss_falls_under_mpiexec(tmp_path):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_pipeline_layout_trains_and_traces(tmp_path):
+    """A pipeline layout (2 stages, 1F1B, 8 microbatches) runs through `soapstone run`:
+    metrics per step, loss falling, --trace writes the Chrome trace and prints the bubble."""
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
+    r = soapstone(2, "run", "tests/specs/pipe_layouts.par", "--parallel", "pp2f1b",
+                  "--steps", "12", "--metrics", str(metrics), "--trace", str(trace))
+    assert r.ok, r.report()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(12))
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], rows
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {f"F{i}" for i in range(8)} <= names and {f"B{i}" for i in range(8)} <= names
+    m = re.search(r"bubble: measured ([\d.]+)% of the last step, theory ([\d.]+)% \(1f1b",
+                  r.stdout)
+    assert m and float(m.group(2)) == pytest.approx(100 / 9, abs=0.05), r.stdout
+    assert "trace: " in r.stdout and r.stdout.count("bubble:") == 1
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_run_without_mpiexec_learns_the_classifier():
     import subprocess
     import sys
@@ -78,7 +98,8 @@ def one_line_error(r, *needles: str) -> None:
     (["--parallel", "nope"], ["no parallel block named 'nope'", "parallel blocks: single"]),
     (["--steps", "0"], ["--steps 0"]),
     (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
-    (["--parallel", "gpt8"], ["examples/gpt.par:", "pipeline stages"]),
+    (["--parallel", "gpt8"], ["layout 'gpt8'", "needs 8 ranks", "mpiexec -n 8"]),
+    (["--parallel", "single", "--trace", "t.json"], ["--trace t.json: only pipeline layouts"]),
     (["--dim", "vocab=x"], ["--dim 'vocab=x'"]),
 ])
 def test_bad_input_exit_2(args, needles):
