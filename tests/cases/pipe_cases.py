@@ -147,7 +147,7 @@ def case_pp2_trace():
     pm.train_step(synthetic_inputs(SPEC.model(), 0))
     measured, theory = pm.bubble()
     assert 0.0 <= measured < 1.0 and abs(theory - 1 / 9) < 1e-12, (measured, theory)
-    events = pm.events()  # collective: every rank gathers every rank's timeline
+    timeline = pm.events()  # collective: every rank gathers every rank's timeline
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         pm.write_chrome_trace(path)
@@ -157,7 +157,7 @@ def case_pp2_trace():
             assert len(work) == 2 * 2 * 8, len(work)
             assert {e["tid"] for e in work} == {0, 1}
             png = Path(d) / "trace.png"  # matplotlib comes with the dev extra
-            assert tr.write_png(png, events) and png.read_bytes()[:4] == b"\x89PNG"
+            assert tr.write_png(png, timeline) and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def case_pp4_1f1b_mb8():
