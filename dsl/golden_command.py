@@ -22,9 +22,11 @@ from .run_command import (
     BadInput,
     add_train_options,
     check_train_flags,
+    compile_layout,
     custom_layers,
     default_lr,
     report,
+    single_program,
     world,
 )
 
@@ -48,12 +50,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     chk.add_argument("--quiet", action="store_true", help="print only the verdict")
 
 
-def _trainer(program, mesh, header: dict, zero: int = 0):
-    """The Trainer a record's header describes."""
+def _trainer(program, mesh, header: dict, zero: int = 0, model=None):
+    """The Trainer a record's header describes (program: a Program, or a pipeline's
+    StageGraph with `model` its ir.Model)."""
     from soapstone.shard.data import make_task
     from soapstone.shard.train import Trainer
 
-    task = make_task(program, header["seed"], header.get("data"))
+    task = make_task(single_program(model, program), header["seed"], header.get("data"))
     return Trainer(program, mesh, task=task, seed=header["seed"], custom=custom_layers(),
                    precision=header["precision"], optimizer=header["optimizer"],
                    lr=header["lr"], zero=zero)
@@ -102,7 +105,6 @@ def check_run(spec_path: str, parallel: str | None, record_file: str, *,
     from soapstone.comm import Mesh
     from soapstone.shard import golden
 
-    from .lower import lower
     from .spec import load
 
     comm = world()
@@ -118,17 +120,20 @@ def check_run(spec_path: str, parallel: str | None, record_file: str, *,
     if model.name != header["model"]:
         raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
                                  f"layout '{parallel}' is for model '{model.name}'")
-    program = lower(model, par)
+    program = compile_layout(model, par)  # a Program, or a pipeline layout's StageGraph
     if comm.size != program.world_size:
         what = f"layout '{par.name}'" if par else f"model '{model.name}' on one rank"
         raise BadInput(f"{what} needs {program.world_size} ranks, but this run has "
                        f"{comm.size}: launch it with `mpiexec -n {program.world_size} ...`")
-    names = [p.name for p in program.params]
-    if names != header["params"]:
+    stages = getattr(program, "stages", None)
+    programs = [s.program for s in stages] if stages is not None else [program]
+    names = {p.name for prog in programs for p in prog.params}
+    if names != set(header["params"]):
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and program.world_size > 1 else None
-    trainer = _trainer(program, mesh, header, zero=par.zero if par is not None else 0)
+    trainer = _trainer(program, mesh, header, zero=par.zero if par is not None else 0,
+                       model=model)
     tol = tol or golden.Tolerance.for_record(header)
     for m in trainer.run(record.steps):
         state = _state(trainer)

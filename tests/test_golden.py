@@ -1,5 +1,5 @@
-"""Golden runs: every non-pipeline example layout reproduces its single-rank record
-(tests/golden/runs/, made with `soapstone golden record`), and `golden check` names the first
+"""Golden runs: every example layout (pipelines too: gpt8 on 8 ranks) reproduces its single-rank
+record (tests/golden/runs/, made with `soapstone golden record`), and `golden check` names the first
 diverging step and tensor. Cases: tests/cases/run_cases.py, one launch per world size."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "golden"]
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_example_layouts_match_their_records(comm_runs, n):
     comm_runs(n, CASES).check("case_golden_examples")
 

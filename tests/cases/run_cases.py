@@ -4,7 +4,7 @@
   communicators' `stats` counters record during one training step (forward, backward,
   optimizer step, loss report) equal `soapstone explain`'s figures per mesh axis and
   collective, and its param/grad/optimizer memory is within 10% of the measured tensors.
-- golden: every non-pipeline example layout of this world size reproduces its record
+- golden: every example layout of this world size, pipelines included, reproduces its record
   (tests/golden/runs/<spec>.npz) through `soapstone.dsl.testing.assert_matches_golden`.
 """
 
@@ -32,10 +32,11 @@ def _spec(name: str):
     return dsl.load(ROOT / f"examples/{name}.par")
 
 
-def layouts(name: str) -> list[str]:
-    """The example's runnable (non-pipeline) layouts of this world size."""
+def layouts(name: str, pipelines: bool = False) -> list[str]:
+    """The example's layouts of this world size (pipeline layouts only if `pipelines`)."""
     s = _spec(name)
-    return [p.name for p in s.parallels.values() if p.world_size == W.size and not p.operator]
+    return [p.name for p in s.parallels.values()
+            if p.world_size == W.size and (pipelines or not p.operator)]
 
 
 def _measure(spec: str, layout: str, optimizer: str) -> None:
@@ -95,7 +96,7 @@ def case_golden_examples():
     ran = 0
     for spec in EXAMPLES:
         record = ROOT / f"tests/golden/runs/{spec}.npz"
-        for layout in layouts(spec):
+        for layout in layouts(spec, pipelines=True):
             assert_matches_golden(str(ROOT / f"examples/{spec}.par"), layout, str(record),
                                   plugins=(PLUGIN,))
             ran += 1
