@@ -33,8 +33,27 @@ the figures equal what the communicators' `stats` counters record during one ste
 ZeRO buckets are padded to a multiple of D elements in the runtime if needed; the estimate
 ignores that padding (at most D-1 elements per bucket).
 
-Pipelines: bubble fraction (p-1)/(m+p-1) for p stages and m microbatches (0 without), stage
-imbalance = the largest stage's parameter elements over the mean (1.0 without).
+Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Program (compiled
+for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
+figures add up its virtual stages:
+- params, grads, optimizer: the sum over the rank's stages (a tied weight counts per copy).
+- activations: one microbatch's activation bytes per stage times the microbatches in flight,
+  taken from the schedule itself: walking the rank's F/B actions, the peak over time of
+  sum(live forwards of stage s x its bytes). For 1F1B that is p - s microbatches on pipe rank s
+  (at most m); GPipe keeps all m; interleaved keeps its warm-up depth.
+- communication: a stage's forward and backward collectives run once per microbatch (x m);
+  gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
+  reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
+  allreduce over the pipe axis for the norm over every stage; the loss: the last stage's loss
+  reduction per microbatch, then one float64 allreduce over the pipe axis; weights tied across
+  stages: one float64 allreduce over the pipe axis of their local elements; p2p: the sender
+  counts each boundary tensor per microbatch (activations forward, float gradients back).
+  These equal the comm counters of one `soapstone run` step on every rank (tests).
+- bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank.
+- imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
+  over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
+  but the embedding and the output projection are counted by their size, which overstates the
+  embedding (a lookup) and understates attention's activation-only FLOPs. 1.0 without stages.
 """
 
 from __future__ import annotations
@@ -95,6 +114,10 @@ class Estimate:
     imbalance: float = 1.0
     stages: int = 1
     microbatches: int = 1
+    schedule: str | None = None
+    pipe_rank: int | None = None  # pipelines: whose figures the memory and traffic are
+    pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
+    edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
 
     @property
     def total_bytes(self) -> int:
@@ -131,8 +154,10 @@ def data_axes(program: Program) -> tuple[str, ...]:
     return default_data_axes(program)
 
 
-def estimate(program: Program, zero: int = 0, optimizer: str = "adamw") -> Estimate:
-    """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`."""
+def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
+             deferred: tuple[str, ...] = ()) -> Estimate:
+    """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
+    deferred: params with a gradient bucket of their own (pipeline tied weights)."""
     mesh = dict(program.mesh)
     dp_axes = data_axes(program) if zero else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
@@ -196,10 +221,11 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw") -> Estim
     for p in float_params:
         dp = tuple(a for a in p.grad_sync if a in dp_axes)
         split = tuple(a for a, pl in p.layout.placements if pl != "P")
-        g = groups.setdefault((p.grad_sync, dp, split), [0, 0])
+        g = groups.setdefault((p.grad_sync, dp, split, p.name if p.name in deferred else None),
+                              [0, 0])
         g[0] += math.prod(p.local_shape) * 4
         g[1] += program.value(p.name).nbytes
-    for (sync, dp, split), (nb, param_nb) in groups.items():
+    for (sync, dp, split, _), (nb, param_nb) in groups.items():
         rest = tuple(a for a in sync if a not in dp)
         if zero == 0 or not dp:
             add("grad sync", "allreduce", sync, nb)
@@ -227,6 +253,101 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw") -> Estim
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)))
 
 
+def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """Peak activation bytes held by pipe rank `rank` under `schedule`, and the peak number of
+    microbatches in flight per virtual stage."""
+    live: dict[int, int] = {}
+    peak_live: dict[int, int] = {}
+    peak = 0
+    for a in schedule.ranks[rank]:
+        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
+        peak = max(peak, sum(n * act.get(s, 0) for s, n in live.items()))
+    return peak, peak_live
+
+
+def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
+                      rank: int | None = None) -> Estimate:
+    """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
+    default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
+    from soapstone.shard import schedules
+
+    m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
+    mesh = dict(graph.mesh)
+    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
+    shared = {n: w for n, w in graph.shared}
+    per_stage = {}
+    for st in graph.stages:
+        per_stage[st.index] = estimate(st.program, zero, optimizer,
+                                       deferred=tuple(n for n in shared
+                                                      if n in {p.name for p in
+                                                               st.program.params}))
+    act = {i: e.activation_bytes for i, e in per_stage.items()}
+    ranks = []
+    for r in range(pipe):
+        mine = [st for st in graph.stages if st.rank == r]
+        peak, flight = _in_flight(sched, r, act)
+        rows: dict[tuple[str, str, str], Traffic] = {}
+
+        def add(phase, kind, ax, calls, nbytes, rows=rows):
+            row = rows.setdefault((phase, kind, ax), Traffic(phase, kind, ax))
+            row.calls += calls
+            row.bytes += nbytes
+
+        for st in mine:
+            for t in per_stage[st.index].traffic:
+                times = m if t.phase in ("forward", "backward", "loss") or (
+                    zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
+                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
+        if pipe > 1:
+            for e in graph.edges:
+                if e.src_rank == r:
+                    add("p2p", "send", axis, len(e.tensors) * m, e.nbytes * m)
+                if e.dst_rank == r:
+                    floats = [t for t in e.tensors if t.is_float]
+                    add("p2p", "send", axis, len(floats) * m,
+                        sum(t.nbytes for t in floats) * m)
+            if shared:
+                n = sum(math.prod(graph.stages[w[0]].program.value(name).local_shape)
+                        for name, w in shared.items())
+                add("tied sum", "allreduce", axis, 1, bus_bytes("allreduce", 8 * n, pipe))
+            add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+        params = sum(math.prod(p.shape) for st in mine for p in st.program.params)
+        ranks.append({
+            "pipe_rank": r, "stages": [st.index for st in mine],
+            "blocks": [b for st in mine for b in st.blocks],
+            "param_bytes": sum(per_stage[st.index].param_bytes for st in mine),
+            "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
+            "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
+            "activation_bytes": peak,
+            "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
+            "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
+            "param_elements": params,
+            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+        })
+    for row in ranks:
+        row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
+                                                  "optimizer_bytes", "activation_bytes"))
+    pick = ranks[rank] if rank is not None else max(ranks, key=lambda x: x["total_bytes"])
+    mean = sum(x["param_elements"] for x in ranks) / pipe
+    edges = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
+              "activation_bytes": e.nbytes * m,
+              "gradient_bytes": sum(t.nbytes for t in e.tensors if t.is_float) * m}
+             for e in graph.edges]
+    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
+                    pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
+                    pick["activation_bytes"], pick["traffic"],
+                    bubble=sched.theory_bubble(),
+                    imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
+                    stages=len(graph.stages), microbatches=m, schedule=graph.schedule,
+                    pipe_rank=pick["pipe_rank"],
+                    pipe_ranks=[{k: v for k, v in x.items() if k != "traffic"}
+                                | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
+                                for x in ranks],
+                    edges=edges)
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -237,10 +358,12 @@ def _size(n: float) -> str:
 def format_estimate(e: Estimate) -> str:
     """The table `soapstone explain` prints."""
     mesh = " x ".join(f"{a}={s}" for a, s in e.mesh.items()) or "single rank"
+    who = "every rank alike" if e.pipe_rank is None else \
+        f"pipe rank {e.pipe_rank}, the largest; the ranks of one pipe rank alike"
     lines = [f"explain {e.model}" + (f" / {e.parallel}" if e.parallel else "") +
              f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
              f"zero {e.zero}, {e.optimizer}",
-             "memory per rank (every rank alike):",
+             f"memory per rank ({who}):",
              f"  params        {_size(e.param_bytes):>12}",
              f"  grads         {_size(e.grad_bytes):>12}   (fp32 buffers)",
              f"  optimizer     {_size(e.optimizer_bytes):>12}   (fp32 state)",
@@ -257,6 +380,25 @@ def format_estimate(e: Estimate) -> str:
         per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
     for axis, n in sorted(per_axis.items()):
         lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{_size(n):>12}")
-    lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
-                 f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
+    if e.pipe_rank is None:
+        lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
+                     f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
+        return "\n".join(lines) + "\n"
+    p = len(e.pipe_ranks)
+    formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
+    lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
+                 f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
+                 f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
+    lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
+    for r in e.pipe_ranks:
+        flight = ", ".join(f"stage {s}: {n} x {_size(r['activation_bytes_per_microbatch'][s])}"
+                           for s, n in r["microbatches_in_flight"].items())
+        lines.append(f"  rank {r['pipe_rank']}  params {_size(r['param_bytes'])}  grads "
+                     f"{_size(r['grad_bytes'])}  optimizer {_size(r['optimizer_bytes'])}  "
+                     f"activations {_size(r['activation_bytes'])} ({flight} in flight)  "
+                     f"sends {_size(r['comm_bytes'])}")
+    for d in e.edges:
+        lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
+                     f"{_size(d['activation_bytes'])}, gradients back "
+                     f"{_size(d['gradient_bytes'])}")
     return "\n".join(lines) + "\n"

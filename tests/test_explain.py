@@ -15,7 +15,7 @@ CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "explain"]
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])  # 8: gpt8, in the launch test_golden makes anyway
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_explain_matches_a_real_step(comm_runs, n, optimizer):
     comm_runs(n, CASES).check(f"case_explain_matches_counters_{optimizer}")
@@ -39,11 +39,24 @@ def test_explain_table_and_json():
     assert data["comm_bytes_per_axis"]["model"] > 0
 
 
-def test_explain_pipeline_layout_gives_bubble():
+def test_explain_pipeline_layout_per_stage():
     r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "gpt8", "--json"], check=True)
     data = json.loads(r.stdout)
     assert data["stages"] == 2 and data["bubble"] == pytest.approx(1 / 5)
-    assert data["memory"] is None and "not lowered" in data["note"]
+    ranks = data["pipe_ranks"]
+    assert [r["pipe_rank"] for r in ranks] == [0, 1]
+    # 1F1B: pipe rank s holds p - s microbatches' activations
+    assert ranks[0]["microbatches_in_flight"] == {"0": 2}
+    assert ranks[1]["microbatches_in_flight"] == {"1": 1}
+    assert ranks[0]["activation_bytes"] == 2 * ranks[0]["activation_bytes_per_microbatch"]["0"]
+    # one edge, [1, 8, 32] f32 = 1 KiB per microbatch, 4 microbatches, both directions
+    assert data["edges"] == [{"src": 0, "dst": 1, "src_rank": 0, "dst_rank": 1,
+                              "activation_bytes": 4096, "gradient_bytes": 4096}]
+    assert data["comm_bytes_per_axis"]["pipe"] == 4096 + 8 + 8  # p2p + norm + loss
+    r = run_mpi(1, [*CLI, "tests/specs/pipe_layouts.par", "--parallel", "pp2inter"],
+                check=True)
+    assert "bubble 0.111 = (p-1)/(v*m+p-1)" in r.stdout, r.stdout
+    assert "edge 2 -> 3  p2p per step" in r.stdout and "in flight" in r.stdout
 
 
 def test_explain_unknown_layout_exit_2():

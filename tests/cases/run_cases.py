@@ -1,6 +1,7 @@
 """Runtime cases under mpiexec (tests/test_run.py, tests/test_explain.py, tests/test_golden.py).
 
-- explain vs a real step: for each example layout of this world size, the bytes the
+- explain vs a real step: for each example layout of this world size (pipelines too, plus
+  pipeline layouts of tests/specs/pipe_layouts.par at 2 and 4 ranks), the bytes the
   communicators' `stats` counters record during one training step (forward, backward,
   optimizer step, loss report) equal `soapstone explain`'s figures per mesh axis and
   collective, and its param/grad/optimizer memory is within 10% of the measured tensors.
@@ -75,12 +76,66 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
             f"{spec}/{layout}: {what} measured {got} B, explain says {want} B"
 
 
+def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
+    """A pipeline layout: every rank's comm counters over one step equal explain's figures for
+    its pipe rank (p2p sends, pipe-axis allreduces and each stage's collectives x microbatches),
+    and its param/grad/optimizer memory is within 10% of the tensors its stages hold."""
+    from soapstone.dsl.run_command import single_program
+    from soapstone.dsl.stages import lower_pipeline
+    from soapstone.shard.data import make_task
+    from soapstone.shard.explain import estimate_pipeline
+    from soapstone.shard.memory import memory_report
+
+    s = dsl.load(path)
+    par = s.parallel(layout)
+    model = s.model(par.model)
+    graph = lower_pipeline(model, par)
+    mesh = Mesh(W, **dict(par.mesh))
+    task = make_task(single_program(model, graph), 1)
+    t = Trainer(graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3, zero=par.zero)
+    t.step(0)
+    comms = dict(mesh._comms)
+    for c in comms.values():
+        c.reset_stats()
+    t.step(1)
+    measured: dict[tuple[str, str], int] = {}
+    for axes, c in comms.items():
+        for op, st in c.stats.items():
+            if st.bytes:
+                key = (",".join(axes), op)
+                measured[key] = measured.get(key, 0) + st.bytes
+    rank = mesh.coord(graph.axis)
+    est = estimate_pipeline(graph, zero=par.zero, optimizer=optimizer, rank=rank)
+    predicted = {k: b for k, (_, b) in est.comm_by().items() if b}
+    assert measured == predicted, f"{layout} pipe rank {rank}: counters " \
+        f"{sorted(measured.items())} vs explain {sorted(predicted.items())}"
+    mem = {"params": 0, "grads": 0, "optimizer": 0}
+    for i, m in t.pipeline.models.items():
+        got = memory_report(m, t.pipeline.optimizers[i])
+        for k in mem:
+            mem[k] += got[k]
+    for what, want in (("params", est.param_bytes), ("grads", est.grad_bytes),
+                       ("optimizer", est.optimizer_bytes)):
+        assert abs(mem[what] - want) <= 0.1 * want, \
+            f"{layout} pipe rank {rank}: {what} measured {mem[what]} B, explain says {want} B"
+
+
+PIPE_SPEC = ROOT / "tests/specs/pipe_layouts.par"
+PIPE_LAYOUTS = {2: ("pp2f1b", "pp2inter"), 4: ("pp2dp2",)}
+
+
 def _explain_all(optimizer: str) -> None:
-    ran = [(spec, layout) for spec in EXAMPLES for layout in layouts(spec)]
-    if not ran:
+    ran = [(spec, layout) for spec in EXAMPLES for layout in layouts(spec, pipelines=True)]
+    pipes = PIPE_LAYOUTS.get(W.size, ())
+    if not ran and not pipes:
         raise Skip("no layout of this size")
     for spec, layout in ran:
-        _measure(spec, layout, optimizer)
+        if _spec(spec).parallel(layout).operator:
+            _measure_pipeline(ROOT / f"examples/{spec}.par", layout, optimizer)
+        else:
+            _measure(spec, layout, optimizer)
+    for layout in pipes:
+        _measure_pipeline(PIPE_SPEC, layout, optimizer)
 
 
 def case_explain_matches_counters_adamw():
