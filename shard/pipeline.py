@@ -11,6 +11,14 @@
         opt.step(); opt.zero_grad()
     pipe.write_chrome_trace("trace.json")   # the last step's timeline, every rank (collective)
 
+Or with shard/optim.py's optimizer per stage (ZeRO, overlapped bucketed reduction):
+
+    pipe.use_optimizer(lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1, grad_clip=1.0))
+    for batch in data:
+        loss = pipe.train_step(batch)
+        pipe.step()   # tied weights summed over the pipe axis, then each stage's reduction,
+                      # the norm over every stage and axis for clipping, update, zero grads
+
 Each virtual stage this rank runs is a `ShardedModel` of its stage Program on the mesh without
 the pipe axis, so collectives inside a stage are those of the single-program runtime. The
 schedule (shard/schedules.py) is a list of actions; receives are posted ahead as non-blocking
