@@ -114,16 +114,7 @@ def local(b):
 def ddp_row(data, fused=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(torch_model(), bucket_cap_mb=25)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
-
-    def step(b):
-        model(*local(b)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    t = timed(step, data)
-    return t, torch_bytes(model, opt)
+    return torch_row(DDP(torch_model(), bucket_cap_mb=25), data, fused)
 
 
 def fsdp_row(data, fused=False):
@@ -135,6 +126,11 @@ def fsdp_row(data, fused=False):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return torch_row(model, data, fused)
+
+
+def torch_row(model, data, fused):
+    """(step time, bytes held) of a torch-parallelised model under AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
 
     def step(b):

@@ -15,7 +15,7 @@ import json
 import sys
 
 from .errors import SpecError
-from .run_command import BadInput, add_model_options
+from .run_command import BadInput, add_model_options, load_layout
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -28,19 +28,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from soapstone.shard.explain import estimate, estimate_pipeline, format_estimate
 
-    from .check_command import load_plugins, parse_dims
     from .lower import lower
-    from .spec import load
 
     try:
-        dims = parse_dims(args.dim)
-        load_plugins(args.plugin)
-        spec = load(args.spec, dims=dims, filename=args.spec)
-        par = spec.parallel(args.parallel) if args.parallel else None
-        model = spec.model(args.model if args.model else (par.model if par else None))
-        if par is not None and par.model != model.name:
-            raise BadInput(f"parallel block '{par.name}' is for model '{par.model}', "
-                           f"not '{model.name}'")
+        model, par = load_layout(args)
         zero = par.zero if par is not None else 0
         if par is not None and par.operator:
             from .stages import lower_pipeline

@@ -9,6 +9,8 @@ No torch here: `soapstone check` must answer without importing it.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 from attrs import field as _field  # Op has a field named `attrs`, shadowing the module
 
@@ -156,10 +158,7 @@ class Parallel:
     @property
     def world_size(self) -> int:
         """How many ranks this layout needs (`mpiexec -n`)."""
-        n = 1
-        for _, size in self.mesh:
-            n *= size
-        return n
+        return math.prod(size for _, size in self.mesh)
 
 
 # The primitive ops layers expand into, with their arguments and options. The compiler's

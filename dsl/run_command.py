@@ -92,11 +92,8 @@ def single_program(model, program):
     return lower(resolve_ties(model), None)
 
 
-def build_program(args: argparse.Namespace, world_size: int | None):
-    """(model, parallel or None, Program or StageGraph) for the flags; SpecError / BadInput
-    when unusable.
-
-    With world_size, also checks that the layout needs exactly that many ranks."""
+def load_layout(args: argparse.Namespace):
+    """(model, parallel block or None) named by the flags (SpecError / BadInput)."""
     from .spec import load
 
     dims = parse_dims(args.dim)
@@ -107,6 +104,15 @@ def build_program(args: argparse.Namespace, world_size: int | None):
     if par is not None and par.model != model.name:
         raise BadInput(f"parallel block '{par.name}' is for model '{par.model}', "
                        f"not '{model.name}'")
+    return model, par
+
+
+def build_program(args: argparse.Namespace, world_size: int | None):
+    """(model, parallel or None, Program or StageGraph) for the flags; SpecError / BadInput
+    when unusable.
+
+    With world_size, also checks that the layout needs exactly that many ranks."""
+    model, par = load_layout(args)
     need = par.world_size if par else 1
     if world_size is not None and world_size != need:
         what = f"layout '{par.name}' (mesh {' x '.join(f'{a}={s}' for a, s in par.mesh)})" \

@@ -10,6 +10,7 @@ mesh axis and byte count, so `soapstone show` can print all traffic before launc
 from __future__ import annotations
 
 import functools
+import math
 
 import attrs
 
@@ -129,10 +130,7 @@ class Program:
     @property
     def world_size(self) -> int:
         """Ranks this program needs."""
-        n = 1
-        for _, s in self.mesh:
-            n *= s
-        return n
+        return math.prod(size for _, size in self.mesh)
 
     def value(self, name: str) -> Value:
         """Look up a value by name."""

@@ -18,6 +18,8 @@ using one holds a copy, and their gradients are summed over the pipe axis each s
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from soapstone.shard.program import Program, Value
@@ -86,10 +88,7 @@ class StageGraph:
     @property
     def world_size(self) -> int:
         """Ranks the whole layout needs."""
-        n = 1
-        for _, s in self.mesh:
-            n *= s
-        return n
+        return math.prod(size for _, size in self.mesh)
 
     @property
     def microbatch(self) -> int:
