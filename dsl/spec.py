@@ -8,9 +8,10 @@ from pathlib import Path
 import attrs
 
 from . import ast
-from .checker import check_model, check_parallel
+from .checker import check_model
 from .errors import Diagnostic, SpecError, did_you_mean
 from .ir import Model, Parallel
+from .parallel_checker import check_parallel
 from .parser import Sources, parse
 
 
