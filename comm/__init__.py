@@ -13,7 +13,7 @@ _EXPORTS = {
     "CommError": "communicator",
     "Work": "communicator",
     "OpStats": "communicator",
-    "bus_bytes": "communicator",
+    "bus_bytes": "accounting",
     "MPICommunicator": "mpi",
     "NCCLCommunicator": "nccl",
     "nccl_available": "nccl",

@@ -12,7 +12,7 @@ Semantics the compiler relies on:
 
 Byte accounting (`stats`): bytes this rank puts on the wire under the ring algorithms, i.e. the
 nccl-tests "bus bytes" of the call, so that a predicted figure and busbw use one convention.
-See `bus_bytes` for the formula of each op.
+See `accounting.bus_bytes` for the formula of each op.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -39,25 +40,6 @@ class OpStats(NamedTuple):
 
     calls: int
     bytes: int
-
-
-def bus_bytes(op: str, nbytes: int, size: int) -> int:
-    """Bytes one rank sends for `op` under the ring algorithms (nccl-tests bus bytes).
-
-    `nbytes` is the op's payload: the full tensor for allreduce, broadcast, reduce_scatter
-    (its input), allgather (its output), alltoall (its input); the message for send.
-    allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; broadcast 1; send 1.
-    A size-1 communicator moves nothing.
-    """
-    if size <= 1 and op not in ("send", "recv"):
-        return 0
-    if op == "allreduce":
-        return 2 * (size - 1) * nbytes // size
-    if op in ("reduce_scatter", "allgather", "alltoall"):
-        return (size - 1) * nbytes // size
-    if op == "recv":
-        return 0  # counted on the sender
-    return nbytes  # broadcast, send, alltoallv (caller passes the off-rank bytes)
 
 
 class Work:

@@ -62,6 +62,7 @@ import math
 
 import attrs
 
+from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.program import Compute, CopyTo, Program, Redistribute
 
 # (forward, backward) statistics allreduces per distributed op and split axis: (op, bwd?)
@@ -75,21 +76,12 @@ FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
 
 
-def bus_bytes(op: str, nbytes: int, size: int) -> int:
-    """Bytes one rank sends for `op` (the comm layer's counter convention)."""
-    if size <= 1:
-        return 0
-    if op == "allreduce":
-        return 2 * (size - 1) * nbytes // size
-    return (size - 1) * nbytes // size
-
-
 @attrs.define
 class Traffic:
     """One row: this rank's calls and bytes for one collective on one axis (or axes)."""
 
     phase: str  # forward | backward | grad sync | grad norm | loss
-    kind: str  # allreduce | reduce_scatter | allgather | alltoall
+    kind: str  # allreduce | reduce_scatter | allgather | alltoall | broadcast
     axis: str  # mesh axis, or "a,b" for a communicator over several
     calls: int = 0
     bytes: int = 0
@@ -203,6 +195,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                 add("forward", "alltoall", step.axis, src.nbytes)
                 if src.is_float:
                     add("backward", "alltoall", step.axis, out.nbytes)
+            elif step.kind == "broadcast":  # a branch's value from its owner; local backward
+                add("forward", "broadcast", step.axis, src.nbytes)
         elif isinstance(step, Compute) and step.dist:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)

@@ -29,8 +29,9 @@ EXAMPLES = ("gpt", "mlp", "swiglu")
 
 
 def _spec(name: str):
+    """An example by name ("gpt"), or any spec by its path from the repo root."""
     dsl.custom.load_plugin(PLUGIN)
-    return dsl.load(ROOT / f"examples/{name}.par")
+    return dsl.load(ROOT / (name if name.endswith(".par") else f"examples/{name}.par"))
 
 
 def layouts(name: str, pipelines: bool = False) -> list[str]:
@@ -122,6 +123,8 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
 
 PIPE_SPEC = ROOT / "tests/specs/pipe_layouts.par"
 PIPE_LAYOUTS = {2: ("pp2f1b", "pp2inter"), 4: ("pp2dp2",)}
+BRANCH_SPEC = "tests/specs/branch_layouts.par"  # branches: broadcasts and owned ops
+BRANCH_LAYOUTS = {2: ("br2", "gated_br2"), 4: ("dp2br2", "br2tp2")}
 
 
 def _explain_all(optimizer: str) -> None:
@@ -136,6 +139,8 @@ def _explain_all(optimizer: str) -> None:
             _measure(spec, layout, optimizer)
     for layout in pipes:
         _measure_pipeline(PIPE_SPEC, layout, optimizer)
+    for layout in BRANCH_LAYOUTS.get(W.size, ()):
+        _measure(BRANCH_SPEC, layout, optimizer)
 
 
 def case_explain_matches_counters_adamw():
