@@ -63,15 +63,8 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.program import Compute, CopyTo, Program, Redistribute
+from soapstone.shard.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 
-# (forward, backward) statistics allreduces per distributed op and split axis: (op, bwd?)
-DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "layernorm": (("sum", True), ("sum", True)),
-    "rmsnorm": (("sum", True),),
-    "softmax": (("max", False), ("sum", True)),
-    "cross_entropy": (("max", False), ("sum", False), ("sum", False)),
-}
 FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
 

@@ -103,6 +103,15 @@ class CopyTo:
 
 Step = Compute | Redistribute | CopyTo
 
+# The allreduces of statistics a distributed form (shard/ops.py) runs per split axis, in
+# order: (reduce op, whether backward allreduces it too). `show` and `explain` count them.
+DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "layernorm": (("sum", True), ("sum", True)),
+    "rmsnorm": (("sum", True),),
+    "softmax": (("max", False), ("sum", True)),
+    "cross_entropy": (("max", False), ("sum", False), ("sum", False)),
+}
+
 
 @attrs.frozen
 class Output:

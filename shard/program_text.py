@@ -11,16 +11,12 @@ import json
 import attrs
 
 from soapstone.shard.layout import Layout
-from soapstone.shard.program import Compute, CopyTo, Program, Redistribute, Step
+from soapstone.shard.program import DIST_STATS, Compute, CopyTo, Program, Redistribute, Step
 
 # The backward of each forward redistribution (allgather depends on its `grad` field).
 BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
             "alltoall": "alltoall", "zero_fill": None, "broadcast": None}
 
-# Collectives a distributed form runs per forward (count of allreduces of statistics) and
-# per backward.
-DIST_COLLECTIVES = {"layernorm": (2, 2), "rmsnorm": (1, 1), "softmax": (2, 1),
-                    "cross_entropy": (3, 0)}
 
 
 def _kib(n: int) -> str:
@@ -64,11 +60,10 @@ def collective_totals(program: Program) -> dict[tuple[str, str, str], tuple[int,
             add("forward", step.kind, step.axis, step.nbytes)
         if isinstance(step, Compute):
             for axis in step.dist:
-                fwd, bwd = DIST_COLLECTIVES.get(step.kind, (1, 1))
-                for _ in range(fwd):
+                for _, backward in DIST_STATS.get(step.kind, ()):
                     add("forward", "allreduce(stats)", axis, 0)
-                for _ in range(bwd):
-                    add("backward", "allreduce(stats)", axis, 0)
+                    if backward:
+                        add("backward", "allreduce(stats)", axis, 0)
         bwd = backward_collective(step)
         if bwd:
             v = program.value(step.out)
