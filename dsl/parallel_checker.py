@@ -1,9 +1,11 @@
 """Semantics of a parallel block (-> ir.Parallel), checked against its model before launch.
 
 The mesh axes exist and are used; each dim maps to at most one axis and divides over it;
-`sample` maps the batch dim; `operator` places repeat blocks on pipeline stages (every block
+`sample` maps the batch dim; a tensor (input or parameter) splits along at most one dim per
+axis; `operator` places repeat blocks on pipeline stages (every block
 once, stages in order, none empty) or branches (top-level values) on coordinates of an axis;
-the schedule's microbatches divide the per-replica batch. Pure Python; never imports torch.
+the schedule's microbatches divide the per-replica batch; `schedule` needs pipeline stages and
+`zero N` (N >= 1) a sample mapping. Pure Python; never imports torch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class _ParallelChecker:
         self.mesh = mesh
         used_axes: dict[str, str] = {}  # axis -> what uses it
         mapped: dict[str, tuple[str, str]] = {}  # dim -> (kind, axis)
+        map_loc: dict[str, Loc] = {}  # dim -> where it is mapped
         soap: dict[str, list[tuple[str, str]]] = {"sample": [], "attribute": [], "parameter": []}
         operator: list[StageAssignment] = []
         branches: list[Branch] = []
@@ -50,6 +53,7 @@ class _ParallelChecker:
         batch = m.inputs[0].type.dims[0] if m.inputs and m.inputs[0].type.dims else None
         param_dims = {d for prm in m.params for d in prm.type.dims}
         pipe_axis = None
+        has_stages = False
         for s in p.body:
             kw = type(s).__name__
             if isinstance(s, (ast.ScheduleStmt, ast.Zero, ast.Operator)):
@@ -95,6 +99,7 @@ class _ParallelChecker:
                                      f"{nearest_divisible(size, n)} (--dim {d}=...)")
                             continue
                         mapped[d] = (s.kind, axis)
+                        map_loc[d] = loc
                         soap[s.kind].append((d, axis))
                         used_axes.setdefault(axis, s.kind)
             elif isinstance(s, ast.Operator):
@@ -103,6 +108,7 @@ class _ParallelChecker:
                 branches = self.branches(branch_defs)
                 for d in branch_defs:  # even a bad placement uses its axis: no second error
                     used_axes.setdefault(d.axis, "branch")
+                has_stages = has_stages or bool(stage_defs)
                 if stage_defs:
                     operator, pipe_axis = self.operator(ast.Operator(stage_defs, s.loc))
                     if pipe_axis:
@@ -131,15 +137,49 @@ class _ParallelChecker:
                 else:
                     self.err(loc, f"mesh axis '{axis}' (size {size}) is used by no statement",
                              f"map a dim to it (sample {batch} -> {axis}), or make its size 1")
+        self.one_dim_per_axis(soap, map_loc)
+        if zero >= 1 and not soap["sample"]:
+            self.err(seen_kw["Zero"], f"zero {zero} shards optimizer state over the sample "
+                     "(data-parallel) axis, but no sample statement maps the batch",
+                     f"add: sample {batch} -> AXIS, or use zero 0")
         sched = Schedule()
         if schedule is not None:
             sched = self.schedule(schedule, soap["sample"], pipe_axis, batch, operator)
+            if not has_stages:
+                self.err(schedule.loc, "a schedule statement without pipeline stages does nothing",
+                         "add: operator <repeat>[0..k] -> pipe 0, ...; or remove the schedule")
         if self.diags:
             return None
         return Parallel(p.name, p.model, tuple(p_ for p_ in mesh.items()),
                         tuple(soap["sample"]), tuple(soap["attribute"]),
                         tuple(soap["parameter"]), tuple(operator), sched, zero, p.loc,
                         tuple(branches))
+
+    def one_dim_per_axis(self, soap, map_loc: dict[str, Loc]) -> None:
+        """A tensor splits along at most one of its dims per mesh axis: an input (sample and
+        attribute mappings) or a parameter (parameter mappings) with two dims mapped to one
+        axis is an error (the lowering would keep the first and drop the second)."""
+        order = {d: i for i, d in enumerate(map_loc)}
+        leaves = [(f"input '{i.name}'", i.type.dims, soap["sample"] + soap["attribute"])
+                  for i in self.m.inputs]
+        leaves += [(f"parameter '{prm.name}'", prm.type.dims, soap["parameter"])
+                   for prm in self.m.params]
+        seen: set[tuple[str, str]] = set()
+        for what, dims, mapping in leaves:
+            first: dict[str, str] = {}  # axis -> the first mapped dim of this tensor on it
+            for d, axis in sorted(mapping, key=lambda m: order[m[0]]):
+                if d not in dims:
+                    continue
+                if axis not in first:
+                    first[axis] = d
+                    continue
+                if (first[axis], d) in seen:
+                    continue
+                seen.add((first[axis], d))
+                self.err(map_loc[d], f"{what} [{', '.join(dims)}] would split both "
+                         f"'{first[axis]}' and '{d}' over axis '{axis}'; a tensor splits "
+                         "along at most one dim per mesh axis",
+                         f"map '{d}' to another mesh axis")
 
     def branches(self, defs: list) -> list[Branch]:
         """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
