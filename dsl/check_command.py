@@ -17,7 +17,7 @@ def add_spec_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_dims(items: list[str]) -> dict[str, int]:
-    """`["seq=64", ...]` -> {"seq": 64}; SpecError on a malformed item."""
+    """`["seq=64", ...]` -> {"seq": 64}; SpecError on a malformed item or a size < 1."""
     dims: dict[str, int] = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -25,6 +25,9 @@ def parse_dims(items: list[str]) -> dict[str, int]:
         if not sep or not name.isidentifier() or not value.lstrip("-").isdigit():
             raise SpecError([Diagnostic("--dim", 0, 0, f"--dim {item!r}: expected NAME=INTEGER",
                                         "e.g. --dim seq=256")])
+        if int(value) < 1:
+            raise SpecError([Diagnostic("--dim", 0, 0, f"--dim {name}={int(value)}: dim sizes "
+                                        "are integers >= 1", f"e.g. --dim {name}=16")])
         dims[name] = int(value)
     return dims
 

@@ -103,6 +103,7 @@ class ModelBuilder:
         self.diags: list[Diagnostic] = []
         self.dims: dict[str, int] = {}
         self.dim_why: dict[str, str] = {}
+        self.bad_dims: set[str] = set()  # declared, but their size failed: no cascade
         self.alias: dict[str, str] = {}
         self.inputs: list[Input] = []
         self.params: list[Param] = []
@@ -164,6 +165,8 @@ class ModelBuilder:
                 self.fail(e.loc, f"dim sizes are integers, got {e.value}")
             return e.value
         if isinstance(e, ast.Name):
+            if e.id in self.bad_dims:
+                raise _Abort  # its own error is already reported
             if e.id in self.dims:
                 return self.dims[e.id]
             self.fail(e.loc, f"unknown dim '{e.id}'", did_you_mean(e.id, self.dims))
@@ -190,12 +193,20 @@ class ModelBuilder:
             self.fail(d.loc, f"dim '{d.name}' is declared twice")
         if d.name in self.vars:
             self.fail(d.loc, f"'{d.name}' is already a tensor")
-        size = self.eval_int(d.expr)
         if d.name in self.overrides:
             self.used.add(d.name)
-            size = self.overrides[d.name]
-        if size < 1:
-            self.fail(d.loc, f"dim '{d.name}' has size {size}; sizes must be >= 1")
+        try:
+            size = self.eval_int(d.expr)
+            if d.name in self.overrides:
+                size = self.overrides[d.name]
+            if size < 1:
+                self.fail(d.loc, f"dim '{d.name}' has size {size}; sizes must be >= 1")
+        except _Abort:
+            # Still declare it (size 1, marked bad) so that its uses don't cascade into
+            # "unknown dim" errors; the model is rejected anyway.
+            self.dims[d.name] = 1
+            self.bad_dims.add(d.name)
+            raise
         self.dims[d.name] = size
 
     # ---- tensors
@@ -479,5 +490,3 @@ def check_model(mdef: ast.ModelDef, sources: Sources, overrides: dict[str, int] 
     model = b.build()
     return model, b.diags
 
-
-# ---- parallel blocks -------------------------------------------------------------------------

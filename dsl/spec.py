@@ -89,7 +89,13 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
     mdefs: dict[str, ast.ModelDef] = {}
     pdefs: dict[str, ast.ParallelDef] = {}
     failed: set[str] = set()
-    overrides = dict(dims or {})
+    overrides: dict[str, int] = {}
+    for name, value in (dims or {}).items():  # bad values are reported once, up front,
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # and dropped
+            diags.append(Diagnostic(file, 0, 0, f"--dim {name}={value}: dim sizes are "
+                                    "integers >= 1", f"e.g. --dim {name}=16"))
+        else:
+            overrides[name] = value
     used: set[str] = set()
     for f in files:
         for item in f.items:
@@ -106,14 +112,12 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
                     failed.add(item.name)
                 else:
                     models[item.name] = model
-    for name, value in overrides.items():
+    for name in overrides:
         if name not in used:
             known = {d for m in mdefs.values() for s in m.body if isinstance(s, list)
                      for d in (x.name for x in s)}
             diags.append(Diagnostic(file, 0, 0, f"--dim {name}: no model declares a dim '{name}'",
                                     did_you_mean(name, known)))
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            diags.append(Diagnostic(file, 0, 0, f"--dim {name}={value}: sizes are integers >= 1"))
     for f in files:
         for item in f.items:
             if isinstance(item, ast.ParallelDef):
