@@ -31,8 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
-    if not argv or argv[0] not in COMMANDS:
-        top.parse_args(argv or ["--help"])  # prints usage / the unknown-command error, exits 2
+    if not argv:  # a bare `soapstone`: the help, exit 0
+        top.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        top.parse_args(argv)  # --help exits 0; an unknown command prints usage and exits 2
         return 2
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])

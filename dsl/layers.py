@@ -203,7 +203,10 @@ def _mlp(ctx, x, ffn, activation):
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True))
 def _attention(ctx, x, heads, causal):
-    """Multi-head self-attention over x[..., S, h] (see the module docstring of ir.PRIMITIVES)."""
+    """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
+    wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
+    causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
+    The primitives it emits are listed in ir.PRIMITIVES."""
     _float(ctx, x, "attention's input")
     if len(x.dims) < 2:
         ctx.error(f"attention needs x[..., seq, hidden], got {_dims(x.dims)}")

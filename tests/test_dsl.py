@@ -379,6 +379,61 @@ def test_cli_exit_code_and_no_traceback(tmp_path):
     assert "Traceback" not in r.stderr and f"{bad}:2:7: error: unexpected '='" in r.stderr
 
 
+def _soapstone(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "soapstone.dsl.cli", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_bare_prints_help_unknown_command_exits_2():
+    r = _soapstone()
+    assert r.returncode == 0 and "usage: soapstone" in r.stdout and "check" in r.stdout
+    r = _soapstone("chek", str(EXAMPLES / "gpt.par"))
+    assert r.returncode == 2 and "invalid choice: 'chek'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_dim_override_is_one_error():
+    r = _soapstone("check", str(EXAMPLES / "gpt.par"), "--dim", "seq=0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("error:") == 1, r.stderr
+    assert "--dim seq=0: dim sizes are integers >= 1" in r.stderr
+    # through the API too: one error naming the flag, and the spec's own size is kept
+    errs = errors(str(EXAMPLES / "gpt.par"), dims={"seq": -2})
+    assert [e.message for e in errs] == ["--dim seq=-2: dim sizes are integers >= 1"]
+
+
+def test_failed_dim_declaration_does_not_cascade():
+    text = model_text("""\
+        dim twice = seq * 2
+        input tokens : i64[batch, seq]
+        x = embedding(tokens, vocab -> hidden)
+        x = attention(x, heads = heads)
+        output loss = cross_entropy(linear(x, hidden -> vocab), tokens)
+        """, dims="dim batch = 4, seq = 8 - 8, hidden = 16, heads = 4, vocab = 32")
+    errs = errors(text)
+    assert len(errs) == 1 and "dim 'seq' has size 0" in errs[0].message, errs
+
+
+def test_parallel_blocks_the_lowering_would_ignore():
+    base = (EXAMPLES / "gpt.par").read_text().split("parallel single")[0]
+    errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
+                  "  sample batch -> data\n  attribute seq -> data\n}\n")
+    assert len(errs) == 1 and "input 'tokens' [batch, seq] would split both 'batch' and " \
+        "'seq' over axis 'data'" in errs[0].message
+    errs = errors(base + "parallel p for gpt on mesh(model = 2) {\n"
+                  "  parameter hidden, heads -> model\n}\n")
+    assert len(errs) == 1 and "'hidden' and 'heads' over axis 'model'" in errs[0].message
+    errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
+                  "  sample batch -> data\n  schedule gpipe, microbatches = 2\n}\n")
+    assert len(errs) == 1 and "without pipeline stages" in errs[0].message
+    errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
+                  "  attribute seq -> data\n  zero 1\n}\n")
+    assert len(errs) == 1 and "no sample statement" in errs[0].message
+    # one mapping per tensor per axis is fine, even with several dims on one axis
+    load(base + "parallel p for gpt on mesh(model = 2) {\n"
+         "  parameter heads, ffn, vocab -> model\n}\n")
+
+
 def test_repeat_1000_is_fast():
     import time
 
