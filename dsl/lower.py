@@ -11,6 +11,8 @@ axis), its gradient arrives as per-rank terms; one `CopyTo` (Megatron's `f`: ide
 allreduce backward) restores the invariant, unless the value was just allgathered on that axis
 (then the gather's backward becomes a reduce_scatter: sequence parallelism) or it is a parameter
 (then its gradient is summed over that axis in the gradient sync: data parallelism).
+Model inputs are data and carry no gradient, except those named in `grad_inputs` (tensors a
+pipeline stage receives, whose gradients it sends back): those follow the invariant too.
 """
 
 from __future__ import annotations
@@ -57,8 +59,15 @@ class _Candidate:
     stat: bool = False  # the op combines partial statistics over the axis
 
 
-def lower(model: ir.Model, parallel: ir.Parallel | None = None) -> Program:
-    """Compile a model under a parallel block (None: one rank) into a Program."""
+def lower(model: ir.Model, parallel: ir.Parallel | None = None,
+          grad_inputs: frozenset[str] = frozenset()) -> Program:
+    """Compile a model under a parallel block (None: one rank) into a Program.
+
+    Tied params are resolved first (`resolve_ties`). `grad_inputs` names the inputs whose
+    gradients leave the program (a pipeline stage's received boundary tensors): backward
+    treats them like any other value, so a replicated one feeding rank-varying work gets its
+    `CopyTo`. Other inputs (data) carry no gradient.
+    """
     if parallel is not None and parallel.operator:
         # A pipeline layout is one Program per stage: soapstone.dsl.stages.lower_pipeline.
         raise LoweringError.at(
@@ -66,12 +75,35 @@ def lower(model: ir.Model, parallel: ir.Parallel | None = None) -> Program:
             "to a stage graph (one Program per stage), not one Program",
             parallel.loc, hint="call soapstone.dsl.stages.lower_pipeline(model, parallel) "
             "and run it with soapstone.shard.pipeline.PipelineModel")
-    return _Lowering(model, parallel).run()
+    return _Lowering(resolve_ties(model), parallel, grad_inputs).run()
+
+
+def resolve_ties(model: ir.Model) -> ir.Model:
+    """The model with every `tied_to` param replaced by its target (same type required)."""
+    ties = {p.name: p.tied_to for p in model.params if p.tied_to}
+    if not ties:
+        return model
+    by_name = {p.name: p for p in model.params}
+    for name, target in ties.items():
+        if target not in by_name:
+            raise LoweringError.at(f"param {name} is tied to unknown param {target}",
+                                   by_name[name].loc)
+        if by_name[target].type != by_name[name].type:
+            raise LoweringError.at(
+                f"param {name} {by_name[name].type.dims} is tied to {target} "
+                f"{by_name[target].type.dims}: tied params need the same type",
+                by_name[name].loc)
+    ops = tuple(attrs.evolve(op, args=tuple(ties.get(a, a) for a in op.args))
+                for op in model.ops)
+    params = tuple(p for p in model.params if p.name not in ties)
+    return attrs.evolve(model, params=params, ops=ops)
 
 
 class _Lowering:
-    def __init__(self, model: ir.Model, parallel: ir.Parallel | None):
+    def __init__(self, model: ir.Model, parallel: ir.Parallel | None,
+                 grad_inputs: frozenset[str] = frozenset()):
         self.model = model
+        self.grad_inputs = frozenset(grad_inputs)
         self.par = parallel
         self.sizes = dict(model.dims)
         self.mesh = dict(parallel.mesh) if parallel else {}
@@ -269,7 +301,8 @@ class _Lowering:
         for i, step in enumerate(self.steps):
             for a in _step_args(step):
                 consumers.setdefault(a, []).append(i)
-        inputs = {i.name for i in self.model.inputs}
+        # data inputs carry no gradient; received boundary tensors (grad_inputs) do
+        inputs = {i.name for i in self.model.inputs} - self.grad_inputs
         grad_sync: dict[str, list[str]] = {}
         copies: dict[int, list[CopyTo]] = {}  # inserted before step i
         rewire: dict[tuple[int, str], str] = {}  # (step, old arg) -> new arg

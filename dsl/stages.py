@@ -18,10 +18,13 @@ an ordinary `ir.Model`:
 `lower_pipeline` compiles each stage model with `lower(stage, inner)` where `inner` is the
 parallel block without the pipe axis and the batch dim is cut to one microbatch
 (batch / microbatches), and checks that each boundary tensor has the same layout on both
-sides (so a boundary is a plain p2p send, never a reshard). The result is a `StageGraph`.
+sides (so a boundary is a plain p2p send, never a reshard). The received tensors are passed as
+`grad_inputs`: their gradients leave the stage, so lowering's backward invariant covers them
+(a replicated one feeding rank-varying work gets a `CopyTo`). The result is a `StageGraph`.
 
-`resolve_ties` turns `Param.tied_to` into sharing: uses of a tied param become uses of its
-target (the single-rank model and the pipelined one then agree by construction).
+`resolve_ties` (dsl/lower.py, re-exported here; `lower()` applies it too) turns
+`Param.tied_to` into sharing: uses of a tied param become uses of its target (the single-rank
+model and the pipelined one then agree by construction).
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from __future__ import annotations
 import attrs
 
 from soapstone.dsl import ir
-from soapstone.dsl.lower import LoweringError, lower
+from soapstone.dsl.lower import LoweringError, lower, resolve_ties
 from soapstone.shard.stage_graph import Edge, Stage, StageGraph
+
+__all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_pipeline", "resolve_ties",
+           "split", "stage_runs"]
 
 
 @attrs.frozen
@@ -45,27 +51,6 @@ class StageModel:
     data_inputs: tuple[str, ...]
     recv: tuple[str, ...]
     send: tuple[str, ...]
-
-
-def resolve_ties(model: ir.Model) -> ir.Model:
-    """The model with every `tied_to` param replaced by its target (same type required)."""
-    ties = {p.name: p.tied_to for p in model.params if p.tied_to}
-    if not ties:
-        return model
-    by_name = {p.name: p for p in model.params}
-    for name, target in ties.items():
-        if target not in by_name:
-            raise LoweringError.at(f"param {name} is tied to unknown param {target}",
-                                   by_name[name].loc)
-        if by_name[target].type != by_name[name].type:
-            raise LoweringError.at(
-                f"param {name} {by_name[name].type.dims} is tied to {target} "
-                f"{by_name[target].type.dims}: tied params need the same type",
-                by_name[name].loc)
-    ops = tuple(attrs.evolve(op, args=tuple(ties.get(a, a) for a in op.args))
-                for op in model.ops)
-    params = tuple(p for p in model.params if p.name not in ties)
-    return attrs.evolve(model, params=params, ops=ops)
 
 
 def stage_runs(model: ir.Model, parallel: ir.Parallel) -> list[tuple[int, tuple[str, ...]]]:
@@ -169,12 +154,12 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
     inner = inner_parallel(parallel)
     stages: list[Stage] = []
     for sm in split(model, parallel):
-        program = lower(attrs.evolve(sm.model, dims=dims), inner)
+        # received tensors send their gradients back: lowering keeps them replicated too
+        program = lower(attrs.evolve(sm.model, dims=dims), inner,
+                        grad_inputs=frozenset(sm.recv))
         program = attrs.evolve(program, model=model.name, parallel=parallel.name)
         stages.append(Stage(sm.index, sm.rank, sm.chunk, sm.blocks, program, sm.data_inputs,
                             sm.recv, sm.send))
-    for s in stages:
-        _check_boundary_grads(s, parallel)
     edges = []
     for a, b in zip(stages, stages[1:], strict=False):
         tensors = []
@@ -199,26 +184,3 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
         stages=tuple(stages), edges=tuple(edges), schedule=sched.kind,
         microbatches=mb, chunks=sched.chunks, batch_dim=bdim, batch=batch, shared=shared)
 
-
-def _check_boundary_grads(stage: Stage, parallel: ir.Parallel) -> None:
-    """A received float tensor replicated over an axis must not feed rank-varying work
-    directly: the compiler restores replicated gradients for values, not for inputs, so its
-    gradient would leave the stage as per-rank terms. Refused at compile time."""
-    from soapstone.shard.program import Compute
-
-    prog = stage.program
-    for name in stage.recv:
-        v = prog.value(name)
-        if not v.is_float:
-            continue
-        for step in prog.steps:
-            if not isinstance(step, Compute) or name not in step.args:
-                continue
-            out = prog.value(step.out).layout
-            bad = [a for a, _ in prog.mesh if v.layout.get(a) == "R" and out.get(a) != "R"]
-            if bad:
-                raise LoweringError.at(
-                    f"stage {stage.index} receives {name} replicated over '{bad[0]}' and feeds "
-                    f"it straight into {step.kind} (producing {step.source}), which is split "
-                    f"or partial there; its gradient would not be summed over '{bad[0]}'",
-                    parallel.loc, hint="move the stage boundary before a norm or residual add")
