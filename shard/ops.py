@@ -32,6 +32,10 @@ class Shards:
         self.training = True
         self.rng_seed = 0  # dropout masks depend on (seed, step, op) only, never on the layout
         self.rng_step = 0
+        # Where this program's batch sits in the global batch when it runs one microbatch
+        # (pipeline, gradient accumulation): dim -> (offset, global size). Random draws are
+        # made at the global size and this window is sliced, as data-parallel ranks do.
+        self.window: dict[str, tuple[int, int]] = {}
 
     def comm(self, axis: str):
         """The communicator along one mesh axis."""
@@ -48,6 +52,17 @@ class Shards:
         """This rank's window into the global tensor."""
         return tuple(slice(self.offset(value, d), self.offset(value, d) + n)
                      for d, n in zip(value.dims, value.local_shape, strict=True))
+
+    def global_sizes(self, value: Value) -> tuple[int, ...]:
+        """The shape of `value` in the whole batch (a microbatch's dims at their global size)."""
+        return tuple(self.window[d][1] if d in self.window else self.sizes[d]
+                     for d in value.dims)
+
+    def global_slices(self, value: Value) -> tuple[slice, ...]:
+        """This rank's window into `global_sizes(value)`: local_slices shifted by the window."""
+        return tuple(slice(s.start + self.window[d][0], s.stop + self.window[d][0])
+                     if d in self.window else s
+                     for d, s in zip(value.dims, self.local_slices(value), strict=True))
 
     def arg(self, step: Compute, i: int) -> Value:
         """The program value of arg i."""
@@ -134,15 +149,16 @@ REGISTRY["rename"] = lambda step, args, ctx: args[0]
 
 @op("dropout")
 def dropout(step, args, ctx):
-    """The mask is drawn for the global tensor and sliced, so every layout drops the same."""
+    """The mask is drawn for the global tensor (the whole batch, even when this program runs
+    one microbatch of it) and sliced, so every layout and schedule drops the same. Autograd
+    saves the mask for backward (a product with a constant), so it is never redrawn."""
     p = float(step.attr("p", 0.0))
     if p == 0.0 or not ctx.training:
         return args[0]
     v = ctx.arg(step, 0)
     key = f"{ctx.rng_seed}/{ctx.rng_step}/{step.out}".encode()
     g = torch.Generator().manual_seed(zlib.crc32(key))
-    full = tuple(ctx.sizes[d] for d in v.dims)
-    keep = (torch.rand(full, generator=g) >= p)[ctx.local_slices(v)]
+    keep = (torch.rand(ctx.global_sizes(v), generator=g) >= p)[ctx.global_slices(v)]
     return args[0] * keep.to(args[0].dtype) / (1.0 - p)
 
 

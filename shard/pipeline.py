@@ -57,12 +57,15 @@ class SubMesh:
         self.rank = mesh.rank
 
     def comm(self, *axes: str):
+        """The full mesh's communicator over `axes` (none of them the dropped axis)."""
         return self.mesh.comm(*axes)
 
     def coord(self, axis: str) -> int:
+        """This rank's coordinate along `axis` of the full mesh."""
         return self.mesh.coord(axis)
 
     def size(self, axis: str) -> int:
+        """How many ranks `axis` of the full mesh has."""
         return self.mesh.size(axis)
 
 
@@ -291,9 +294,13 @@ class PipelineModel:
                 leaves = {}
                 for b, t in got:
                     leaves[b.name] = t.requires_grad_() if b.is_float else t
-                outs = self.models[a.stage].forward(mbs[a.mb], local=leaves)
+                model = self.models[a.stage]
+                # this microbatch's rows of the global batch: dropout draws its mask for the
+                # whole batch and slices them, as on one rank (backward reuses the saved mask)
+                model.ctx.window = {g.batch_dim: (a.mb * (g.batch // g.microbatches), g.batch)}
+                outs = model.forward(mbs[a.mb], local=leaves)
                 if stage.is_last:
-                    loss = outs[self.models[a.stage].program.loss.name]
+                    loss = outs[model.program.loss.name]
                     losses[a.mb] = loss.detach()
                     store[(a.mb, a.stage)] = (leaves, [loss])
                 else:

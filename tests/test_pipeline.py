@@ -97,9 +97,10 @@ def test_show_prints_stage_graph_and_schedule():
 
 
 CASE_SIZES = {2: [c for c in case_names(CASES) if c.startswith("case_pp2_")
-                  and "dp2" not in c and "sp2" not in c],
+                  and "dp2" not in c and "sp2" not in c and "tp2" not in c],
               4: ["case_pp4_1f1b_mb8", "case_pp4_gpipe_mb4", "case_pp2_dp2_1f1b",
-                  "case_pp2_sp2_interleaved"],
+                  "case_pp2_sp2_interleaved", "case_pp2_dp2_dropout",
+                  "case_pp2_tp2_received_residual"],
               8: ["case_gpt8_pipe_data_model_zero1"]}
 
 

@@ -1,10 +1,12 @@
 """Golden numerics of pipelined layouts: every schedule reproduces the single-rank run.
 
 Run on every rank by tests/mpirun.py (see tests/test_pipeline.py). For each pipeline layout of
-tests/specs/pipe_layouts.par, 5 AdamW steps with global-norm clipping (0.5, so it clips):
-the loss of each step matches the single-rank run with the same global batch at rtol 1e-5 in
-fp32, and in float64 the loss, the clipped global gradient norm and the final parameters match
-at rtol 1e-5 (fp32 final params after Adam differ by rounding; see numerics_cases.py).
+tests/specs/pipe_layouts.par (and of tests/specs/pipe_residual.par: dropout in every block, and
+a stage receiving a replicated tensor that feeds tensor-parallel work), 5 AdamW steps with
+global-norm clipping (0.5, so it clips): the loss of each step matches the single-rank run with
+the same global batch at rtol 1e-5 in fp32, and in float64 the loss, the clipped global gradient
+norm and the final parameters match at rtol 1e-5 (fp32 final params after Adam differ by
+rounding; see numerics_cases.py).
 
 Run as a script (`python tests/cases/pipe_cases.py mismatch`) it is the shape-mismatch job:
 a stage graph whose boundary shape disagrees with what the stage computes must end the job
@@ -39,6 +41,7 @@ from soapstone.shard.runtime import ShardedModel  # noqa: E402
 W = init("mpi")
 SEED, STEPS, RTOL, LR, CLIP = 7, 5, 1e-5, 1e-3, 0.5
 SPEC = dsl.load(ROOT / "tests/specs/pipe_layouts.par")
+RES = dsl.load(ROOT / "tests/specs/pipe_residual.par")
 
 
 def synthetic_inputs(model, step: int) -> dict[str, torch.Tensor]:
@@ -181,6 +184,23 @@ def case_gpt8_pipe_data_model_zero1():
     build_optimizer (its own gradient reduction; every microbatch but the last in no_sync),
     SGD with momentum, final params at rtol 1e-5 in fp32 and float64."""
     golden(SPEC.model(), SPEC.parallel("gpt8"), optimizer="zero1")
+
+
+def case_pp2_dropout_mb4():
+    """Dropout (p = 0.25) in every block, 4 microbatches: each microbatch's mask is its rows
+    of the single-rank run's mask, not one mask drawn at the microbatch's size for all."""
+    golden(RES.model(), RES.parallel("pp2drop"))
+
+
+def case_pp2_dp2_dropout():
+    """Dropout with the microbatch split again over data: rows mb * 4 + coord * 2, ..."""
+    golden(RES.model(), RES.parallel("pp2dp2drop"))
+
+
+def case_pp2_tp2_received_residual():
+    """A stage receives the replicated residual stream and feeds it into h2-split work: its
+    CopyTo sums the gradient over `model` before it is sent back (formerly refused)."""
+    golden(RES.model(), RES.parallel("pp2tp2res"))
 
 
 def mismatch_main() -> None:
