@@ -32,6 +32,7 @@ pipe axis) and `finish()` then reduces it like any other bucket.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import attrs
 import torch
@@ -205,40 +206,17 @@ class GradReducer:
 
     # --- construction ---------------------------------------------------------------------
     def _make_buckets(self, bucket_mb: float) -> list[Bucket]:
-        program, model = self.model.program, self.model
-        cap = max(int(bucket_mb * (1 << 20)), 1)
-        axes_order = [a for a, _ in program.mesh]
-        open_: dict[tuple, list[Slot]] = {}
-        open_bytes: dict[tuple, int] = {}
-        order: list[tuple[tuple, list[Slot]]] = []  # closed or open groups, by first param
-        first_cap = min(cap, FIRST_BUCKET_BYTES)
-        for spec in reversed(program.params):
-            p = model.params[spec.name]
-            if not p.is_floating_point():
-                continue
-            split = tuple(a for a, pl in spec.layout.placements if pl != "P")
-            dp = tuple(a for a in axes_order if a in spec.grad_sync and a in self.data_axes)
-            key = (spec.grad_sync, dp, split, spec.block if self.stage == 3 else None,
-                   spec.name if spec.name in self.deferred else None)
-            nbytes = p.numel() * 4
-            group = open_.get(key)
-            limit = first_cap if not order or (order and group is order[0][1]) else cap
-            if group is not None and open_bytes[key] + nbytes > limit:
-                group = None
-            if group is None:
-                group = open_[key] = []
-                open_bytes[key] = 0
-                order.append((key, group))
-            group.append(Slot(spec.name, p, 0, p.numel(), tuple(p.shape)))
-            open_bytes[key] += nbytes
+        model = self.model
         buckets = []
-        for i, ((sync, dp, split, block, own), slots) in enumerate(order):
-            off = 0
-            for s in slots:
-                s.offset = off
-                off += s.numel
-            buckets.append(Bucket(i, slots, sync, dp, split, block, self.mesh, self.stage,
-                                  self.dtype, deferred=own is not None))
+        for i, plan in enumerate(plan_buckets(model.program, self.stage, self.data_axes,
+                                              self.deferred, bucket_mb)):
+            slots, off = [], 0
+            for name in plan.names:
+                p = model.params[name]
+                slots.append(Slot(name, p, off, p.numel(), tuple(p.shape)))
+                off += p.numel()
+            buckets.append(Bucket(i, slots, plan.sync, plan.dp, plan.split, plan.block,
+                                  self.mesh, self.stage, self.dtype, deferred=plan.deferred))
         return buckets
 
     def _init_flat(self) -> None:
@@ -427,6 +405,55 @@ class GradReducer:
 
     def gathered(self):
         return self.provider.gathered()
+
+
+@attrs.frozen
+class BucketPlan:
+    """One bucket as planned from the Program alone: its parameters (in slot order) and keys."""
+
+    names: tuple[str, ...]
+    numel: int  # local elements of its parameters, before padding
+    sync: tuple[str, ...]
+    dp: tuple[str, ...]
+    split: tuple[str, ...]
+    block: str | None
+    deferred: bool
+
+
+def plan_buckets(program, stage: int, data_axes: tuple[str, ...],
+                 deferred: tuple[str, ...] = (), bucket_mb: float = 25.0) -> list[BucketPlan]:
+    """The buckets GradReducer builds for `program` (the module doc's rules), from the Program
+    alone (torch-free, so `soapstone explain` counts the same collectives the runtime issues).
+    Float parameters in reverse program order; a bucket's key is (grad_sync, data axes among
+    them, split axes, block under ZeRO-3, own name if deferred)."""
+    cap = max(int(bucket_mb * (1 << 20)), 1)
+    axes_order = [a for a, _ in program.mesh]
+    open_: dict[tuple, list[str]] = {}
+    open_bytes: dict[tuple, int] = {}
+    order: list[tuple[tuple, list[str]]] = []  # closed or open groups, by first param
+    numel: dict[str, int] = {}
+    first_cap = min(cap, FIRST_BUCKET_BYTES)
+    for spec in reversed(program.params):
+        if not spec.dtype.startswith(("f", "bf")):
+            continue
+        split = tuple(a for a, pl in spec.layout.placements if pl != "P")
+        dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)
+        key = (spec.grad_sync, dp, split, spec.block if stage == 3 else None,
+               spec.name if spec.name in deferred else None)
+        n = numel[spec.name] = math.prod(spec.local_shape)
+        group = open_.get(key)
+        limit = first_cap if not order or group is order[0][1] else cap
+        if group is not None and open_bytes[key] + n * 4 > limit:
+            group = None
+        if group is None:
+            group = open_[key] = []
+            open_bytes[key] = 0
+            order.append((key, group))
+        group.append(spec.name)
+        open_bytes[key] += n * 4
+    return [BucketPlan(tuple(names), sum(numel[x] for x in names), sync, dp, split, block,
+                       own is not None)
+            for (sync, dp, split, block, own), names in order]
 
 
 def default_data_axes(program) -> tuple[str, ...]:

@@ -24,14 +24,17 @@ the figures equal what the communicators' `stats` counters record during one ste
 - backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
   partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
   alltoall, and the backward allreduce of each statistics sum).
-- grad sync (shard/data_parallel.py): ZeRO-0 allreduces each parameter's fp32 gradient over
-  its grad_sync axes; ZeRO >= 1 reduce-scatters it over the data axes, allreduces the shard
-  over the other grad_sync axes and allgathers the updated parameters over the data axes.
+- grad sync (shard/data_parallel.py), per gradient bucket of the runtime's own plan
+  (`plan_buckets`: the same parameters in the same buckets, padded the same way): ZeRO-0
+  allreduces each bucket's fp32 gradient over its grad_sync axes; ZeRO >= 1 reduce-scatters it
+  over the data axes and allreduces the shard over the other grad_sync axes; ZeRO-1/2 then
+  allgather the updated parameters over the data axes; ZeRO-3 instead gathers each bucket's
+  parameters twice per step, before its first use in forward and again in backward (counted
+  under forward and backward: shard/zero.py frees a bucket after forward and its saved tensors
+  regather it).
 - grad norm: one float64 allreduce per distinct set of axes the gradient pieces are split
   over (the optimizer always computes the global norm).
 - loss: the float allreduce(s) that report the global loss each step.
-ZeRO buckets are padded to a multiple of D elements in the runtime if needed; the estimate
-ignores that padding (at most D-1 elements per bucket).
 
 Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Program (compiled
 for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
@@ -201,28 +204,29 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     add("forward", "allreduce", axis, stat)
                     if backward:
                         add("backward", "allreduce", axis, stat)
-    # gradient sync, as shard/data_parallel.py does it (fp32 buffers, one bucket per group of
-    # parameters with the same sync and split axes while a group fits in a bucket)
+    # gradient sync, as shard/data_parallel.py does it: its own bucket plan (plan_buckets),
+    # fp32 gradient buffers padded to a multiple of the data-parallel size
+    from soapstone.shard.data_parallel import plan_buckets
+
     norm_keys: set[tuple[str, ...]] = set()
-    groups: dict[tuple, list[int]] = {}
-    for p in float_params:
-        dp = tuple(a for a in p.grad_sync if a in dp_axes)
-        split = tuple(a for a, pl in p.layout.placements if pl != "P")
-        g = groups.setdefault((p.grad_sync, dp, split, p.name if p.name in deferred else None),
-                              [0, 0])
-        g[0] += math.prod(p.local_shape) * 4
-        g[1] += program.value(p.name).nbytes
-    for (sync, dp, split, _), (nb, param_nb) in groups.items():
-        rest = tuple(a for a in sync if a not in dp)
-        if zero == 0 or not dp:
-            add("grad sync", "allreduce", sync, nb)
-            norm_keys.add(tuple(a for a in mesh if a in split))
-        else:
-            n_dp = math.prod(mesh[a] for a in dp)
-            add("grad sync", "reduce_scatter", dp, nb)
-            add("grad sync", "allreduce", rest, nb // n_dp)
-            add("grad sync", "allgather", dp, param_nb)
-            norm_keys.add(tuple(a for a in mesh if a in set(split) | set(dp)))
+    master = 8 if float_params and float_params[0].dtype == "f64" else 4
+    for plan in plan_buckets(program, zero, data_axes(program), deferred):
+        n_dp = math.prod(mesh[a] for a in plan.dp)
+        padded = -(-plan.numel // n_dp) * n_dp
+        item = FLOAT_BYTES[program.value(plan.names[0]).dtype]
+        if zero == 0 or n_dp == 1:
+            add("grad sync", "allreduce", plan.sync, padded * master)
+            norm_keys.add(tuple(a for a in mesh if a in plan.split))
+            continue
+        rest = tuple(a for a in plan.sync if a not in plan.dp)
+        add("grad sync", "reduce_scatter", plan.dp, padded * master)
+        add("grad sync", "allreduce", rest, padded // n_dp * master)
+        if zero <= 2:  # the updated shards, gathered after the optimizer step
+            add("grad sync", "allgather", plan.dp, padded * item)
+        else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
+            add("forward", "allgather", plan.dp, padded * item)
+            add("backward", "allgather", plan.dp, padded * item)
+        norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
     loss = program.loss

@@ -4,7 +4,9 @@
   pipeline layouts of tests/specs/pipe_layouts.par at 2 and 4 ranks), the bytes the
   communicators' `stats` counters record during one training step (forward, backward,
   optimizer step, loss report) equal `soapstone explain`'s figures per mesh axis and
-  collective, and its param/grad/optimizer memory is within 10% of the measured tensors.
+  collective (calls and bytes; for pipelines bytes), ZeRO 2/3 layouts of
+  tests/specs/zero_layouts.par included, and its param/grad/optimizer memory is within 10% of
+  the measured tensors.
 - golden: every example layout of this world size, pipelines included, reproduces its record
   (tests/golden/runs/<spec>.npz) through `soapstone.dsl.testing.assert_matches_golden`.
 """
@@ -56,13 +58,14 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
     for c in comms.values():
         c.reset_stats()
     t.step(1)
-    measured: dict[tuple[str, str], int] = {}
+    measured: dict[tuple[str, str], tuple[int, int]] = {}
     for axes, c in comms.items():
         for op, st in c.stats.items():
             if st.bytes:
-                measured[(",".join(axes), op)] = measured.get((",".join(axes), op), 0) + st.bytes
+                calls, nbytes = measured.get((",".join(axes), op), (0, 0))
+                measured[(",".join(axes), op)] = (calls + st.calls, nbytes + st.bytes)
     est = estimate(program, zero=par.zero, optimizer=optimizer)
-    predicted = {k: b for k, (_, b) in est.comm_by().items() if b}
+    predicted = {k: cb for k, cb in est.comm_by().items() if cb[1]}
     assert measured == predicted, f"{spec}/{layout}: counters {sorted(measured.items())} vs " \
         f"explain {sorted(predicted.items())}"
     # memory, right after a step (gradients of the step still held)
@@ -125,6 +128,8 @@ PIPE_SPEC = ROOT / "tests/specs/pipe_layouts.par"
 PIPE_LAYOUTS = {2: ("pp2f1b", "pp2inter"), 4: ("pp2dp2",)}
 BRANCH_SPEC = "tests/specs/branch_layouts.par"  # branches: broadcasts and owned ops
 BRANCH_LAYOUTS = {2: ("br2", "gated_br2"), 4: ("dp2br2", "br2tp2")}
+ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 2 and 3: per-bucket scatters and gathers
+ZERO_LAYOUTS = {2: ("dp2z2", "dp2z3"), 4: ("dp2tp2z3",)}
 
 
 def _explain_all(optimizer: str) -> None:
@@ -141,6 +146,8 @@ def _explain_all(optimizer: str) -> None:
         _measure_pipeline(PIPE_SPEC, layout, optimizer)
     for layout in BRANCH_LAYOUTS.get(W.size, ()):
         _measure(BRANCH_SPEC, layout, optimizer)
+    for layout in ZERO_LAYOUTS.get(W.size, ()):
+        _measure(ZERO_SPEC, layout, optimizer)
 
 
 def case_explain_matches_counters_adamw():
