@@ -75,10 +75,11 @@ def test_data_parallel_sums_every_gradient_over_data_and_moves_no_activation():
 def test_context_parallel_gathers_keys_and_values_only():
     prog = program(GPT, "cp2")
     gathers = [s for s in prog.steps if isinstance(s, Redistribute)]
-    assert {s.kind for s in gathers} == {"allgather"}
-    assert all(s.src.endswith((".k", ".v")) or "rename" in s.src or s.frm == "seq_k"
-               for s in gathers)
-    assert len(gathers) == 2 * LAYERS and all(s.grad == "partial" for s in gathers)
+    assert {(s.kind, s.axis, s.frm, s.to) for s in gathers} == {("allgather", "cp", "seq_k", "R")}
+    # exactly the keys and values (renamed to seq_k) of every layer, once each
+    assert sorted(s.src for s in gathers) == sorted(
+        f"layer.{i}.attention0.{kv}" for i in range(LAYERS) for kv in ("k2", "v2"))
+    assert all(s.grad == "partial" for s in gathers)
 
 
 def test_row_parallel_first_layer_slices_its_input_locally():
@@ -133,10 +134,45 @@ def test_every_gpt_layout_lowers(layout):
     assert prog.loss is not None and prog.world_size == GPT.parallel(layout).world_size
 
 
-def test_pipeline_layouts_are_refused_until_the_operator_axis_exists():
+def test_lower_points_pipeline_layouts_to_lower_pipeline():
+    """A layout with pipeline stages compiles to a stage graph: lower() says where to go."""
     with pytest.raises(LoweringError) as err:
         program(GPT, "gpt8")
-    assert "pipeline" in err.value.diagnostics[0].message
+    (diag,) = err.value.diagnostics
+    assert "pipeline" in diag.message and "lower_pipeline" in diag.hint
+
+
+def test_lower_resolves_tied_params():
+    """A param tied to another is the same tensor without stages too: one param, read twice."""
+    m = GPT.model()
+    table = next(p for p in m.params if p.name == "embedding0.table")
+    head = attrs.evolve(table, name="head.table", tied_to=table.name)
+    params = tuple(p for p in m.params if p.name != "linear0.weight") + (head,)
+    ops = tuple(attrs.evolve(op, args=tuple("head.table" if a == "linear0.weight" else a
+                                            for a in op.args)) for op in m.ops)
+    tied = attrs.evolve(m, params=params, ops=ops)
+    for layout in (None, GPT.parallel("tp2")):
+        prog = lower(tied, layout)
+        names = [p.name for p in prog.params]
+        assert "head.table" not in names and names.count("embedding0.table") == 1
+        readers = [s.kind for s in prog.steps if isinstance(s, Compute)
+                   and any(a.split("@")[0].split(">")[0] == "embedding0.table" for a in s.args)]
+        assert readers == ["embedding", "einsum"], readers
+
+
+def test_a_received_replicated_tensor_feeding_split_work_gets_a_copy_to():
+    """A stage's received residual stream, replicated over `model`, feeds the h2-split linear:
+    backward would return per-rank terms, so lowering inserts CopyTo (allreduce backward) on
+    the received tensor itself, as for any other value."""
+    from soapstone.dsl.stages import lower_pipeline
+
+    spec = dsl.load(ROOT / "tests/specs/pipe_residual.par")
+    graph = lower_pipeline(spec.model(), spec.parallel("pp2tp2res"))
+    for stage in graph.stages:
+        copies = [(s.src, s.axis) for s in stage.program.steps if isinstance(s, CopyTo)]
+        # stage 0 reads the data input x, which carries no gradient
+        assert copies == [(name, "model") for name in stage.recv], (stage.index, copies)
+    assert graph.stages[1].recv == ("layer.0.x",)
 
 
 def test_branches_run_on_their_owner_and_meet_in_one_allreduce():
