@@ -145,6 +145,7 @@ class _Lowering:
     # --- the walk --------------------------------------------------------------------------
 
     def run(self) -> Program:
+        """Lay out the leaves, lower every op in order, then restore the backward invariant."""
         par = self.par
         for inp in self.model.inputs:
             mapping = (*par.sample, *par.attribute) if par else ()

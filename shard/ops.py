@@ -76,6 +76,7 @@ class Shards:
 def op(kind: str):
     """Register a local implementation for a primitive kind."""
     def register(fn: OpFn) -> OpFn:
+        """Record `fn` as the implementation of `kind` and return it unchanged."""
         REGISTRY[kind] = fn
         return fn
     return register

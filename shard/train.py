@@ -156,6 +156,7 @@ class ProgressBar:
         self.t0 = time.perf_counter()
 
     def update(self, m: StepMetrics) -> None:
+        """Show step `m` (on a pipe, only every tenth of the run and the last step)."""
         done = m.step + 1
         if not self.tty and done % self.every and done != self.total:
             return
@@ -167,6 +168,7 @@ class ProgressBar:
         self.stream.flush()
 
     def close(self) -> None:
+        """End the bar's line on a terminal."""
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
