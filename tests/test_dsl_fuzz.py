@@ -1,5 +1,8 @@
 """Fuzz the front end: mutated valid specs and random text may only raise SpecError, and every
-diagnostic must point inside the file it names."""
+diagnostic must point inside the file it names. A mutated spec that loads has each of its
+parallel blocks compiled too (lower, or lower_pipeline for blocks with pipeline stages): the
+checker must let through only what the compiler accepts or rejects with a located SpecError
+(LoweringError is one)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from soapstone.dsl import SpecError, load
+from soapstone.dsl.lower import lower
+from soapstone.dsl.stages import lower_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SOURCES = [(EXAMPLES / n).read_text() for n in ("gpt.par", "mlp.par")]
@@ -18,17 +23,29 @@ TOKENS = [TOKEN.findall(s) for s in SOURCES]
 VOCAB = sorted({t for ts in TOKENS for t in ts if not t.isspace()}) + ["include", '"x.par"', "@"]
 
 
+def _located(e: SpecError, text: str) -> None:
+    lines = text.splitlines()
+    assert e.diagnostics
+    for d in e.diagnostics:
+        if d.file == "fuzz.par":
+            assert 1 <= d.line <= max(len(lines), 1) + 1, d.format()
+            assert d.col >= 1, d.format()
+        d.format()
+
+
 def _check(text: str) -> None:
     try:
-        load(text, filename="fuzz.par")
+        spec = load(text, filename="fuzz.par")
     except SpecError as e:
-        lines = text.splitlines()
-        assert e.diagnostics
-        for d in e.diagnostics:
-            if d.file == "fuzz.par":
-                assert 1 <= d.line <= max(len(lines), 1) + 1, d.format()
-                assert d.col >= 1, d.format()
-            d.format()
+        _located(e, text)
+        return
+    for par in spec.parallels.values():
+        model = spec.models[par.model]
+        try:
+            (lower_pipeline if par.operator else lower)(model, par)
+        except SpecError as e:
+            _located(e, text)
+            assert all(d.file == "fuzz.par" and d.line >= 1 for d in e.diagnostics), e.format()
 
 
 @st.composite
