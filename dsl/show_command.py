@@ -45,9 +45,9 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
         data = {"model": to_data(model)}
         if par is not None:
             data["parallel"] = to_data(par)
-            data["program"] = program_to_data(program) if program else None
+            data["program"] = program_to_data(program, par.zero) if program else None
             if graph is not None:
-                data["stage_graph"] = graph.to_data()
+                data["stage_graph"] = graph.to_data(par.zero)
                 data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
                                     for r in range(schedule.pipe)]
         return json.dumps(data, indent=1) + "\n"
@@ -58,9 +58,9 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
             text += graph.format(programs=False) + "\n" + schedule.format()
             for s in graph.stages:
                 text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
-                text += format_program(s.program)
+                text += format_program(s.program, par.zero, graph.deferred(s), stage=True)
         else:
-            text += format_program(program)
+            text += format_program(program, par.zero)
     return text
 
 

@@ -122,6 +122,7 @@ class Estimate:
         return {k: (c, b) for k, (c, b) in out.items()}
 
     def to_data(self) -> dict:
+        """The estimate as plain data (`explain --json`), with total and per-axis bytes."""
         d = attrs.asdict(self)
         d["total_bytes"] = self.total_bytes
         d["comm_bytes_per_axis"] = {}
@@ -339,11 +340,27 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                     edges=edges)
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+def format_bytes(n: float) -> str:
+    """A byte count for people: "512 B", "1.5 KiB", "2.25 MiB", "1.00 GiB" (show, explain)."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
+
+
+def format_traffic(traffic: list[Traffic]) -> list[str]:
+    """The communication rows of `explain` (and of `show`): one per phase, kind and axis, then
+    a total per axis."""
+    lines = [] if traffic else ["  none"]
+    per_axis: dict[str, int] = {}
+    for t in traffic:
+        lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
+                     f"{format_bytes(t.bytes):>12}")
+        per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
+    for axis, n in sorted(per_axis.items()):
+        lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{format_bytes(n):>12}")
+    return lines
 
 
 def format_estimate(e: Estimate) -> str:
@@ -355,22 +372,14 @@ def format_estimate(e: Estimate) -> str:
              f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
              f"zero {e.zero}, {e.optimizer}",
              f"memory per rank ({who}):",
-             f"  params        {_size(e.param_bytes):>12}",
-             f"  grads         {_size(e.grad_bytes):>12}   (fp32 buffers)",
-             f"  optimizer     {_size(e.optimizer_bytes):>12}   (fp32 state)",
-             f"  activations   {_size(e.activation_bytes):>12}   (forward values kept for "
+             f"  params        {format_bytes(e.param_bytes):>12}",
+             f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
+             f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
+             f"  activations   {format_bytes(e.activation_bytes):>12}   (forward values kept for "
              "backward, upper bound)",
-             f"  total         {_size(e.total_bytes):>12}",
+             f"  total         {format_bytes(e.total_bytes):>12}",
              "communication per training step (bytes this rank sends, ring convention):"]
-    if not e.traffic:
-        lines.append("  none")
-    per_axis: dict[str, int] = {}
-    for t in e.traffic:
-        lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
-                     f"{_size(t.bytes):>12}")
-        per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
-    for axis, n in sorted(per_axis.items()):
-        lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{_size(n):>12}")
+    lines.extend(format_traffic(e.traffic))
     if e.pipe_rank is None:
         lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
@@ -382,14 +391,16 @@ def format_estimate(e: Estimate) -> str:
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
     lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
     for r in e.pipe_ranks:
-        flight = ", ".join(f"stage {s}: {n} x {_size(r['activation_bytes_per_microbatch'][s])}"
+        per_mb = r["activation_bytes_per_microbatch"]
+        flight = ", ".join(f"stage {s}: {n} x {format_bytes(per_mb[s])}"
                            for s, n in r["microbatches_in_flight"].items())
-        lines.append(f"  rank {r['pipe_rank']}  params {_size(r['param_bytes'])}  grads "
-                     f"{_size(r['grad_bytes'])}  optimizer {_size(r['optimizer_bytes'])}  "
-                     f"activations {_size(r['activation_bytes'])} ({flight} in flight)  "
-                     f"sends {_size(r['comm_bytes'])}")
+        lines.append(f"  rank {r['pipe_rank']}  params {format_bytes(r['param_bytes'])}  "
+                     f"grads {format_bytes(r['grad_bytes'])}  "
+                     f"optimizer {format_bytes(r['optimizer_bytes'])}  "
+                     f"activations {format_bytes(r['activation_bytes'])} ({flight} in flight)  "
+                     f"sends {format_bytes(r['comm_bytes'])}")
     for d in e.edges:
         lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
-                     f"{_size(d['activation_bytes'])}, gradients back "
-                     f"{_size(d['gradient_bytes'])}")
+                     f"{format_bytes(d['activation_bytes'])}, gradients back "
+                     f"{format_bytes(d['gradient_bytes'])}")
     return "\n".join(lines) + "\n"

@@ -1,7 +1,10 @@
 """Printing a Program: the text `soapstone show` prints and golden files pin, and its JSON.
 
-Every collective appears twice over: in place, in the step list, and totalled per direction,
-kind and mesh axis at the end, with the bytes this rank sends into it each step.
+Every collective appears twice over: in place, in the step list (with its payload: the bytes
+of the tensor it moves), and totalled per phase, kind and mesh axis at the end. The totals are
+`soapstone explain`'s traffic rows (shard/explain.py `estimate`, the one traffic model): calls
+and the bytes this rank sends per training step under the ring convention, gradient sync per
+bucket under the layout's ZeRO stage.
 """
 
 from __future__ import annotations
@@ -10,19 +13,13 @@ import json
 
 import attrs
 
+from soapstone.shard.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.layout import Layout
-from soapstone.shard.program import DIST_STATS, Compute, CopyTo, Program, Redistribute, Step
+from soapstone.shard.program import Compute, CopyTo, Program, Redistribute, Step
 
 # The backward of each forward redistribution (allgather depends on its `grad` field).
 BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
             "alltoall": "alltoall", "zero_fill": None, "broadcast": None}
-
-
-
-def _kib(n: int) -> str:
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.2f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
 def _shape(program: Program, name: str) -> str:
@@ -46,36 +43,9 @@ def backward_collective(step: Step) -> str | None:
     return None
 
 
-def collective_totals(program: Program) -> dict[tuple[str, str, str], tuple[int, int]]:
-    """(direction, kind, axis) -> (count, bytes sent by this rank) for one step of training."""
-    totals: dict[tuple[str, str, str], list[int]] = {}
-
-    def add(direction: str, kind: str, axis: str, n: int) -> None:
-        t = totals.setdefault((direction, kind, axis), [0, 0])
-        t[0] += 1
-        t[1] += n
-
-    for step in program.steps:
-        if isinstance(step, Redistribute) and step.kind not in ("slice", "zero_fill"):
-            add("forward", step.kind, step.axis, step.nbytes)
-        if isinstance(step, Compute):
-            for axis in step.dist:
-                for _, backward in DIST_STATS.get(step.kind, ()):
-                    add("forward", "allreduce(stats)", axis, 0)
-                    if backward:
-                        add("backward", "allreduce(stats)", axis, 0)
-        bwd = backward_collective(step)
-        if bwd:
-            v = program.value(step.out)
-            add("backward", bwd, step.axis, v.nbytes)
-    # Parameters whose gradients are partial over the same axes share one flat allreduce.
-    groups: dict[tuple[str, ...], int] = {}
-    for p in program.params:
-        if p.grad_sync:
-            groups[p.grad_sync] = groups.get(p.grad_sync, 0) + program.value(p.name).nbytes
-    for axes, n in groups.items():
-        add("grad sync", "allreduce", ",".join(axes), n)
-    return {k: (c, b) for k, (c, b) in totals.items()}
+def traffic(program: Program, zero: int = 0, deferred: tuple[str, ...] = ()) -> list[Traffic]:
+    """This rank's collectives per training step: explain's rows (shard/explain.py)."""
+    return estimate(program, zero=zero, deferred=deferred).traffic
 
 
 def format_step(program: Program, step: Step) -> str:
@@ -89,7 +59,7 @@ def format_step(program: Program, step: Step) -> str:
                 f"{_layout(program.value(step.out).layout)}{dist}")
     if isinstance(step, CopyTo):
         return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
-                f"(backward allreduce {_kib(step.nbytes)})")
+                f"(backward allreduce {format_bytes(step.nbytes)})")
     names = {"R": "replicate", "P": "partial", **{p: p.replace("@", "owned:")
                                                    for p in (step.frm, step.to)
                                                    if p.startswith("@")}}
@@ -97,11 +67,14 @@ def format_step(program: Program, step: Step) -> str:
     bwd = backward_collective(step)
     back = f", backward {bwd}" if bwd else ""
     return (f"  {step.kind}[{step.axis}]{dims} {step.src} -> {step.out}   "
-            f"({_kib(step.nbytes)}{back})")
+            f"({format_bytes(step.nbytes)}{back})")
 
 
-def format_program(program: Program) -> str:
-    """The whole program as text: params, inputs, steps, grad sync, collective totals."""
+def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = (),
+                   stage: bool = False) -> str:
+    """The whole program as text: params, inputs, steps, outputs, and explain's collective
+    totals per training step under ZeRO `zero` (deferred: see explain.estimate). stage: a
+    pipeline stage's Program, whose totals are for one microbatch and grad sync once."""
     mesh = ", ".join(f"{a}={s}" for a, s in program.mesh) or "single rank"
     lines = [f"program {program.model}" + (f" / {program.parallel}" if program.parallel else "")
              + f"  mesh({mesh})  ranks {program.world_size}"]
@@ -119,23 +92,25 @@ def format_program(program: Program) -> str:
     for o in program.outputs:
         tag = " (loss)" if o.is_loss else ""
         lines.append(f"  {o.name}{tag} = {o.value} {_layout(program.value(o.value).layout)}")
-    lines.append("collectives per training step (count, bytes sent by this rank):")
-    totals = collective_totals(program)
-    if not totals:
-        lines.append("  none")
-    for (direction, kind, axis), (count, n) in sorted(totals.items()):
-        size = f"  {_kib(n)}" if n else ""
-        lines.append(f"  {direction:<9} {kind}[{axis}] x{count}{size}")
+    if stage:
+        lines.append(f"collectives of this stage for one microbatch, grad sync once (zero "
+                     f"{zero}; explain's per-step figures add microbatches and p2p):")
+    else:
+        lines.append(f"collectives per training step (zero {zero}; as explain: calls, bytes "
+                     "this rank sends):")
+    lines.extend(format_traffic(traffic(program, zero, deferred)))
     return "\n".join(lines) + "\n"
 
 
-def program_to_json(program: Program) -> str:
+def program_to_json(program: Program, zero: int = 0) -> str:
     """The program as JSON (layouts as {axis: placement})."""
-    return json.dumps(program_to_data(program), indent=1)
+    return json.dumps(program_to_data(program, zero), indent=1)
 
 
-def program_to_data(program: Program) -> dict:
-    """The program as plain data: lists, dicts, strings and numbers."""
+def program_to_data(program: Program, zero: int = 0,
+                    deferred: tuple[str, ...] = ()) -> dict:
+    """The program as plain data: lists, dicts, strings and numbers; "collectives" are
+    explain's traffic rows under ZeRO `zero`."""
 
     def convert(obj):
         if isinstance(obj, Layout):
@@ -149,8 +124,5 @@ def program_to_data(program: Program) -> dict:
         return obj
 
     data = convert(program)
-    data["collectives"] = [
-        {"direction": d, "kind": k, "axis": a, "count": c, "bytes": b}
-        for (d, k, a), (c, b) in sorted(collective_totals(program).items())
-    ]
+    data["collectives"] = [attrs.asdict(t) for t in traffic(program, zero, deferred)]
     return data

@@ -99,8 +99,10 @@ class StageGraph:
         """The virtual stages pipe rank `rank` runs, in chunk order."""
         return tuple(s for s in self.stages if s.rank == rank)
 
-    def format(self, programs: bool = True) -> str:
-        """The text `soapstone show` prints: stages, edges with bytes, then each program."""
+    def format(self, programs: bool = True, zero: int = 0) -> str:
+        """The text `soapstone show` prints: stages, edges with bytes, then each program (its
+        collective totals for one microbatch of that stage under ZeRO `zero`)."""
+        from soapstone.shard.explain import format_bytes
         from soapstone.shard.program_text import format_program
 
         inner = [(a, n) for a, n in self.mesh if a != self.axis]
@@ -123,26 +125,32 @@ class StageGraph:
                          + (f"  ({'; '.join(extra)})" if extra else ""))
         for e in self.edges:
             lines.append(f"  edge {e.src} -> {e.dst}  ({self.axis} {e.src_rank} -> "
-                         f"{e.dst_rank}): {_kib(e.nbytes)} per microbatch per rank, "
+                         f"{e.dst_rank}): {format_bytes(e.nbytes)} per microbatch per rank, "
                          "the same back as gradients")
             for t in e.tensors:
                 dims = " ".join(f"{d}:{n}" for d, n in zip(t.dims, t.local_shape, strict=True))
-                lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  {_kib(t.nbytes)}")
+                lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  "
+                             f"{format_bytes(t.nbytes)}")
         for name, where in self.shared:
             lines.append(f"  shared {name}: stages {', '.join(map(str, where))} hold copies; "
                          f"gradient summed over {self.axis}")
         per_step = sum(e.nbytes for e in self.edges) * self.microbatches * 2
-        lines.append(f"  p2p per step (all edges, forward + backward): {_kib(per_step)} per "
-                     "rank column")
+        lines.append("  p2p per step (all edges, forward + backward): "
+                     f"{format_bytes(per_step)} per rank column")
         text = "\n".join(lines) + "\n"
         if programs:
             for s in self.stages:
                 text += f"\n--- stage {s.index} ({self.axis} {s.rank}) ---\n"
-                text += format_program(s.program)
+                text += format_program(s.program, zero, self.deferred(s), stage=True)
         return text
 
-    def to_data(self) -> dict:
-        """JSON-ready summary (the programs via program_to_data)."""
+    def deferred(self, stage: Stage) -> tuple[str, ...]:
+        """The stage's parameters tied across stages (a gradient bucket each, reduced last)."""
+        mine = {p.name for p in stage.program.params}
+        return tuple(n for n, _ in self.shared if n in mine)
+
+    def to_data(self, zero: int = 0) -> dict:
+        """JSON-ready summary (the programs via program_to_data, under ZeRO `zero`)."""
         from soapstone.shard.program_text import program_to_data
 
         return {
@@ -152,7 +160,8 @@ class StageGraph:
             "stages": [{"index": s.index, "rank": s.rank, "chunk": s.chunk,
                         "blocks": list(s.blocks), "data_inputs": list(s.data_inputs),
                         "recv": list(s.recv), "send": list(s.send),
-                        "program": program_to_data(s.program)} for s in self.stages],
+                        "program": program_to_data(s.program, zero, self.deferred(s))}
+                       for s in self.stages],
             "edges": [{"src": e.src, "dst": e.dst, "bytes": e.nbytes,
                        "tensors": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims),
                                     "local_shape": list(t.local_shape),
@@ -160,9 +169,3 @@ class StageGraph:
                                    for t in e.tensors]} for e in self.edges],
             "shared": [{"param": n, "stages": list(w)} for n, w in self.shared],
         }
-
-
-def _kib(n: int) -> str:
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.2f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
