@@ -62,10 +62,6 @@ def _trainer(program, mesh, header: dict, zero: int = 0, model=None):
                    lr=header["lr"], zero=zero)
 
 
-def _state(trainer) -> dict:
-    return trainer.full_state_dict()
-
-
 def record_run(spec_path: str, output: str, *, model: str | None = None,
                dims: dict | None = None, plugins: tuple[str, ...] = (),
                steps: int = DEFAULT_STEPS, seed: int = 0, optimizer: str = "sgd",
@@ -89,8 +85,8 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
     trainer = _trainer(program, None, header)
     rec = golden.Recorder(header, [p.name for p in program.params])
     for metrics in trainer.run(steps):
-        rec.add(metrics.loss, _state(trainer))
-    record = rec.finish(_state(trainer))
+        rec.add(metrics.loss, trainer.full_state_dict())
+    record = rec.finish(trainer.full_state_dict())
     golden.save(record, output)
     return record
 
@@ -136,7 +132,7 @@ def check_run(spec_path: str, parallel: str | None, record_file: str, *,
                        model=model)
     tol = tol or golden.Tolerance.for_record(header)
     for m in trainer.run(record.steps):
-        state = _state(trainer)
+        state = trainer.full_state_dict()
         bad = golden.compare_step(record, m.step, m.loss, state, tol)
         if bad is None and m.step == record.steps - 1:
             bad = golden.compare_final(record, state, tol)

@@ -33,11 +33,12 @@ import torch
 FORMAT = "soapstone-golden/1"
 SAMPLES = 8
 FULL_LIMIT = 1 << 20
+# header keys the checker reads (the others are optional: "data", "dims", "full", ...)
+REQUIRED = ("model", "steps", "seed", "optimizer", "lr", "precision", "params")
 
 
 class GoldenError(ValueError):
     """An unreadable or mismatched record file (bad input: exit 2)."""
-
 
 @attrs.define
 class Record:
@@ -145,12 +146,24 @@ def load(path: str | Path) -> Record:
             header = json.loads(bytes(z["header"]).decode())
             if header.get("format") != FORMAT:
                 raise GoldenError(f"{path}: format {header.get('format')!r}, expected {FORMAT}")
+            missing = [k for k in REQUIRED if k not in header]
+            if missing:
+                raise GoldenError(f"{path}: header lacks {', '.join(map(repr, missing))}")
+            steps = header["steps"]
+            loss = z["loss"]
+            if loss.shape != (steps,):
+                raise GoldenError(f"{path}: header says {steps} steps, but the loss array has "
+                                  f"shape {loss.shape}")
             digests = {n: z[f"digest/{n}"] for n in header["params"]}
+            for n, d in digests.items():
+                if d.ndim != 2 or d.shape[0] != steps:
+                    raise GoldenError(f"{path}: digest/{n} has shape {d.shape}, expected "
+                                      f"{steps} rows")
             final = {n: z[f"final/{n}"] for n in header["params"]} if header.get("full") else {}
-            return Record(header, z["loss"], digests, final)
+            return Record(header, loss, digests, final)
     except GoldenError:
         raise
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise GoldenError(f"{path}: not a soapstone golden record ({type(e).__name__}: {e})") \
             from None
 

@@ -59,3 +59,32 @@ def test_check_bad_input_exit_2(args, needle):
     assert r.returncode == 2, r.report()
     assert needle in r.stderr and "Traceback" not in r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _broken(tmp_path, edit) -> Path:
+    """The mlp record with `edit(header, arrays)` applied, saved pickle-free."""
+    with np.load(ROOT / "tests/golden/runs/mlp.npz", allow_pickle=False) as z:
+        arrays = dict(z)
+    header = json.loads(bytes(arrays["header"]).decode())
+    edit(header, arrays)
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    bad = tmp_path / "broken.npz"
+    np.savez(bad, **arrays)
+    with np.load(bad, allow_pickle=False) as z:  # still a pickle-free file
+        assert set(z.files) == set(arrays)
+    return bad
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda h, a: h.pop("seed"), "header lacks 'seed'"),
+    (lambda h, a: a.update(loss=a["loss"][:-1]), "but the loss array has shape"),
+    (lambda h, a: h.update(steps=h["steps"] + 1), "but the loss array has shape"),
+])
+def test_check_broken_record_exit_2(tmp_path, edit, needle):
+    """A record whose header lacks a key, or whose arrays disagree with its steps: one line on
+    stderr, exit 2, no traceback."""
+    bad = _broken(tmp_path, edit)
+    r = run_mpi(1, [*CLI, "check", "examples/mlp.par", str(bad)])
+    assert r.returncode == 2, r.report()
+    assert needle in r.stderr and "Traceback" not in r.stdout + r.stderr, r.report()
+    assert len(r.stderr.strip().splitlines()) == 1
