@@ -18,6 +18,7 @@ See `accounting.bus_bytes` for the formula of each op.
 from __future__ import annotations
 
 import abc
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -71,20 +72,9 @@ class Work:
             self._keep = None
         return self._result
 
-    def is_completed(self) -> bool:
-        """True once wait() has run."""
-        return self._done
-
 
 def _debug_from_env() -> bool:
     return os.environ.get("SOAPSTONE_DEBUG_COLLECTIVES", "") not in ("", "0")
-
-
-def _prod(xs: Sequence[int]) -> int:
-    p = 1
-    for x in xs:
-        p *= x
-    return p
 
 
 class Communicator(abc.ABC):
@@ -97,6 +87,7 @@ class Communicator(abc.ABC):
         self.rank = rank
         self.size = size
         self.debug = _debug_from_env()
+        self._freed = False
         self._stats: dict[str, list[int]] = {}
 
     # -- the byte counter ------------------------------------------------------------------
@@ -118,6 +109,8 @@ class Communicator(abc.ABC):
 
     # -- input checks (before the backend is called) --------------------------------------
     def _check(self, op: str, t: Any, name: str = "t") -> None:
+        if self._freed:
+            raise CommError(f"{op}: this communicator was freed; use one that is still alive")
         if not isinstance(t, torch.Tensor):
             raise CommError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_SET:
@@ -264,24 +257,49 @@ class Communicator(abc.ABC):
         """Send `t` to rank `dst` (blocking; the receiver knows the shape)."""
         self._check_p2p("send", t, dst, "dst")
         self._count("send", t.numel() * t.element_size())
+        if self.debug:
+            from .debug import send_descriptor
+
+            sent = send_descriptor(self, t, dst, tag)
+            self._send(t, dst, tag, False)
+            sent.wait()
+            return
         self._send(t, dst, tag, False)
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive from rank `src` into `t` (its shape and dtype must match); return `t`."""
         self._check_p2p("recv", t, src, "src")
         self._count("recv", 0)
+        if self.debug:
+            from .debug import recv_descriptor
+
+            recv_descriptor(self, "recv", t, src, tag).check(None)
         return self._recv(t, src, tag, False)
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending `t` to `dst`; wait() on the handle before reusing `t`."""
         self._check_p2p("isend", t, dst, "dst")
         self._count("send", t.numel() * t.element_size())
+        if self.debug:
+            from .debug import send_descriptor
+
+            sent = send_descriptor(self, t, dst, tag)
+            work = self._send(t, dst, tag, True)
+            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent))
         return self._send(t, dst, tag, True)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving from `src` into `t`; wait() returns `t` once it has arrived."""
         self._check_p2p("irecv", t, src, "src")
         self._count("recv", 0)
+        if self.debug:
+            # the descriptor is received non-blockingly too and compared in wait(): a blocking
+            # receive here would deadlock neighbours that post their receives ahead (pipelines)
+            from .debug import recv_descriptor
+
+            pending = recv_descriptor(self, "irecv", t, src, tag)
+            work = self._recv(t, src, tag, True)
+            return Work(None, None, lambda: pending.check(work), keep=(work, pending))
         return self._recv(t, src, tag, True)
 
     def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> None:
@@ -289,13 +307,11 @@ class Communicator(abc.ABC):
         self._check_rank(op, peer, name)
         if peer == self.rank:
             raise CommError(f"{op}: `{name}`={peer} is this rank; p2p to oneself deadlocks")
-        if self.debug:
-            from .debug import check_p2p
-
-            check_p2p(self, op, t, peer)
 
     def barrier(self) -> None:
         """Block until every rank of this communicator has reached the barrier."""
+        if self._freed:
+            raise CommError("barrier: this communicator was freed; use one that is still alive")
         self._barrier()
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
@@ -309,6 +325,25 @@ class Communicator(abc.ABC):
         if sub == MPI.COMM_NULL:
             return None
         return type(self)(sub)  # each backend is built from the MPI comm over its ranks
+
+    def free(self) -> None:
+        """Release this sub-communicator: NCCL destroys its communicator, and the MPI
+        communicator it wraps is freed. Idempotent; collective in MPI's sense (every rank of
+        it frees it); any later call on it is a CommError. A no-op on a communicator over
+        COMM_WORLD or COMM_SELF (the world from init() lives as long as the process)."""
+        from mpi4py import MPI
+
+        c = self.mpi
+        if self._freed or c is None or c == MPI.COMM_WORLD or c == MPI.COMM_SELF:
+            return
+        self._freed = True
+        self._free_backend()
+        if c != MPI.COMM_NULL:
+            c.Free()
+
+    def _free_backend(self) -> None:
+        """Backend resources beyond the MPI communicator (NCCL: its communicator)."""
+        return None
 
     # -- backend hooks ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -357,7 +392,7 @@ def gather_layout(t: torch.Tensor, dim: int, n: int) -> tuple[list[int], bool]:
     """Output shape of an allgather along `dim`, and whether the flat gather already is it."""
     out_shape = list(t.shape)
     out_shape[dim] *= n
-    return out_shape, _prod(t.shape[:dim]) == 1
+    return out_shape, math.prod(t.shape[:dim]) == 1
 
 
 def chunks_first(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
@@ -373,6 +408,6 @@ def concat_from_first(buf: torch.Tensor, dim: int) -> torch.Tensor:
     n = buf.shape[0]
     shape = list(buf.shape[1:])
     shape[dim] *= n
-    if dim == 0 or _prod(buf.shape[1 : dim + 1]) == 1:
+    if dim == 0 or math.prod(buf.shape[1 : dim + 1]) == 1:
         return buf.reshape(shape)
     return buf.movedim(0, dim).reshape(shape)

@@ -3,9 +3,14 @@
 Before the real call, each rank contributes a fixed-size descriptor (op, dtype, shape, the op's
 integer arguments) to a small allgather over the same ranks; if they differ, every rank raises
 the same CommError naming who passed what. Mismatched collectives otherwise hang or return
-garbage. p2p: the sender first sends its descriptor and the receiver compares it with its own
-buffer. The check costs one small allgather per collective, so it is off by default; turn it on
-per communicator with `comm.debug = True`.
+garbage. p2p: the sender also sends a descriptor (non-blocking, on a tag of its own derived
+from the message's tag) and the receiver compares it with its own buffer: recv before receiving,
+irecv in wait() (its descriptor is received non-blockingly, so receives posted ahead of the
+matching sends, as pipelines post them, do not deadlock). A mismatched message is consumed and
+discarded, so later messages still pair up; on NCCL an irecv into a wrong-sized buffer is
+already enqueued when the mismatch is seen, so debug p2p shapes with recv or the MPI backend.
+The check costs one small allgather per collective, so it is off by default; turn it on per
+communicator with `comm.debug = True`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ _ARG_NAMES = {
 }
 _MAX_DIMS = 8
 _LEN = 4 + _MAX_DIMS + 4
-_P2P_TAG = 32000  # descriptors travel on their own tag so they never match a data message
 
 
 def _descriptor(op: str, t: torch.Tensor, args) -> np.ndarray:
@@ -101,17 +105,75 @@ def check_alltoallv_sizes(comm, send_sizes: list[int], recv_sizes: list[int]) ->
         )
 
 
-def check_p2p(comm, op: str, t: torch.Tensor, peer: int) -> None:
-    """send side: ship this message's descriptor to `peer`; recv side: compare it with `t`."""
-    mine = _descriptor("p2p", t, ())
-    if op in ("send", "isend"):
-        comm.mpi.Send(mine, peer, _P2P_TAG)
-        return
-    theirs = np.empty_like(mine)
-    comm.mpi.Recv(theirs, peer, _P2P_TAG)
-    if not (theirs == mine).all():
+def _descriptor_tag(comm, op: str, tag: int) -> int:
+    """The tag a p2p message's descriptor travels on: the data tag shifted into the upper half
+    of the tag range, so descriptors pair up exactly as their messages do (the pipeline posts
+    receives for many tags ahead, in another order than the sends) and never match data."""
+    global _tag_offset
+    if _tag_offset is None:
+        from mpi4py import MPI
+
+        _tag_offset = (int(comm.mpi.Get_attr(MPI.TAG_UB)) + 1) // 2
+    if not 0 <= tag < _tag_offset:
         raise CommError(
-            f"debug collectives: rank {comm.rank} posted {op} from rank {peer} into "
-            f"{_describe(mine)}, but rank {peer} sent {_describe(theirs)}; "
-            "make the receive buffer match what is sent"
+            f"{op}: `tag`={tag} is outside [0, {_tag_offset - 1}], the tags usable with "
+            "SOAPSTONE_DEBUG_COLLECTIVES=1 (the upper half carries the descriptors)"
         )
+    return _tag_offset + tag
+
+
+_tag_offset: int | None = None
+
+
+class _Sent:
+    """A descriptor on its way (Isend); wait() before dropping it."""
+
+    def __init__(self, comm, t: torch.Tensor, peer: int, tag: int):
+        self._buf = _descriptor("p2p", t, ())
+        self._req = comm.mpi.Isend(self._buf, peer, _descriptor_tag(comm, "send", tag))
+
+    def wait(self) -> None:
+        self._req.Wait()
+
+
+def send_descriptor(comm, t: torch.Tensor, peer: int, tag: int) -> _Sent:
+    """Start sending this message's descriptor to `peer` (non-blocking; wait() the result)."""
+    return _Sent(comm, t, peer, tag)
+
+
+class _Expected:
+    """A descriptor being received (Irecv); check() compares it with this rank's buffer."""
+
+    def __init__(self, comm, op: str, t: torch.Tensor, peer: int, tag: int):
+        self.comm, self.op, self.peer, self.tag = comm, op, peer, tag
+        self.mine = _descriptor("p2p", t, ())
+        self.theirs = np.empty_like(self.mine)
+        self._req = comm.mpi.Irecv(self.theirs, peer, _descriptor_tag(comm, op, tag))
+
+    def check(self, data):
+        """Wait for the descriptor; unless it matches, consume the message (so later ones still
+        pair up) and raise CommError. `data`: the posted receive's Work (irecv), whose result is
+        returned, or None (recv: the message is not received yet)."""
+        self._req.Wait()
+        if (self.theirs == self.mine).all():
+            return None if data is None else data.wait()
+        comm, peer = self.comm, self.peer
+        if data is not None:
+            try:
+                data.wait()  # already posted into the wrong buffer: let it end (or truncate)
+            except Exception:  # MPI truncation: the CommError below says why
+                pass
+        else:
+            dtype = SUPPORTED[int(self.theirs[1])]
+            scratch = torch.empty(int(self.theirs[3]), dtype=dtype, device=comm.device)
+            comm._recv(scratch, peer, self.tag, False)
+        raise CommError(
+            f"debug collectives: rank {comm.rank} posted {self.op} from rank {peer} into "
+            f"{_describe(self.mine)}, but rank {peer} sent {_describe(self.theirs)}; "
+            "make the receive buffer match what is sent (the message was discarded)"
+        )
+
+
+def recv_descriptor(comm, op: str, t: torch.Tensor, peer: int, tag: int) -> _Expected:
+    """Start receiving the descriptor of the message from `peer` that `t` is to receive."""
+    return _Expected(comm, op, t, peer, tag)

@@ -28,7 +28,6 @@ CUSTOM_REDUCE = (torch.float16, torch.bfloat16)
 
 SUPPORTED_SET = frozenset(SUPPORTED)
 _NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
-DTYPE_CODES = {d: i for i, d in enumerate(SUPPORTED)}
 
 
 def dtype_name(d: torch.dtype) -> str:

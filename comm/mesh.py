@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from .communicator import CommError, Communicator
 
 
@@ -9,10 +12,14 @@ class Mesh:
     """`Mesh(world, pipe=2, data=2, model=2)`: rank r sits at the row-major coordinates of r.
 
     `comm(*axes)` is the sub-communicator of the ranks that differ only along `axes`, its ranks
-    ordered row-major over those axes (in mesh order). The one-axis communicators are created
-    eagerly (every rank takes part, so no rank can hang waiting for one that asks for another
-    axis); multi-axis ones on first use, which is collective over the world: all ranks must ask
-    for the same ones in the same order.
+    ordered row-major over those axes (in mesh order). The constructor creates the
+    communicator of every non-empty subset of the axes (2^k - 1 splits of the world, in one
+    fixed order on every rank), so `comm()` is a lookup that never communicates: ranks may ask
+    for different communicators in different orders (pipeline stages do) without a hang. Each
+    subset gets its own communicator even where two subsets hold the same ranks (size-1 axes),
+    so their messages never mix and their byte counters stay apart.
+
+    `free()` (or `with Mesh(...) as mesh:`) releases them; every rank should free its mesh.
     """
 
     def __init__(self, world: Communicator, **shape: int):
@@ -21,9 +28,7 @@ class Mesh:
         for name, n in shape.items():
             if not isinstance(n, int) or n < 1:
                 raise CommError(f"Mesh: axis {name}={n!r} must be a positive int")
-        total = 1
-        for n in shape.values():
-            total *= n
+        total = math.prod(shape.values())
         if total != world.size:
             dims = " x ".join(f"{k}={v}" for k, v in shape.items())
             raise CommError(
@@ -36,8 +41,10 @@ class Mesh:
         self.rank = world.rank
         self._coords = self.coords_of(world.rank)
         self._comms: dict[tuple[str, ...], Communicator] = {}
-        for axis in self.axes:
-            self.comm(axis)
+        self._freed = False
+        for k in range(1, len(self.axes) + 1):
+            for key in itertools.combinations(self.axes, k):  # mesh order: same on all ranks
+                self._comms[key] = self._split(key)
 
     def size(self, axis: str) -> int:
         """Number of ranks along `axis`."""
@@ -66,20 +73,35 @@ class Mesh:
         return r
 
     def comm(self, *axes: str) -> Communicator:
-        """The cached sub-communicator over `axes` (collective on first use)."""
+        """The sub-communicator over `axes` (created in the constructor; no communication)."""
         if not axes:
             raise CommError("Mesh.comm: name at least one axis, e.g. mesh.comm('data')")
-        key = tuple(a for a in self.axes if a in {self._axis(x) for x in axes})
-        found = self._comms.get(key)
-        if found is None:
-            color = key_ = 0
-            for axis, c in zip(self.axes, self._coords, strict=True):
-                if axis in key:
-                    key_ = key_ * self.shape[axis] + c
-                else:
-                    color = color * self.shape[axis] + c
-            found = self._comms[key] = self.world.split(color, key_)
-        return found
+        if self._freed:
+            raise CommError("Mesh.comm: this mesh was freed; build a new Mesh")
+        named = {self._axis(x) for x in axes}
+        return self._comms[tuple(a for a in self.axes if a in named)]
+
+    def _split(self, key: tuple[str, ...]) -> Communicator:
+        color = rank = 0
+        for axis, c in zip(self.axes, self._coords, strict=True):
+            if axis in key:
+                rank = rank * self.shape[axis] + c
+            else:
+                color = color * self.shape[axis] + c
+        return self.world.split(color, rank)
+
+    def free(self) -> None:
+        """Free every communicator this mesh created (not the world); safe to call twice."""
+        comms, self._comms = list(self._comms.values()), {}
+        self._freed = True
+        for c in comms:
+            c.free()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
 
     def _axis(self, axis: str) -> str:
         if axis not in self.shape:

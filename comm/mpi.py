@@ -9,6 +9,8 @@ Nonblocking variants use MPI's I-collectives so that communication overlaps comp
 
 from __future__ import annotations
 
+import math
+
 import torch
 from mpi4py import MPI
 
@@ -98,9 +100,9 @@ class MPICommunicator(Communicator):
         # MPI splits flat memory: put `dim` outermost so each rank's rows are contiguous.
         send = t.movedim(dim, 0).contiguous() if dim else t
         row_shape = list(send.shape[1:])
-        row = _rows(row_shape)
+        row = math.prod(row_shape)
         recv = torch.empty([sum(recv_sizes), *row_shape], dtype=t.dtype)
-        typ = mpi_type(t.dtype)
+        typ = _TYPES[t.dtype]
         sc = [s * row for s in send_sizes]
         rc = [s * row for s in recv_sizes]
         sbuf = _fromaddress(send.data_ptr(), send.numel() * send.element_size())
@@ -124,14 +126,6 @@ class MPICommunicator(Communicator):
 
     def _barrier(self):
         self.mpi.Barrier()
-
-
-
-def _rows(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _displs(counts: list[int]) -> list[int]:

@@ -10,6 +10,8 @@ a tuple in cupy 13). cupy is imported lazily: soapstone imports and runs without
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .communicator import (
@@ -170,9 +172,7 @@ class NCCLCommunicator(Communicator):
         send = t.movedim(dim, 0).contiguous() if dim else t
         rows = list(send.shape[1:])
         recv = torch.empty([sum(recv_sizes), *rows], dtype=t.dtype, device=t.device)
-        elem = 1
-        for r in rows:
-            elem *= r
+        elem = math.prod(rows)
         self._exchange(send, send_sizes, recv, recv_sizes, elem)
         finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
         return self._done(recv, async_op, finish)
@@ -189,3 +189,8 @@ class NCCLCommunicator(Communicator):
     def _barrier(self):
         torch.cuda.current_stream().synchronize()
         self.mpi.Barrier()
+
+    def _free_backend(self):
+        # pending work on the stream must finish before the communicator goes
+        torch.cuda.current_stream().synchronize()
+        self._comm.destroy()
