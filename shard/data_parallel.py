@@ -101,9 +101,11 @@ class Bucket:
 
     @property
     def keeps_full_grad(self) -> bool:
+        """Whether the full gradient buffer persists between steps (stages 0 and 1)."""
         return self.stage <= 1
 
     def shard_range(self) -> slice:
+        """This rank's slice of the bucket's flat buffers."""
         return slice(self.rank * self.shard, (self.rank + 1) * self.shard)
 
     def norm_axes(self) -> tuple[str, ...]:
@@ -115,6 +117,7 @@ class Bucket:
     # into the segment's gradient (`acc` for stage 0, `grad_shard` for 1-3), so gradient
     # accumulation is right with or without no_sync.
     def add_grad(self, slot: Slot, g: torch.Tensor) -> None:
+        """Add parameter gradient g into the bucket's full gradient buffer at slot."""
         if self.handle is not None:
             self.complete()  # a previous microbatch's reduction of this bucket
         if self.full_grad is None:
@@ -161,6 +164,7 @@ class Bucket:
             self.full_grad.zero_()
 
     def segment(self) -> Segment:
+        """This rank's master values and reduced gradient for the bucket."""
         return Segment(self.master, self.grad_shard if self.sharded else self.acc)
 
 
@@ -340,6 +344,7 @@ class GradReducer:
         self._grads_exposed = False
 
     def segments(self) -> list[Segment]:
+        """Every bucket's segment (what the optimizer updates), in bucket order."""
         return [b.segment() for b in self.buckets]
 
     def global_grad_norm(self) -> float:
@@ -386,6 +391,7 @@ class GradReducer:
             self.provider.params_updated()
 
     def zero_grad(self) -> None:
+        """Clear the gradients for the next step (buffers zeroed or dropped per stage)."""
         self._hide_grads()
         for b in self.buckets:
             b.complete()
@@ -404,6 +410,7 @@ class GradReducer:
                     b.grad_shard.zero_()
 
     def gathered(self):
+        """Context: ZeRO-3 parameters hold their full values inside (see zero.py)."""
         return self.provider.gathered()
 
 

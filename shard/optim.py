@@ -9,15 +9,18 @@
 
 `zero` picks the ZeRO stage (0 plain data parallel, 1 optimizer state sharded, 2 gradients too,
 3 parameters too); see data_parallel.py for the buckets and zero.py for stage 3. The update
-rules are written out here on flat tensors (one bucket's slice at a time) with exactly the
-arithmetic of torch.optim.AdamW and torch.optim.SGD (single-tensor path), so a sharded update
-of a slice computes, element by element, what the single-rank optimizer computes.
+rules run on flat fp32 (fp64 for a float64 model) master tensors, one bucket's slice at a
+time, and are elementwise, so a sharded update of a slice computes, element by element, what
+the single-rank optimizer computes:
+- AdamW: torch's fused kernel `torch._fused_adamw_`, the arithmetic of
+  torch.optim.AdamW(fused=True) (the tests check it bitwise); its CPU kernel needs
+  torch >= 2.4, pyproject's lower bound.
+- SGD with momentum: written out here with the arithmetic of torch.optim.SGD.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -32,28 +35,19 @@ class FlatAdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
 
     def init_state(self, p: torch.Tensor) -> dict:
+        """Zeroed moments and a step counter for master slice `p`."""
         return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
                 "step": torch.zeros((), dtype=torch.float32)}
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
+        """One step on master slice `p` (fp32/fp64, always: the fused kernel's dtypes) with
+        gradient `g`; `step` counts from 1."""
         beta1, beta2 = self.betas
-        if p.dtype in (torch.float32, torch.float64):
-            # torch's fused CPU kernel: one pass over p, g, m, v instead of seven, the same
-            # arithmetic as torch.optim.AdamW (fused=True), which the tests check bitwise
-            state["step"].fill_(step)
-            torch._fused_adamw_([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [],
-                                [state["step"]], lr=self.lr, beta1=beta1, beta2=beta2,
-                                weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
-                                maximize=False)
-            return
-        if self.weight_decay:
-            p.mul_(1 - self.lr * self.weight_decay)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = self.lr / (1 - beta1 ** step)
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(self.eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        state["step"].fill_(step)
+        torch._fused_adamw_([p], [g], [state["exp_avg"]], [state["exp_avg_sq"]], [],
+                            [state["step"]], lr=self.lr, beta1=beta1, beta2=beta2,
+                            weight_decay=self.weight_decay, eps=self.eps, amsgrad=False,
+                            maximize=False)
 
 
 class FlatSGD:
@@ -63,9 +57,11 @@ class FlatSGD:
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
 
     def init_state(self, p: torch.Tensor) -> dict:
+        """A momentum buffer for master slice `p` (nothing without momentum)."""
         return {"momentum_buffer": torch.zeros_like(p)} if self.momentum else {}
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
+        """One step on master slice `p` with gradient `g`; `step` counts from 1."""
         d = g.add(p, alpha=self.weight_decay) if self.weight_decay else g
         if self.momentum:
             buf = state["momentum_buffer"]
@@ -144,10 +140,6 @@ class Optimizer:
         """Context: under ZeRO-3, every parameter holds its full value inside it (for
         model.full_state_dict() or evaluation); a no-op otherwise."""
         return self.reducer.gathered() if self.reducer.stage == 3 else contextlib.nullcontext()
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds."""
-        return sum(t.numel() * t.element_size() for s in self.state for t in s.values())
 
 
 def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,

@@ -39,7 +39,6 @@ class Timeline:
         self.rank = rank
         self.t0 = time.perf_counter()
         self.events: list[Event] = []
-        self.span = 0.0
 
     def begin(self) -> None:
         """Start a new step: clear the events, zero the clock."""
@@ -55,8 +54,8 @@ class Timeline:
         self.events.append(Event(self.rank, kind, mb, stage, start, end))
 
     def end(self) -> None:
-        """Close the step: its span is the time since `begin`."""
-        self.span = self.now()
+        """Close the step. Nothing to record (the events carry their own times); kept as the
+        pair of `begin` for shard/pipeline.py's call."""
 
 
 def gather(timeline: Timeline, comm) -> list[Event]:

@@ -82,6 +82,7 @@ class Zero3Provider:
         return src
 
     def prefetch(self, idx: int) -> None:
+        """Start bucket idx's allgather (async) unless it is gathered or pending."""
         if idx in self.full or idx in self.pending:
             return
         b = self.buckets[idx]
@@ -89,6 +90,7 @@ class Zero3Provider:
         self.pending[idx] = b.comm_dp.allgather(self._source(b), 0, async_op=True)
 
     def gather(self, idx: int) -> torch.Tensor:
+        """Bucket idx's full flat parameters (waiting for its allgather); its params view them."""
         full = self.full.get(idx)
         if full is not None:
             return full
@@ -102,6 +104,7 @@ class Zero3Provider:
         return full
 
     def release(self, idx: int) -> None:
+        """Free bucket idx's gathered buffer; its params become empty placeholders."""
         full = self.full.pop(idx, None)
         if full is None:
             return
@@ -114,11 +117,13 @@ class Zero3Provider:
 
     # --- the ShardedModel hook ------------------------------------------------------------
     def forward_context(self):
+        """Context for forward: the saved-tensor hooks that let gathered buckets be freed."""
         if not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def before_step(self, i: int, env: dict) -> None:
+        """Before Program step i: gather the buckets first used there, prefetch the next."""
         if i == 0:
             env.update(self.model.params)
         for idx in self.gather_at.get(i, ()):
@@ -128,6 +133,7 @@ class Zero3Provider:
                 self.prefetch(nxt)
 
     def after_step(self, i: int) -> None:
+        """After Program step i: free the buckets last used there."""
         for idx in self.free_at.get(i, ()):
             self.release(idx)
 
@@ -155,12 +161,14 @@ class Zero3Provider:
             self.release(b.index)
 
     def backward_done(self) -> None:
+        """End of backward: free every gathered bucket and drain pending prefetches."""
         for idx in list(self.full):
             self.release(idx)
         for idx in list(self.pending):
             self.pending.pop(idx).wait()
 
     def params_updated(self) -> None:
+        """After the optimizer step: drop the cached compute-dtype shards."""
         self.shard_cache.clear()
 
     @contextlib.contextmanager
