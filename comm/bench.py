@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -41,6 +42,14 @@ def _op_list(text: str) -> list[str]:
     return ops
 
 
+def _json_path(text: str) -> str:
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder} of {text!r} does not exist; "
+                                         "create it or pick another path")
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the bench arguments to `parser`."""
     parser.add_argument("name", choices=["comm"], help="which benchmark (comm: collectives)")
@@ -50,17 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated ops (default {','.join(OPS)})")
     parser.add_argument("--iters", type=int, default=100,
                         help="timed iterations per op/size/impl (capped for big sizes)")
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as a JSON array")
+    parser.add_argument("--json", metavar="FILE", type=_json_path,
+                        help="also write the rows as a JSON array")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw factor."""
-    if op == "allreduce":
-        return 2 * (n - 1) / n
-    if op in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) / n
-    return 1.0
 
 
 def _free_port() -> int:
@@ -159,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table. Returns 0."""
     from mpi4py import MPI
 
+    from .accounting import bus_bytes
     from .world import init
 
     world = init("mpi")
@@ -185,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
                     continue
                 algbw = nbytes / sec / 1e9
                 row = {"op": op, "bytes": nbytes, "impl": name, "time_us": sec * 1e6,
-                       "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)}
+                       "algbw_GBps": algbw, "busbw_GBps": bus_bytes(op, nbytes, n) / sec / 1e9}
                 rows.append(row)
                 cells.append(row)
             soap, raw = cells[0], cells[1]

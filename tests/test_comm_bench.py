@@ -27,3 +27,10 @@ def test_bench_comm_smoke(tmp_path):
 def test_bench_comm_rejects_bad_flags():
     res = run_mpi(1, ["-c", RUN, "bench", "comm", "--ops", "allsum"], timeout=60)
     assert res.returncode == 2 and "unknown op" in res.stderr, res.report()
+
+
+def test_bench_comm_json_into_a_missing_folder_is_a_usage_error():
+    res = run_mpi(1, ["-c", RUN, "bench", "comm", "--json", "/nonexistent/x.json"], timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "/nonexistent" in res.stderr, res.report()
+    assert "does not exist" in res.stderr and "Traceback" not in out, res.report()
