@@ -1,6 +1,10 @@
-"""The comm cases on the NCCL backend (CUDA tensors), world size 1; skipped without CUDA/cupy.
+"""The comm cases on the NCCL backend (CUDA tensors); skipped without CUDA/cupy.
 
-On a machine with several GPUs, SOAPSTONE_NCCL_RANKS=2 (or 4) runs them on that many ranks.
+By default they run at world size 1 only, where they are near-trivial: every collective is a
+copy (or nothing) on one GPU, p2p cases skip, and no byte crosses between GPUs. They check
+the wiring (dtypes, devices, layouts, error messages), not NCCL traffic. Real traffic needs
+several GPUs and SOAPSTONE_NCCL_RANKS=2 (or 4), which also runs every case on that many
+ranks, one GPU each.
 """
 
 from __future__ import annotations
