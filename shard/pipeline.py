@@ -339,7 +339,6 @@ class PipelineModel:
         for w, _ in sends:
             w.wait()
         store.clear()
-        self.timeline.end()
         return self._loss(losses)
 
     def _float_outs(self, stage: int, outs: list) -> list:

@@ -53,10 +53,6 @@ class Timeline:
         """Add one event (times from `now()`)."""
         self.events.append(Event(self.rank, kind, mb, stage, start, end))
 
-    def end(self) -> None:
-        """Close the step. Nothing to record (the events carry their own times); kept as the
-        pair of `begin` for shard/pipeline.py's call."""
-
 
 def gather(timeline: Timeline, comm) -> list[Event]:
     """Every rank's events (collective over `comm`, the pipe communicator; None: this rank)."""

@@ -130,6 +130,10 @@ BRANCH_SPEC = "tests/specs/branch_layouts.par"  # branches: broadcasts and owned
 BRANCH_LAYOUTS = {2: ("br2", "gated_br2"), 4: ("dp2br2", "br2tp2")}
 ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 2 and 3: per-bucket scatters and gathers
 ZERO_LAYOUTS = {2: ("dp2z2", "dp2z3"), 4: ("dp2tp2z3",)}
+# every distributed form (layernorm, rmsnorm, softmax, cross-entropy split over the dim they
+# reduce): the statistics allreduces shard/ops.py runs are the ones program.DIST_STATS lists
+OPS_SPEC = "tests/specs/ops_layouts.par"
+OPS_LAYOUTS = {2: ("hid2", "cls2"), 4: ("dp2hid2",)}
 
 
 def _explain_all(optimizer: str) -> None:
@@ -148,6 +152,8 @@ def _explain_all(optimizer: str) -> None:
         _measure(BRANCH_SPEC, layout, optimizer)
     for layout in ZERO_LAYOUTS.get(W.size, ()):
         _measure(ZERO_SPEC, layout, optimizer)
+    for layout in OPS_LAYOUTS.get(W.size, ()):
+        _measure(OPS_SPEC, layout, optimizer)
 
 
 def case_explain_matches_counters_adamw():
