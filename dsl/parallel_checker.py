@@ -45,6 +45,7 @@ class _ParallelChecker:
         mapped: dict[str, tuple[str, str]] = {}  # dim -> (kind, axis)
         map_loc: dict[str, Loc] = {}  # dim -> where it is mapped
         soap: dict[str, list[tuple[str, str]]] = {"sample": [], "attribute": [], "parameter": []}
+        failed: set[str] = set()  # statement kinds with a mapping rejected above
         operator: list[StageAssignment] = []
         branches: list[Branch] = []
         schedule = None
@@ -97,6 +98,9 @@ class _ParallelChecker:
                         if size % n:
                             self.err(loc, f"{d} = {size} does not divide over {axis} = {n}",
                                      f"{nearest_divisible(size, n)} (--dim {d}=...)")
+                            # the statement still uses the axis: no second error from it
+                            used_axes.setdefault(axis, s.kind)
+                            failed.add(s.kind)
                             continue
                         mapped[d] = (s.kind, axis)
                         map_loc[d] = loc
@@ -138,13 +142,15 @@ class _ParallelChecker:
                     self.err(loc, f"mesh axis '{axis}' (size {size}) is used by no statement",
                              f"map a dim to it (sample {batch} -> {axis}), or make its size 1")
         self.one_dim_per_axis(soap, map_loc)
-        if zero >= 1 and not soap["sample"]:
+        if zero >= 1 and not soap["sample"] and "sample" not in failed:
             self.err(seen_kw["Zero"], f"zero {zero} shards optimizer state over the sample "
                      "(data-parallel) axis, but no sample statement maps the batch",
                      f"add: sample {batch} -> AXIS, or use zero 0")
         sched = Schedule()
         if schedule is not None:
-            sched = self.schedule(schedule, soap["sample"], pipe_axis, batch, operator)
+            # a sample mapping that failed leaves the per-replica batch unknown: don't guess
+            sched = self.schedule(schedule, soap["sample"], pipe_axis,
+                                  None if "sample" in failed else batch, operator)
             if not has_stages:
                 self.err(schedule.loc, "a schedule statement without pipeline stages does nothing",
                          "add: operator <repeat>[0..k] -> pipe 0, ...; or remove the schedule")

@@ -443,3 +443,11 @@ def test_repeat_1000_is_fast():
     t0 = time.perf_counter()
     m = load(text).model()
     assert len(m.blocks) == 1000 and time.perf_counter() - t0 < 1.5
+
+
+def test_a_rejected_mapping_does_not_cascade():
+    # batch = 1 cannot split over data = 2: one error per layout that maps it, and no
+    # follow-on "axis used by no statement", "zero without sample" or microbatch errors
+    spec = load(EXAMPLES / "gpt.par", dims={"batch": 1}, check=False)
+    messages = [d.message for d in spec.diagnostics]
+    assert messages == ["batch = 1 does not divide over data = 2"] * 3, messages
