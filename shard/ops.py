@@ -8,6 +8,7 @@ statistics across that axis with autograd-aware allreduces.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -84,6 +85,8 @@ def op(kind: str):
 
 def align(t: torch.Tensor, dims: tuple[str, ...], target: tuple[str, ...]) -> torch.Tensor:
     """View `t` (with `dims`) laid out along `target`, size-1 where it lacks a dim."""
+    if dims == target[len(target) - len(dims):]:
+        return t  # already the trailing dims, in order: torch broadcasting does the rest
     order = [dims.index(d) for d in target if d in dims]
     t = t.permute(order) if order != list(range(len(order))) else t
     shape = []
@@ -93,19 +96,36 @@ def align(t: torch.Tensor, dims: tuple[str, ...], target: tuple[str, ...]) -> to
     return t.reshape(shape)
 
 
-def _letters(*dim_lists: tuple[str, ...]) -> dict[str, str]:
-    names = dict.fromkeys(d for dims in dim_lists for d in dims)
-    return {d: chr(ord("a") + i) for i, d in enumerate(names)}
+@functools.cache
+def einsum_spec(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> str:
+    """torch.einsum's equation for named dims ("abc,cd->abd"), computed once per shape."""
+    letter = {d: chr(ord("a") + i) for i, d in enumerate(dict.fromkeys((*a, *b, *out)))}
+    return f"{''.join(letter[d] for d in a)},{''.join(letter[d] for d in b)}->" \
+        f"{''.join(letter[d] for d in out)}"
+
+
+@functools.cache
+def _matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
+    """k when a's last k dims are b's first k (contracted) and the output is the rest of a
+    then the rest of b: the contraction is one matmul. 0 otherwise."""
+    for k in range(min(len(a), len(b)), 0, -1):
+        if a[len(a) - k:] == b[:k] and out == a[:len(a) - k] + b[k:] \
+                and not set(a[:len(a) - k]) & set(b[k:]):
+            return k
+    return 0
 
 
 @op("einsum")
 def einsum(step, args, ctx):
     """Named-dim contraction; a split contracted dim leaves each rank a partial sum."""
     a, b, out = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims, ctx.out(step).dims
-    letter = _letters(a, b, out)
-    spec = "".join(letter[d] for d in a) + "," + "".join(letter[d] for d in b) + "->" + \
-        "".join(letter[d] for d in out)
-    y = torch.einsum(spec, args[0], args[1])
+    k = _matmul_split(a, b, out)
+    if k:  # x[..., c] . w[c, ...]: a plain matmul (what nn.Linear runs), no permutes
+        x, w = args
+        y = torch.matmul(x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1))
+        y = y.reshape(*x.shape[:-k], *w.shape[k:])
+    else:
+        y = torch.einsum(einsum_spec(a, b, out), args[0], args[1])
     scale = step.attr("scale")
     return y * scale if scale is not None else y
 
