@@ -1,15 +1,22 @@
-"""Kernel fusion at run time: the attention core as one fused torch call.
+"""Kernel fusion at run time: chains of primitives run as one fused torch call.
 
-The compiler speaks in primitives (einsum, causal_mask, softmax, einsum), which keeps the
-sharding rules small. Executing them one by one materialises the scores and probabilities of
-every head. Where a Program holds that chain on local shards, with nothing in between (no
-collective, no other consumer, the softmax not split), the runtime runs it as
-`scaled_dot_product_attention` instead: the same math, torch's fused kernel, nothing stored
-for backward but q, k and v. This is a choice of kernel for local work only; layouts and
-collectives are untouched, so what `soapstone show` prints is exactly what runs.
+The compiler speaks in primitives (einsum, add, causal_mask, softmax), which keeps the
+sharding rules small. Executing them one by one materialises intermediates torch's fused
+kernels never build. Where a Program holds such a chain on local shards with nothing in
+between (no collective, no other consumer, no split statistic), the runtime runs it fused:
+- attention: scores einsum -> causal_mask -> softmax -> einsum with v, as
+  `scaled_dot_product_attention` (nothing stored for backward but q, k and v);
+- linear: x . W over x's trailing dims, then + bias, as one `addmm` (nn.Linear's kernel;
+  one fewer full-size temporary).
+This is a choice of kernel for local work only; layouts and collectives are untouched, so
+what `soapstone show` prints is exactly what runs. Each fusion runs when the last step it
+covers is reached (by then every input is there: a gathered `v` may arrive after the
+softmax) and produces that step's output.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import torch
@@ -36,24 +43,87 @@ class FusedAttention:
     scale: float
 
 
-def find_attention(program: Program) -> dict[int, FusedAttention]:
-    """Every fusable attention chain, keyed by the index of its output einsum."""
-    steps = program.steps
-    where = {s.out: i for i, s in enumerate(steps)}
-    uses: dict[str, list[int]] = {}
-    for i, s in enumerate(steps):
-        for a in getattr(s, "args", ()) or (getattr(s, "src", None),):
-            uses.setdefault(a, []).append(i)
-    outputs = {o.value for o in program.outputs}
-    params = {p.name for p in program.params}
+    def run(self, env: dict[str, torch.Tensor], program: Program, offset) -> torch.Tensor:
+        """The chain's output from q, k and v in one scaled_dot_product_attention call."""
+        return run_attention(self, env, program, offset)
 
-    def only_use(name: str) -> Compute | None:
-        found = uses.get(name, [])
-        if len(found) != 1 or name in outputs:
+
+@attrs.frozen
+class FusedLinear:
+    """`out = x . w + bias` contracting x's trailing `k` dims with w's leading ones."""
+
+    at: int  # the bias add
+    covered: tuple[int, ...]  # the einsum
+    x: str
+    w: str
+    bias: str
+    out: str
+    k: int
+
+    def run(self, env: dict[str, torch.Tensor], program: Program, offset) -> torch.Tensor:
+        """One addmm over the flattened leading dims."""
+        x, w, b = env[self.x], env[self.w], env[self.bias]
+        lead, k = x.shape[:-self.k], self.k
+        y = torch.addmm(b.reshape(-1), x.reshape(-1, math.prod(x.shape[-k:])),
+                        w.reshape(math.prod(w.shape[:k]), -1))
+        return y.reshape(*lead, *w.shape[k:])
+
+
+def find_fusions(program: Program) -> dict:
+    """Every fusable chain (attention, linear + bias), keyed by the index it runs at."""
+    return {**find_attention(program), **find_linear(program)}
+
+
+class _Uses:
+    """Who consumes each value of a program."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.where = {s.out: i for i, s in enumerate(program.steps)}
+        self.uses: dict[str, list[int]] = {}
+        for i, s in enumerate(program.steps):
+            for a in getattr(s, "args", ()) or (getattr(s, "src", None),):
+                self.uses.setdefault(a, []).append(i)
+        self.outputs = {o.value for o in program.outputs}
+        self.params = {p.name for p in program.params}
+
+    def only_use(self, name: str) -> Compute | None:
+        """The single local (unowned) Compute consuming `name`, if that is its only use."""
+        found = self.uses.get(name, [])
+        if len(found) != 1 or name in self.outputs:
             return None
-        step = steps[found[0]]
+        step = self.program.steps[found[0]]
         return step if isinstance(step, Compute) and not step.owner else None
 
+
+def find_linear(program: Program) -> dict[int, FusedLinear]:
+    """Every `einsum(x, W)` over x's trailing dims whose only use adds a bias parameter."""
+    from soapstone.shard.ops import matmul_split
+
+    u = _Uses(program)
+    found: dict[int, FusedLinear] = {}
+    for i, s in enumerate(program.steps):
+        if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner
+                and s.args[1] in u.params and s.attr("scale") is None):
+            continue
+        x, w, y = (program.value(n).dims for n in (*s.args, s.out))
+        k = matmul_split(x, w, y)
+        add = u.only_use(s.out)
+        if not k or add is None or add.kind != "add" or add.args[0] != s.out:
+            continue
+        bias = add.args[1]
+        if bias not in u.params or program.value(bias).dims != w[k:] \
+                or program.value(add.out).dims != y:
+            continue
+        at = u.where[add.out]
+        found[at] = FusedLinear(at, (i,), s.args[0], s.args[1], bias, add.out, k)
+    return found
+
+
+def find_attention(program: Program) -> dict[int, FusedAttention]:
+    """Every fusable attention chain, keyed by the index of its output einsum."""
+    u = _Uses(program)
+    steps, where, params, only_use = program.steps, u.where, u.params, u.only_use
     found: dict[int, FusedAttention] = {}
     for s in steps:
         if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner):

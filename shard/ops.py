@@ -105,7 +105,7 @@ def einsum_spec(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) ->
 
 
 @functools.cache
-def _matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
+def matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
     """k when a's last k dims are b's first k (contracted) and the output is the rest of a
     then the rest of b: the contraction is one matmul. 0 otherwise."""
     for k in range(min(len(a), len(b)), 0, -1):
@@ -119,7 +119,7 @@ def _matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) 
 def einsum(step, args, ctx):
     """Named-dim contraction; a split contracted dim leaves each rank a partial sum."""
     a, b, out = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims, ctx.out(step).dims
-    k = _matmul_split(a, b, out)
+    k = matmul_split(a, b, out)
     if k:  # x[..., c] . w[c, ...]: a plain matmul (what nn.Linear runs), no permutes
         x, w = args
         y = torch.matmul(x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1))

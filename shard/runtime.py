@@ -13,7 +13,7 @@ import zlib
 import torch
 
 from soapstone.comm import autograd as ag
-from soapstone.shard.fusion import find_attention, run_attention
+from soapstone.shard.fusion import find_fusions
 from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Value
 
@@ -58,9 +58,12 @@ class ShardedModel:
         self.ctx = Shards(program, mesh)
         self.ctx.rng_seed = seed
         self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
-        # attention chains run as one fused kernel (shard/fusion.py); fuse=False runs each op
-        self.fused = find_attention(program) if fuse else {}
-        self.covered = {i for f in self.fused.values() for i in f.covered}
+        # chains of ops run as one fused kernel (shard/fusion.py); fuse=False runs each op
+        self.fused = find_fusions(program) if fuse else {}
+        # where each step's inputs are read: a covered step's are read by its fused chain
+        self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
+        self.covered = set(self.run_index)
+        self.frees = _last_uses(program, self.run_index)
         self.dtype = dtype  # overrides the spec's float dtypes (e.g. float64 for checks)
         # Optional ZeRO-3 hook (shard/zero.py): when set, forward asks it for parameters step
         # by step (`before_step`/`after_step`) inside its `forward_context()`, instead of
@@ -144,10 +147,12 @@ class ShardedModel:
                     provider.before_step(i, env)
                 if i in self.fused:
                     f = self.fused[i]
-                    env[f.out] = self._checked(step, run_attention(
-                        f, env, self.program, self.ctx.offset), f.out)
+                    env[f.out] = self._checked(step, f.run(env, self.program, self.ctx.offset),
+                                               f.out)
                 elif i not in self.covered:
                     env[step.out] = self._run(step, env)
+                for name in self.frees.get(i, ()):
+                    del env[name]  # last use: autograd keeps what backward needs, no more
                 if provider:
                     provider.after_step(i)
         return {o.name: env[o.value] for o in self.program.outputs}
@@ -233,3 +238,20 @@ class ShardedModel:
                 n = p.grad.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+
+
+def _last_uses(program: Program, runs_at: dict[int, int]) -> dict[int, list[str]]:
+    """Step index -> the values whose last use it is (a fused chain uses its inputs where it
+    runs), so the forward drops them at once: intermediates are freed as soon as no later
+    step reads them, as in eager torch. Program outputs and parameters are kept."""
+    keep = {o.value for o in program.outputs} | {p.name for p in program.params}
+    keep |= {program.steps[i].out for i in runs_at}  # never materialised: fused away
+    last: dict[str, int] = {}
+    for i, step in enumerate(program.steps):
+        for a in getattr(step, "args", None) or (step.src,):
+            last[a] = runs_at.get(i, i)
+    frees: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            frees.setdefault(i, []).append(name)
+    return frees

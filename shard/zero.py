@@ -54,11 +54,12 @@ class Zero3Provider:
         last: dict[int, int] = {}
         for i, step in enumerate(self.model.program.steps):
             names = step.args if isinstance(step, Compute) else (step.src,)
+            at = self.model.run_index.get(i, i)  # a fused chain reads the weight where it runs
             for a in names:
                 b = owner.get(a)
                 if b is not None:
-                    first.setdefault(b.index, i)
-                    last[b.index] = i
+                    first[b.index] = min(first.get(b.index, at), at)
+                    last[b.index] = max(last.get(b.index, at), at)
         self.order = sorted(first, key=first.get)  # bucket indices in forward order
         self.gather_at: dict[int, list[int]] = {}
         self.free_at: dict[int, list[int]] = {}

@@ -12,7 +12,7 @@ from soapstone import dsl
 from soapstone.dsl import ir
 from soapstone.dsl.lower import lower
 from soapstone.shard.data import random_inputs
-from soapstone.shard.fusion import find_attention
+from soapstone.shard.fusion import find_attention, find_linear
 from soapstone.shard.runtime import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +53,14 @@ def test_fused_and_unfused_runs_agree(dtype):
     for n in g1:
         scale = float(g2[n].abs().max())
         assert torch.allclose(g1[n], g2[n], rtol=rtol, atol=rtol * scale + 1e-30), n
+
+
+def test_linear_plus_bias_fuses_where_the_contraction_is_local():
+    # one rank: attention's output projection, both MLP linears and the head, per layer
+    layers = len(GPT.model().blocks)
+    assert len(find_linear(lower(GPT.model(), None))) == 3 * layers + 1
+    # tensor parallel: row-parallel outputs are partial and reduced before their bias, so only
+    # the column-parallel linears (MLP up projection, head) still fuse
+    fused = find_linear(lower(GPT.model(), GPT.parallel("tp2")))
+    assert len(fused) == layers + 1
+    assert all(f.out.endswith(("mlp0.linear0", "logits")) for f in fused.values())
