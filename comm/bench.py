@@ -3,7 +3,9 @@
 Run under `mpiexec -n N`. For each op and size it times the three side by side in one job on
 the same buffers (warmup, then the median over iterations of the slowest rank's time) and
 prints nccl-tests style rows: size, time_us, algbw and busbw per implementation, plus the
-ratios soapstone/mpi4py and gloo/soapstone. Sizes follow nccl-tests: the full buffer
+ratios soapstone/mpi4py and gloo/soapstone. Like mpi4py's and gloo's loops, soapstone's
+allgather / reduce_scatter / alltoall write into one preallocated buffer (`out=`); `--alloc`
+times them allocating a new output per call instead. Sizes follow nccl-tests: the full buffer
 (allreduce, broadcast, alltoall, reduce_scatter's input, allgather's output), fp32 elements.
 """
 
@@ -62,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", type=_json_path,
                         help="also write the rows as a JSON array")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    parser.add_argument("--alloc", action="store_true",
+                        help="time soapstone's allgather/reduce_scatter/alltoall without out= "
+                             "(a new output per call) instead of into a preallocated buffer")
 
 
 def _free_port() -> int:
@@ -86,7 +91,7 @@ def _init_gloo(mpi):
     return dist
 
 
-def _impls(op, nbytes, world, mpi, dist):
+def _impls(op, nbytes, world, mpi, dist, alloc=False):
     """{impl: zero-arg callable} for one op and size, all on the same buffers."""
     import torch
     from mpi4py import MPI
@@ -100,16 +105,18 @@ def _impls(op, nbytes, world, mpi, dist):
     c = chunk.numpy()
     out = torch.empty(count)
     o = out.numpy()
+    full_out = {} if alloc else {"out": out}  # soapstone's out=, like mpi4py's reused buffer
+    chunk_out = {} if alloc else {"out": chunk}
     if op == "allreduce":
         impls = {"soapstone": lambda: world.allreduce(x),
                  "mpi4py": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
                  "gloo": lambda: dist.all_reduce(x)}
     elif op == "allgather":
-        impls = {"soapstone": lambda: world.allgather(chunk, 0),
+        impls = {"soapstone": lambda: world.allgather(chunk, 0, **full_out),
                  "mpi4py": lambda: mpi.Allgather(c, o),
                  "gloo": lambda: dist.all_gather_into_tensor(out, chunk)}
     elif op == "reduce_scatter":
-        impls = {"soapstone": lambda: world.reduce_scatter(x, 0),
+        impls = {"soapstone": lambda: world.reduce_scatter(x, 0, **chunk_out),
                  "mpi4py": lambda: mpi.Reduce_scatter_block(a, c),
                  "gloo": lambda: dist.reduce_scatter_tensor(chunk, x)}
     elif op == "broadcast":
@@ -117,7 +124,7 @@ def _impls(op, nbytes, world, mpi, dist):
                  "mpi4py": lambda: mpi.Bcast(a, 0),
                  "gloo": lambda: dist.broadcast(x, 0)}
     else:
-        impls = {"soapstone": lambda: world.alltoall(x, 0, 0),
+        impls = {"soapstone": lambda: world.alltoall(x, 0, 0, **full_out),
                  "mpi4py": lambda: mpi.Alltoall(a, o),
                  "gloo": lambda: dist.all_to_all_single(out, x)}
     if dist is None:
@@ -170,14 +177,15 @@ def main(args: argparse.Namespace) -> int:
     names = ["soapstone", "mpi4py"] + ([] if dist is None else ["gloo"])
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"# soapstone bench comm: {n} ranks, fp32, median of up to {args.iters} iterations "
-        "(slowest rank); time_us, algbw/busbw in GB/s")
+        "(slowest rank); time_us, algbw/busbw in GB/s; soapstone "
+        + ("allocates each output" if args.alloc else "writes into a preallocated out="))
     head = f"{'op':>14} {'bytes':>11}" + "".join(
         f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in names)
     say(head + " | soap/mpi  gloo/soap")
     rows = []
     for op in args.ops:
         for size in args.sizes:
-            impls, nbytes = _impls(op, size, world, mpi, dist)
+            impls, nbytes = _impls(op, size, world, mpi, dist, args.alloc)
             iters = max(5, min(args.iters, (1 << 30) // max(nbytes, 1)))
             cells = []
             for name in names:

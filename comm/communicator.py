@@ -8,6 +8,11 @@ Backends (mpi.py, nccl.py) implement only the `_op` methods.
 Semantics the compiler relies on:
 - allreduce, broadcast: in place on `t`, return `t`.
 - allgather, reduce_scatter, alltoall, alltoallv: return a new tensor, never touch the input.
+  allgather, reduce_scatter and alltoall take an optional `out=`: a contiguous tensor of the
+  result's exact shape, dtype and device that the result is written into and that is returned
+  (no allocation per call). When the result's layout is the flat one MPI/NCCL produce (gather
+  or concat along the outermost non-trivial dim, and always for reduce_scatter) the backend
+  writes straight into `out`; otherwise it goes through a temporary and one copy into `out`.
 - async_op=True returns a Work whose wait() returns what the blocking call would have returned.
 
 Byte accounting (`stats`): bytes this rank puts on the wire under the ring algorithms, i.e. the
@@ -155,6 +160,22 @@ class Communicator(abc.ABC):
                 f"pass an int in [0, {self.size - 1}]"
             )
 
+    def _check_out(self, op: str, t: torch.Tensor, out: Any, shape: Sequence[int]) -> None:
+        """`out=` must be a contiguous tensor on this communicator's device with `t`'s dtype
+        and exactly the result's `shape` (checked before any backend call)."""
+        self._check(op, out, "out")
+        want = tuple(shape)
+        if out.dtype != t.dtype:
+            raise CommError(
+                f"{op}: `out` has dtype {out.dtype}, expected {t.dtype} (the input's dtype); "
+                f"pass an `out` of dtype {t.dtype}"
+            )
+        if tuple(out.shape) != want:
+            raise CommError(
+                f"{op}: `out` has shape {tuple(out.shape)}, expected {want} (the result's "
+                f"shape); pass torch.empty({want}, dtype={t.dtype}) or leave out=None"
+            )
+
     def _debug(self, op: str, t: torch.Tensor, *args: int) -> None:
         from .debug import check_agree
 
@@ -176,24 +197,36 @@ class Communicator(abc.ABC):
         self._count("allreduce", t.numel() * t.element_size())
         return self._allreduce(t, op, async_op)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
-        """Sum `t` over ranks; return this rank's equal chunk along `dim` (a new tensor)."""
+    def reduce_scatter(
+        self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None
+    ):
+        """Sum `t` over ranks; return this rank's equal chunk along `dim` (a new tensor, or
+        written into `out` and `out` returned)."""
         self._check("reduce_scatter", t)
         dim = self._check_dim("reduce_scatter", t, dim)
         self._check_divides("reduce_scatter", t, dim)
+        if out is not None:
+            shape = list(t.shape)
+            shape[dim] //= self.size
+            self._check_out("reduce_scatter", t, out, shape)
         if self.debug:
             self._debug("reduce_scatter", t, dim)
         self._count("reduce_scatter", t.numel() * t.element_size())
-        return self._reduce_scatter(t, dim, async_op)
+        return self._reduce_scatter(t, dim, async_op, out)
 
-    def allgather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
-        """Concatenate every rank's `t` along `dim` in rank order (a new tensor)."""
+    def allgather(
+        self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None
+    ):
+        """Concatenate every rank's `t` along `dim` in rank order (a new tensor, or written
+        into `out` and `out` returned)."""
         self._check("allgather", t)
         dim = self._check_dim("allgather", t, dim)
+        if out is not None:
+            self._check_out("allgather", t, out, gather_layout(t, dim, self.size)[0])
         if self.debug:
             self._debug("allgather", t, dim)
         self._count("allgather", t.numel() * t.element_size() * self.size)
-        return self._allgather(t, dim, async_op)
+        return self._allgather(t, dim, async_op, out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy rank `src`'s `t` into every rank's `t` in place; return `t`."""
@@ -205,18 +238,28 @@ class Communicator(abc.ABC):
         return self._broadcast(t, src, async_op)
 
     def alltoall(
-        self, t: torch.Tensor, split_dim: int = 0, concat_dim: int = 0, async_op: bool = False
+        self,
+        t: torch.Tensor,
+        split_dim: int = 0,
+        concat_dim: int = 0,
+        async_op: bool = False,
+        out: torch.Tensor | None = None,
     ):
         """Send chunk j of `t` (split along split_dim) to rank j; concat what arrives along
-        concat_dim in rank order (a new tensor)."""
+        concat_dim in rank order (a new tensor, or written into `out` and `out` returned)."""
         self._check("alltoall", t)
         split_dim = self._check_dim("alltoall", t, split_dim, "split_dim")
         concat_dim = self._check_dim("alltoall", t, concat_dim, "concat_dim")
         self._check_divides("alltoall", t, split_dim, "split_dim")
+        if out is not None:
+            shape = list(t.shape)
+            shape[split_dim] //= self.size
+            shape[concat_dim] *= self.size
+            self._check_out("alltoall", t, out, shape)
         if self.debug:
             self._debug("alltoall", t, split_dim, concat_dim)
         self._count("alltoall", t.numel() * t.element_size())
-        return self._alltoall(t, split_dim, concat_dim, async_op)
+        return self._alltoall(t, split_dim, concat_dim, async_op, out)
 
     def alltoallv(
         self,
@@ -350,16 +393,16 @@ class Communicator(abc.ABC):
     def _allreduce(self, t, op, async_op): ...
 
     @abc.abstractmethod
-    def _reduce_scatter(self, t, dim, async_op): ...
+    def _reduce_scatter(self, t, dim, async_op, out=None): ...
 
     @abc.abstractmethod
-    def _allgather(self, t, dim, async_op): ...
+    def _allgather(self, t, dim, async_op, out=None): ...
 
     @abc.abstractmethod
     def _broadcast(self, t, src, async_op): ...
 
     @abc.abstractmethod
-    def _alltoall(self, t, split_dim, concat_dim, async_op): ...
+    def _alltoall(self, t, split_dim, concat_dim, async_op, out=None): ...
 
     @abc.abstractmethod
     def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op): ...
@@ -399,8 +442,30 @@ def chunks_first(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """`t` rearranged to [n, *chunk_shape] with chunk j of `dim` contiguous at [j] (a copy
     only when the chunks are not already contiguous)."""
     shape = list(t.shape)
+    if math.prod(shape[:dim]) == 1:  # already in that layout: one view (the common dim=0)
+        shape[dim] //= n
+        return t.view(n, *shape)
     split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :]
     return t.reshape(split).movedim(dim, 0).contiguous()
+
+
+def flat_view(out: torch.Tensor, dim: int, n: int) -> torch.Tensor | None:
+    """`out` (contiguous, n chunks concatenated along `dim`) viewed as [n, *chunk] when that
+    is its own memory layout (nothing before `dim` but size-1 dims), else None."""
+    if math.prod(out.shape[:dim]) != 1:
+        return None
+    shape = list(out.shape)
+    shape[dim] //= n
+    return out.view(n, *shape)
+
+
+def concat_into(buf: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """Write the n chunks of `buf` ([n, *chunk]) concatenated along `dim` into `out` (one
+    copy); return `out`."""
+    n = buf.shape[0]
+    shape = list(buf.shape[1:])
+    out.view(*shape[:dim], n, *shape[dim:]).movedim(dim, 0).copy_(buf)
+    return out
 
 
 def concat_from_first(buf: torch.Tensor, dim: int) -> torch.Tensor:

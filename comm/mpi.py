@@ -3,7 +3,8 @@
 Zero-copy: every MPI call gets `[MPI.buffer.fromaddress(t.data_ptr(), nbytes), count, type]`,
 a view of the tensor's own memory (no numpy conversion, no pickling). The only copies are the
 ones the layout math needs: gathering or scattering along a dim that is not outermost
-(the ranks' chunks are then not contiguous in memory, so they are rearranged once).
+(the ranks' chunks are then not contiguous in memory, so they are rearranged once). With
+`out=`, allgather / reduce_scatter / alltoall in the flat layout receive straight into `out`.
 Nonblocking variants use MPI's I-collectives so that communication overlaps compute.
 """
 
@@ -19,6 +20,8 @@ from .communicator import (
     Work,
     chunks_first,
     concat_from_first,
+    concat_into,
+    flat_view,
     gather_layout,
 )
 from .dtypes import SUPPORTED, mpi_op, mpi_type
@@ -62,38 +65,48 @@ class MPICommunicator(Communicator):
         args = (MPI.IN_PLACE, _spec(t), mpi_op(t.dtype, op))
         return self._run(c.Allreduce, c.Iallreduce, args, t, async_op, finish, keep=t)
 
-    def _reduce_scatter(self, t, dim, async_op):
+    def _reduce_scatter(self, t, dim, async_op, out=None):
         c = self.mpi
         src = chunks_first(t, dim, self.size)  # t itself when the chunks are contiguous
-        out_shape = list(t.shape)
-        out_shape[dim] //= self.size
-        out = torch.empty(out_shape, dtype=t.dtype)
+        if out is None:  # this rank's chunk is always contiguous: `out` is written directly
+            out_shape = list(t.shape)
+            out_shape[dim] //= self.size
+            out = torch.empty(out_shape, dtype=t.dtype)
         args = (_spec(src), _spec(out), mpi_op(t.dtype, "sum"))
         return self._run(
             c.Reduce_scatter_block, c.Ireduce_scatter_block, args, out, async_op, keep=src
         )
 
-    def _allgather(self, t, dim, async_op):
+    def _allgather(self, t, dim, async_op, out=None):
         c = self.mpi
         out_shape, flat = gather_layout(t, dim, self.size)
-        if flat:
-            out = torch.empty(out_shape, dtype=t.dtype)
+        if flat:  # zero-copy: MPI gathers straight into `out`
+            if out is None:
+                out = torch.empty(out_shape, dtype=t.dtype)
             return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(out)), out, async_op,
                              keep=t)
         buf = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        finish = ((lambda: concat_from_first(buf, dim)) if out is None
+                  else (lambda: concat_into(buf, dim, out)))
         return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(buf)), None, async_op,
-                         finish=lambda: concat_from_first(buf, dim), keep=(t, buf))
+                         finish=finish, keep=(t, buf, out))
 
     def _broadcast(self, t, src, async_op):
         c = self.mpi
         return self._run(c.Bcast, c.Ibcast, (_spec(t), src), t, async_op, keep=t)
 
-    def _alltoall(self, t, split_dim, concat_dim, async_op):
+    def _alltoall(self, t, split_dim, concat_dim, async_op, out=None):
         c = self.mpi
         send = chunks_first(t, split_dim, self.size)
+        direct = None if out is None else flat_view(out, concat_dim, self.size)
+        if direct is not None:  # zero-copy: MPI receives straight into `out`
+            return self._run(c.Alltoall, c.Ialltoall, (_spec(send), _spec(direct)), out,
+                             async_op, keep=(send, out))
         recv = torch.empty_like(send)
+        finish = ((lambda: concat_from_first(recv, concat_dim)) if out is None
+                  else (lambda: concat_into(recv, concat_dim, out)))
         return self._run(c.Alltoall, c.Ialltoall, (_spec(send), _spec(recv)), None, async_op,
-                         finish=lambda: concat_from_first(recv, concat_dim), keep=(send, recv))
+                         finish=finish, keep=(send, recv, out))
 
     def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):
         c = self.mpi

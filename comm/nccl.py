@@ -24,6 +24,8 @@ from .communicator import (
     Work,
     chunks_first,
     concat_from_first,
+    concat_into,
+    flat_view,
     gather_layout,
 )
 
@@ -124,23 +126,29 @@ class NCCLCommunicator(Communicator):
         self._comm.allReduce(ptr, ptr, n, self._types[t.dtype], self._ops[op], self._stream())
         return self._done(t, async_op)
 
-    def _reduce_scatter(self, t, dim, async_op):
+    def _reduce_scatter(self, t, dim, async_op, out=None):
         src = chunks_first(t, dim, self.size)
-        shape = list(t.shape)
-        shape[dim] //= self.size
-        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        if out is None:  # this rank's chunk is always contiguous: `out` is written directly
+            shape = list(t.shape)
+            shape[dim] //= self.size
+            out = torch.empty(shape, dtype=t.dtype, device=t.device)
         self._comm.reduceScatter(src.data_ptr(), out.data_ptr(), out.numel(),
                                  self._types[t.dtype], self._ops["sum"], self._stream())
         return self._done(out, async_op)
 
-    def _allgather(self, t, dim, async_op):
+    def _allgather(self, t, dim, async_op, out=None):
         out_shape, flat = gather_layout(t, dim, self.size)
-        buf = torch.empty(out_shape if flat else (self.size, *t.shape), dtype=t.dtype,
-                          device=t.device)
+        if flat and out is not None:
+            buf = out  # zero-copy: NCCL gathers straight into `out`
+        else:
+            buf = torch.empty(out_shape if flat else (self.size, *t.shape), dtype=t.dtype,
+                              device=t.device)
         self._comm.allGather(t.data_ptr(), buf.data_ptr(), t.numel(), self._types[t.dtype],
                              self._stream())
         if flat:
             return self._done(buf, async_op)
+        if out is not None:
+            return self._done(None, async_op, lambda: concat_into(buf, dim, out))
         return self._done(None, async_op, lambda: concat_from_first(buf, dim))
 
     def _broadcast(self, t, src, async_op):
@@ -164,12 +172,17 @@ class NCCLCommunicator(Communicator):
         finally:
             nccl.groupEnd()
 
-    def _alltoall(self, t, split_dim, concat_dim, async_op):
+    def _alltoall(self, t, split_dim, concat_dim, async_op, out=None):
         send = chunks_first(t, split_dim, self.size)
-        recv = torch.empty_like(send)
+        direct = None if out is None else flat_view(out, concat_dim, self.size)
+        recv = torch.empty_like(send) if direct is None else direct
         chunk = send[0].numel() if self.size else 0
         ones = [1] * self.size
         self._exchange(send, ones, recv, ones, chunk)
+        if direct is not None:  # zero-copy: NCCL received straight into `out`
+            return self._done(out, async_op)
+        if out is not None:
+            return self._done(None, async_op, lambda: concat_into(recv, concat_dim, out))
         return self._done(None, async_op, lambda: concat_from_first(recv, concat_dim))
 
     def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):

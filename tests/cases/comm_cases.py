@@ -226,6 +226,120 @@ def case_stats_count_bus_bytes():
     assert W.stats == {}
 
 
+def _out_calls():
+    """(label, fn(x, out, async_op), input shape, flat) for every out= op and layout; `flat`:
+    the result's layout is the one MPI/NCCL produce, so it must be written straight into out."""
+    calls = []
+    for dim, shape, flat in ((0, (2, 3, 2), True), (1, (2, 3, 2), False),
+                             (2, (2, 3, 2), False), (1, (1, 3, 2), True)):
+        calls.append((f"allgather dim={dim} of {shape}", lambda x, out, a, d=dim: W.allgather(
+            x, d, async_op=a, out=out), shape, flat))
+    for dim in (0, 1, 2):
+        shape = [2, 3, 2]
+        shape[dim] *= N
+        calls.append((f"reduce_scatter dim={dim}", lambda x, out, a, d=dim: W.reduce_scatter(
+            x, d, async_op=a, out=out), shape, True))
+    for sd, cd in ((0, 0), (0, 1), (1, 0), (2, 1), (1, 1)):
+        calls.append((f"alltoall {sd}->{cd}", lambda x, out, a, s_=sd, c_=cd: W.alltoall(
+            x, s_, c_, async_op=a, out=out), [2 * N, 2 * N, N], cd == 0))
+    return calls
+
+
+def case_out_matches_fresh_result():
+    for dt in DTYPES:
+        for label, fn, shape, flat in _out_calls():
+            x = inp(R, shape, dt)
+            before = x.clone()
+            want = fn(x, None, False)
+            for async_op in (False, True):
+                what = f"{label} {dt} out= async_op={async_op}"
+                out = torch.full(want.shape, 99, dtype=dt, device=DEV)
+                ptr = out.data_ptr()
+                work = fn(x, out, async_op)
+                if async_op:
+                    if flat:  # no copy step after the transfer: it landed in `out` itself
+                        assert work._finish is None and work._result is out, what
+                    got = work.wait()
+                    assert work.wait() is got, what
+                else:
+                    got = work
+                assert got is out and out.data_ptr() == ptr, f"{what}: not written into out"
+                same(out, want, what)
+                same(x, before, f"{what} must not touch its input")
+
+
+def case_out_keeps_stats_and_debug_checks():
+    for debug in (False, True):
+        W.debug = debug
+        try:
+            x = inp(R, (2 * N, 3), torch.float32)
+            W.reset_stats()
+            a = W.allgather(x, 0)
+            b = W.reduce_scatter(x, 0)
+            c = W.alltoall(x, 0, 1)
+            fresh = W.stats
+            W.reset_stats()
+            same(W.allgather(x, 0, out=torch.empty_like(a)), a, "allgather out= stats")
+            same(W.reduce_scatter(x, 0, out=torch.empty_like(b)), b, "reduce_scatter out=")
+            same(W.alltoall(x, 0, 1, out=torch.empty_like(c)), c, "alltoall out=")
+            assert W.stats == fresh, (W.stats, fresh)
+        finally:
+            W.debug = False
+            W.reset_stats()
+    if N > 1:  # debug still catches disagreeing ranks when out= is passed
+        W.debug = True
+        try:
+            shape = (2,) if R == 0 else (3,)
+            x = torch.ones(shape, device=DEV)
+            W.allgather(x, 0, out=torch.empty(shape[0] * N, device=DEV))
+        except CommError as e:
+            assert "disagree" in str(e) and "allgather(" in str(e), str(e)
+        else:
+            raise AssertionError("debug check missed a shape mismatch with out=")
+        finally:
+            W.debug = False
+
+
+def _bad_outs(op, fn, want):
+    bad_shape = (want[0] + 1, want[1])
+    _raises(lambda: fn(torch.empty(bad_shape, device=DEV)), op, "`out`", "shape",
+            str(tuple(want)), str(bad_shape))
+    _raises(lambda: fn(torch.empty(want, dtype=torch.float64, device=DEV)), op, "`out`",
+            "dtype", "torch.float32", "torch.float64")
+    _raises(lambda: fn(torch.empty(want[::-1], device=DEV).t()), op, "`out`", "contiguous")
+    _raises(lambda: fn(torch.empty(want, dtype=torch.bool, device=DEV)), op, "`out`", "dtype")
+    _raises(lambda: fn([0.0]), op, "`out`", "torch.Tensor")
+    if DEV.type == "cpu" and torch.cuda.is_available():
+        _raises(lambda: fn(torch.empty(want, device="cuda")), op, "`out`", "cuda")
+    _raises(lambda: fn(torch.empty(want, device="meta")), op, "`out`", "meta")
+
+
+def case_bad_out_is_a_comm_error_before_mpi():
+    def boom(*a, **k):
+        raise AssertionError("the backend (MPI/NCCL) was called despite a bad out=")
+
+    x = torch.ones(2 * N, 3, device=DEV)
+    names = ("_allgather", "_reduce_scatter", "_alltoall", "_debug")
+    for name in names:
+        setattr(W, name, boom)  # instance attributes shadow the methods
+    W.debug = True  # the cross-rank check must not run either
+    W.reset_stats()
+    try:
+        ops = {
+            "allgather": (lambda out: W.allgather(x, 0, out=out), (2 * N * N, 3)),
+            "reduce_scatter": (lambda out: W.reduce_scatter(x, 0, out=out), (2, 3)),
+            "alltoall": (lambda out: W.alltoall(x, 0, 1, out=out), (2, 3 * N)),
+        }
+        for op, (fn, want) in ops.items():
+            _bad_outs(op, fn, want)
+        assert W.stats == {}, f"bad out= was counted: {W.stats}"
+    finally:
+        W.debug = False
+        for name in names:
+            delattr(W, name)
+    W.barrier()  # every rank got here without a collective: nothing is left pending
+
+
 # ---------------------------------------------------------------------------------- errors
 def _raises(fn, *words):
     try:
