@@ -42,7 +42,7 @@ import torch
 from soapstone.shard import schedules
 from soapstone.shard import trace as tr
 from soapstone.shard.program import Value
-from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel
+from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel, check_mesh
 from soapstone.shard.stage_graph import StageGraph
 
 
@@ -74,11 +74,7 @@ class PipelineModel:
 
     def __init__(self, graph: StageGraph, mesh, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, trace: bool = False):
-        want = dict(graph.mesh)
-        have = dict(getattr(mesh, "shape", {}) or {})
-        if have != want:
-            raise ValueError(f"stage graph {graph.model}/{graph.parallel} needs a mesh {want}, "
-                             f"got {have or 'none'}")
+        check_mesh(mesh, graph.mesh, f"stage graph {graph.model}/{graph.parallel}")
         self.graph = graph
         self.mesh = mesh
         self.dtype = dtype

@@ -42,17 +42,20 @@ def init_full(p: ParamSpec, seed: int) -> torch.Tensor:
     raise ValueError(f"parameter {p.name}: unknown init {p.init!r}")
 
 
+def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
+    """ValueError unless `mesh` has exactly the axes and sizes `what` was compiled for."""
+    have = dict(getattr(mesh, "shape", {}) or {})
+    if have != dict(want):
+        raise ValueError(f"{what} needs a mesh {dict(want)}, got {have or 'none'}")
+
+
 class ShardedModel:
     """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
 
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, fuse: bool = True):
         if program.world_size > 1:
-            want = dict(program.mesh)
-            have = dict(getattr(mesh, "shape", {}) or {})
-            if have != want:
-                raise ValueError(f"program {program.model}/{program.parallel} needs a mesh "
-                                 f"{want}, got {have or 'none'}")
+            check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
         self.program = program
         self.mesh = mesh
         self.ctx = Shards(program, mesh)
