@@ -1,11 +1,11 @@
 """`soapstone explain SPEC [--parallel P] [--json]`: per-rank memory, communication bytes per
 training step per mesh axis and collective, pipeline bubble and stage imbalance, before any
-process starts (the estimates and their conventions: shard/explain.py).
+process starts (the estimates and their conventions: shard/plan/explain.py).
 
 A pipeline layout (operator statements) is lowered to its StageGraph: explain prints the
 figures of the pipe rank holding the most memory, then every pipe rank's memory (activations:
 microbatches in flight under the schedule), p2p bytes per edge, the pipe-axis collectives,
-the bubble and the stage imbalance (shard/explain.py, estimate_pipeline).
+the bubble and the stage imbalance (shard/plan/explain.py, estimate_pipeline).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from soapstone.shard.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.explain import estimate, estimate_pipeline, format_estimate
 
     from .lower import lower
 

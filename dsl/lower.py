@@ -23,8 +23,8 @@ import attrs
 
 from soapstone.dsl import ir, rules
 from soapstone.dsl.errors import Diagnostic, SpecError
-from soapstone.shard.layout import Layout, P, R, owned, owner_of, transition, transition_cost
-from soapstone.shard.program import (
+from soapstone.shard.plan.layout import Layout, P, R, owned, owner_of, transition, transition_cost
+from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
     Output,

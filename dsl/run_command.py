@@ -82,7 +82,7 @@ def compile_layout(model, par):
 def single_program(model, program):
     """The Program whose global input shapes the data task draws (a pipeline's stages see
     microbatches: the single-rank Program of the model, tied weights resolved)."""
-    from soapstone.shard.stage_graph import StageGraph
+    from soapstone.shard.plan.stage_graph import StageGraph
 
     if not isinstance(program, StageGraph):
         return program

@@ -22,7 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def render(spec, model_name: str | None = None, parallel: str | None = None,
            as_json: bool = False) -> str:
     """The text `show` prints for a loaded spec (SpecError for unknown names)."""
-    from soapstone.shard.program_text import format_program, program_to_data
+    from soapstone.shard.plan.program_text import format_program, program_to_data
 
     from .irtext import format_model, format_parallel, to_data
     from .lower import lower
@@ -35,7 +35,7 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     program = lower(model, par) if par is not None and not staged else None
     graph = schedule = None
     if staged:
-        from soapstone.shard.schedules import build
+        from soapstone.shard.plan.schedules import build
 
         from .stages import lower_pipeline
 

@@ -33,7 +33,7 @@ import attrs
 
 from soapstone.dsl import ir
 from soapstone.dsl.lower import LoweringError, lower, resolve_ties
-from soapstone.shard.stage_graph import Edge, Stage, StageGraph
+from soapstone.shard.plan.stage_graph import Edge, Stage, StageGraph
 
 __all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_pipeline", "resolve_ties",
            "split", "stage_runs"]

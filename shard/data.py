@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from soapstone.shard.program import Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 
 MARKOV_P = 0.9
 

@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from soapstone.shard.program import Compute, Program
+from soapstone.shard.plan.program import Compute, Program
 
 
 @attrs.frozen

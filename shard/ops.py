@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from soapstone.comm import autograd as ag
-from soapstone.shard.program import Compute, Program, Value
+from soapstone.shard.plan.program import Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
 REGISTRY: dict[str, OpFn] = {}

@@ -21,7 +21,7 @@ Or with shard/optim.py's optimizer per stage (ZeRO, overlapped bucketed reductio
 
 Each virtual stage this rank runs is a `ShardedModel` of its stage Program on the mesh without
 the pipe axis, so collectives inside a stage are those of the single-program runtime. The
-schedule (shard/schedules.py) is a list of actions; receives are posted ahead as non-blocking
+schedule (shard/plan/schedules.py) is a list of actions; receives are posted ahead as non-blocking
 irecvs into buffers of the compile-time boundary shapes, sends are non-blocking isends waited on
 at the end of the step, so a rank computes while its messages travel. Every message has a tag
 naming (direction, edge, microbatch, tensor), so matching never depends on arrival order.
@@ -39,11 +39,11 @@ import math
 
 import torch
 
-from soapstone.shard import schedules
 from soapstone.shard import trace as tr
-from soapstone.shard.program import Value
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.program import Value
+from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel, check_mesh
-from soapstone.shard.stage_graph import StageGraph
 
 
 class SubMesh:

@@ -15,7 +15,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.fusion import find_fusions
 from soapstone.shard.ops import Shards, run_op
-from soapstone.shard.program import Compute, CopyTo, ParamSpec, Program, Value
+from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Value
 
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
                 "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}

@@ -24,9 +24,9 @@ import attrs
 import torch
 
 from soapstone.shard.data import SyntheticTask
-from soapstone.shard.program import Program
+from soapstone.shard.plan.program import Program
+from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime import ShardedModel
-from soapstone.shard.stage_graph import StageGraph
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from soapstone.shard.program import Compute
+from soapstone.shard.plan.program import Compute
 
 
 def release_params(bucket, dtype: torch.dtype) -> None:

@@ -14,8 +14,8 @@ import pytest
 
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
-from soapstone.shard.program import Compute, CopyTo, Redistribute
-from soapstone.shard.program_text import backward_collective, format_program, program_to_json
+from soapstone.shard.plan.program import Compute, CopyTo, Redistribute
+from soapstone.shard.plan.program_text import backward_collective, format_program, program_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = dsl.load(ROOT / "tests/specs/gpt_layouts.par")

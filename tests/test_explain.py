@@ -9,7 +9,7 @@ import json
 import pytest
 from mpirun import run_mpi
 
-from soapstone.shard.explain import bubble_fraction
+from soapstone.shard.plan.explain import bubble_fraction
 
 CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "explain"]

@@ -11,7 +11,7 @@ from mpirun import case_names, run_mpi
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
 from soapstone.dsl.stages import lower_pipeline
-from soapstone.shard import schedules
+from soapstone.shard.plan import schedules
 
 CASES = "tests/cases/pipe_cases.py"
 ROOT = Path(__file__).resolve().parents[1]

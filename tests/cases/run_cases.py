@@ -21,7 +21,7 @@ from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.dsl.lower import lower
 from soapstone.dsl.testing import assert_matches_golden
-from soapstone.shard.explain import estimate
+from soapstone.shard.plan.explain import estimate
 from soapstone.shard.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,8 +87,8 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     from soapstone.dsl.run_command import single_program
     from soapstone.dsl.stages import lower_pipeline
     from soapstone.shard.data import make_task
-    from soapstone.shard.explain import estimate_pipeline
     from soapstone.shard.memory import memory_report
+    from soapstone.shard.plan.explain import estimate_pipeline
 
     s = dsl.load(path)
     par = s.parallel(layout)

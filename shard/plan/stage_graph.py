@@ -22,7 +22,7 @@ import math
 
 import attrs
 
-from soapstone.shard.program import Program, Value
+from soapstone.shard.plan.program import Program, Value
 
 
 @attrs.frozen
@@ -102,8 +102,8 @@ class StageGraph:
     def format(self, programs: bool = True, zero: int = 0) -> str:
         """The text `soapstone show` prints: stages, edges with bytes, then each program (its
         collective totals for one microbatch of that stage under ZeRO `zero`)."""
-        from soapstone.shard.explain import format_bytes
-        from soapstone.shard.program_text import format_program
+        from soapstone.shard.plan.explain import format_bytes
+        from soapstone.shard.plan.program_text import format_program
 
         inner = [(a, n) for a, n in self.mesh if a != self.axis]
         others = " x ".join(f"{a}={n}" for a, n in inner) or "nothing else"
@@ -151,7 +151,7 @@ class StageGraph:
 
     def to_data(self, zero: int = 0) -> dict:
         """JSON-ready summary (the programs via program_to_data, under ZeRO `zero`)."""
-        from soapstone.shard.program_text import program_to_data
+        from soapstone.shard.plan.program_text import program_to_data
 
         return {
             "model": self.model, "parallel": self.parallel, "axis": self.axis,

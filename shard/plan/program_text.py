@@ -2,7 +2,7 @@
 
 Every collective appears twice over: in place, in the step list (with its payload: the bytes
 of the tensor it moves), and totalled per phase, kind and mesh axis at the end. The totals are
-`soapstone explain`'s traffic rows (shard/explain.py `estimate`, the one traffic model): calls
+`soapstone explain`'s traffic rows (shard/plan/explain.py `estimate`, the one traffic model): calls
 and the bytes this rank sends per training step under the ring convention, gradient sync per
 bucket under the layout's ZeRO stage.
 """
@@ -13,9 +13,9 @@ import json
 
 import attrs
 
-from soapstone.shard.explain import Traffic, estimate, format_bytes, format_traffic
-from soapstone.shard.layout import Layout
-from soapstone.shard.program import Compute, CopyTo, Program, Redistribute, Step
+from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
+from soapstone.shard.plan.layout import Layout
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute, Step
 
 # The backward of each forward redistribution (allgather depends on its `grad` field).
 BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
@@ -44,7 +44,7 @@ def backward_collective(step: Step) -> str | None:
 
 
 def traffic(program: Program, zero: int = 0, deferred: tuple[str, ...] = ()) -> list[Traffic]:
-    """This rank's collectives per training step: explain's rows (shard/explain.py)."""
+    """This rank's collectives per training step: explain's rows (shard/plan/explain.py)."""
     return estimate(program, zero=zero, deferred=deferred).traffic
 
 

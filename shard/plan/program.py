@@ -14,7 +14,7 @@ import math
 
 import attrs
 
-from soapstone.shard.layout import Layout, nbytes
+from soapstone.shard.plan.layout import Layout, nbytes
 
 
 @attrs.frozen

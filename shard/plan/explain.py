@@ -66,7 +66,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 
 FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -138,7 +138,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 def data_axes(program: Program) -> tuple[str, ...]:
     """The sample axes ZeRO shards over (as shard/data_parallel.py picks them)."""
-    from soapstone.shard.data_parallel import default_data_axes
+    from soapstone.shard.plan.buckets import default_data_axes
 
     return default_data_axes(program)
 
@@ -207,7 +207,7 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                         add("backward", "allreduce", axis, stat)
     # gradient sync, as shard/data_parallel.py does it: its own bucket plan (plan_buckets),
     # fp32 gradient buffers padded to a multiple of the data-parallel size
-    from soapstone.shard.data_parallel import plan_buckets
+    from soapstone.shard.plan.buckets import plan_buckets
 
     norm_keys: set[tuple[str, ...]] = set()
     master = 8 if float_params and float_params[0].dtype == "f64" else 4
@@ -262,7 +262,7 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                       rank: int | None = None) -> Estimate:
     """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
     default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
-    from soapstone.shard import schedules
+    from soapstone.shard.plan import schedules
 
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
