@@ -23,7 +23,17 @@ import attrs
 
 from soapstone.dsl import ir, rules
 from soapstone.dsl.errors import Diagnostic, SpecError
-from soapstone.shard.plan.layout import Layout, P, R, owned, owner_of, transition, transition_cost
+from soapstone.shard.plan.layout import (
+    Layout,
+    Owned,
+    P,
+    Placement,
+    R,
+    Split,
+    token,
+    transition,
+    transition_cost,
+)
 from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
@@ -53,8 +63,8 @@ class LoweringError(SpecError):
 
 @attrs.frozen
 class _Candidate:
-    args: tuple[str, ...]  # placement wanted for each arg, in the arg's own dim names
-    out: str  # the output's placement
+    args: tuple[Placement, ...]  # placement wanted for each arg, in the arg's own dim names
+    out: Placement  # the output's placement
     dim: str | None  # the iteration dim split over the axis, if any
     stat: bool = False  # the op combines partial statistics over the axis
 
@@ -125,15 +135,15 @@ class _Lowering:
         self.params: dict[str, ir.Param] = {p.name: p for p in model.params}
         self.steps: list[Step] = []
         self.producer: dict[str, int] = {}
-        self.cache: dict[tuple[str, str, str], str] = {}
+        self.cache: dict[tuple[str, str, Placement], str] = {}
 
     # --- layouts of the leaves -------------------------------------------------------------
 
     def _leaf_layout(self, dims: tuple[str, ...], mapping: tuple[tuple[str, str], ...]) -> Layout:
-        placement: dict[str, str] = {}
+        placement: dict[str, Placement] = {}
         for dim, axis in mapping:
             if dim in dims and axis in self.active and axis not in placement:
-                placement[axis] = dim
+                placement[axis] = Split(dim)
         return Layout.of(self.axes, placement)
 
     def _add_value(self, name: str, dtype: str, dims: tuple[str, ...], layout: Layout) -> Value:
@@ -183,18 +193,18 @@ class _Lowering:
         args = [self.values[a] for a in op.args]
         iter_dims = [rules.arg_dims(op, i, v.dims) for i, v in enumerate(args)]
         roles = rules.roles(op, iter_dims)
-        wanted: list[dict[str, str]] = [{} for _ in args]
-        out: dict[str, str] = {}
+        wanted: list[dict[str, Placement]] = [{} for _ in args]
+        out: dict[str, Placement] = {}
         dist: list[str] = []
         used: set[str] = set()
         own = self.owner.get(op.out)
         for axis in self.active:
             if own is not None and own[0] == axis:
                 # a branch op: only the owner computes it, from whole (or its own) args
-                keep = [owner_of(v.layout.get(axis)) == own[1] for v in args]
+                keep = [v.layout.get(axis) == Owned(own[1]) for v in args]
                 best = _Candidate(tuple(v.layout.get(axis) if k else R
                                         for v, k in zip(args, keep, strict=True)),
-                                  owned(own[1]), None)
+                                  Owned(own[1]), None)
             else:
                 best = self._choose(op, axis, args, iter_dims, roles, used)
             for i, placement in enumerate(best.args):
@@ -223,9 +233,9 @@ class _Lowering:
             if d in used or d not in self.allowed[axis] or self.sizes[d] % self.mesh[axis]:
                 continue
             found.append(_Candidate(
-                args=tuple(_own_dim(dims, v.dims, d) or R
+                args=tuple(_split_of(dims, v.dims, d)
                            for dims, v in zip(iter_dims, args, strict=True)),
-                out=d if d in out_dims else (P if roles[d] == rules.SUM else R),
+                out=Split(d) if d in out_dims else (P if roles[d] == rules.SUM else R),
                 dim=d, stat=roles[d] == rules.STAT,
             ))
         mode = rules.PARTIAL_PASS.get(op.kind)
@@ -255,7 +265,7 @@ class _Lowering:
             )
         return best
 
-    def _cost(self, v: Value, axis: str, want: str) -> float:
+    def _cost(self, v: Value, axis: str, want: Placement) -> float:
         cur = v.layout.get(axis)
         if cur == want or (v.name, axis, want) in self.cache:
             return 0.0
@@ -267,7 +277,7 @@ class _Lowering:
             return transition_cost("allgather", v.nbytes // self.mesh[axis], self.mesh[axis])
         return transition_cost(kind, v.nbytes, self.mesh[axis])
 
-    def _redistribute(self, name: str, wanted: dict[str, str]) -> str:
+    def _redistribute(self, name: str, wanted: dict[str, Placement]) -> str:
         v = self.values[name]
         # Gathers and reductions first, so a dim is free before another axis takes it.
         order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(v.layout.get(a),
@@ -280,7 +290,8 @@ class _Lowering:
             if key not in self.cache:
                 kind = transition(cur, want)
                 layout = v.layout.with_(self.axes, axis, want)
-                new = self._add_value(f"{v.name}@{axis}:{want}", v.dtype, v.dims, layout)
+                new = self._add_value(f"{v.name}@{axis}:{token(want)}", v.dtype, v.dims,
+                                      layout)
                 self._emit(Redistribute(
                     out=new.name, src=v.name, axis=axis, kind=kind,
                     frm=cur, to=want,
@@ -372,12 +383,12 @@ def branch_owners(model: ir.Model, branches) -> dict[str, tuple[str, int]]:
     return owner
 
 
-def _own_dim(iter_dims: tuple[str, ...], own_dims: tuple[str, ...], d: str) -> str | None:
-    """The arg's own name for iteration dim `d` (None if the arg lacks it)."""
+def _split_of(iter_dims: tuple[str, ...], own_dims: tuple[str, ...], d: str) -> Placement:
+    """The arg split along its own name for iteration dim `d` (replicated if it lacks it)."""
     for it, own in zip(iter_dims, own_dims, strict=True):
         if it == d:
-            return own
-    return None
+            return Split(own)
+    return R
 
 
 def _step_args(step: Step) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.fusion import find_fusions
 from soapstone.shard.ops import Shards, run_op
+from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Value
 
 TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
@@ -108,10 +109,13 @@ class ShardedModel:
         t = t.detach()
         for axis, placement in value.layout.placements:
             comm = self.mesh.comm(axis)
-            if placement == "P":
+            if placement == P:
                 t = comm.allreduce(t.clone())
-            else:
-                t = comm.allgather(t.contiguous(), dim=value.dims.index(placement))
+            elif isinstance(placement, Split):
+                t = comm.allgather(t.contiguous(), dim=value.dims.index(placement.dim))
+            else:  # Owned: only the owner holds it
+                t = t.contiguous()
+                comm.broadcast(t, src=placement.coord)
         return t
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -173,7 +177,7 @@ class ShardedModel:
         if isinstance(step, CopyTo):
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
-        dim = src.dims.index(step.to if step.kind == "slice" else step.frm) \
+        dim = src.dims.index(step.to.dim if step.kind == "slice" else step.frm.dim) \
             if step.kind in ("slice", "allgather") else None
         if not src.is_float:  # integer data (token ids): no gradient to route
             if step.kind == "allgather":
@@ -182,20 +186,20 @@ class ShardedModel:
                 n, i = comm.size, comm.rank
                 return x.chunk(n, dim)[i].contiguous()
         if step.kind == "zero_fill":  # a branch's value as a partial sum: zeros off the owner
-            return x if comm.rank == int(step.frm[1:]) else x * 0
+            return x if comm.rank == step.frm.coord else x * 0
         if step.kind == "broadcast":
-            return ag.broadcast(x.contiguous(), comm, src=int(step.frm[1:]))
+            return ag.broadcast(x.contiguous(), comm, src=step.frm.coord)
         if step.kind == "allreduce":
             return ag.reduce_from(x, comm)
         if step.kind == "reduce_scatter":
-            return ag.reduce_scatter(x, comm, src.dims.index(step.to))
+            return ag.reduce_scatter(x, comm, src.dims.index(step.to.dim))
         if step.kind == "allgather":
             return ag.all_gather(x, comm, dim, grad=step.grad)
         if step.kind == "slice":
             return ag.split(x, comm, dim)
         if step.kind == "alltoall":
-            return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to),
-                                 concat_dim=src.dims.index(step.frm))
+            return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to.dim),
+                                 concat_dim=src.dims.index(step.frm.dim))
         raise ValueError(f"unknown redistribution {step.kind!r}")
 
     def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:

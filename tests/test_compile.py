@@ -14,6 +14,7 @@ import pytest
 
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
+from soapstone.shard.plan.layout import R, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Redistribute
 from soapstone.shard.plan.program_text import backward_collective, format_program, program_to_json
 
@@ -61,7 +62,7 @@ def test_vocab_parallel_cross_entropy_never_gathers_the_logits():
     ce = next(s for s in prog.steps if isinstance(s, Compute) and s.kind == "cross_entropy")
     assert ce.dist == ("model",)
     logits = prog.value(ce.args[0])
-    assert logits.layout.get("model") == "vocab"
+    assert logits.layout.get("model") == Split("vocab")
     gathered = [s for s in prog.steps if isinstance(s, Redistribute) and s.src == ce.args[0]]
     assert not gathered
 
@@ -75,7 +76,8 @@ def test_data_parallel_sums_every_gradient_over_data_and_moves_no_activation():
 def test_context_parallel_gathers_keys_and_values_only():
     prog = program(GPT, "cp2")
     gathers = [s for s in prog.steps if isinstance(s, Redistribute)]
-    assert {(s.kind, s.axis, s.frm, s.to) for s in gathers} == {("allgather", "cp", "seq_k", "R")}
+    assert {(s.kind, s.axis, s.frm, s.to) for s in gathers} == {
+        ("allgather", "cp", Split("seq_k"), R)}
     # exactly the keys and values (renamed to seq_k) of every layer, once each
     assert sorted(s.src for s in gathers) == sorted(
         f"layer.{i}.attention0.{kv}" for i in range(LAYERS) for kv in ("k2", "v2"))
@@ -96,8 +98,9 @@ def test_ulysses_all_to_all_falls_out_when_heads_may_split_but_weights_stay_whol
     spec = dsl.load(ROOT / "tests/specs/gpt_layouts.par", dims={"seq": 128})
     prog = program(spec, "ulysses4")
     moves = Counter((s.kind, s.frm, s.to) for s in prog.steps if isinstance(s, Redistribute))
-    assert moves == {("alltoall", "seq", "heads"): LAYERS, ("alltoall", "seq_k", "heads"):
-                     2 * LAYERS, ("alltoall", "heads", "seq"): LAYERS}
+    seq, seq_k, heads = Split("seq"), Split("seq_k"), Split("heads")
+    assert moves == {("alltoall", seq, heads): LAYERS, ("alltoall", seq_k, heads): 2 * LAYERS,
+                     ("alltoall", heads, seq): LAYERS}
 
 
 def test_sharded_shapes_are_the_global_ones_divided():
@@ -197,3 +200,19 @@ def test_a_branch_value_a_product_needs_whole_is_broadcast_from_its_owner():
     assert moves == [("allreduce", "linear1.mm"), ("broadcast", "b"), ("zero_fill", "a")]
     # the broadcast copy feeds a product with a partial factor: its gradient is summed back
     assert [s.src for s in prog.steps if isinstance(s, CopyTo)] == ["h", "b@branch:R"]
+
+
+MLP_TP2 = (ROOT / "examples/mlp.par").read_text()
+
+
+@pytest.mark.parametrize("name", ["P", "R"])
+def test_a_dim_named_like_a_placement_shards_like_any_other_dim(name):
+    """Placements are typed, not strings beside dim names: a dim called P is not 'partial'
+    and one called R is not 'replicate' (the program, its traffic and buckets are the same as
+    with the dim called ffn)."""
+    ref = program(dsl.load(MLP_TP2), "tp2")
+    got = program(dsl.load(MLP_TP2.replace("ffn", name)), "tp2")
+    assert format_program(got, zero=1) == format_program(ref, zero=1).replace("ffn", name)
+    w = got.param("linear0.weight")
+    assert w.local_shape == ref.param("linear0.weight").local_shape == (32, 32)
+    assert w.layout.split_axis(name) == "model"

@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from soapstone.shard.plan.layout import Split
+
 FIRST_BUCKET_BYTES = 1 << 20
 
 
@@ -44,7 +46,7 @@ def plan_buckets(program, stage: int, data_axes: tuple[str, ...],
     for spec in reversed(program.params):
         if not spec.dtype.startswith(("f", "bf")):
             continue
-        split = tuple(a for a, pl in spec.layout.placements if pl != "P")
+        split = spec.layout.split_axes()
         dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)
         key = (spec.grad_sync, dp, split, spec.block if stage == 3 else None,
                spec.name if spec.name in deferred else None)
@@ -70,7 +72,7 @@ def default_data_axes(program) -> tuple[str, ...]:
     split_first: set[str] = set()
     for name in program.inputs:
         v = program.value(name)
-        split_first |= {a for a, pl in v.layout.placements if v.dims and pl == v.dims[0]}
+        split_first |= {a for a, pl in v.layout.placements if v.dims and pl == Split(v.dims[0])}
     common = None
     for p in program.params:
         common = set(p.grad_sync) if common is None else common & set(p.grad_sync)

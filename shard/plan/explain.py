@@ -66,6 +66,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 
 FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
@@ -234,7 +235,7 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     if loss is not None:
         lv = program.value(loss.value)
         for axis, placement in lv.layout.placements:
-            if placement == "P":
+            if placement == P:
                 add("loss", "allreduce", axis, lv.nbytes)
             else:
                 add("loss", "allgather", axis, lv.nbytes * mesh[axis])

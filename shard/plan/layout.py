@@ -9,40 +9,81 @@ from __future__ import annotations
 
 import attrs
 
-R = "R"  # replicate: every rank of the axis holds the same full tensor
-P = "P"  # partial(sum): each rank holds one term of a pending sum
-# "@c": owned: only coordinate c of the axis computes the tensor (a branch placed there by an
-# `operator` statement); the other ranks hold a zero placeholder.
+
+@attrs.frozen
+class Replicate:
+    """Every rank of the axis holds the same full tensor."""
+
+    def __str__(self) -> str:
+        return "replicate"
 
 
-def owned(coord: int) -> str:
-    """The placement of a value only coordinate `coord` computes."""
-    return f"@{coord}"
+@attrs.frozen
+class Partial:
+    """Each rank of the axis holds one term of a pending sum."""
+
+    def __str__(self) -> str:
+        return "partial"
 
 
-def owner_of(placement: str) -> int | None:
-    """The owning coordinate of an owned placement, else None."""
-    return int(placement[1:]) if placement.startswith("@") else None
+@attrs.frozen
+class Split:
+    """The tensor is cut into equal pieces along `dim`, one per rank of the axis."""
+
+    dim: str
+
+    def __str__(self) -> str:
+        return self.dim
+
+
+@attrs.frozen
+class Owned:
+    """Only coordinate `coord` of the axis computes the tensor (a branch placed there by an
+    `operator` statement); the other ranks hold a zero placeholder."""
+
+    coord: int
+
+    def __str__(self) -> str:
+        return f"owned:{self.coord}"
+
+
+# Typed, never strings: a dim may be called anything, "P" and "R" included.
+Placement = Replicate | Partial | Split | Owned
+R = Replicate()
+P = Partial()
+
+
+def placement_to_data(p: Placement) -> dict:
+    """A placement as JSON-ready data: {"kind": "split", "dim": d}, {"kind": "partial"}, ..."""
+    kind = {Replicate: "replicate", Partial: "partial", Split: "split", Owned: "owned"}[type(p)]
+    return {"kind": kind, **attrs.asdict(p)}
+
+
+def token(p: Placement) -> str:
+    """A placement in a value's name (`x@model:P`): short, and stable for golden files."""
+    return {Replicate: "R", Partial: "P"}.get(type(p)) or (
+        p.dim if isinstance(p, Split) else f"@{p.coord}")
+
 
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 
 
 @attrs.frozen
 class Layout:
-    """Placement per mesh axis: a dim name (split), P (partial) or absent (replicated)."""
+    """Placement per mesh axis; an axis absent from `placements` is replicated."""
 
-    placements: tuple[tuple[str, str], ...] = ()  # (axis, dim | P), in mesh-axis order
+    placements: tuple[tuple[str, Placement], ...] = ()  # (axis, placement), in mesh-axis order
 
     @staticmethod
-    def of(mesh_axes: tuple[str, ...], mapping: dict[str, str]) -> Layout:
+    def of(mesh_axes: tuple[str, ...], mapping: dict[str, Placement]) -> Layout:
         """Build a layout from {axis: placement}, dropping replicated axes."""
         return Layout(tuple((a, mapping[a]) for a in mesh_axes if mapping.get(a, R) != R))
 
-    def get(self, axis: str) -> str:
-        """The placement on one axis: a dim name, P or R."""
+    def get(self, axis: str) -> Placement:
+        """The placement on one axis."""
         return dict(self.placements).get(axis, R)
 
-    def with_(self, mesh_axes: tuple[str, ...], axis: str, placement: str) -> Layout:
+    def with_(self, mesh_axes: tuple[str, ...], axis: str, placement: Placement) -> Layout:
         """This layout with one axis changed."""
         mapping = dict(self.placements)
         mapping[axis] = placement
@@ -51,14 +92,13 @@ class Layout:
     def split_axis(self, dim: str) -> str | None:
         """The axis `dim` is split over, if any."""
         for axis, p in self.placements:
-            if p == dim:
+            if p == Split(dim):
                 return axis
         return None
 
-    @property
-    def partial_axes(self) -> tuple[str, ...]:
-        """Axes on which the tensor is a pending sum."""
-        return tuple(a for a, p in self.placements if p == P)
+    def split_axes(self) -> tuple[str, ...]:
+        """The axes over which the tensor is cut into pieces."""
+        return tuple(a for a, p in self.placements if isinstance(p, Split))
 
     def local_sizes(self, dims: tuple[str, ...], sizes: dict[str, int],
                     mesh: dict[str, int]) -> tuple[int, ...]:
@@ -72,9 +112,7 @@ class Layout:
     def __str__(self) -> str:
         if not self.placements:
             return "replicate"
-        names = {P: "partial"}
-        return ", ".join(f"{names.get(p, p.replace('@', 'owned:'))}@{a}"
-                         for a, p in self.placements)
+        return ", ".join(f"{p}@{a}" for a, p in self.placements)
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -90,13 +128,13 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 # (local, free), "alltoall" S(a)->S(b), "zero_fill" owned->P (free), "broadcast" owned->R.
 # R->P and S->P are never needed: partials only arise from contractions (and branches), so
 # they are refused.
-def transition(src: str, dst: str) -> str | None:
+def transition(src: Placement, dst: Placement) -> str | None:
     """The collective that turns placement `src` into `dst` on one axis (None: nothing to do)."""
     if src == dst:
         return None
-    if owner_of(src) is not None:  # the owner's value as a partial sum (zeros elsewhere) or R
+    if isinstance(src, Owned):  # the owner's value as a partial sum (zeros elsewhere) or R
         return {P: "zero_fill", R: "broadcast"}.get(dst, "invalid")
-    if owner_of(dst) is not None:
+    if isinstance(dst, Owned):
         return "invalid"
     if src == P:
         return "allreduce" if dst == R else "reduce_scatter"

@@ -14,7 +14,7 @@ import math
 
 import attrs
 
-from soapstone.shard.plan.layout import Layout, nbytes
+from soapstone.shard.plan.layout import Layout, Placement, nbytes
 
 
 @attrs.frozen
@@ -85,8 +85,8 @@ class Redistribute:
     src: str
     axis: str
     kind: str
-    frm: str  # placement before: a dim name, "P" or "R"
-    to: str  # placement after
+    frm: Placement  # placement before
+    to: Placement  # placement after
     nbytes: int  # payload this rank sends into the collective (0 for slice)
     grad: str = "replicate"
 

@@ -14,7 +14,7 @@ import json
 import attrs
 
 from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
-from soapstone.shard.plan.layout import Layout
+from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute, Step
 
 # The backward of each forward redistribution (allgather depends on its `grad` field).
@@ -60,10 +60,7 @@ def format_step(program: Program, step: Step) -> str:
     if isinstance(step, CopyTo):
         return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
                 f"(backward allreduce {format_bytes(step.nbytes)})")
-    names = {"R": "replicate", "P": "partial", **{p: p.replace("@", "owned:")
-                                                   for p in (step.frm, step.to)
-                                                   if p.startswith("@")}}
-    dims = f" {names.get(step.frm, step.frm)}->{names.get(step.to, step.to)}"
+    dims = f" {step.frm}->{step.to}"
     bwd = backward_collective(step)
     back = f", backward {bwd}" if bwd else ""
     return (f"  {step.kind}[{step.axis}]{dims} {step.src} -> {step.out}   "
@@ -103,7 +100,7 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
 
 
 def program_to_json(program: Program, zero: int = 0) -> str:
-    """The program as JSON (layouts as {axis: placement})."""
+    """The program as JSON (layouts as {axis: {"kind": ..., ...}})."""
     return json.dumps(program_to_data(program, zero), indent=1)
 
 
@@ -114,7 +111,9 @@ def program_to_data(program: Program, zero: int = 0,
 
     def convert(obj):
         if isinstance(obj, Layout):
-            return dict(obj.placements)
+            return {axis: placement_to_data(p) for axis, p in obj.placements}
+        if isinstance(obj, Placement):
+            return placement_to_data(obj)
         if attrs.has(type(obj)):
             d = {"type": type(obj).__name__}
             d.update({f.name: convert(getattr(obj, f.name)) for f in attrs.fields(type(obj))})
