@@ -6,7 +6,7 @@
 Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
 batch 16, 4 layers: layers 0-1 with the embedding on rank 0, layers 2-3 with the head and loss
 on rank 1) with the same weights and batch, in one job, alternating. soapstone: a 2-stage
-pipeline layout compiled by lower_pipeline, PipelineModel over MPI p2p. PyTorch: the
+pipeline layout compiled by lower_pipeline, the Executor over MPI p2p. PyTorch: the
 plain-torch GPT of bench/torch_gpt.py cut at the same place, PipelineStage + Schedule1F1B on
 gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
 median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
@@ -33,7 +33,7 @@ def soapstone_pipe(world, microbatches: int):
     from soapstone.comm import Mesh
     from soapstone.dsl import ir
     from soapstone.dsl.stages import lower_pipeline
-    from soapstone.shard.pipeline import PipelineModel
+    from soapstone.shard.executor import Executor
 
     model = dsl.load(ROOT / "examples/gpt.par", dims=DIMS).model()
     b = model.blocks
@@ -42,7 +42,7 @@ def soapstone_pipe(world, microbatches: int):
                                 ir.StageAssignment(b[2:], "pipe", 1)),
                       schedule=ir.Schedule("1f1b", microbatches))
     graph = lower_pipeline(model, par)
-    return model, graph, PipelineModel(graph, Mesh(world, pipe=2), seed=0, trace=True)
+    return model, graph, Executor(graph, Mesh(world, pipe=2), seed=0, trace=True)
 
 
 def torch_stage(model_spec, graph, rank: int, microbatches: int):

@@ -50,16 +50,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     chk.add_argument("--quiet", action="store_true", help="print only the verdict")
 
 
-def _trainer(program, mesh, header: dict, zero: int = 0, model=None):
-    """The Trainer a record's header describes (program: a Program, or a pipeline's
-    StageGraph with `model` its ir.Model)."""
+def _trainer(graph, mesh, header: dict, model):
+    """The Trainer a record's header describes, for `graph` (a StageGraph of ir.Model
+    `model`)."""
     from soapstone.shard.data import make_task
     from soapstone.shard.train import Trainer
 
-    task = make_task(single_program(model, program), header["seed"], header.get("data"))
-    return Trainer(program, mesh, task=task, seed=header["seed"], custom=custom_layers(),
+    task = make_task(single_program(model, graph), header["seed"], header.get("data"))
+    return Trainer(graph, mesh, task=task, seed=header["seed"], custom=custom_layers(),
                    precision=header["precision"], optimizer=header["optimizer"],
-                   lr=header["lr"], zero=zero)
+                   lr=header["lr"])
 
 
 def record_run(spec_path: str, output: str, *, model: str | None = None,
@@ -70,19 +70,19 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
     from soapstone.shard import golden
     from soapstone.shard.data import make_task
 
-    from .lower import lower
     from .spec import load
 
     load_plugins(list(plugins))
     spec = load(spec_path, dims=dims, filename=spec_path)
     m = spec.model(model)
-    program = lower(m, None)
+    graph = compile_layout(m, None)
+    program = graph.program
     lr = default_lr(optimizer) if lr is None else lr
     make_task(program, seed, data)  # bad data is bad input before any training
     header = {"spec": Path(spec_path).name, "model": m.name, "dims": dict(dims or {}),
               "steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr,
               "precision": precision, "data": data}
-    trainer = _trainer(program, None, header)
+    trainer = _trainer(graph, None, header, model=m)
     rec = golden.Recorder(header, [p.name for p in program.params])
     for metrics in trainer.run(steps):
         rec.add(metrics.loss, trainer.full_state_dict())
@@ -116,20 +116,17 @@ def check_run(spec_path: str, parallel: str | None, record_file: str, *,
     if model.name != header["model"]:
         raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
                                  f"layout '{parallel}' is for model '{model.name}'")
-    program = compile_layout(model, par)  # a Program, or a pipeline layout's StageGraph
-    if comm.size != program.world_size:
+    graph = compile_layout(model, par)
+    if comm.size != graph.world_size:
         what = f"layout '{par.name}'" if par else f"model '{model.name}' on one rank"
-        raise BadInput(f"{what} needs {program.world_size} ranks, but this run has "
-                       f"{comm.size}: launch it with `mpiexec -n {program.world_size} ...`")
-    stages = getattr(program, "stages", None)
-    programs = [s.program for s in stages] if stages is not None else [program]
-    names = {p.name for prog in programs for p in prog.params}
+        raise BadInput(f"{what} needs {graph.world_size} ranks, but this run has "
+                       f"{comm.size}: launch it with `mpiexec -n {graph.world_size} ...`")
+    names = {p.name for s in graph.stages for p in s.program.params}
     if names != set(header["params"]):
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
-    mesh = Mesh(comm, **dict(par.mesh)) if par is not None and program.world_size > 1 else None
-    trainer = _trainer(program, mesh, header, zero=par.zero if par is not None else 0,
-                       model=model)
+    mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
+    trainer = _trainer(graph, mesh, header, model=model)
     tol = tol or golden.Tolerance.for_record(header)
     for m in trainer.run(record.steps):
         state = trainer.full_state_dict()

@@ -83,8 +83,8 @@ def lower(model: ir.Model, parallel: ir.Parallel | None = None,
         raise LoweringError.at(
             f"parallel block '{parallel.name}' places blocks on pipeline stages: it compiles "
             "to a stage graph (one Program per stage), not one Program",
-            parallel.loc, hint="call soapstone.dsl.stages.lower_pipeline(model, parallel) "
-            "and run it with soapstone.shard.pipeline.PipelineModel")
+            parallel.loc, hint="call soapstone.dsl.stages.lower_graph(model, parallel) "
+            "and run it with soapstone.shard.executor.Executor")
     return _Lowering(resolve_ties(model), parallel, grad_inputs).run()
 
 
@@ -187,6 +187,11 @@ class _Lowering:
             values=tuple(self.values.values()),
             steps=tuple(self.steps),
             outputs=tuple(Output(o.name, o.value, o.is_loss) for o in self.model.outputs),
+            batch_dim=batch_dim(self.model, par),
+            # the sample axes that split something: gradients are summed and ZeRO shards there
+            data_axes=tuple(dict.fromkeys(a for _, a in (par.sample if par else ())
+                                          if a in self.active)),
+            zero=par.zero if par else 0,
         )
 
     def _lower_op(self, op: ir.Op) -> None:
@@ -360,6 +365,14 @@ class _Lowering:
         if isinstance(step, Compute):
             return self.values[step.out].layout.get(axis) != R
         return False  # a slice's backward gathers; other-axis collectives keep R on this axis
+
+
+def batch_dim(model: ir.Model, parallel: ir.Parallel | None) -> str | None:
+    """The dim microbatching cuts: the sample-mapped dim, else the first inputs' first dim
+    (None: no input has dims)."""
+    if parallel is not None and parallel.sample:
+        return parallel.sample[0][0]
+    return next((i.type.dims[0] for i in model.inputs if i.type.dims), None)
 
 
 def branch_owners(model: ir.Model, branches) -> dict[str, tuple[str, int]]:

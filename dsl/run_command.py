@@ -69,27 +69,20 @@ def custom_layers() -> dict:
 
 
 def compile_layout(model, par):
-    """The layout's Program, or its StageGraph when it places blocks on pipeline stages."""
-    if par is not None and par.operator:
-        from .stages import lower_pipeline
+    """The layout's StageGraph (every layout: one without stages is one stage)."""
+    from .stages import lower_graph
 
-        return lower_pipeline(model, par)
+    return lower_graph(model, par)
+
+
+def single_program(model, graph):
+    """The Program whose global input shapes the data task draws: the single-rank Program of
+    the model (tied weights resolved); a one-stage graph's own when it runs whole batches."""
+    if len(graph.stages) == 1 and graph.microbatches == 1:
+        return graph.program
     from .lower import lower
 
-    return lower(model, par)
-
-
-def single_program(model, program):
-    """The Program whose global input shapes the data task draws (a pipeline's stages see
-    microbatches: the single-rank Program of the model, tied weights resolved)."""
-    from soapstone.shard.plan.stage_graph import StageGraph
-
-    if not isinstance(program, StageGraph):
-        return program
-    from .lower import lower
-    from .stages import resolve_ties
-
-    return lower(resolve_ties(model), None)
+    return lower(model, None)
 
 
 def load_layout(args: argparse.Namespace):
@@ -193,7 +186,7 @@ def train(args, comm, par, program, task) -> int:
     trainer = Trainer(program, mesh, task=task, seed=args.seed, custom=custom_layers(),
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      zero=par.zero if par is not None else 0, trace=bool(trace))
+                      trace=bool(trace))
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
@@ -224,7 +217,7 @@ def train(args, comm, par, program, task) -> int:
         print(f"done: {args.steps} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
               f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
     if trace:
-        write_trace(trainer.pipeline, trace, rank)
+        write_trace(trainer.executor, trace, rank)
     return 0
 
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 import attrs
 
 from soapstone.dsl import ir
-from soapstone.dsl.lower import LoweringError, lower, resolve_ties
+from soapstone.dsl.lower import LoweringError, batch_dim, lower, resolve_ties
 from soapstone.shard.plan.stage_graph import Edge, Stage, StageGraph
 
-__all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_pipeline", "resolve_ties",
-           "split", "stage_runs"]
+__all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_graph", "lower_pipeline",
+           "resolve_ties", "split", "stage_runs"]
 
 
 @attrs.frozen
@@ -126,15 +126,19 @@ def inner_parallel(parallel: ir.Parallel) -> ir.Parallel:
                         operator=(), schedule=ir.Schedule())
 
 
-def batch_dim(model: ir.Model, parallel: ir.Parallel) -> str:
-    """The dim microbatching cuts: the sample-mapped dim, else the first inputs' first dim."""
-    if parallel.sample:
-        return parallel.sample[0][0]
-    for i in model.inputs:
-        if i.type.dims:
-            return i.type.dims[0]
-    raise LoweringError.at(f"model {model.name} has no batched input to cut into microbatches",
-                           model.loc)
+def lower_graph(model: ir.Model, parallel: ir.Parallel | None = None) -> StageGraph:
+    """Compile any layout (None: one rank) into the StageGraph the executor runs: a pipeline
+    layout's stages, else one stage holding lower(model, parallel)'s Program."""
+    if parallel is not None and parallel.operator:
+        return lower_pipeline(model, parallel)
+    program = lower(model, parallel)
+    bdim = program.batch_dim
+    stage = Stage(0, 0, 0, tuple(model.blocks), program, program.inputs, (), ())
+    return StageGraph(
+        model=model.name, parallel=parallel.name if parallel else None,
+        mesh=parallel.mesh if parallel else (), axis=None, stages=(stage,), edges=(),
+        schedule="1f1b", microbatches=1, chunks=1, batch_dim=bdim,
+        batch=model.size(bdim) if bdim else 0)
 
 
 def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
@@ -145,6 +149,9 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
     axis = parallel.operator[0].axis
     sched = parallel.schedule
     bdim = batch_dim(model, parallel)
+    if bdim is None:
+        raise LoweringError.at(f"model {model.name} has no batched input to cut into "
+                               "microbatches", model.loc)
     batch = model.size(bdim)
     mb = sched.microbatches
     if batch % mb:

@@ -11,7 +11,7 @@ A post-accumulate-grad hook on every parameter copies the fresh gradient into it
 slot; when a bucket is complete its collective starts asynchronously, and buckets are launched
 strictly in index order (a bucket completed early waits for its predecessors), so every rank
 issues the same collectives in the same order. `finish()` (called by the optimizer's step)
-waits for them. Per stage, over the data axes (the other grad_sync axes, e.g. "model" for
+waits for them. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
   stage 0  allreduce the full gradient buffer.
@@ -23,8 +23,8 @@ sequence-parallel layernorm weights, are a plain allreduce):
 
 The loss is already the global mean, so partial gradients are SUMMED, never averaged.
 
-Deferred parameters (`model.deferred_grads`, set by the pipeline executor for weights tied
-across pipeline stages) get a bucket each that is never launched during backward: the caller
+Deferred parameters (`deferred=`, given by the executor for weights tied across pipeline
+stages) get a bucket each that is never launched during backward: the caller
 adds to its local sum (`unreduced_grad(name)`, e.g. the other stages' gradients summed over the
 pipe axis) and `finish()` then reduces it like any other bucket.
 """
@@ -36,7 +36,7 @@ import contextlib
 import attrs
 import torch
 
-from soapstone.shard.plan.buckets import default_data_axes, plan_buckets
+from soapstone.shard.plan.buckets import plan_buckets
 
 
 @attrs.define
@@ -71,7 +71,7 @@ class Bucket:
 
     def __init__(self, index: int, slots: list[Slot], sync: tuple[str, ...],
                  dp: tuple[str, ...], split: tuple[str, ...], block: str | None, mesh,
-                 stage: int, dtype: torch.dtype, deferred: bool = False):
+                 zero: int, dtype: torch.dtype, deferred: bool = False):
         self.index, self.slots, self.block = index, slots, block
         self.deferred = deferred  # reduced only in finish() (see the module doc)
         self.sync, self.dp, self.split = sync, dp, split
@@ -81,8 +81,8 @@ class Bucket:
         self.comm_rest = mesh.comm(*self.rest) if self.rest and mesh is not None else None
         self.n = self.comm_dp.size if self.comm_dp is not None else 1
         self.rank = self.comm_dp.rank if self.comm_dp is not None else 0
-        self.sharded = stage >= 1 and self.n > 1
-        self.stage = stage if self.sharded else 0
+        self.sharded = zero >= 1 and self.n > 1
+        self.zero = zero if self.sharded else 0
         used = sum(s.numel for s in slots)
         self.numel = -(-used // self.n) * self.n  # padded so that it splits evenly
         self.shard = self.numel // self.n
@@ -101,7 +101,7 @@ class Bucket:
     @property
     def keeps_full_grad(self) -> bool:
         """Whether the full gradient buffer persists between steps (stages 0 and 1)."""
-        return self.stage <= 1
+        return self.zero <= 1
 
     def shard_range(self) -> slice:
         """This rank's slice of the bucket's flat buffers."""
@@ -127,14 +127,14 @@ class Bucket:
     def launch(self) -> None:
         """Start this bucket's reduction (async)."""
         self.dirty = False
-        if self.stage == 0:
+        if self.zero == 0:
             if self.comm_all is None:
                 self._fold_full()
             else:
                 self.handle = self.comm_all.allreduce(self.full_grad, async_op=True)
             return
         self.handle = self.comm_dp.reduce_scatter(self.full_grad, 0, async_op=True)
-        if self.stage >= 2:
+        if self.zero >= 2:
             self.full_grad = None  # freed once the reduce-scatter is done (the handle holds it)
 
     def _fold_full(self) -> None:
@@ -150,7 +150,7 @@ class Bucket:
             return
         out = self.handle.wait()
         self.handle = None
-        if self.stage == 0:
+        if self.zero == 0:
             self._fold_full()
             return
         if self.comm_rest is not None:
@@ -159,7 +159,7 @@ class Bucket:
             self.grad_shard = out
         else:
             self.grad_shard.add_(out)
-        if self.stage == 1:
+        if self.zero == 1:
             self.full_grad.zero_()
 
     def segment(self) -> Segment:
@@ -170,22 +170,19 @@ class Bucket:
 class GradReducer:
     """Owns a ShardedModel's buckets: flat params, gradient hooks, reductions (one per model)."""
 
-    def __init__(self, model, stage: int = 0, bucket_mb: float = 25.0,
-                 compute_dtype: torch.dtype | None = None,
-                 data_axes: tuple[str, ...] | None = None, overlap: bool = True):
+    def __init__(self, model, zero: int | None = None, bucket_mb: float = 25.0,
+                 data_axes: tuple[str, ...] | None = None, deferred: tuple[str, ...] = (),
+                 overlap: bool = True):
+        program = model.program
         self.model = model
-        self.stage = stage
+        self.zero = program.zero if zero is None else zero
         self.mesh = model.mesh
         self.overlap = overlap
-        program = model.program
-        if data_axes is None:
-            data_axes = default_data_axes(program)
-        self.data_axes = tuple(data_axes)
-        self.dtype = compute_dtype or next(
+        self.data_axes = tuple(program.data_axes if data_axes is None else data_axes)
+        # the flat parameters hold the model's compute dtype (bf16 under mixed precision)
+        self.dtype = model.compute_dtype or next(
             (p.dtype for p in model.params.values() if p.is_floating_point()), torch.float32)
-        if compute_dtype is not None:
-            model.dtype = compute_dtype  # inputs and casts follow the compute dtype
-        self.deferred = tuple(getattr(model, "deferred_grads", ()) or ())
+        self.deferred = tuple(deferred)
         self.buckets = self._make_buckets(bucket_mb)
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {}
         for b in self.buckets:
@@ -197,12 +194,11 @@ class GradReducer:
         self._callback_queued = False
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
-        self.provider = None
-        if stage == 3:
+        self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
+        if self.zero == 3:
             from soapstone.shard.zero import Zero3Provider
 
             self.provider = Zero3Provider(self)
-            model.param_provider = self.provider
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._on_grad)
@@ -211,7 +207,7 @@ class GradReducer:
     def _make_buckets(self, bucket_mb: float) -> list[Bucket]:
         model = self.model
         buckets = []
-        for i, plan in enumerate(plan_buckets(model.program, self.stage, self.data_axes,
+        for i, plan in enumerate(plan_buckets(model.program, self.zero, self.data_axes,
                                               self.deferred, bucket_mb)):
             slots, off = [], 0
             for name in plan.names:
@@ -219,7 +215,7 @@ class GradReducer:
                 slots.append(Slot(name, p, off, p.numel(), tuple(p.shape)))
                 off += p.numel()
             buckets.append(Bucket(i, slots, plan.sync, plan.dp, plan.split, plan.block,
-                                  self.mesh, self.stage, self.dtype, deferred=plan.deferred))
+                                  self.mesh, self.zero, self.dtype, deferred=plan.deferred))
         return buckets
 
     def _init_flat(self) -> None:
@@ -228,7 +224,7 @@ class GradReducer:
                 full = torch.zeros(b.numel, dtype=b.mdtype)
                 for s in b.slots:
                     full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-                if b.stage == 3:
+                if b.zero == 3:
                     b.master = full[b.shard_range()].clone()
                     from soapstone.shard.zero import release_params
 
@@ -243,7 +239,7 @@ class GradReducer:
                         b.shard_range()].clone()
                 else:
                     b.master = b.flat_param if self.dtype == b.mdtype else full
-                if b.stage <= 1:
+                if b.zero <= 1:
                     b.full_grad = torch.zeros(b.numel, dtype=b.mdtype)
 
     # --- during backward ------------------------------------------------------------------
@@ -305,7 +301,7 @@ class GradReducer:
         any axis: a flat view the caller may add to in place before finish()."""
         b, s = self.slot_of[id(self.model.params[name])]
         if not b.deferred:
-            raise ValueError(f"{name} is not a deferred parameter (model.deferred_grads)")
+            raise ValueError(f"{name} is not a deferred parameter (build_optimizer(deferred=...))")
         if b.full_grad is None:
             b.full_grad = torch.zeros(b.numel, dtype=b.mdtype)
         b.dirty = True
@@ -377,7 +373,7 @@ class GradReducer:
         pending = []
         with torch.no_grad():
             for b in self.buckets:
-                if b.stage == 3:
+                if b.zero == 3:
                     continue  # gathered from the master shard at the next forward
                 if b.sharded:
                     src = b.master if b.master.dtype == self.dtype else b.master.to(self.dtype)
@@ -390,17 +386,17 @@ class GradReducer:
             self.provider.params_updated()
 
     def zero_grad(self) -> None:
-        """Clear the gradients for the next step (buffers zeroed or dropped per stage)."""
+        """Clear the gradients for the next step (buffers zeroed or dropped per ZeRO stage)."""
         self._hide_grads()
         for b in self.buckets:
             b.complete()
             b.dirty = False
-            if b.stage == 0:
+            if b.zero == 0:
                 if b.acc is not None:
                     b.full_grad, b.acc = b.acc.zero_(), None
                 elif b.full_grad is not None:
                     b.full_grad.zero_()
-            elif b.stage == 1:
+            elif b.zero == 1:
                 b.full_grad.zero_()
                 b.grad_shard = None
             else:

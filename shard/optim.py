@@ -89,7 +89,7 @@ class Optimizer:
     @property
     def zero(self) -> int:
         """The ZeRO stage."""
-        return self.reducer.stage
+        return self.reducer.zero
 
     def no_sync(self):
         """Context: backward passes inside accumulate gradients without reducing them (stages
@@ -97,9 +97,10 @@ class Optimizer:
         microbatch and accumulate the shards)."""
         return self.reducer.no_sync()
 
-    def reduce_grads(self) -> None:
-        """Finish every gradient reduction (step() does it too; idempotent)."""
-        self.reducer.finish()
+    @property
+    def param_provider(self):
+        """ZeRO-3's parameter source for ShardedModel.forward(provider=...); None otherwise."""
+        return self.reducer.provider
 
     def unreduced_grad(self, name: str) -> torch.Tensor:
         """A deferred parameter's local gradient before its reduction: the pre-reduction hook
@@ -107,7 +108,7 @@ class Optimizer:
         return self.reducer.unreduced_grad(name)
 
     def grad_norm_sq(self, weights: dict[str, float] | None = None) -> float:
-        """The squared global gradient norm of this model after reduce_grads() (collective
+        """The squared global gradient norm of this model after reduction (collective
         over the model's mesh); weights scale deferred parameters' terms."""
         self.reducer.finish()
         return self.reducer.global_grad_norm_sq(weights)
@@ -115,7 +116,7 @@ class Optimizer:
     def step(self, grad_norm: float | None = None) -> None:
         """Finish gradient reduction, clip by the global norm (if grad_clip), update params.
         grad_norm: a norm the caller computed over more than this model (a pipeline's norm
-        over every stage, PipelineModel.step); default: this model's own global norm."""
+        over every pipeline stage, Executor.step); default: this model's own global norm."""
         self.reducer.finish()
         self.steps += 1
         segs = self.reducer.segments()
@@ -139,24 +140,24 @@ class Optimizer:
     def gathered(self):
         """Context: under ZeRO-3, every parameter holds its full value inside it (for
         model.full_state_dict() or evaluation); a no-op otherwise."""
-        return self.reducer.gathered() if self.reducer.stage == 3 else contextlib.nullcontext()
+        return self.reducer.gathered() if self.reducer.zero == 3 else contextlib.nullcontext()
 
 
 def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
                     momentum: float = 0.9, grad_clip: float | None = None, zero: int | None = None,
-                    bucket_mb: float = 25.0, precision: str | None = None, parallel=None,
-                    data_axes: tuple[str, ...] | None = None, overlap: bool = True,
+                    bucket_mb: float = 25.0, data_axes: tuple[str, ...] | None = None,
+                    deferred: tuple[str, ...] = (), overlap: bool = True,
                     betas=(0.9, 0.999), eps: float = 1e-8) -> Optimizer:
     """An optimizer for `model` (a ShardedModel) that also owns its gradient reduction.
 
-    name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data-parallel axes.
-    bucket_mb: gradient bucket size (the first bucket is 1 MiB at most, as in PyTorch DDP).
-    precision: None/"fp32", or "bf16": the model computes in bf16, the optimizer keeps fp32
-    master weights, fp32 gradient buffers and fp32 state. data_axes: the sample axes to shard
-    over (default: the axes of `parallel.sample` if given, else derived from the Program).
-    parallel: the spec's ir.Parallel; its `zero N` is the stage when `zero` is None.
-    overlap=False reduces only after backward (for
-    benchmarks).
+    name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data-parallel axes
+    (default: the Program's, from the spec's `zero` statement). data_axes: the sample axes to
+    shard over (default: the Program's). bucket_mb: gradient bucket size (the first bucket is
+    1 MiB at most, as in PyTorch DDP). deferred: parameters whose gradients the caller sums
+    further before reduction (weights tied across pipeline stages). Mixed precision follows
+    the model: built with compute_dtype=torch.bfloat16, it computes in bf16 while the
+    optimizer keeps fp32 master weights, gradient buffers and state. overlap=False reduces
+    only after backward (for benchmarks).
     """
     if name == "adamw":
         rule = FlatAdamW(lr, betas, eps, weight_decay)
@@ -164,15 +165,8 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
         rule = FlatSGD(lr, momentum, weight_decay)
     else:
         raise ValueError(f"unknown optimizer {name!r}; use 'adamw' or 'sgd'")
-    if zero is None:
-        zero = getattr(parallel, "zero", 0) or 0
-    if data_axes is None and parallel is not None:
-        data_axes = tuple(dict.fromkeys(axis for _, axis in parallel.sample))
-    if zero not in (0, 1, 2, 3):
+    if zero not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    if precision not in (None, "fp32", "bf16"):
-        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-    reducer = GradReducer(model, stage=zero, bucket_mb=bucket_mb,
-                          compute_dtype=torch.bfloat16 if precision == "bf16" else None,
-                          data_axes=data_axes, overlap=overlap)
+    reducer = GradReducer(model, zero=zero, bucket_mb=bucket_mb, data_axes=data_axes,
+                          deferred=deferred, overlap=overlap)
     return Optimizer(model, rule, grad_clip, reducer)

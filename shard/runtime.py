@@ -54,7 +54,8 @@ class ShardedModel:
     """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
 
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
-                 dtype: torch.dtype | None = None, fuse: bool = True):
+                 dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 fuse: bool = True):
         if program.world_size > 1:
             check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
         self.program = program
@@ -68,22 +69,18 @@ class ShardedModel:
         self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
         self.covered = set(self.run_index)
         self.frees = _last_uses(program, self.run_index)
-        self.dtype = dtype  # overrides the spec's float dtypes (e.g. float64 for checks)
-        # Optional ZeRO-3 hook (shard/zero.py): when set, forward asks it for parameters step
-        # by step (`before_step`/`after_step`) inside its `forward_context()`, instead of
-        # reading self.params directly.
-        self.param_provider = None
-        # Params whose gradients a caller sums further before reduction (pipeline tied weights;
-        # GradReducer gives each its own deferred bucket, shard/data_parallel.py)
-        self.deferred_grads: tuple[str, ...] = ()
+        # dtype: the parameters' and activations' float dtype instead of the spec's (float64
+        # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
+        # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
+        self.compute_dtype = compute_dtype or dtype
         self.params: dict[str, torch.nn.Parameter] = {
-            p.name: torch.nn.Parameter(self._cast(self.local(init_full(p, seed),
-                                                             program.value(p.name))))
+            p.name: torch.nn.Parameter(_cast(self.local(init_full(p, seed),
+                                                        program.value(p.name)), dtype))
             for p in program.params
         }
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        return _cast(t, self.compute_dtype)
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -134,9 +131,18 @@ class ShardedModel:
     # --- forward and backward --------------------------------------------------------------
 
     def forward(self, inputs: dict[str, torch.Tensor],
-                local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                local: dict[str, torch.Tensor] | None = None, *, rng_step: int = 0,
+                window: dict[str, tuple[int, int]] | None = None,
+                provider=None) -> dict[str, torch.Tensor]:
         """Run the steps on full inputs (every rank passes the same) or, for names in `local`,
-        on this rank's shards already (a pipeline stage's received tensors); local outputs."""
+        on this rank's shards already (a pipeline stage's received tensors); local outputs.
+
+        rng_step: the training step (dropout masks are a function of seed, step and value).
+        window: where this call's batch sits in the global batch when it runs a microbatch
+        (dim -> (offset, global size); see ops.Shards). provider: ZeRO-3's parameter source
+        (shard/zero.py), asked for parameters step by step; default: this model's own."""
+        self.ctx.rng_step = rng_step
+        self.ctx.window = window or {}
         env: dict[str, torch.Tensor] = {}
         for name in self.program.inputs:
             if local and name in local:
@@ -145,7 +151,6 @@ class ShardedModel:
                 env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
             else:
                 raise KeyError(f"missing input {name!r}")
-        provider = self.param_provider
         if provider is None:
             env.update(self.params)
         with provider.forward_context() if provider else contextlib.nullcontext():
@@ -228,23 +233,9 @@ class ShardedModel:
         out = self.program.loss
         return float(self.gather(outputs[out.name], self.program.value(out.value)))
 
-    def sync_grads(self) -> None:
-        """Sum each parameter's gradient over the axes where it holds a partial sum.
 
-        Parameters sharing the same axes travel in one flat buffer (one allreduce)."""
-        groups: dict[tuple[str, ...], list[torch.nn.Parameter]] = {}
-        for spec in self.program.params:
-            p = self.params[spec.name]
-            if spec.grad_sync and p.grad is not None:
-                groups.setdefault(spec.grad_sync, []).append(p)
-        for axes, ps in groups.items():
-            flat = torch.cat([p.grad.reshape(-1) for p in ps])
-            self.mesh.comm(*axes).allreduce(flat)
-            offset = 0
-            for p in ps:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def _last_uses(program: Program, runs_at: dict[int, int]) -> dict[int, list[str]]:

@@ -1,8 +1,9 @@
 """ZeRO-3: parameters kept as shards, gathered per block just before use and freed after.
 
-The hook into the runtime is `ShardedModel.param_provider` (one attribute, three calls):
-forward runs inside `provider.forward_context()` and calls `before_step(i, env)` /
-`after_step(i)` around each Program step. This provider
+The hook into the runtime is the `provider=` argument of `ShardedModel.forward` (the
+executor passes the optimizer's `param_provider`): forward runs inside
+`provider.forward_context()` and calls `before_step(i, env)` / `after_step(i)` around each
+Program step. This provider
 
 - gathers a bucket's parameters (an allgather of the flat shard over the data axes) at the
   step that first uses one of them, and starts the allgather of the next bucket in forward
@@ -49,7 +50,7 @@ class Zero3Provider:
         self.reducer = reducer
         self.model = reducer.model
         self.buckets = reducer.buckets
-        owner = {s.name: b for b in self.buckets if b.stage == 3 for s in b.slots}
+        owner = {s.name: b for b in self.buckets if b.zero == 3 for s in b.slots}
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for i, step in enumerate(self.model.program.steps):
@@ -158,7 +159,7 @@ class Zero3Provider:
 
     def grad_done(self, b) -> None:
         """Called by the gradient hook: once a bucket has all its gradients, free it."""
-        if b.stage == 3 and b.filled == len(b.slots):
+        if b.zero == 3 and b.filled == len(b.slots):
             self.release(b.index)
 
     def backward_done(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
+from soapstone.dsl.stages import lower_graph
 from soapstone.shard.plan.layout import R, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Redistribute
 from soapstone.shard.plan.program_text import backward_collective, format_program, program_to_json
@@ -137,12 +138,37 @@ def test_every_gpt_layout_lowers(layout):
     assert prog.loss is not None and prog.world_size == GPT.parallel(layout).world_size
 
 
-def test_lower_points_pipeline_layouts_to_lower_pipeline():
+def test_lower_points_pipeline_layouts_to_lower_graph():
     """A layout with pipeline stages compiles to a stage graph: lower() says where to go."""
     with pytest.raises(LoweringError) as err:
         program(GPT, "gpt8")
     (diag,) = err.value.diagnostics
-    assert "pipeline" in diag.message and "lower_pipeline" in diag.hint
+    assert "pipeline" in diag.message and "lower_graph" in diag.hint
+
+
+@pytest.mark.parametrize("layout", [None, "tp2", "dp2tp2", "gpt8"])
+def test_every_layout_is_a_stage_graph(layout):
+    """One executor runs every layout: one without stages is a one-stage graph holding
+    lower()'s Program; a pipeline layout has its stages and p2p edges."""
+    par = GPT.parallel(layout) if layout else None
+    graph = lower_graph(GPT.model(), par)
+    if par is None or not par.operator:
+        assert graph.axis is None and graph.pipe == 1 and graph.edges == ()
+        assert graph.program == lower(GPT.model(), par)
+        assert graph.program.batch_dim == "batch"
+    else:
+        assert graph.axis == "pipe" and len(graph.stages) == 2 and graph.edges
+        assert all(s.program.zero == par.zero for s in graph.stages)
+    assert graph.world_size == (par.world_size if par else 1)
+
+
+def test_the_program_carries_the_data_axes_and_zero():
+    """The runtime reads what the compiler decided instead of re-deriving it."""
+    spec = dsl.load(ROOT / "tests/specs/zero_layouts.par")
+    prog = program(spec, "dp2tp2z3")
+    assert prog.data_axes == ("data",) and prog.zero == 3
+    single = lower(spec.model(), None)
+    assert single.data_axes == () and single.zero == 0
 
 
 def test_lower_resolves_tied_params():

@@ -9,7 +9,7 @@ import json
 import pytest
 from mpirun import run_mpi
 
-from soapstone.shard.plan.explain import bubble_fraction
+from soapstone.shard.plan.schedules import build
 
 CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "explain"]
@@ -22,9 +22,9 @@ def test_explain_matches_a_real_step(comm_runs, n, optimizer):
 
 
 def test_bubble_formula():
-    assert bubble_fraction(1, 8) == 0.0
-    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
-    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert build("1f1b", 1, 8).theory_bubble() == 0.0
+    assert build("gpipe", 2, 4).theory_bubble() == pytest.approx(1 / 5)
+    assert build("1f1b", 4, 8).theory_bubble() == pytest.approx(3 / 11)
 
 
 def test_explain_table_and_json():

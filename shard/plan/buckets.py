@@ -12,8 +12,6 @@ import math
 
 import attrs
 
-from soapstone.shard.plan.layout import Split
-
 FIRST_BUCKET_BYTES = 1 << 20
 
 
@@ -30,7 +28,7 @@ class BucketPlan:
     deferred: bool
 
 
-def plan_buckets(program, stage: int, data_axes: tuple[str, ...],
+def plan_buckets(program, zero: int, data_axes: tuple[str, ...],
                  deferred: tuple[str, ...] = (), bucket_mb: float = 25.0) -> list[BucketPlan]:
     """The buckets GradReducer builds for `program` (the module doc's rules), from the Program
     alone (torch-free, so `soapstone explain` counts the same collectives the runtime issues).
@@ -48,7 +46,7 @@ def plan_buckets(program, stage: int, data_axes: tuple[str, ...],
             continue
         split = spec.layout.split_axes()
         dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)
-        key = (spec.grad_sync, dp, split, spec.block if stage == 3 else None,
+        key = (spec.grad_sync, dp, split, spec.block if zero == 3 else None,
                spec.name if spec.name in deferred else None)
         n = numel[spec.name] = math.prod(spec.local_shape)
         group = open_.get(key)
@@ -64,16 +62,3 @@ def plan_buckets(program, stage: int, data_axes: tuple[str, ...],
     return [BucketPlan(tuple(names), sum(numel[x] for x in names), sync, dp, split, block,
                        own is not None)
             for (sync, dp, split, block, own), names in order]
-
-
-def default_data_axes(program) -> tuple[str, ...]:
-    """The sample axes: those splitting the inputs' first (batch) dim, on which every
-    parameter's gradient is a partial sum."""
-    split_first: set[str] = set()
-    for name in program.inputs:
-        v = program.value(name)
-        split_first |= {a for a, pl in v.layout.placements if v.dims and pl == Split(v.dims[0])}
-    common = None
-    for p in program.params:
-        common = set(p.grad_sync) if common is None else common & set(p.grad_sync)
-    return tuple(a for a, _ in program.mesh if a in split_first and a in (common or set()))

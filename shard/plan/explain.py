@@ -132,24 +132,12 @@ class Estimate:
         return d
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe/1F1B idle fraction: (p-1)/(m+p-1)."""
-    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
-
-
-def data_axes(program: Program) -> tuple[str, ...]:
-    """The sample axes ZeRO shards over (as shard/data_parallel.py picks them)."""
-    from soapstone.shard.plan.buckets import default_data_axes
-
-    return default_data_axes(program)
-
-
 def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
              deferred: tuple[str, ...] = ()) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
     deferred: params with a gradient bucket of their own (pipeline tied weights)."""
     mesh = dict(program.mesh)
-    dp_axes = data_axes(program) if zero else ()
+    dp_axes = program.data_axes if zero else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
     rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -212,7 +200,7 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
 
     norm_keys: set[tuple[str, ...]] = set()
     master = 8 if float_params and float_params[0].dtype == "f64" else 4
-    for plan in plan_buckets(program, zero, data_axes(program), deferred):
+    for plan in plan_buckets(program, zero, program.data_axes, deferred):
         n_dp = math.prod(mesh[a] for a in plan.dp)
         padded = -(-plan.numel // n_dp) * n_dp
         item = FLOAT_BYTES[program.value(plan.names[0]).dtype]

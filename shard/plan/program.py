@@ -135,6 +135,10 @@ class Program:
     values: tuple[Value, ...]
     steps: tuple[Step, ...]
     outputs: tuple[Output, ...]
+    # What the runtime would otherwise re-derive, decided once by the compiler:
+    batch_dim: str | None = None  # the dim microbatching cuts (the sample-mapped one)
+    data_axes: tuple[str, ...] = ()  # the sample axes: gradient sync and ZeRO shard over them
+    zero: int = 0  # the ZeRO stage the spec asks for
 
     @property
     def world_size(self) -> int:

@@ -1,8 +1,10 @@
-"""The stage graph: a pipelined layout as printable data (no torch, no grammar).
+"""The stage graph: a layout as printable data (no torch, no grammar).
 
-A pipeline layout cuts a model into *virtual stages* at repeat-block boundaries. Virtual stage
-`v` runs on pipe rank `stage.rank` (v itself without interleaving; v mod P with it, `chunks`
-virtual stages per rank). Each virtual stage is an ordinary `Program`, compiled for one
+Every layout is a stage graph: one without an `operator` statement is one stage on the whole
+mesh (`axis` None), whose microbatches, if any, are gradient accumulation. A pipeline layout
+cuts a model into *virtual stages* at repeat-block boundaries. Virtual stage `v` runs on pipe
+rank `stage.rank` (v itself without interleaving; v mod P with it, `chunks` virtual stages per
+rank). Each virtual stage is an ordinary `Program`, compiled for one
 microbatch under the layout's other axes (data, model, ...), so tensor, sequence and data
 parallelism inside a stage are the single-program compiler's business.
 
@@ -68,22 +70,29 @@ class StageGraph:
     """Everything the pipeline executor and `soapstone show` need for one pipeline layout."""
 
     model: str
-    parallel: str
+    parallel: str | None  # None: the model on one rank
     mesh: tuple[tuple[str, int], ...]  # the full mesh, pipe axis included
-    axis: str  # the pipe axis
+    axis: str | None  # the pipe axis (None: one stage, no pipeline)
     stages: tuple[Stage, ...]  # virtual stages in model order
     edges: tuple[Edge, ...]
     schedule: str  # gpipe | 1f1b | interleaved
     microbatches: int
     chunks: int
-    batch_dim: str  # the dim microbatching cuts
+    batch_dim: str | None  # the dim microbatching cuts (None: no batched input)
     batch: int  # its global size
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # param -> virtual stages using it
 
     @property
     def pipe(self) -> int:
         """Number of pipe ranks."""
-        return dict(self.mesh)[self.axis]
+        return dict(self.mesh)[self.axis] if self.axis is not None else 1
+
+    @property
+    def program(self) -> Program:
+        """The one stage's Program of a layout without a pipeline."""
+        if len(self.stages) != 1:
+            raise ValueError(f"layout {self.parallel} has {len(self.stages)} stages, not one")
+        return self.stages[0].program
 
     @property
     def world_size(self) -> int:

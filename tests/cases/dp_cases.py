@@ -48,15 +48,16 @@ def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
     else:
         run_model, run_par = model, s.parallel(layout) if layout else None
     mesh = Mesh(W, **dict(run_par.mesh)) if run_par else None
-    m = ShardedModel(lower(run_model, run_par), mesh, seed=SEED, dtype=dtype)
+    m = ShardedModel(lower(run_model, run_par), mesh, seed=SEED, dtype=dtype,
+                     compute_dtype=torch.bfloat16 if precision == "bf16" else None)
     opt = build_optimizer(m, name, lr=LR if name == "adamw" else 1e-2, weight_decay=0.01,
-                          zero=zero, bucket_mb=BUCKET_MB, grad_clip=clip, precision=precision)
+                          zero=zero, bucket_mb=BUCKET_MB, grad_clip=clip)
     losses, norms = [], []
     whole = lower(model, None)  # the global batch is drawn for the full-size model
     for step in range(steps):
         batch = random_inputs(whole, step)
         if micro == 1:
-            out = m(batch)
+            out = m(batch, provider=opt.param_provider)
             out["loss"].backward()
             losses.append(m.loss_value(out))
         else:
@@ -64,7 +65,7 @@ def train(spec: str, layout: str | None, zero: int, dtype, name: str = "adamw",
             for k in range(micro):
                 part = {n: t.chunk(micro, 0)[k] for n, t in batch.items()}
                 with opt.no_sync() if k < micro - 1 else contextlib.nullcontext():
-                    out = m(part)
+                    out = m(part, provider=opt.param_provider)
                     (out["loss"] / micro).backward()
                 total += m.loss_value(out) / micro
             losses.append(total)

@@ -35,7 +35,7 @@ from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
 from soapstone.shard import trace as tr  # noqa: E402
 from soapstone.shard.data import random_inputs  # noqa: E402
-from soapstone.shard.pipeline import PipelineModel  # noqa: E402
+from soapstone.shard.executor import Executor  # noqa: E402
 from soapstone.shard.runtime import ShardedModel  # noqa: E402
 
 W = init("mpi")
@@ -68,33 +68,25 @@ def golden(model, par, optimizer: str = "torch") -> None:
     single = lower(resolve_ties(model), None)
     for dtype in (torch.float32, torch.float64):
         ref = ShardedModel(single, None, seed=SEED, dtype=dtype)
-        pm = PipelineModel(graph, mesh, seed=SEED, dtype=dtype)
+        pm = Executor(graph, mesh, seed=SEED, dtype=dtype)
         if optimizer == "zero1":
             # build_optimizer updates on fp32 flat buffers, where Adam's per-element division
             # turns rounding into visible differences (numerics_cases.py): SGD, checked in both
-            from soapstone.shard.optim import build_optimizer
-
             opt_ref = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-            pm.use_optimizer(lambda m: build_optimizer(m, "sgd", lr=LR, momentum=0.9, zero=1))
+            pm.use_optimizer(name="sgd", lr=LR, momentum=0.9, zero=1)
         else:
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR)
-            opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+            pm.use_optimizer(name="adamw", lr=LR, weight_decay=0.01, grad_clip=CLIP, zero=0)
         for step in range(STEPS):
             batch = synthetic_inputs(model, step)
             want = ref(batch)["loss"]
             want.backward()
-            got = pm.train_step(batch)
-            rel(got, float(want.detach()), f"{par.name} step {step} loss ({dtype})")
-            if optimizer == "zero1":
-                pm.step()
-            else:
+            if optimizer != "zero1":
                 want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
-                pm.sync_grads()
-                norm = pm.clip_grad_norm_(CLIP)
-                if dtype == torch.float64:
-                    rel(norm, want_norm, f"{par.name} step {step} grad norm")
-                opt.step()
-                opt.zero_grad()
+            got = pm.train_step(batch)  # forward, backward and the optimizers' step
+            rel(got, float(want.detach()), f"{par.name} step {step} loss ({dtype})")
+            if optimizer != "zero1" and dtype == torch.float64:
+                rel(pm.grad_norm, want_norm, f"{par.name} step {step} grad norm")
             opt_ref.step()
             opt_ref.zero_grad()
         if dtype == torch.float64 or optimizer == "zero1":
@@ -146,7 +138,7 @@ def case_pp2_trace():
     if W.size != 2:
         raise Skip("2 ranks")
     par = SPEC.parallel("pp2f1b")
-    pm = PipelineModel(lower_pipeline(SPEC.model(), par), Mesh(W, **dict(par.mesh)), trace=True)
+    pm = Executor(lower_pipeline(SPEC.model(), par), Mesh(W, **dict(par.mesh)), trace=True)
     pm.train_step(synthetic_inputs(SPEC.model(), 0))
     measured, theory = pm.bubble()
     assert 0.0 <= measured < 1.0 and abs(theory - 1 / 9) < 1e-12, (measured, theory)
@@ -213,7 +205,7 @@ def mismatch_main() -> None:
     bad = attrs.evolve(b, local_shape=(b.local_shape[0], b.local_shape[1] - 1,
                                        b.local_shape[2]))
     graph = attrs.evolve(graph, edges=(attrs.evolve(edge, tensors=(bad,)),))
-    pm = PipelineModel(graph, Mesh(W, **dict(par.mesh)))
+    pm = Executor(graph, Mesh(W, **dict(par.mesh)))
     pm.train_step(synthetic_inputs(SPEC.model(), 0))
     print("no error raised", flush=True)
 

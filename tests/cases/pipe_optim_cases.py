@@ -1,5 +1,5 @@
 """build_optimizer across pipeline stages: global-norm clipping over every stage and axis, and
-weights tied across stages summed over the pipe axis before the update (PipelineModel.step).
+weights tied across stages summed over the pipe axis before the update (Executor.step).
 
 Run on every rank by tests/mpirun.py (see tests/test_pipeline_optim.py). Each case trains a
 pipeline layout of tests/specs/pipe_layouts.par with `use_optimizer(build_optimizer(...,
@@ -28,8 +28,7 @@ from soapstone.comm import Mesh, init  # noqa: E402
 from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
 from soapstone.shard.data import random_inputs  # noqa: E402
-from soapstone.shard.optim import build_optimizer  # noqa: E402
-from soapstone.shard.pipeline import PipelineModel  # noqa: E402
+from soapstone.shard.executor import Executor  # noqa: E402
 from soapstone.shard.runtime import ShardedModel  # noqa: E402
 
 W = init("mpi")
@@ -71,9 +70,8 @@ def golden(layout: str, name: str, zero: int, tie: bool = False) -> None:
         ref = ShardedModel(single, None, seed=SEED, dtype=dtype)
         opt_ref = (torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0) if name == "adamw"
                    else torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9))
-        pm = PipelineModel(graph, mesh, seed=SEED, dtype=dtype)
-        pm.use_optimizer(lambda m: build_optimizer(m, name, lr=LR, momentum=0.9, zero=zero,
-                                                   grad_clip=CLIP))
+        pm = Executor(graph, mesh, seed=SEED, dtype=dtype)
+        pm.use_optimizer(name=name, lr=LR, momentum=0.9, zero=zero, grad_clip=CLIP)
         for step in range(STEPS):
             batch = random_inputs(lower(model, None), step)
             want = ref(batch)["loss"]
@@ -82,7 +80,6 @@ def golden(layout: str, name: str, zero: int, tie: bool = False) -> None:
             opt_ref.step()
             opt_ref.zero_grad()
             got = pm.train_step(batch)
-            pm.step()
             rel(got, float(want.detach()), f"{layout} step {step} loss ({dtype})")
             assert want_norm > CLIP, "the test must clip"
             if dtype == torch.float64:

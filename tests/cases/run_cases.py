@@ -19,8 +19,9 @@ from mpirun import Skip
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.lower import lower
+from soapstone.dsl.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden
+from soapstone.shard.data import SyntheticTask
 from soapstone.shard.plan.explain import estimate
 from soapstone.shard.train import Trainer
 
@@ -48,11 +49,12 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
 
     s = _spec(spec)
     par = s.parallel(layout)
-    program = lower(s.model(par.model), par)
+    graph = lower_graph(s.model(par.model), par)
+    program = graph.program
     mesh = Mesh(W, **dict(par.mesh)) if program.world_size > 1 else None
     custom = {n: c.fn for n, c in dsl.custom.registered().items()}
-    t = Trainer(program, mesh, seed=1, custom=custom, optimizer=optimizer, lr=1e-3,
-                zero=par.zero)
+    t = Trainer(graph, mesh, task=SyntheticTask(program, 1), seed=1, custom=custom,
+                optimizer=optimizer, lr=1e-3)
     t.step(0)  # warm up: first-use communicators, buckets, optimizer state
     comms = dict(mesh._comms) if mesh is not None else {}
     for c in comms.values():
@@ -69,10 +71,11 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
     assert measured == predicted, f"{spec}/{layout}: counters {sorted(measured.items())} vs " \
         f"explain {sorted(predicted.items())}"
     # memory, right after a step (gradients of the step still held)
-    out = t.model(t.task.batch(2))
-    out[t.loss_name].backward()
-    t.opt.reducer.finish()
-    mem = memory_report(t.model, t.opt)
+    m, opt = t.executor.models[0], t.executor.optimizers[0]
+    out = m(t.task.batch(2), provider=opt.param_provider)
+    out[program.loss.name].backward()
+    opt.reducer.finish()
+    mem = memory_report(m, opt)
     for what, want in (("params", est.param_bytes), ("grads", est.grad_bytes),
                        ("optimizer", est.optimizer_bytes)):
         got = mem[what]
@@ -96,7 +99,7 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     graph = lower_pipeline(model, par)
     mesh = Mesh(W, **dict(par.mesh))
     task = make_task(single_program(model, graph), 1)
-    t = Trainer(graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3, zero=par.zero)
+    t = Trainer(graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3)
     t.step(0)
     comms = dict(mesh._comms)
     for c in comms.values():
@@ -114,8 +117,8 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     assert measured == predicted, f"{layout} pipe rank {rank}: counters " \
         f"{sorted(measured.items())} vs explain {sorted(predicted.items())}"
     mem = {"params": 0, "grads": 0, "optimizer": 0}
-    for i, m in t.pipeline.models.items():
-        got = memory_report(m, t.pipeline.optimizers[i])
+    for i, m in t.executor.models.items():
+        got = memory_report(m, t.executor.optimizers[i])
         for k in mem:
             mem[k] += got[k]
     for what, want in (("params", est.param_bytes), ("grads", est.grad_bytes),

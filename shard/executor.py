@@ -1,35 +1,30 @@
-"""The pipeline executor: one rank's virtual stages, driven by a schedule over p2p.
+"""The executor: every layout is a StageGraph (no stages = one stage), run by one schedule.
 
-    graph = soapstone.dsl.stages.lower_pipeline(model, parallel)   # a StageGraph
-    pipe = PipelineModel(graph, Mesh(world, **dict(parallel.mesh)), seed=0)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    for batch in data:                   # full global batches, the same on every rank
-        loss = pipe.train_step(batch)    # forward + backward of every microbatch; the loss
-                                         # (mean over microbatches) on every rank
-        pipe.sync_grads()                # data/model-axis sums per stage + shared (tied) params
-        pipe.clip_grad_norm_(1.0)        # optional: the global norm over every axis and stage
-        opt.step(); opt.zero_grad()
-    pipe.write_chrome_trace("trace.json")   # the last step's timeline, every rank (collective)
-
-Or with shard/optim.py's optimizer per stage (ZeRO, overlapped bucketed reduction):
-
-    pipe.use_optimizer(lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1, grad_clip=1.0))
-    for batch in data:
-        loss = pipe.train_step(batch)
-        pipe.step()   # tied weights summed over the pipe axis, then each stage's reduction,
-                      # the norm over every stage and axis for clipping, update, zero grads
+    graph = soapstone.dsl.stages.lower_graph(model, parallel)   # any layout, or None: one rank
+    ex = Executor(graph, mesh, seed=0)                          # mesh: None on one rank
+    ex.use_optimizer(name="adamw", lr=1e-3, grad_clip=1.0)      # shard/optim.py per stage
+    for i, batch in enumerate(data):     # full global batches, the same on every rank
+        loss = ex.train_step(batch, step=i)   # every microbatch's forward and backward, then
+                                              # gradient sync, clipping, update; the loss of
+                                              # the whole batch (mean over microbatches)
+    ex.write_chrome_trace("trace.json")  # the last step's timeline, every rank (collective)
 
 Each virtual stage this rank runs is a `ShardedModel` of its stage Program on the mesh without
-the pipe axis, so collectives inside a stage are those of the single-program runtime. The
-schedule (shard/plan/schedules.py) is a list of actions; receives are posted ahead as non-blocking
-irecvs into buffers of the compile-time boundary shapes, sends are non-blocking isends waited on
-at the end of the step, so a rank computes while its messages travel. Every message has a tag
-naming (direction, edge, microbatch, tensor), so matching never depends on arrival order.
+the pipe axis, so collectives inside a stage are those of the single-program runtime. Without a
+pipe axis there is one stage and no p2p; its microbatches (`schedule ..., microbatches = k`)
+are gradient accumulation, by the same code as a pipeline's. The schedule
+(shard/plan/schedules.py) is a list of actions; receives are posted ahead as non-blocking
+irecvs into buffers of the compile-time boundary shapes, sends are non-blocking isends waited
+on at the end of the step, so a rank computes while its messages travel. Every message has a
+tag naming (direction, edge, microbatch, tensor), so matching never depends on arrival order.
 Before sending, the actual tensor is checked against the stage graph (ShapeMismatch, which
 aborts the MPI job through the failure handler instead of leaving the receiver hanging).
 
-The loss of a microbatch is a mean over it; the last stage backpropagates loss / microbatches,
-so the accumulated gradients are those of the mean over the whole batch, as on one rank.
+Gradients take one path: each stage's optimizer (build_optimizer: buckets, ZeRO, overlap)
+reduces them; weights tied across stages are its deferred parameters, summed over the pipe axis
+first; clipping uses the norm over every stage and axis. The loss of a microbatch is a mean
+over it; the last stage backpropagates loss / microbatches, so the accumulated gradients are
+those of the mean over the whole batch, as on one rank.
 """
 
 from __future__ import annotations
@@ -69,29 +64,33 @@ class SubMesh:
         return self.mesh.size(axis)
 
 
-class PipelineModel:
-    """This rank's share of a pipelined layout (see the module doc for the training loop)."""
+class Executor:
+    """This rank's share of a layout (see the module doc for the training loop)."""
 
-    def __init__(self, graph: StageGraph, mesh, seed: int = 0, custom: dict | None = None,
-                 dtype: torch.dtype | None = None, trace: bool = False):
-        check_mesh(mesh, graph.mesh, f"stage graph {graph.model}/{graph.parallel}")
+    def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
+                 dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 trace: bool = False):
+        if graph.world_size > 1:
+            check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
         self.graph = graph
         self.mesh = mesh
-        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
         self.trace = trace
-        self.pipe_rank = mesh.coord(graph.axis)
-        self.pipe_comm = mesh.comm(graph.axis)
-        self.sub = SubMesh(mesh, graph.axis)
+        piped = graph.axis is not None
+        self.pipe_rank = mesh.coord(graph.axis) if piped else 0
+        self.pipe_comm = mesh.comm(graph.axis) if piped else None
+        sub = SubMesh(mesh, graph.axis) if piped else mesh
         self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
-        self.models = {i: ShardedModel(s.program, self.sub, seed=seed, custom=custom,
-                                       dtype=dtype) for i, s in self.stages.items()}
+        self.models = {i: ShardedModel(s.program, sub, seed=seed, custom=custom, dtype=dtype,
+                                       compute_dtype=compute_dtype)
+                       for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
         self.actions = self.schedule.with_comm(self.pipe_rank)
         self.timeline = tr.Timeline(self.pipe_rank)
         self.last_loss: float | None = None
         self.optimizers: dict[int, object] = {}
-        self.grad_norm: float | None = None  # the global norm of the last step()
+        self.grad_norm: float | None = None  # the global norm of the last step
         self._ntensors = max([len(e.tensors) for e in graph.edges] + [1])
 
     # --- parameters ------------------------------------------------------------------------
@@ -107,24 +106,23 @@ class PipelineModel:
             for n, p in m.named_parameters():
                 yield i, n, p
 
-    def use_optimizer(self, build) -> None:
-        """Give each stage model its own optimizer from `build(sharded_model)`, e.g.
-        `lambda m: build_optimizer(m, "adamw", lr=1e-3, zero=1, grad_clip=1.0)`
-        (shard/optim.py). Such an optimizer reduces gradients itself, so the pipeline runs
-        every microbatch's backward but the last in its `no_sync()`; then call `step()`
-        instead of sync_grads + a torch optimizer. Weights tied across stages are deferred
-        parameters of each holder's optimizer (data_parallel.py): step() sums them over the
-        pipe axis before their data-axis reduction; grad_clip clips by the norm over every
-        stage and axis (the same for every stage's optimizer)."""
+    def use_optimizer(self, **settings) -> None:
+        """Give each stage its own optimizer: build_optimizer(stage model, **settings)
+        (shard/optim.py: name, lr, weight_decay, grad_clip, zero, ...). It reduces gradients
+        itself, so every microbatch's backward but the last runs in its `no_sync()`. Weights
+        tied across stages are its deferred parameters: summed over the pipe axis before their
+        data-axis reduction. grad_clip clips by the norm over every stage and axis."""
+        from soapstone.shard.optim import build_optimizer
+
         shared = {n for n, _ in self.graph.shared}
         for i, m in self.models.items():
-            m.deferred_grads = tuple(n for n in m.params if n in shared)
-            self.optimizers[i] = build(m)
+            deferred = tuple(n for n in m.params if n in shared)
+            self.optimizers[i] = build_optimizer(m, deferred=deferred, **settings)
 
     def step(self) -> None:
-        """The optimizers of use_optimizer(): sum tied weights' gradients over the pipe axis,
-        reduce, clip by the global norm over every stage (collective over the world), update,
-        clear gradients. The norm before clipping is left in `self.grad_norm`."""
+        """The optimizers' step: sum tied weights' gradients over the pipe axis, reduce, clip
+        by the global norm over every stage (collective over the pipe axis), update, clear
+        gradients. The norm before clipping is left in `self.grad_norm`."""
         opts = self.optimizers
         if self.graph.shared:
             self._sum_shared(lambda i, name: opts[i].unreduced_grad(name))
@@ -164,68 +162,15 @@ class PipelineModel:
                 t.copy_(flat[offset:offset + n].view(t.shape))
             offset += n
 
-    def sync_grads(self) -> None:
-        """Sum gradients over the axes where they are partial (per stage), and shared params'
-        gradients over the pipe axis (every pipe rank takes part, zeros where it holds none)."""
-        for m in self.models.values():
-            m.sync_grads()
-        if not self.graph.shared:
-            return
-        pieces, holders = [], []
-        for name, where in self.graph.shared:
-            local = [self.models[v].params[name] for v in where if v in self.models]
-            shape = self.graph.stages[where[0]].program.value(name).local_shape
-            g = torch.zeros(shape, dtype=self._float_dtype("f32"))
-            for p in local:
-                if p.grad is not None:
-                    g = g + p.grad
-            pieces.append(g.reshape(-1))
-            holders.append((local, shape))
-        flat = torch.cat(pieces)
-        self.pipe_comm.allreduce(flat)
-        offset = 0
-        for local, shape in holders:
-            n = math.prod(shape)
-            for p in local:
-                p.grad = flat[offset:offset + n].view(shape).clone().to(p.dtype)
-            offset += n
-
-    def grad_norm_sq(self) -> float:
-        """The squared global gradient norm over every stage and axis (collective over the
-        world): each rank adds its shards' squares divided by how many ranks and stages hold
-        the same elements, then one allreduce sums it all. Call after sync_grads."""
-        copies = {n: len(w) for n, w in self.graph.shared}
-        total = 0.0
-        for m in self.models.values():
-            for spec in m.program.params:
-                p = m.params[spec.name]
-                if p.grad is None:
-                    continue
-                split = {a for a, _ in spec.layout.placements}
-                replicas = math.prod(n for a, n in self.sub.shape.items() if a not in split)
-                total += float(p.grad.double().square().sum()) / (
-                    replicas * copies.get(spec.name, 1))
-        t = torch.tensor([total], dtype=torch.float64)
-        self.mesh.world.allreduce(t)
-        return float(t)
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale every gradient so the global norm is at most max_norm; return the norm before
-        (torch.nn.utils.clip_grad_norm_'s rule: coef = max_norm / (norm + 1e-6), capped at 1)."""
-        norm = self.grad_norm_sq() ** 0.5
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model as its full tensor, on every rank (collective)."""
         mine = {}
-        for m in self.models.values():
-            for name, full in m.full_state_dict().items():
-                mine.setdefault(name, full)
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers.values():  # ZeRO-3: the full values, for the moment
+                stack.enter_context(opt.gathered())
+            for m in self.models.values():
+                for name, full in m.full_state_dict().items():
+                    mine.setdefault(name, full)
         out = {}
         for stage in self.graph.stages:
             for spec in stage.program.params:
@@ -266,12 +211,22 @@ class PipelineModel:
                     piece[n] = t
         return out
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> float:
-        """Forward and backward of every microbatch (gradients accumulate into .grad); returns
-        the loss of the whole batch (the mean over microbatches) on every rank."""
+    def train_step(self, batch: dict[str, torch.Tensor], step: int = 0) -> float:
+        """One training step on a full global batch: forward and backward of every microbatch,
+        then, with use_optimizer(), the optimizers' step(); returns the loss of the whole batch
+        (the mean over microbatches) on every rank. `step` seeds dropout (the masks are a
+        function of seed, step and value, never of the layout). Without an optimizer the
+        gradients are left accumulated, unreduced, in each parameter's .grad."""
+        loss = self.forward_backward(batch, step)
+        if self.optimizers:
+            self.step()
+        return loss
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0) -> float:
+        """Forward and backward of every microbatch by the schedule; the whole batch's loss."""
         g = self.graph
         mbs = self.microbatches(batch)
-        if self.trace:
+        if self.trace and self.pipe_comm is not None:
             self.pipe_comm.barrier()
         self.timeline.begin()
         store: dict[tuple[int, int], tuple[dict, list]] = {}
@@ -293,8 +248,11 @@ class PipelineModel:
                 model = self.models[a.stage]
                 # this microbatch's rows of the global batch: dropout draws its mask for the
                 # whole batch and slices them, as on one rank (backward reuses the saved mask)
-                model.ctx.window = {g.batch_dim: (a.mb * (g.batch // g.microbatches), g.batch)}
-                outs = model.forward(mbs[a.mb], local=leaves)
+                window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
+                    if g.microbatches > 1 else None
+                opt = self.optimizers.get(a.stage)
+                outs = model.forward(mbs[a.mb], local=leaves, rng_step=step, window=window,
+                                     provider=opt.param_provider if opt else None)
                 if stage.is_last:
                     loss = outs[model.program.loss.name]
                     losses[a.mb] = loss.detach()
@@ -343,7 +301,8 @@ class PipelineModel:
 
     def _float_dtype(self, dtype: str) -> torch.dtype:
         t = TORCH_DTYPES[dtype]
-        return self.dtype if self.dtype is not None and t.is_floating_point else t
+        return self.compute_dtype if self.compute_dtype is not None and t.is_floating_point \
+            else t
 
     def _tag(self, direction: str, mb: int, edge: int, i: int) -> int:
         g = self.graph
