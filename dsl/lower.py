@@ -23,6 +23,7 @@ import attrs
 
 from soapstone.dsl import ir, rules
 from soapstone.dsl.errors import Diagnostic, SpecError
+from soapstone.shard.plan.collectives import transition_cost
 from soapstone.shard.plan.layout import (
     Layout,
     Owned,
@@ -32,7 +33,6 @@ from soapstone.shard.plan.layout import (
     Split,
     token,
     transition,
-    transition_cost,
 )
 from soapstone.shard.plan.program import (
     Compute,

@@ -182,30 +182,12 @@ class ShardedModel:
         if isinstance(step, CopyTo):
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
-        dim = src.dims.index(step.to.dim if step.kind == "slice" else step.frm.dim) \
-            if step.kind in ("slice", "allgather") else None
-        if not src.is_float:  # integer data (token ids): no gradient to route
+        if not src.is_float and step.kind in ("allgather", "slice"):
+            # integer data (token ids): no gradient to route
             if step.kind == "allgather":
-                return comm.allgather(x.contiguous(), dim=dim)
-            if step.kind == "slice":
-                n, i = comm.size, comm.rank
-                return x.chunk(n, dim)[i].contiguous()
-        if step.kind == "zero_fill":  # a branch's value as a partial sum: zeros off the owner
-            return x if comm.rank == step.frm.coord else x * 0
-        if step.kind == "broadcast":
-            return ag.broadcast(x.contiguous(), comm, src=step.frm.coord)
-        if step.kind == "allreduce":
-            return ag.reduce_from(x, comm)
-        if step.kind == "reduce_scatter":
-            return ag.reduce_scatter(x, comm, src.dims.index(step.to.dim))
-        if step.kind == "allgather":
-            return ag.all_gather(x, comm, dim, grad=step.grad)
-        if step.kind == "slice":
-            return ag.split(x, comm, dim)
-        if step.kind == "alltoall":
-            return ag.all_to_all(x, comm, split_dim=src.dims.index(step.to.dim),
-                                 concat_dim=src.dims.index(step.frm.dim))
-        raise ValueError(f"unknown redistribution {step.kind!r}")
+                return comm.allgather(x.contiguous(), dim=src.dims.index(step.frm.dim))
+            return x.chunk(comm.size, src.dims.index(step.to.dim))[comm.rank].contiguous()
+        return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
 
     def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:
         v = self.program.value(name)
@@ -232,6 +214,23 @@ class ShardedModel:
         """The global loss (summed over the axes it is partial on), as a float."""
         out = self.program.loss
         return float(self.gather(outputs[out.name], self.program.value(out.value)))
+
+
+# Each redistribution kind of shard/plan/collectives.py as the autograd collective that runs it
+# (forward and, through autograd, the backward the table names): (x, comm, step, dim index).
+REDISTRIBUTE = {
+    "allreduce": lambda x, comm, step, dim: ag.reduce_from(x, comm),
+    "reduce_scatter": lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
+    "allgather": lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
+                                                          grad=step.grad),
+    "slice": lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
+    "alltoall": lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
+                                                         concat_dim=dim(step.frm.dim)),
+    "broadcast": lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
+                                                         src=step.frm.coord),
+    # a branch's value as a partial sum: zeros off the owner
+    "zero_fill": lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
+}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

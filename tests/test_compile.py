@@ -15,9 +15,10 @@ import pytest
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
 from soapstone.dsl.stages import lower_graph
+from soapstone.shard.plan.collectives import backward_op
 from soapstone.shard.plan.layout import R, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Redistribute
-from soapstone.shard.plan.program_text import backward_collective, format_program, program_to_json
+from soapstone.shard.plan.program_text import format_program, program_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = dsl.load(ROOT / "tests/specs/gpt_layouts.par")
@@ -34,8 +35,8 @@ def activation_collectives(prog, axis="model"):
     for s in prog.steps:
         if isinstance(s, Redistribute) and s.axis == axis and s.kind != "slice":
             fwd[s.kind] += 1
-        if isinstance(s, Redistribute | CopyTo) and s.axis == axis and backward_collective(s):
-            bwd[backward_collective(s)] += 1
+        if isinstance(s, Redistribute | CopyTo) and s.axis == axis and backward_op(s):
+            bwd[backward_op(s)] += 1
     return fwd, bwd
 
 
@@ -242,3 +243,19 @@ def test_a_dim_named_like_a_placement_shards_like_any_other_dim(name):
     w = got.param("linear0.weight")
     assert w.local_shape == ref.param("linear0.weight").local_shape == (32, 32)
     assert w.layout.split_axis(name) == "model"
+
+
+def test_one_table_of_collective_kinds():
+    """Every redistribution kind the layout algebra can produce has a row in the collectives
+    table, and the runtime runs exactly those kinds (no second list to keep in step)."""
+    from soapstone.shard.plan import collectives
+    from soapstone.shard.plan.layout import Owned, Partial, Replicate, transition
+    from soapstone.shard.runtime import REDISTRIBUTE
+
+    placements = (Replicate(), Partial(), Split("a"), Split("b"), Owned(0))
+    produced = {transition(s, d) for s in placements for d in placements} - {None, "invalid"}
+    assert produced == set(collectives.KINDS) == set(REDISTRIBUTE)
+    # the cost model's bytes are the comm layer's: 64 KiB over 4 ranks, ring allreduce
+    assert collectives.transition_cost("allreduce", 1 << 16, 4) == \
+        collectives.LATENCY_BYTES + 2 * 3 * (1 << 16) // 4
+    assert collectives.transition_cost("slice", 1 << 16, 4) == 0.0

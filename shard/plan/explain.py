@@ -66,6 +66,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 
@@ -157,33 +158,16 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     activations = 0
     for step in program.steps:
         out = program.value(step.out)
+        if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
+            if forward_op(step):
+                add("forward", forward_op(step), step.axis, forward_bytes(program, step))
+            if backward_op(step) and program.value(step.src).is_float:
+                add("backward", backward_op(step), step.axis, backward_bytes(program, step))
         if isinstance(step, CopyTo):
-            add("backward", "allreduce", step.axis, out.nbytes)
-            continue
+            continue  # an alias of its source: no new activation
         if out.is_float:
             activations += out.nbytes
-        if isinstance(step, Redistribute):
-            src = program.value(step.src)
-            if step.kind == "allreduce":
-                add("forward", "allreduce", step.axis, src.nbytes)
-            elif step.kind == "reduce_scatter":
-                add("forward", "reduce_scatter", step.axis, src.nbytes)
-                if src.is_float:
-                    add("backward", "allgather", step.axis, src.nbytes)
-            elif step.kind == "allgather":
-                add("forward", "allgather", step.axis, out.nbytes)
-                if src.is_float and step.grad == "partial":
-                    add("backward", "reduce_scatter", step.axis, out.nbytes)
-            elif step.kind == "slice":
-                if src.is_float:
-                    add("backward", "allgather", step.axis, src.nbytes)
-            elif step.kind == "alltoall":
-                add("forward", "alltoall", step.axis, src.nbytes)
-                if src.is_float:
-                    add("backward", "alltoall", step.axis, out.nbytes)
-            elif step.kind == "broadcast":  # a branch's value from its owner; local backward
-                add("forward", "broadcast", step.axis, src.nbytes)
-        elif isinstance(step, Compute) and step.dist:
+        if isinstance(step, Compute) and step.dist:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
             over = str(step.attr("over"))

@@ -141,26 +141,3 @@ def transition(src: Placement, dst: Placement) -> str | None:
     if src == R:
         return "slice" if dst != P else "invalid"
     return "allgather" if dst == R else ("alltoall" if dst != P else "invalid")
-
-
-LATENCY_BYTES = 16 * 1024  # a collective's fixed cost, in bytes of bandwidth (alpha-beta model)
-
-
-def transition_cost(kind: str | None, local_bytes: int, n: int) -> float:
-    """Modelled cost of one per-axis transition of a tensor holding `local_bytes` on this rank.
-
-    Ring algorithms: allreduce moves 2(n-1)/n of the buffer, reduce_scatter and all-to-all
-    (n-1)/n of the input, allgather (n-1)/n of the output."""
-    if kind is None or kind in ("slice", "zero_fill") or n == 1:
-        return 0.0
-    if kind == "invalid":
-        return float("inf")
-    frac = (n - 1) / n
-    moved = {
-        "allreduce": 2 * frac * local_bytes,
-        "reduce_scatter": frac * local_bytes,
-        "allgather": frac * local_bytes * n,
-        "alltoall": frac * local_bytes,
-        "broadcast": local_bytes,
-    }[kind]
-    return LATENCY_BYTES + moved

@@ -13,13 +13,10 @@ import json
 
 import attrs
 
+from soapstone.shard.plan.collectives import backward_op
 from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
-from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute, Step
-
-# The backward of each forward redistribution (allgather depends on its `grad` field).
-BACKWARD = {"allreduce": None, "reduce_scatter": "allgather", "slice": "allgather",
-            "alltoall": "alltoall", "zero_fill": None, "broadcast": None}
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
 
 
 def _shape(program: Program, name: str) -> str:
@@ -30,17 +27,6 @@ def _shape(program: Program, name: str) -> str:
 
 def _layout(layout: Layout) -> str:
     return "{" + str(layout) + "}"
-
-
-def backward_collective(step: Step) -> str | None:
-    """The collective that runs in the backward pass for this forward step, if any."""
-    if isinstance(step, CopyTo):
-        return "allreduce"
-    if isinstance(step, Redistribute):
-        if step.kind == "allgather":
-            return "reduce_scatter" if step.grad == "partial" else None
-        return BACKWARD[step.kind]
-    return None
 
 
 def traffic(program: Program, zero: int = 0, deferred: tuple[str, ...] = ()) -> list[Traffic]:
@@ -61,7 +47,7 @@ def format_step(program: Program, step: Step) -> str:
         return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
                 f"(backward allreduce {format_bytes(step.nbytes)})")
     dims = f" {step.frm}->{step.to}"
-    bwd = backward_collective(step)
+    bwd = backward_op(step)
     back = f", backward {bwd}" if bwd else ""
     return (f"  {step.kind}[{step.axis}]{dims} {step.src} -> {step.out}   "
             f"({format_bytes(step.nbytes)}{back})")
