@@ -146,12 +146,16 @@ class BranchDef:
 
 @dataclass(slots=True)
 class Operator:
-    stages: list
+    KEYWORD = "operator"  # a once-only statement: its keyword names it in messages
+
+    stages: list  # StageDef and BranchDef
     loc: Loc
 
 
 @dataclass(slots=True)
 class ScheduleStmt:
+    KEYWORD = "schedule"
+
     kind: str
     kind_loc: Loc
     options: list  # [(key, value, loc)]
@@ -160,6 +164,8 @@ class ScheduleStmt:
 
 @dataclass(slots=True)
 class Zero:
+    KEYWORD = "zero"
+
     level: int
     loc: Loc
 

@@ -6,9 +6,17 @@ axis; `operator` places repeat blocks on pipeline stages (every block
 once, stages in order, none empty) or branches (top-level values) on coordinates of an axis;
 the schedule's microbatches divide the per-replica batch; `schedule` needs pipeline stages and
 `zero N` (N >= 1) a sample mapping. Pure Python; never imports torch.
+
+One function per statement kind reads a statement into `_Facts` and returns its diagnostics;
+one function per rule across statements reads the facts and returns its diagnostics;
+`check_parallel` runs them in a fixed order (the order of the reports).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
 
 from . import ast
 from .errors import Diagnostic, did_you_mean, nearest_divisible
@@ -18,352 +26,541 @@ from .parser import Sources
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SCHEDULE_OPTIONS = ("microbatches", "chunks")
 
+Diags = list[Diagnostic]
 
-class _ParallelChecker:
-    def __init__(self, p: ast.ParallelDef, model: Model, sources: Sources):
-        self.p = p
-        self.m = model
-        self.sources = sources
-        self.diags: list[Diagnostic] = []
-        self.dims = dict(model.dims)
 
-    def err(self, loc, message, hint=None) -> None:
-        self.diags.append(self.sources.diag(loc, message, hint, self.p.file))
+@attrs.frozen
+class _Ctx:
+    """The block being checked and its model: what every rule reads, never changes."""
 
-    def check(self) -> Parallel | None:
-        p, m = self.p, self.m
-        mesh: dict[str, int] = {}
-        for axis, size, loc in p.mesh:
-            if axis in mesh:
-                self.err(loc, f"mesh axis '{axis}' is declared twice")
-            elif size < 1:
-                self.err(loc, f"mesh axis '{axis}' has size {size}; sizes must be >= 1")
-            else:
-                mesh[axis] = size
-        self.mesh = mesh
-        used_axes: dict[str, str] = {}  # axis -> what uses it
-        mapped: dict[str, tuple[str, str]] = {}  # dim -> (kind, axis)
-        map_loc: dict[str, Loc] = {}  # dim -> where it is mapped
-        soap: dict[str, list[tuple[str, str]]] = {"sample": [], "attribute": [], "parameter": []}
-        failed: set[str] = set()  # statement kinds with a mapping rejected above
-        operator: list[StageAssignment] = []
-        branches: list[Branch] = []
-        schedule = None
-        zero = 0
-        seen_kw: dict[str, Loc] = {}
-        batch = m.inputs[0].type.dims[0] if m.inputs and m.inputs[0].type.dims else None
-        param_dims = {d for prm in m.params for d in prm.type.dims}
-        pipe_axis = None
-        has_stages = False
-        for s in p.body:
-            kw = type(s).__name__
-            if isinstance(s, (ast.ScheduleStmt, ast.Zero, ast.Operator)):
-                if kw in seen_kw:
-                    self.err(s.loc, f"a second '{kw.replace('Stmt', '').lower()}' statement",
-                             "put everything in one statement")
-                    continue
-                seen_kw[kw] = s.loc
-            if isinstance(s, ast.Soap):
-                for dims, axis, axis_loc in s.groups:
-                    axis_ok = self.axis(axis, axis_loc)
-                    for d, loc in dims:
-                        if d not in self.dims:
-                            self.err(loc, f"model '{m.name}' has no dim '{d}'",
-                                     did_you_mean(d, self.dims))
-                            continue
-                        if d in mapped:
-                            k, ax = mapped[d]
-                            self.err(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
-                                     "a dim maps to at most one mesh axis")
-                            continue
-                        if s.kind == "sample" and d != batch:
-                            self.err(loc, f"sample maps the batch dim '{batch}' (the inputs' "
-                                     f"leading dim), not '{d}'",
-                                     f"use 'attribute {d} -> {axis}' to split a data dim")
-                            continue
-                        if s.kind == "sample" and soap["sample"]:
-                            self.err(loc, "only one sample mapping is allowed")
-                            continue
-                        if s.kind == "parameter" and d not in param_dims:
-                            self.err(loc, f"'{d}' is no dim of any parameter",
-                                     f"use 'attribute {d} -> {axis}' to split activations")
-                            continue
-                        if s.kind == "attribute" and d == batch:
-                            self.err(loc, f"'{d}' is the batch dim; split it with sample",
-                                     f"sample {d} -> {axis}")
-                            continue
-                        if not axis_ok:
-                            continue
-                        size, n = self.dims[d], mesh[axis]
-                        if size % n:
-                            self.err(loc, f"{d} = {size} does not divide over {axis} = {n}",
-                                     f"{nearest_divisible(size, n)} (--dim {d}=...)")
-                            # the statement still uses the axis: no second error from it
-                            used_axes.setdefault(axis, s.kind)
-                            failed.add(s.kind)
-                            continue
-                        mapped[d] = (s.kind, axis)
-                        map_loc[d] = loc
-                        soap[s.kind].append((d, axis))
-                        used_axes.setdefault(axis, s.kind)
-            elif isinstance(s, ast.Operator):
-                stage_defs = [d for d in s.stages if not isinstance(d, ast.BranchDef)]
-                branch_defs = [d for d in s.stages if isinstance(d, ast.BranchDef)]
-                branches = self.branches(branch_defs)
-                for d in branch_defs:  # even a bad placement uses its axis: no second error
-                    used_axes.setdefault(d.axis, "branch")
-                has_stages = has_stages or bool(stage_defs)
-                if stage_defs:
-                    operator, pipe_axis = self.operator(ast.Operator(stage_defs, s.loc))
-                    if pipe_axis:
-                        used_axes[pipe_axis] = "operator"
-            elif isinstance(s, ast.ScheduleStmt):
-                schedule = s
-            elif isinstance(s, ast.Zero):
-                if not 0 <= s.level <= 3:
-                    self.err(s.loc, f"zero {s.level}: the ZeRO stage is 0, 1, 2 or 3")
-                else:
-                    zero = s.level
-        for b in branches:
-            if used_axes.get(b.axis) != "branch":
-                self.err(b.loc, f"axis '{b.axis}' places branches and cannot also "
-                         f"{'hold pipeline stages' if b.axis == pipe_axis else 'split dims'}",
-                         "give the branches their own mesh axis")
-        for ax in {ax for _, ax in soap["sample"] + soap["attribute"] + soap["parameter"]}:
-            if pipe_axis is not None and ax == pipe_axis:
-                self.err(seen_kw["Operator"], f"axis '{ax}' holds pipeline stages and cannot "
-                         "also split dims", "give the pipeline its own mesh axis")
-        for axis, size, loc in p.mesh:
-            if size > 1 and axis in mesh and axis not in used_axes:
-                if axis.startswith("pipe") or axis.startswith("stage"):
-                    self.err(loc, f"mesh axis '{axis}' (size {size}) has no operator statement",
-                             f"add: operator <repeat>[0..k] -> {axis} 0, ...")
-                else:
-                    self.err(loc, f"mesh axis '{axis}' (size {size}) is used by no statement",
-                             f"map a dim to it (sample {batch} -> {axis}), or make its size 1")
-        self.one_dim_per_axis(soap, map_loc)
-        if zero >= 1 and not soap["sample"] and "sample" not in failed:
-            self.err(seen_kw["Zero"], f"zero {zero} shards optimizer state over the sample "
-                     "(data-parallel) axis, but no sample statement maps the batch",
-                     f"add: sample {batch} -> AXIS, or use zero 0")
-        sched = Schedule()
-        if schedule is not None:
-            # a sample mapping that failed leaves the per-replica batch unknown: don't guess
-            sched = self.schedule(schedule, soap["sample"], pipe_axis,
-                                  None if "sample" in failed else batch, operator)
-            if not has_stages:
-                self.err(schedule.loc, "a schedule statement without pipeline stages does nothing",
-                         "add: operator <repeat>[0..k] -> pipe 0, ...; or remove the schedule")
-        if self.diags:
-            return None
-        return Parallel(p.name, p.model, tuple(p_ for p_ in mesh.items()),
-                        tuple(soap["sample"]), tuple(soap["attribute"]),
-                        tuple(soap["parameter"]), tuple(operator), sched, zero, p.loc,
-                        tuple(branches))
+    p: ast.ParallelDef
+    model: Model
+    sources: Sources
+    dims: dict[str, int]
+    batch: str | None  # the inputs' leading dim: what `sample` maps
 
-    def one_dim_per_axis(self, soap, map_loc: dict[str, Loc]) -> None:
-        """A tensor splits along at most one of its dims per mesh axis: an input (sample and
-        attribute mappings) or a parameter (parameter mappings) with two dims mapped to one
-        axis is an error (the lowering would keep the first and drop the second)."""
-        order = {d: i for i, d in enumerate(map_loc)}
-        leaves = [(f"input '{i.name}'", i.type.dims, soap["sample"] + soap["attribute"])
-                  for i in self.m.inputs]
-        leaves += [(f"parameter '{prm.name}'", prm.type.dims, soap["parameter"])
-                   for prm in self.m.params]
-        seen: set[tuple[str, str]] = set()
-        for what, dims, mapping in leaves:
-            first: dict[str, str] = {}  # axis -> the first mapped dim of this tensor on it
-            for d, axis in sorted(mapping, key=lambda m: order[m[0]]):
-                if d not in dims:
-                    continue
-                if axis not in first:
-                    first[axis] = d
-                    continue
-                if (first[axis], d) in seen:
-                    continue
-                seen.add((first[axis], d))
-                self.err(map_loc[d], f"{what} [{', '.join(dims)}] would split both "
-                         f"'{first[axis]}' and '{d}' over axis '{axis}'; a tensor splits "
-                         "along at most one dim per mesh axis",
-                         f"map '{d}' to another mesh axis")
+    @classmethod
+    def of(cls, p: ast.ParallelDef, model: Model, sources: Sources) -> _Ctx:
+        """The context of one parallel block."""
+        first = model.inputs[0].type.dims if model.inputs else ()
+        return cls(p, model, sources, dict(model.dims), first[0] if first else None)
 
-    def branches(self, defs: list) -> list[Branch]:
-        """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
-        m = self.m
-        top = {op.out for op in m.ops if op.block is None}
-        outputs = {o.value for o in m.outputs}
-        out: list[Branch] = []
-        seen: set[str] = set()
-        for d in defs:
-            if d.value in seen:
-                self.err(d.loc, f"value '{d.value}' is placed twice")
-                continue
-            seen.add(d.value)
-            if d.value not in top:
-                self.err(d.loc, f"'{d.value}' is no top-level value of model '{m.name}'",
-                         did_you_mean(d.value, top) or "branches name values assigned "
-                         "outside repeat blocks")
-                continue
-            if f"{d.value}.1" in top:
-                self.err(d.loc, f"'{d.value}' is assigned more than once; a branch names "
-                         "one value", "give the branch's result its own name")
-                continue
-            if d.value in outputs:
-                self.err(d.loc, f"'{d.value}' is a model output; a branch must feed later ops",
-                         "place the ops before the output instead")
-                continue
-            if not self.axis(d.axis, d.axis_loc):
-                continue
-            if not 0 <= d.coord < self.mesh[d.axis]:
-                self.err(d.coord_loc, f"{d.axis} {d.coord} is out of range: axis '{d.axis}' "
-                         f"has size {self.mesh[d.axis]} (0..{self.mesh[d.axis] - 1})")
-                continue
-            out.append(Branch(d.value, d.axis, d.coord, d.loc))
-        return out
+    def diag(self, loc: Loc | None, message: str, hint: str | None = None) -> Diagnostic:
+        """A diagnostic at `loc`, in this block's file."""
+        return self.sources.diag(loc, message, hint, self.p.file)
 
-    def axis(self, axis: str, loc: Loc) -> bool:
-        if axis in self.mesh:
-            return True
-        self.err(loc, f"mesh has no axis '{axis}'",
-                 did_you_mean(axis, self.mesh) or f"axes: {', '.join(self.mesh)}")
-        return False
 
-    def operator(self, s: ast.Operator):
-        m = self.m
-        repeats: dict[str, list[str]] = {}
-        for b in m.blocks:
-            repeats.setdefault(b.rsplit(".", 1)[0], []).append(b)
-        owner: dict[str, tuple[int, Loc]] = {}
-        out: list[StageAssignment] = []
-        axis = None
-        ok = True
-        for sd in s.stages:
-            if sd.repeat not in repeats:
-                self.err(sd.loc, f"model '{m.name}' has no repeat '{sd.repeat}'",
-                         did_you_mean(sd.repeat, repeats) or
-                         (f"repeats: {', '.join(repeats)}" if repeats else
-                          "pipeline stages hold repeat blocks; the model has none"))
-                ok = False
-                continue
-            if axis is None:
-                if not self.axis(sd.axis, sd.axis_loc):
-                    return [], None
-                axis = sd.axis
-            elif sd.axis != axis:
-                self.err(sd.axis_loc, f"all stages must use one mesh axis ('{axis}')")
-                ok = False
-                continue
-            n = len(repeats[sd.repeat])
-            if sd.lo > sd.hi:
-                self.err(sd.range_loc, f"empty range [{sd.lo}..{sd.hi}]", "write [low..high]")
-                ok = False
-                continue
-            if sd.hi >= n:
-                self.err(sd.range_loc, f"{sd.repeat} has {n} blocks (0..{n - 1}); "
-                         f"[{sd.lo}..{sd.hi}] is out of range")
-                ok = False
-                continue
-            if not 0 <= sd.stage < self.mesh[axis]:
-                self.err(sd.stage_loc, f"stage {sd.stage} is out of range: axis '{axis}' has "
-                         f"{self.mesh[axis]} stages (0..{self.mesh[axis] - 1})")
-                ok = False
-                continue
-            blocks = repeats[sd.repeat][sd.lo: sd.hi + 1]
-            for b in blocks:
-                if b in owner:
-                    self.err(sd.range_loc, f"block {b} is assigned twice",
-                             f"it is already on {axis} {owner[b][0]}")
-                    ok = False
-                owner[b] = (sd.stage, sd.range_loc)
-            out.append(StageAssignment(tuple(blocks), axis, sd.stage, sd.loc))
-        if not ok or axis is None:
-            return out, axis
-        missing = [b for b in m.blocks if b not in owner]
-        if missing:
-            self.err(s.loc, f"block {missing[0]} is assigned to no stage"
-                     + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
-                     "every repeat block goes to exactly one stage")
-            return out, axis
-        self.stage_seq = [owner[b][0] for b in m.blocks]
-        self.stage_locs = [owner[b][1] for b in m.blocks]
-        used = set(self.stage_seq)
-        empty = [i for i in range(self.mesh[axis]) if i not in used]
-        if empty:
-            self.err(s.loc, f"{axis} stage {empty[0]} gets no block",
-                     "every stage needs at least one block")
-        return out, axis
+@attrs.define
+class _Facts:
+    """What the statements read so far establish; the rules across statements read it."""
 
-    def order_ok(self, interleaved: bool, chunks: int, nstages: int, loc) -> None:
-        seq = getattr(self, "stage_seq", None)
-        if not seq:
-            return
+    mesh: dict[str, int]  # the well-formed axes
+    mapped: dict[str, tuple[str, str]] = attrs.Factory(dict)  # dim -> (statement kind, axis)
+    map_loc: dict[str, Loc] = attrs.Factory(dict)  # dim -> where it is mapped
+    soap: dict[str, list[tuple[str, str]]] = attrs.Factory(
+        lambda: {"sample": [], "attribute": [], "parameter": []})
+    failed: set[str] = attrs.Factory(set)  # statement kinds with a mapping rejected
+    used: dict[str, str] = attrs.Factory(dict)  # axis -> what uses it
+    seen: dict[str, Loc] = attrs.Factory(dict)  # once-only statement keyword -> where
+    stages: list[StageAssignment] = attrs.Factory(list)
+    pipe_axis: str | None = None
+    has_stages: bool = False
+    stage_seq: list[int] = attrs.Factory(list)  # each block's stage, when every block has one
+    stage_locs: list[Loc] = attrs.Factory(list)
+    branches: list[Branch] = attrs.Factory(list)
+    schedule: ast.ScheduleStmt | None = None
+    zero: int = 0
+
+
+def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
+    """An error if the mesh has no axis `axis`."""
+    if axis in mesh:
+        return None
+    return ctx.diag(loc, f"mesh has no axis '{axis}'",
+                    did_you_mean(axis, mesh) or f"axes: {', '.join(mesh)}")
+
+
+# ---- the mesh
+
+
+def _mesh(ctx: _Ctx) -> tuple[_Facts, Diags]:
+    """The mesh axes, each declared once with a size >= 1."""
+    mesh: dict[str, int] = {}
+    diags: Diags = []
+    for axis, size, loc in ctx.p.mesh:
+        if axis in mesh:
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' is declared twice"))
+        elif size < 1:
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' has size {size}; sizes must be >= 1"))
+        else:
+            mesh[axis] = size
+    return _Facts(mesh), diags
+
+
+# ---- sample / attribute / parameter
+
+
+def _sample_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if d != ctx.batch:
+        return ctx.diag(loc, f"sample maps the batch dim '{ctx.batch}' (the inputs' leading "
+                        f"dim), not '{d}'", f"use 'attribute {d} -> {axis}' to split a data dim")
+    if facts.soap["sample"]:
+        return ctx.diag(loc, "only one sample mapping is allowed")
+    return None
+
+
+def _attribute_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if d == ctx.batch:
+        return ctx.diag(loc, f"'{d}' is the batch dim; split it with sample",
+                        f"sample {d} -> {axis}")
+    return None
+
+
+def _parameter_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if not any(d in prm.type.dims for prm in ctx.model.params):
+        return ctx.diag(loc, f"'{d}' is no dim of any parameter",
+                        f"use 'attribute {d} -> {axis}' to split activations")
+    return None
+
+
+# What each mapping statement may map, by its kind.
+_SOAP_RULES: dict[str, Callable[..., Diagnostic | None]] = {
+    "sample": _sample_rule, "attribute": _attribute_rule, "parameter": _parameter_rule}
+
+
+def _dim_error(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc,
+               axis: str) -> Diagnostic | None:
+    """Why `kind d -> axis` cannot map d (whatever the axis), or None."""
+    if d not in ctx.dims:
+        return ctx.diag(loc, f"model '{ctx.model.name}' has no dim '{d}'",
+                        did_you_mean(d, ctx.dims))
+    if d in facts.mapped:
+        k, ax = facts.mapped[d]
+        return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
+                        "a dim maps to at most one mesh axis")
+    return _SOAP_RULES[kind](ctx, facts, d, loc, axis)
+
+
+def _map_dim(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc, axis: str,
+             axis_ok: bool) -> Diags:
+    """Map one dim to an axis, if it may and divides over it."""
+    err = _dim_error(ctx, facts, kind, d, loc, axis)
+    if err is not None:
+        return [err]
+    if not axis_ok:
+        return []
+    facts.used.setdefault(axis, kind)  # even a dim that does not divide: no second error
+    size, n = ctx.dims[d], facts.mesh[axis]
+    if size % n:
+        facts.failed.add(kind)
+        return [ctx.diag(loc, f"{d} = {size} does not divide over {axis} = {n}",
+                         f"{nearest_divisible(size, n)} (--dim {d}=...)")]
+    facts.mapped[d] = (kind, axis)
+    facts.map_loc[d] = loc
+    facts.soap[kind].append((d, axis))
+    return []
+
+
+def _soap(ctx: _Ctx, facts: _Facts, s: ast.Soap) -> Diags:
+    """`sample|attribute|parameter dims -> axis, ...`."""
+    diags: Diags = []
+    for dims, axis, axis_loc in s.groups:
+        bad_axis = _missing_axis(ctx, facts.mesh, axis, axis_loc)
+        diags += [bad_axis] if bad_axis else []
+        for d, loc in dims:
+            diags += _map_dim(ctx, facts, s.kind, d, loc, axis, bad_axis is None)
+    return diags
+
+
+# ---- operator: branches
+
+
+def _branch_error(ctx: _Ctx, mesh: dict[str, int], d: ast.BranchDef, top: set[str],
+                  outputs: set[str]) -> Diagnostic | None:
+    """Why value `d.value` cannot be a branch on `d.axis d.coord`, or None."""
+    if d.value not in top:
+        return ctx.diag(d.loc, f"'{d.value}' is no top-level value of model '{ctx.model.name}'",
+                        did_you_mean(d.value, top) or "branches name values assigned "
+                        "outside repeat blocks")
+    if f"{d.value}.1" in top:
+        return ctx.diag(d.loc, f"'{d.value}' is assigned more than once; a branch names one "
+                        "value", "give the branch's result its own name")
+    if d.value in outputs:
+        return ctx.diag(d.loc, f"'{d.value}' is a model output; a branch must feed later ops",
+                        "place the ops before the output instead")
+    missing = _missing_axis(ctx, mesh, d.axis, d.axis_loc)
+    if missing is not None:
+        return missing
+    if not 0 <= d.coord < mesh[d.axis]:
+        return ctx.diag(d.coord_loc, f"{d.axis} {d.coord} is out of range: axis '{d.axis}' has "
+                        f"size {mesh[d.axis]} (0..{mesh[d.axis] - 1})")
+    return None
+
+
+def _branches(ctx: _Ctx, facts: _Facts, defs: list[ast.BranchDef]) -> Diags:
+    """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
+    top = {op.out for op in ctx.model.ops if op.block is None}
+    outputs = {o.value for o in ctx.model.outputs}
+    diags: Diags = []
+    seen: set[str] = set()
+    for d in defs:
+        if d.value in seen:
+            diags.append(ctx.diag(d.loc, f"value '{d.value}' is placed twice"))
+            continue
+        seen.add(d.value)
+        err = _branch_error(ctx, facts.mesh, d, top, outputs)
+        if err is not None:
+            diags.append(err)
+            continue
+        facts.branches.append(Branch(d.value, d.axis, d.coord, d.loc))
+    for d in defs:  # even a bad placement uses its axis: no second error
+        facts.used.setdefault(d.axis, "branch")
+    return diags
+
+
+# ---- operator: pipeline stages
+
+
+def _repeats(model: Model) -> dict[str, list[str]]:
+    """Repeat name -> its block instances, in order."""
+    repeats: dict[str, list[str]] = {}
+    for b in model.blocks:
+        repeats.setdefault(b.rsplit(".", 1)[0], []).append(b)
+    return repeats
+
+
+def _stage_def_error(ctx: _Ctx, mesh: dict[str, int], repeats: dict[str, list[str]],
+                     sd: ast.StageDef, axis: str) -> Diagnostic | None:
+    """Why `repeat[lo..hi] -> axis stage` is no valid placement, or None."""
+    if sd.axis != axis:
+        return ctx.diag(sd.axis_loc, f"all stages must use one mesh axis ('{axis}')")
+    n = len(repeats[sd.repeat])
+    if sd.lo > sd.hi:
+        return ctx.diag(sd.range_loc, f"empty range [{sd.lo}..{sd.hi}]", "write [low..high]")
+    if sd.hi >= n:
+        return ctx.diag(sd.range_loc, f"{sd.repeat} has {n} blocks (0..{n - 1}); "
+                        f"[{sd.lo}..{sd.hi}] is out of range")
+    if not 0 <= sd.stage < mesh[axis]:
+        return ctx.diag(sd.stage_loc, f"stage {sd.stage} is out of range: axis '{axis}' has "
+                        f"{mesh[axis]} stages (0..{mesh[axis] - 1})")
+    return None
+
+
+def _unknown_repeat(ctx: _Ctx, repeats: dict[str, list[str]], sd: ast.StageDef) -> Diagnostic:
+    return ctx.diag(sd.loc, f"model '{ctx.model.name}' has no repeat '{sd.repeat}'",
+                    did_you_mean(sd.repeat, repeats) or
+                    (f"repeats: {', '.join(repeats)}" if repeats else
+                     "pipeline stages hold repeat blocks; the model has none"))
+
+
+def _claim(ctx: _Ctx, owner: dict[str, tuple[int, Loc]], blocks: list[str],
+           sd: ast.StageDef) -> Diags:
+    """Give `blocks` to stage `sd.stage`; a block given twice is an error."""
+    diags: Diags = []
+    for b in blocks:
+        if b in owner:
+            diags.append(ctx.diag(sd.range_loc, f"block {b} is assigned twice",
+                                  f"it is already on {sd.axis} {owner[b][0]}"))
+        owner[b] = (sd.stage, sd.range_loc)
+    return diags
+
+
+def _stages(ctx: _Ctx, facts: _Facts, defs: list[ast.StageDef], loc: Loc) -> Diags:
+    """`operator layer[0..1] -> pipe 0, ...`: blocks on the stages of one axis."""
+    repeats = _repeats(ctx.model)
+    owner: dict[str, tuple[int, Loc]] = {}
+    diags: Diags = []
+    axis = None
+    for sd in defs:
+        if sd.repeat not in repeats:
+            diags.append(_unknown_repeat(ctx, repeats, sd))
+            continue
+        if axis is None:  # the first placement names the axis; a missing one ends the check
+            missing = _missing_axis(ctx, facts.mesh, sd.axis, sd.axis_loc)
+            if missing is not None:
+                return diags + [missing]
+            axis = sd.axis
+        err = _stage_def_error(ctx, facts.mesh, repeats, sd, axis)
+        if err is not None:
+            diags.append(err)
+            continue
+        blocks = repeats[sd.repeat][sd.lo: sd.hi + 1]
+        diags += _claim(ctx, owner, blocks, sd)
+        facts.stages.append(StageAssignment(tuple(blocks), axis, sd.stage, sd.loc))
+    facts.pipe_axis = axis
+    if axis is not None:
+        facts.used[axis] = "operator"
+    if diags or axis is None:
+        return diags
+    return _coverage(ctx, facts, owner, loc)
+
+
+def _coverage(ctx: _Ctx, facts: _Facts, owner: dict[str, tuple[int, Loc]], loc: Loc) -> Diags:
+    """Every block on a stage and every stage with a block."""
+    blocks = ctx.model.blocks
+    missing = [b for b in blocks if b not in owner]
+    if missing:
+        return [ctx.diag(loc, f"block {missing[0]} is assigned to no stage"
+                         + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                         "every repeat block goes to exactly one stage")]
+    facts.stage_seq = [owner[b][0] for b in blocks]
+    facts.stage_locs = [owner[b][1] for b in blocks]
+    empty = [i for i in range(facts.mesh[facts.pipe_axis]) if i not in set(facts.stage_seq)]
+    if empty:
+        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty[0]} gets no block",
+                         "every stage needs at least one block")]
+    return []
+
+
+def _operator(ctx: _Ctx, facts: _Facts, s: ast.Operator) -> Diags:
+    """`operator ...`: branches and pipeline stages."""
+    stage_defs = [d for d in s.stages if not isinstance(d, ast.BranchDef)]
+    diags = _branches(ctx, facts, [d for d in s.stages if isinstance(d, ast.BranchDef)])
+    facts.has_stages = bool(stage_defs)
+    if stage_defs:
+        diags += _stages(ctx, facts, stage_defs, s.loc)
+    return diags
+
+
+# ---- schedule and zero (read here, checked by the rules below)
+
+
+def _schedule(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt) -> Diags:
+    """`schedule kind, options`: checked once the pipeline and the sample mapping are known."""
+    facts.schedule = s
+    return []
+
+
+def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
+    """`zero N`: a ZeRO stage 0..3."""
+    if not 0 <= s.level <= 3:
+        return [ctx.diag(s.loc, f"zero {s.level}: the ZeRO stage is 0, 1, 2 or 3")]
+    facts.zero = s.level
+    return []
+
+
+_STATEMENTS: dict[type, Callable[..., Diags]] = {
+    ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero}
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero)  # statements a block has at most one of
+
+
+def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
+    """One statement of the block; a second once-only statement is an error."""
+    if isinstance(s, _ONCE):
+        if s.KEYWORD in facts.seen:
+            return [ctx.diag(s.loc, f"a second '{s.KEYWORD}' statement",
+                             "put everything in one statement")]
+        facts.seen[s.KEYWORD] = s.loc
+    return _STATEMENTS[type(s)](ctx, facts, s)
+
+
+# ---- rules across statements
+
+
+def _branch_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+    """An axis that places branches does nothing else."""
+    return [ctx.diag(b.loc, f"axis '{b.axis}' places branches and cannot also "
+                     f"{'hold pipeline stages' if b.axis == facts.pipe_axis else 'split dims'}",
+                     "give the branches their own mesh axis")
+            for b in facts.branches if facts.used.get(b.axis) != "branch"]
+
+
+def _pipe_axis_splits(ctx: _Ctx, facts: _Facts) -> Diags:
+    """The axis that holds pipeline stages splits no dim."""
+    split = {ax for pairs in facts.soap.values() for _, ax in pairs}
+    if facts.pipe_axis is None or facts.pipe_axis not in split:
+        return []
+    return [ctx.diag(facts.seen["operator"], f"axis '{facts.pipe_axis}' holds pipeline stages "
+                     "and cannot also split dims", "give the pipeline its own mesh axis")]
+
+
+def _unused_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+    """Every mesh axis of size > 1 is used by some statement."""
+    repeats = list(_repeats(ctx.model))
+    diags: Diags = []
+    for axis, size, loc in ctx.p.mesh:
+        if size > 1 and axis in facts.mesh and axis not in facts.used:
+            stages = (f", place pipeline stages on it (operator {repeats[0]}[0..k] -> {axis} 0, "
+                      "...)" if repeats else "")
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' (size {size}) is used by no "
+                                  f"statement", f"map a dim to it (sample {ctx.batch} -> "
+                                  f"{axis}){stages}, or make its size 1"))
+    return diags
+
+
+def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
+    """A tensor splits along at most one of its dims per mesh axis: an input (sample and
+    attribute mappings) or a parameter (parameter mappings) with two dims mapped to one
+    axis is an error (the lowering would keep the first and drop the second)."""
+    order = {d: i for i, d in enumerate(facts.map_loc)}
+    soap = facts.soap
+    leaves = [(f"input '{i.name}'", i.type.dims, soap["sample"] + soap["attribute"])
+              for i in ctx.model.inputs]
+    leaves += [(f"parameter '{prm.name}'", prm.type.dims, soap["parameter"])
+               for prm in ctx.model.params]
+    diags: Diags = []
+    seen: set[tuple[str, str]] = set()
+    for what, dims, mapping in leaves:
+        first: dict[str, str] = {}  # axis -> the first mapped dim of this tensor on it
+        for d, axis in sorted(mapping, key=lambda m: order[m[0]]):
+            if d not in dims or first.setdefault(axis, d) == d or (first[axis], d) in seen:
+                continue
+            seen.add((first[axis], d))
+            diags.append(ctx.diag(facts.map_loc[d], f"{what} [{', '.join(dims)}] would split "
+                                  f"both '{first[axis]}' and '{d}' over axis '{axis}'; a tensor "
+                                  "splits along at most one dim per mesh axis",
+                                  f"map '{d}' to another mesh axis"))
+    return diags
+
+
+def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
+    """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
+    if facts.zero < 1 or facts.soap["sample"] or "sample" in facts.failed:
+        return []
+    return [ctx.diag(facts.seen["zero"], f"zero {facts.zero} shards optimizer state over the "
+                     "sample (data-parallel) axis, but no sample statement maps the batch",
+                     f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
+
+
+# ---- rules of the schedule
+
+
+def _schedule_kind(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[str, Diags]:
+    """The schedule's kind (1f1b in place of an unknown one, to check the rest)."""
+    if s.kind in SCHEDULES:
+        return s.kind, []
+    return "1f1b", [ctx.diag(s.kind_loc, f"unknown schedule '{s.kind}'",
+                             did_you_mean(s.kind, SCHEDULES)
+                             or f"schedules: {', '.join(SCHEDULES)}")]
+
+
+def _schedule_options(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[dict[str, int], Diags]:
+    """The valid options, each given once and >= 1."""
+    opts: dict[str, int] = {}
+    diags: Diags = []
+    for key, value, loc in s.options:
+        if key not in SCHEDULE_OPTIONS:
+            diags.append(ctx.diag(loc, f"unknown schedule option '{key}'",
+                                  did_you_mean(key, SCHEDULE_OPTIONS)
+                                  or "options: microbatches, chunks"))
+        elif key in opts:
+            diags.append(ctx.diag(loc, f"schedule option '{key}' is given twice"))
+        elif value < 1:
+            diags.append(ctx.diag(loc, f"{key} = {value}; it must be >= 1"))
+        else:
+            opts[key] = value
+    return opts, diags
+
+
+def _microbatches_divide(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, mb: int) -> Diags:
+    """The microbatches divide the per-replica batch."""
+    if ctx.batch is None or "sample" in facts.failed:
+        return []  # a sample mapping that failed leaves the per-replica batch unknown
+    sample = facts.soap["sample"]
+    replicas = facts.mesh.get(sample[0][1], 1) if sample else 1
+    per = ctx.dims[ctx.batch] // replicas
+    if per % mb == 0:
+        return []
+    near = min((n for n in range(1, per + 1) if per % n == 0), key=lambda n: (abs(n - mb), n))
+    return [ctx.diag(_option_loc(s, "microbatches", s.loc), f"microbatches = {mb} does not "
+                     f"divide the per-replica batch {ctx.batch} / {replicas} = {per}",
+                     f"use microbatches = {near}")]
+
+
+def _option_loc(s: ast.ScheduleStmt, key: str, default: Loc) -> Loc:
+    """Where option `key` is given (the last time), else `default`."""
+    return {k: loc for k, _, loc in s.options}.get(key, default)
+
+
+def _chunks(ctx: _Ctx, s: ast.ScheduleStmt, kind: str, mb: int, chunks: int,
+            nstages: int) -> Diags:
+    """`chunks` belongs to interleaved, which needs >= 2 and microbatches a stage multiple."""
+    if kind != "interleaved":
+        return [] if chunks == 1 else [ctx.diag(
+            _option_loc(s, "chunks", s.loc),
+            f"chunks applies to the interleaved schedule, not {kind}")]
+    diags: Diags = []
+    if chunks < 2:
+        diags.append(ctx.diag(_option_loc(s, "chunks", s.kind_loc),
+                              f"interleaved needs chunks >= 2 (got {chunks})",
+                              "add: chunks = 2 (virtual stages per rank)"))
+    if mb % nstages:
+        diags.append(ctx.diag(_option_loc(s, "microbatches", s.loc),
+                              f"interleaved needs microbatches ({mb}) to be a multiple of the "
+                              f"stage count ({nstages})"))
+    return diags
+
+
+def _block_order(ctx: _Ctx, facts: _Facts, interleaved: bool, chunks: int, nstages: int,
+                 loc: Loc | None) -> Diags:
+    """Stages follow block order; interleaved stages cycle 0..n-1 `chunks` times."""
+    seq = facts.stage_seq
+    if not seq:
+        return []
+    if interleaved:
         runs = [seq[0]] + [b for a, b in zip(seq, seq[1:], strict=False) if a != b]
-        if interleaved:
-            want = list(range(nstages)) * chunks
-            if runs != want:
-                self.err(loc, f"interleaved stages must cycle 0..{nstages - 1} {chunks} times "
+        if runs == list(range(nstages)) * chunks:
+            return []
+        return [ctx.diag(loc, f"interleaved stages must cycle 0..{nstages - 1} {chunks} times "
                          f"over the blocks, got {' '.join(map(str, runs))}",
-                         "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")
-            return
-        for i in range(len(seq) - 1):
-            if seq[i] > seq[i + 1]:
-                self.err(self.stage_locs[i + 1], f"block {self.m.blocks[i + 1]} is on stage "
-                         f"{seq[i + 1]}, before the stage {seq[i]} of {self.m.blocks[i]}",
-                         "stages must follow block order (block i's stage <= block i+1's)")
-                return
-
-    def schedule(self, s: ast.ScheduleStmt, sample, pipe_axis, batch, operator) -> Schedule:
-        kind = s.kind
-        if kind not in SCHEDULES:
-            self.err(s.kind_loc, f"unknown schedule '{kind}'",
-                     did_you_mean(kind, SCHEDULES) or f"schedules: {', '.join(SCHEDULES)}")
-            kind = "1f1b"
-        opts: dict[str, int] = {}
-        for key, value, loc in s.options:
-            if key not in SCHEDULE_OPTIONS:
-                self.err(loc, f"unknown schedule option '{key}'",
-                         did_you_mean(key, SCHEDULE_OPTIONS) or "options: microbatches, chunks")
-            elif key in opts:
-                self.err(loc, f"schedule option '{key}' is given twice")
-            elif value < 1:
-                self.err(loc, f"{key} = {value}; it must be >= 1")
-            else:
-                opts[key] = value
-        mb = opts.get("microbatches", 1)
-        chunks = opts.get("chunks", 1)
-        loc_of = {k: loc for k, _, loc in s.options}
-        nstages = self.mesh.get(pipe_axis, 1) if pipe_axis else 1
-        if batch is not None:
-            replicas = self.mesh.get(sample[0][1], 1) if sample else 1
-            per = self.dims[batch] // replicas
-            if per % mb:
-                ok = [n for n in range(1, per + 1) if per % n == 0]
-                near = min(ok, key=lambda n: (abs(n - mb), n))
-                self.err(loc_of.get("microbatches", s.loc),
-                         f"microbatches = {mb} does not divide the per-replica batch "
-                         f"{batch} / {replicas} = {per}", f"use microbatches = {near}")
-        if kind == "interleaved":
-            if chunks < 2:
-                self.err(loc_of.get("chunks", s.kind_loc),
-                         f"interleaved needs chunks >= 2 (got {chunks})",
-                         "add: chunks = 2 (virtual stages per rank)")
-            if mb % nstages:
-                self.err(loc_of.get("microbatches", s.loc),
-                         f"interleaved needs microbatches ({mb}) to be a multiple of the "
-                         f"stage count ({nstages})")
-        elif chunks != 1:
-            self.err(loc_of["chunks"], f"chunks applies to the interleaved schedule, not {kind}")
-        if operator:
-            self.order_ok(kind == "interleaved", chunks, nstages, s.kind_loc)
-        return Schedule(kind, mb, chunks)
+                         "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")]
+    blocks = ctx.model.blocks
+    for i in range(len(seq) - 1):
+        if seq[i] > seq[i + 1]:
+            return [ctx.diag(facts.stage_locs[i + 1], f"block {blocks[i + 1]} is on stage "
+                             f"{seq[i + 1]}, before the stage {seq[i]} of {blocks[i]}",
+                             "stages must follow block order (block i's stage <= block i+1's)")]
+    return []
 
 
-def check_parallel(p: ast.ParallelDef, model: Model, sources: Sources):
+def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
+    """The schedule statement: its kind and options against the pipeline and the batch."""
+    s = facts.schedule
+    if s is None:
+        return []
+    kind, diags = _schedule_kind(ctx, s)
+    opts, more = _schedule_options(ctx, s)
+    diags += more
+    mb, chunks = opts.get("microbatches", 1), opts.get("chunks", 1)
+    nstages = facts.mesh.get(facts.pipe_axis, 1) if facts.pipe_axis else 1
+    diags += _microbatches_divide(ctx, facts, s, mb)
+    diags += _chunks(ctx, s, kind, mb, chunks, nstages)
+    if facts.stages:
+        diags += _block_order(ctx, facts, kind == "interleaved", chunks, nstages, s.kind_loc)
+    if not facts.has_stages:
+        diags.append(ctx.diag(s.loc, "a schedule statement without pipeline stages does nothing",
+                              "add: operator <repeat>[0..k] -> pipe 0, ...; or remove the "
+                              "schedule"))
+    return diags
+
+
+# The rules across statements, in the order they report.
+_RULES = (_branch_axes, _pipe_axis_splits, _unused_axes, _one_dim_per_axis, _zero_needs_sample,
+          _schedule_rules)
+
+
+def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
+    """The checked block as IR."""
+    s = facts.schedule
+    sched = Schedule()
+    if s is not None:
+        opts = {k: v for k, v, _ in s.options}
+        sched = Schedule(s.kind, opts.get("microbatches", 1), opts.get("chunks", 1))
+    soap = facts.soap
+    return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
+                    tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
+                    sched, facts.zero, p.loc, tuple(facts.branches))
+
+
+def check_parallel(p: ast.ParallelDef, model: Model,
+                   sources: Sources) -> tuple[Parallel | None, list[Diagnostic]]:
     """Check one parallel block against its (checked) model: (ir.Parallel | None, diagnostics)."""
-    c = _ParallelChecker(p, model, sources)
-    par = c.check()
-    if par is not None and not any(isinstance(s, ast.ScheduleStmt) for s in p.body):
-        c.order_ok(False, 1, 1, None)  # order still matters without a schedule statement
-        if c.diags:
-            par = None
-    return par, c.diags
+    ctx = _Ctx.of(p, model, sources)
+    facts, diags = _mesh(ctx)
+    for s in p.body:
+        diags += _statement(ctx, facts, s)
+    for rule in _RULES:
+        diags += rule(ctx, facts)
+    if not diags and facts.schedule is None:  # order matters without a schedule statement too
+        diags += _block_order(ctx, facts, False, 1, 1, None)
+    return (None if diags else _parallel(p, facts)), diags

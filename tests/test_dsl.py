@@ -451,3 +451,19 @@ def test_a_rejected_mapping_does_not_cascade():
     spec = load(EXAMPLES / "gpt.par", dims={"batch": 1}, check=False)
     messages = [d.message for d in spec.diagnostics]
     assert messages == ["batch = 1 does not divide over data = 2"] * 3, messages
+
+
+def test_an_unused_axis_is_judged_by_the_statements_not_its_name():
+    # "pipe" and "model" are names like any other: the same error, the same two fixes
+    base = (EXAMPLES / "gpt.par").read_text().split("parallel single")[0]
+    for axis in ("pipe", "model", "stage7"):
+        errs = errors(base + f"parallel p for gpt on mesh(data = 2, {axis} = 2) {{\n"
+                      "  sample batch -> data\n}\n")
+        assert [e.message for e in errs] == [f"mesh axis '{axis}' (size 2) is used by no "
+                                             "statement"]
+        assert f"sample batch -> {axis}" in errs[0].hint
+        assert f"operator layer[0..k] -> {axis} 0" in errs[0].hint
+    # a model without repeat blocks has no pipeline stages to suggest
+    mlp = (EXAMPLES / "mlp.par").read_text().split("\nparallel ")[0]
+    errs = errors(mlp + "\nparallel p for mlp on mesh(pipe = 2) {\n  zero 0\n}\n")
+    assert len(errs) == 1 and "operator" not in errs[0].hint
