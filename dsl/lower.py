@@ -37,6 +37,7 @@ from soapstone.shard.plan.layout import (
 from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
+    InputRole,
     Output,
     ParamSpec,
     Program,
@@ -192,6 +193,7 @@ class _Lowering:
             data_axes=tuple(dict.fromkeys(a for _, a in (par.sample if par else ())
                                           if a in self.active)),
             zero=par.zero if par else 0,
+            roles=input_roles(self.model),
         )
 
     def _lower_op(self, op: ir.Op) -> None:
@@ -365,6 +367,31 @@ class _Lowering:
         if isinstance(step, Compute):
             return self.values[step.out].layout.get(axis) != R
         return False  # a slice's backward gathers; other-axis collectives keep R on this axis
+
+
+def input_roles(model: ir.Model) -> tuple[InputRole, ...]:
+    """Each input's role, read off the ops that use it: an embedding's ids (below the table's
+    first dim), cross-entropy targets (below the class dim), else float data (or, for an
+    integer input nothing classifies, labels of 2 classes)."""
+    sizes = dict(model.dims)
+    params = {p.name: p for p in model.params}
+    found: dict[str, InputRole] = {}
+    for op in model.ops:
+        if op.kind == "embedding" and op.args[1] in params:
+            ids = op.args[0]
+            found.setdefault(ids, InputRole(ids, "ids", sizes[params[op.args[1]].type.dims[0]]))
+        if op.kind == "cross_entropy":
+            t = op.args[1]
+            found.setdefault(t, InputRole(t, "labels", sizes[str(op.attr("over"))]))
+    # the classified inputs in op order, then the rest in input order: the synthetic task
+    # draws in this order, so it is part of what a recorded run reproduces
+    inputs = {i.name for i in model.inputs}
+    out = [r for r in found.values() if r.name in inputs]
+    for i in model.inputs:
+        if i.name not in found:
+            out.append(InputRole(i.name, "float") if i.type.dtype.startswith(("f", "bf"))
+                       else InputRole(i.name, "labels", 2))
+    return tuple(out)
 
 
 def batch_dim(model: ir.Model, parallel: ir.Parallel | None) -> str | None:

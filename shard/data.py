@@ -2,7 +2,7 @@
 
 Every rank builds the same FULL global batch for a step (a function of the seed and the step
 number only) and `ShardedModel.forward` slices its share, so a run's data never depends on the
-layout. What the inputs mean is read off the Program:
+layout. What the inputs mean is the Program's `roles` (decided by the compiler, dsl/lower.py):
 
 - an integer input feeding an `embedding` is token ids below that table's vocab size;
 - an integer input used as `cross_entropy` targets is labels below the class dim's size;
@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
+from soapstone.comm.errors import UserError
+from soapstone.shard.plan.program import Program
 
 MARKOV_P = 0.9
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data input (a missing or unreadable file, ids out of range): one line, exit 2."""
 
 
@@ -44,31 +45,9 @@ def _generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(key))
 
 
-def _origin(program: Program, name: str) -> str:
-    """The program input a value was redistributed from (or `name` itself)."""
-    producers = {s.out: s for s in program.steps}
-    while name in producers and isinstance(producers[name], Redistribute | CopyTo):
-        name = producers[name].src
-    return name
-
-
 def input_roles(program: Program) -> dict[str, tuple[str, int]]:
-    """input name -> (role, limit): ("ids", vocab), ("labels", classes) or ("float", 0)."""
-    sizes = dict(program.dims)
-    roles: dict[str, tuple[str, int]] = {}
-    for step in program.steps:
-        if not isinstance(step, Compute):
-            continue
-        if step.kind == "embedding":
-            table = program.value(step.args[1])
-            roles.setdefault(_origin(program, step.args[0]), ("ids", sizes[table.dims[0]]))
-        if step.kind == "cross_entropy":
-            limit = sizes[str(step.attr("over"))]
-            roles.setdefault(_origin(program, step.args[1]), ("labels", limit))
-    for name in program.inputs:
-        if name not in roles:
-            roles[name] = ("float", 0) if program.value(name).is_float else ("labels", 2)
-    return roles
+    """input name -> (role, limit), as the compiler decided (Program.roles)."""
+    return {r.name: (r.role, r.limit) for r in program.roles}
 
 
 def _shape(program: Program, name: str) -> tuple[int, ...]:

@@ -114,6 +114,16 @@ DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
 
 
 @attrs.frozen
+class InputRole:
+    """What a model input holds, so data can be made or checked for it: "ids" (token ids
+    below `limit`, an embedding's vocab), "labels" (classes below `limit`) or "float"."""
+
+    name: str
+    role: str
+    limit: int = 0
+
+
+@attrs.frozen
 class Output:
     """A model output: which value holds it; `is_loss` marks the one training minimises."""
 
@@ -139,6 +149,7 @@ class Program:
     batch_dim: str | None = None  # the dim microbatching cuts (the sample-mapped one)
     data_axes: tuple[str, ...] = ()  # the sample axes: gradient sync and ZeRO shard over them
     zero: int = 0  # the ZeRO stage the spec asks for
+    roles: tuple[InputRole, ...] = ()  # one per input
 
     @property
     def world_size(self) -> int:
