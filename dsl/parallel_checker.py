@@ -4,7 +4,8 @@ The mesh axes exist and are used; each dim maps to at most one axis and divides 
 `sample` maps the batch dim; a tensor (input or parameter) splits along at most one dim per
 axis; `operator` places repeat blocks on pipeline stages (every block
 once, stages in order, none empty) or branches (top-level values) on coordinates of an axis;
-the schedule's microbatches divide the per-replica batch; `schedule` needs pipeline stages and
+the schedule's microbatches divide the per-replica batch (without stages they are gradient
+accumulation); the interleaved schedule needs pipeline stages and
 `zero N` (N >= 1) a sample mapping. Pure Python; never imports torch.
 
 One function per statement kind reads a statement into `_Facts` and returns its diagnostics;
@@ -527,10 +528,11 @@ def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
     diags += _chunks(ctx, s, kind, mb, chunks, nstages)
     if facts.stages:
         diags += _block_order(ctx, facts, kind == "interleaved", chunks, nstages, s.kind_loc)
-    if not facts.has_stages:
-        diags.append(ctx.diag(s.loc, "a schedule statement without pipeline stages does nothing",
-                              "add: operator <repeat>[0..k] -> pipe 0, ...; or remove the "
-                              "schedule"))
+    if not facts.has_stages and kind == "interleaved":
+        # without stages the microbatches are gradient accumulation, in 1f1b or gpipe order
+        diags.append(ctx.diag(s.kind_loc, "the interleaved schedule needs pipeline stages",
+                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
+                              "(gradient accumulation over the microbatches)"))
     return diags
 
 

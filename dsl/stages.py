@@ -128,17 +128,34 @@ def inner_parallel(parallel: ir.Parallel) -> ir.Parallel:
 
 def lower_graph(model: ir.Model, parallel: ir.Parallel | None = None) -> StageGraph:
     """Compile any layout (None: one rank) into the StageGraph the executor runs: a pipeline
-    layout's stages, else one stage holding lower(model, parallel)'s Program."""
+    layout's stages, else one stage holding lower()'s Program. Without stages, the schedule's
+    microbatches are gradient accumulation: the Program is compiled for one microbatch."""
     if parallel is not None and parallel.operator:
         return lower_pipeline(model, parallel)
-    program = lower(model, parallel)
-    bdim = program.batch_dim
+    sched = parallel.schedule if parallel is not None else ir.Schedule()
+    bdim, dims = _microbatch_dims(model, parallel, sched.microbatches)
+    program = lower(attrs.evolve(model, dims=dims), parallel)
     stage = Stage(0, 0, 0, tuple(model.blocks), program, program.inputs, (), ())
     return StageGraph(
         model=model.name, parallel=parallel.name if parallel else None,
         mesh=parallel.mesh if parallel else (), axis=None, stages=(stage,), edges=(),
-        schedule="1f1b", microbatches=1, chunks=1, batch_dim=bdim,
+        schedule=sched.kind, microbatches=sched.microbatches, chunks=1, batch_dim=bdim,
         batch=model.size(bdim) if bdim else 0)
+
+
+def _microbatch_dims(model: ir.Model, parallel: ir.Parallel | None, mb: int):
+    """(batch dim, the model's dims with the batch dim cut to one of `mb` microbatches)."""
+    bdim = batch_dim(model, parallel)
+    if mb == 1:
+        return bdim, model.dims
+    loc = parallel.loc if parallel is not None else model.loc
+    if bdim is None:
+        raise LoweringError.at(f"model {model.name} has no batched input to cut into "
+                               "microbatches", loc)
+    batch = model.size(bdim)
+    if batch % mb:
+        raise LoweringError.at(f"microbatches = {mb} does not divide {bdim} = {batch}", loc)
+    return bdim, tuple((d, n // mb if d == bdim else n) for d, n in model.dims)
 
 
 def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
@@ -148,16 +165,9 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
                                parallel.loc, hint="use lower() for layouts without stages")
     axis = parallel.operator[0].axis
     sched = parallel.schedule
-    bdim = batch_dim(model, parallel)
-    if bdim is None:
-        raise LoweringError.at(f"model {model.name} has no batched input to cut into "
-                               "microbatches", model.loc)
-    batch = model.size(bdim)
     mb = sched.microbatches
-    if batch % mb:
-        raise LoweringError.at(f"microbatches = {mb} does not divide {bdim} = {batch}",
-                               parallel.loc)
-    dims = tuple((d, n // mb if d == bdim else n) for d, n in model.dims)
+    bdim, dims = _microbatch_dims(model, parallel, mb)
+    batch = model.size(bdim) if bdim else 0
     inner = inner_parallel(parallel)
     stages: list[Stage] = []
     for sm in split(model, parallel):
