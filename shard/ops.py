@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from soapstone.comm import autograd as ag
-from soapstone.shard.plan.program import Compute, Program, Value
+from soapstone.shard.plan.program import DIST_STATS, Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
 REGISTRY: dict[str, OpFn] = {}
@@ -183,20 +183,29 @@ def dropout(step, args, ctx):
     return args[0] * keep.to(args[0].dtype) / (1.0 - p)
 
 
-def _stat_sum(t: torch.Tensor, dim: int, step: Compute, ctx: Shards) -> torch.Tensor:
-    """Sum over `dim`, across ranks too when that dim is split (gradient summed back)."""
-    s = t.sum(dim, keepdim=True)
-    for axis in step.dist:
-        s = ag.all_reduce(s, ctx.comm(axis), backward="allreduce")
-    return s
+class _Stats:
+    """The statistics a distributed form combines across ranks, taken in order from
+    program.DIST_STATS (the table `show` and `explain` count): the op's code and the table
+    cannot drift, since a reduction the table does not list, or of another kind, is an error."""
 
+    def __init__(self, step: Compute, ctx: Shards):
+        self.step, self.ctx = step, ctx
+        self.rows = iter(DIST_STATS[step.kind])
 
-def _stat_max(t: torch.Tensor, dim: int, step: Compute, ctx: Shards) -> torch.Tensor:
-    """Max over `dim` across ranks; a constant for stability, so no gradient."""
-    m = t.detach().amax(dim, keepdim=True)
-    for axis in step.dist:
-        m = ctx.comm(axis).allreduce(m.clone(), op="max")
-    return m
+    def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """Allreduce the local statistic `t` with `op` over every axis the op is split on; its
+        gradient is summed back where the table says so, else passes through (a max is a
+        constant for stability: no gradient)."""
+        want, backward = next(self.rows, (None, False))
+        if want != op:
+            raise RuntimeError(f"{self.step.kind}: reduction {op} where DIST_STATS lists {want}")
+        for axis in self.step.dist:
+            comm = self.ctx.comm(axis)
+            if op == "max":
+                t = comm.allreduce(t.detach().clone(), op="max")
+            else:
+                t = ag.all_reduce(t, comm, backward="allreduce" if backward else "identity")
+        return t
 
 
 @op("layernorm")
@@ -209,9 +218,9 @@ def layernorm(step, args, ctx):
     g, b = align(gamma, (over,), xv.dims), align(beta, (over,), xv.dims)
     if not step.dist and d == x.dim() - 1:
         return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
-    n = ctx.sizes[over]
-    centred = x - _stat_sum(x, d, step, ctx) / n
-    var = _stat_sum(centred * centred, d, step, ctx) / n
+    n, stats = ctx.sizes[over], _Stats(step, ctx)
+    centred = x - stats.reduce(x.sum(d, keepdim=True), "sum") / n
+    var = stats.reduce((centred * centred).sum(d, keepdim=True), "sum") / n
     return centred * torch.rsqrt(var + eps) * g + b
 
 
@@ -222,7 +231,7 @@ def rmsnorm(step, args, ctx):
     xv = ctx.arg(step, 0)
     over, eps = step.attr("over"), float(step.attr("eps", 1e-6))
     d = xv.dims.index(over)
-    ms = _stat_sum(x * x, d, step, ctx) / ctx.sizes[over]
+    ms = _Stats(step, ctx).reduce((x * x).sum(d, keepdim=True), "sum") / ctx.sizes[over]
     return x * torch.rsqrt(ms + eps) * align(gamma, (over,), xv.dims)
 
 
@@ -233,8 +242,9 @@ def softmax(step, args, ctx):
     d = ctx.arg(step, 0).dims.index(step.attr("over"))
     if not step.dist:
         return torch.softmax(x, d)
-    e = torch.exp(x - _stat_max(x, d, step, ctx))
-    return e / _stat_sum(e, d, step, ctx)
+    stats = _Stats(step, ctx)
+    e = torch.exp(x - stats.reduce(x.detach().amax(d, keepdim=True), "max"))
+    return e / stats.reduce(e.sum(d, keepdim=True), "sum")
 
 
 @op("causal_mask")
@@ -263,17 +273,15 @@ def cross_entropy(step, args, ctx):
     if not step.dist:
         c = x.shape[-1]
         return F.cross_entropy(x.reshape(-1, c), t.reshape(-1), reduction="sum") / count
-    m = _stat_max(x, -1, step, ctx)
-    se = torch.exp(x - m).sum(-1)
-    for axis in step.dist:
-        se = ag.all_reduce(se, ctx.comm(axis), backward="identity")
+    stats = _Stats(step, ctx)
+    m = stats.reduce(x.detach().amax(-1, keepdim=True), "max")
+    se = stats.reduce(torch.exp(x - m).sum(-1), "sum")
     lse = torch.log(se) + m.squeeze(-1)
     lo, n = ctx.offset(lv, over), x.shape[-1]
     inside = (t >= lo) & (t < lo + n)
     local = torch.where(inside, t - lo, torch.zeros_like(t))
-    picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside.to(x.dtype)
-    for axis in step.dist:
-        picked = ag.all_reduce(picked, ctx.comm(axis), backward="identity")
+    picked = stats.reduce(x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside.to(x.dtype),
+                          "sum")
     return (lse - picked).sum() / count
 
 

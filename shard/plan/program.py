@@ -103,8 +103,9 @@ class CopyTo:
 
 Step = Compute | Redistribute | CopyTo
 
-# The allreduces of statistics a distributed form (shard/ops.py) runs per split axis, in
-# order: (reduce op, whether backward allreduces it too). `show` and `explain` count them.
+# The allreduces of statistics a distributed form runs per split axis, in order: (reduce op,
+# whether backward allreduces it too). `show` and `explain` count them; shard/ops.py takes its
+# reductions from here one by one (ops._Stats), so the two cannot drift.
 DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
     "layernorm": (("sum", True), ("sum", True)),
     "rmsnorm": (("sum", True),),
