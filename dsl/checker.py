@@ -15,7 +15,7 @@ Naming (deterministic; it appears in golden files and checkpoint keys):
 from __future__ import annotations
 
 from . import ast
-from . import custom as _custom
+from .custom import LayerRegistry
 from .errors import Diagnostic, did_you_mean, nearest_divisible
 from .ir import (
     Input,
@@ -26,7 +26,7 @@ from .ir import (
     Param,
     TensorType,
 )
-from .layers import DTYPES, FLOATS, LAYERS, PARAM_DTYPE, REQUIRED, Value, broadcast
+from .layers import DTYPES, FLOATS, PARAM_DTYPE, REQUIRED, Value, broadcast
 from .parser import Sources
 
 
@@ -66,15 +66,17 @@ class Ctx:
         b.taken.add(name)
         return Value(name, PARAM_DTYPE, dims)
 
-    def op(self, kind, args, dims, dtype, attrs=None, name: str | None = None) -> Value:
+    def op(self, kind, args, dims, dtype, attrs=None, name: str | None = None,
+           shard=None) -> Value:
         b = self.b
         out = self.out if name is None else f"{self.inst}.{name}"
         if out in b.taken:
             out = b.fresh(out)
         b.taken.add(out)
         at = tuple(sorted(attrs.items())) if attrs else ()
+        sh = tuple(sorted(shard.items())) if shard else ()
         b.ops.append(Op(kind, tuple(a.name for a in args), out, TensorType(dtype, dims), at,
-                        b.block, self.layer, self.loc))
+                        b.block, self.layer, self.loc, sh))
         return Value(out, dtype, dims)
 
     def call(self, layer: str, *args, final: bool = False, **kwargs) -> Value:
@@ -84,7 +86,7 @@ class Ctx:
         self.counters[layer] = k + 1
         inst = f"{self.inst}.{layer}{k}"
         sub = Ctx(self.b, inst, self.out if final else inst, self.layer, self.loc)
-        defn = LAYERS[layer]
+        defn = self.b.layers.builtin(layer)
         full = {a.name: a.default for a in defn.args}
         full.update(zip([a.name for a in defn.args], args, strict=False))
         full.update(kwargs)
@@ -95,9 +97,10 @@ class ModelBuilder:
     """Checks one `model` block and builds its ir.Model."""
 
     def __init__(self, mdef: ast.ModelDef, sources: Sources, overrides: dict[str, int],
-                 used: set[str]):
+                 used: set[str], layers: LayerRegistry):
         self.mdef = mdef
         self.sources = sources
+        self.layers = layers
         self.overrides = overrides
         self.used = used
         self.diags: list[Diagnostic] = []
@@ -242,12 +245,12 @@ class ModelBuilder:
         self.fail(getattr(e, "loc", None), f"expected a tensor, got {what}")
 
     def call(self, c: ast.Call, out: str | None) -> Value:
-        defn = LAYERS.get(c.func)
+        defn = self.layers.builtin(c.func)
         if defn is None:
-            cl = _custom._REGISTRY.get(c.func)
+            cl = self.layers.custom(c.func)
             if cl is not None:
                 return self.custom_call(c, cl, out)
-            names = list(LAYERS) + list(_custom._REGISTRY)
+            names = self.layers.names()
             plugin = "custom layers are registered in Python and loaded with --plugin"
             close = did_you_mean(c.func, names)
             hint = f"{close} ({plugin})" if close else plugin
@@ -364,7 +367,9 @@ class ModelBuilder:
         odims = (lead or ()) + tuple(binding[d] for d in cl.output.dims)
         if len(set(odims)) != len(odims):
             self.fail(c.loc, f"{c.func}() output [{', '.join(odims)}] repeats a dim")
-        return ctx.op(cl.kind, ins + params, odims, ins[0].dtype, dict(binding))
+        # how each bound model dim may split goes on the op: the compiler reads no registry
+        shard = {binding[var]: how for var, how in cl.shard}
+        return ctx.op(cl.kind, ins + params, odims, ins[0].dtype, dict(binding), shard=shard)
 
     # ---- statements
     def stmts(self, body: list) -> None:
@@ -484,9 +489,12 @@ class ModelBuilder:
 
 
 def check_model(mdef: ast.ModelDef, sources: Sources, overrides: dict[str, int] | None = None,
-                used: set[str] | None = None) -> tuple[Model | None, list[Diagnostic]]:
-    """Check one model block: its ir.Model (None on error) and the diagnostics."""
-    b = ModelBuilder(mdef, sources, overrides or {}, used if used is not None else set())
+                used: set[str] | None = None, layers: LayerRegistry | None = None
+                ) -> tuple[Model | None, list[Diagnostic]]:
+    """Check one model block against `layers` (only the built-ins when None): its ir.Model
+    (None on error) and the diagnostics."""
+    b = ModelBuilder(mdef, sources, overrides or {}, used if used is not None else set(),
+                     layers if layers is not None else LayerRegistry())
     model = b.build()
     return model, b.diags
 

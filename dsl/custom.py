@@ -22,12 +22,20 @@ tensors, then the params in declared order, and returns the output tensor.
 
 A spec calling the layer gets one IR op of kind `custom:<name>` whose args are the inputs then
 the params, and whose attrs map each dim variable to the model dim it bound
-(`(("ffn", "ffn"), ("hidden", "hidden"))`). Nothing here imports torch; a spec never runs code by
-itself: layers are registered by importing a plugin (`--plugin module_or_file.py`).
+(`(("ffn", "ffn"), ("hidden", "hidden"))`), and whose `shard` says how each bound model dim may
+split (`(("ffn", "partial"),)`): the compiler reads the op, never the registry. Nothing here
+imports torch; a spec never runs code by itself: layers are registered by importing a plugin
+(`--plugin module_or_file.py`).
+
+Layers live in a `LayerRegistry` (the built-ins plus the custom layers added to it) that
+`load(path, layers=registry)` checks a spec against. The decorator and `load_plugin` fill the
+default registry, `DEFAULT`, which `load` uses when given none; `LayerRegistry.layer` and
+`load_plugin(ref, layers=registry)` fill another one.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import importlib.util
 import re
@@ -36,6 +44,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
+
+from .layers import LAYERS, LayerDef
 
 _PATTERN = re.compile(r"^\s*(?:([A-Za-z_]\w*)\s*)?\[(.*)\]\s*$")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
@@ -58,6 +68,8 @@ class Pattern:
 
 @attrs.frozen
 class CustomParam:
+    """A weight of a custom layer: its shape pattern and init."""
+
     name: str
     shape: Pattern
     init: str
@@ -73,7 +85,7 @@ class CustomLayer:
     output: Pattern
     dims: tuple[str, ...]
     shard: tuple[tuple[str, str], ...]
-    fn: Callable = attrs.field(eq=False)
+    fn: Callable | None = attrs.field(default=None, eq=False)
 
     @property
     def kind(self) -> str:
@@ -85,10 +97,8 @@ class CustomLayer:
         return dict(self.shard).get(dim_var)
 
 
-_REGISTRY: dict[str, CustomLayer] = {}
-
-
 def parse_pattern(text: str, what: str) -> Pattern:
+    """`x[..., hidden]` -> Pattern (ValueError naming `what` if malformed)."""
     m = _PATTERN.match(text)
     if not m:
         raise ValueError(f"{what}: {text!r} is not a shape pattern like 'x[..., hidden]'")
@@ -104,7 +114,7 @@ def parse_pattern(text: str, what: str) -> Pattern:
     return Pattern(m.group(1) or "", ellipsis, tuple(parts))
 
 
-def layer(
+def define(
     name: str,
     *,
     inputs: Sequence[str],
@@ -112,10 +122,9 @@ def layer(
     output: str,
     dims: Sequence[str] = (),
     shard: Mapping[str, str] | None = None,
-) -> Callable[[Callable], Callable]:
-    """Register a custom layer (a decorator); see the module docstring. Returns `fn` unchanged."""
-    from .layers import LAYERS  # the built-ins (no cycle at import time)
-
+    fn: Callable | None = None,
+) -> CustomLayer:
+    """A custom layer's checked definition (ValueError if the signature is malformed)."""
     if not _IDENT.match(name):
         raise ValueError(f"layer name {name!r} is not an identifier")
     if name in LAYERS:
@@ -160,33 +169,108 @@ def layer(
             raise ValueError(f"layer {name}: shard names {d!r}, which is no dim of the layer")
         if mode == "split" and d not in out.dims:
             raise ValueError(f"layer {name}: shard[{d!r}] = 'split' needs {d!r} in the output")
+    return CustomLayer(name, ins, tuple(ps), out, tuple(dims), tuple(sorted(sh.items())), fn)
 
-    def register(fn: Callable) -> Callable:
-        _REGISTRY[name] = CustomLayer(
-            name, ins, tuple(ps), out, tuple(dims), tuple(sorted(sh.items())), fn
-        )
-        return fn
 
-    return register
+@attrs.define
+class LayerRegistry:
+    """The layers a spec may call: the built-ins and the custom layers added here."""
+
+    _custom: dict[str, CustomLayer] = attrs.field(factory=dict, init=False)
+
+    def builtin(self, name: str) -> LayerDef | None:
+        """The built-in layer `name`, or None."""
+        return LAYERS.get(name)
+
+    def custom(self, name: str) -> CustomLayer | None:
+        """The custom layer `name`, or None."""
+        return self._custom.get(name)
+
+    def names(self) -> list[str]:
+        """Every layer a spec may call: the built-ins, then the custom layers."""
+        return list(LAYERS) + list(self._custom)
+
+    def add(self, layer: CustomLayer) -> None:
+        """Add (or replace) a custom layer."""
+        if layer.name in LAYERS:
+            raise ValueError(f"{layer.name!r} is a built-in layer")
+        self._custom[layer.name] = layer
+
+    def remove(self, name: str) -> None:
+        """Forget a custom layer (no error if there is none)."""
+        self._custom.pop(name, None)
+
+    def get(self, name: str) -> CustomLayer:
+        """The custom layer `name` (KeyError if none)."""
+        return self._custom[name]
+
+    def registered(self) -> dict[str, CustomLayer]:
+        """The custom layers, by name."""
+        return dict(self._custom)
+
+    def functions(self) -> dict[str, Callable]:
+        """Each custom layer's torch function, by name: the runtime's `custom=` argument."""
+        return {name: layer.fn for name, layer in self._custom.items()}
+
+    def layer(self, name: str, **signature) -> Callable[[Callable], Callable]:
+        """A decorator adding a custom layer here (the signature as `define`'s); returns `fn`."""
+
+        checked = define(name, **signature)  # a bad signature fails at the decorator line
+
+        def register(fn: Callable) -> Callable:
+            defn = attrs.evolve(checked, fn=fn)
+            fn.__soapstone_layer__ = defn  # lets load_plugin find it in an imported module
+            self.add(defn)
+            return fn
+
+        return register
+
+
+DEFAULT = LayerRegistry()  # what `@layer` and `--plugin` fill, and `load` checks against
+
+# The registry `@layer` adds to: DEFAULT, or the one a load_plugin call is importing into.
+_TARGET: contextvars.ContextVar[LayerRegistry] = contextvars.ContextVar("target",
+                                                                         default=DEFAULT)
+
+
+def layer(name: str, **signature) -> Callable[[Callable], Callable]:
+    """Register a custom layer (a decorator; the signature as `define`'s keyword arguments, see
+    the module docstring). Returns `fn` unchanged."""
+    return _TARGET.get().layer(name, **signature)
 
 
 def get(name: str) -> CustomLayer:
-    """The registered custom layer `name` (KeyError if none)."""
-    return _REGISTRY[name]
+    """The custom layer `name` of the default registry (KeyError if none)."""
+    return DEFAULT.get(name)
 
 
 def registered() -> dict[str, CustomLayer]:
-    """All registered custom layers, by name."""
-    return dict(_REGISTRY)
+    """The default registry's custom layers, by name."""
+    return DEFAULT.registered()
 
 
 def unregister(name: str) -> None:
-    """Forget a custom layer (tests)."""
-    _REGISTRY.pop(name, None)
+    """Forget a custom layer of the default registry (tests)."""
+    DEFAULT.remove(name)
 
 
-def load_plugin(ref: str) -> None:
-    """Import a plugin that registers layers: a module name or a path to a .py file."""
+def load_plugin(ref: str, layers: LayerRegistry | None = None) -> None:
+    """Import a plugin (a module name or a path to a .py file); its layers go into `layers`
+    (the default registry when None)."""
+    target = DEFAULT if layers is None else layers
+    token = _TARGET.set(target)
+    try:
+        module = _import(ref)
+    finally:
+        _TARGET.reset(token)
+    # a module imported before ran its decorators then: take its layers from it
+    for obj in vars(module).values():
+        defn = getattr(obj, "__soapstone_layer__", None)
+        if isinstance(defn, CustomLayer):
+            target.add(defn)
+
+
+def _import(ref: str):
     if ref.endswith(".py") or "/" in ref or Path(ref).is_file():
         path = Path(ref).resolve()
         if not path.is_file():
@@ -197,5 +281,5 @@ def load_plugin(ref: str) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[modname] = module
         spec.loader.exec_module(module)
-    else:
-        importlib.import_module(ref)
+        return module
+    return importlib.import_module(ref)

@@ -64,7 +64,9 @@ class Param:
 @attrs.frozen
 class Op:
     """One primitive op. `args` name values: inputs, params, or earlier op outputs (in order).
-    `attrs` holds the primitive's options as sorted (key, value) pairs (hashable)."""
+    `attrs` holds the primitive's options as sorted (key, value) pairs (hashable). A custom
+    layer's op also says how its bound dims may split: `shard`, sorted (dim, "split" |
+    "partial") pairs, so the compiler needs no layer registry."""
 
     kind: str
     args: tuple[str, ...]
@@ -74,6 +76,7 @@ class Op:
     block: str | None = None
     layer: str = ""  # the spec-level layer this op came from ("attention", "mlp", ...)
     loc: Loc | None = _field(default=None, eq=False)
+    shard: tuple[tuple[str, str], ...] = ()
 
     def attr(self, key: str, default: object = None) -> object:
         """The value of one option, or `default`."""

@@ -38,9 +38,7 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
     out = op.type.dims
     kind = op.kind
     if kind.startswith("custom:"):
-        from soapstone.dsl import custom
-
-        return custom_roles(custom.get(kind.split(":", 1)[1]), op, arg_dim_lists)
+        return custom_roles(op, arg_dim_lists)
     if kind in ("einsum", "embedding"):
         every = dict.fromkeys(d for dims in arg_dim_lists for d in dims)
         return {d: (FREE if d in out else SUM) for d in every}
@@ -54,14 +52,12 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
     return dict.fromkeys(out, FREE)
 
 
-def custom_roles(layer, op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
-    """Roles of a custom layer: its leading `...` dims are free; `shard` names the rest.
+def custom_roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
+    """Roles of a custom layer's op: its leading `...` dims are free; `op.shard` names the rest.
 
     The op's attrs bind each of the layer's dim variables to a model dim."""
-    bound = {var: dim for var, dim in op.attrs if isinstance(dim, str)}
-    named = set(bound.values())
+    named = {dim for _, dim in op.attrs if isinstance(dim, str)}
     result = {d: FREE for dims in arg_dim_lists for d in dims if d not in named}
-    for var, how in layer.shard:
-        if var in bound:
-            result[bound[var]] = FREE if how == "split" else SUM
+    for dim, how in op.shard:
+        result[dim] = FREE if how == "split" else SUM
     return result

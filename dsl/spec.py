@@ -9,6 +9,7 @@ import attrs
 
 from . import ast
 from .checker import check_model
+from .custom import DEFAULT, LayerRegistry
 from .errors import Diagnostic, SpecError, did_you_mean
 from .ir import Model, Parallel
 from .parallel_checker import check_parallel
@@ -62,12 +63,15 @@ def _is_path(src) -> bool:
 
 
 def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
-         filename: str | None = None, check: bool = True) -> Spec:
+         filename: str | None = None, check: bool = True,
+         layers: LayerRegistry | None = None) -> Spec:
     """Parse and check a spec from a path or from its text.
 
-    `dims` overrides dim sizes by name (an unknown name is an error). With check=False the
-    diagnostics are kept in `spec.diagnostics` (and `spec.check()` raises them) instead of
-    raising at once; models and parallel blocks with errors are left out."""
+    `dims` overrides dim sizes by name (an unknown name is an error). `layers` are the layers
+    it may call (the default registry, which `@layer` and `--plugin` fill, when None). With
+    check=False the diagnostics are kept in `spec.diagnostics` (and `spec.check()` raises
+    them) instead of raising at once; models and parallel blocks with errors are left out."""
+    layers = DEFAULT if layers is None else layers
     sources = Sources()
     diags: list[Diagnostic] = []
     files: list[ast.File] = []
@@ -106,7 +110,7 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
                                               f"first defined at {first}"))
                     continue
                 mdefs[item.name] = item
-                model, ds = check_model(item, sources, overrides, used)
+                model, ds = check_model(item, sources, overrides, used, layers)
                 diags += ds
                 if model is None:
                     failed.add(item.name)

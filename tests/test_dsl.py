@@ -295,25 +295,58 @@ def test_spec_api():
 
 
 @pytest.fixture
-def swiglu():
-    custom.load_plugin(str(EXAMPLES / "custom_layer.py"))
-    yield custom.get("swiglu")
-    custom.unregister("swiglu")
+def layers():
+    reg = custom.LayerRegistry()
+    custom.load_plugin(str(EXAMPLES / "custom_layer.py"), layers=reg)
+    return reg
 
 
-def test_custom_layer(swiglu):
+def test_custom_layer(layers):
+    swiglu = layers.get("swiglu")
     assert swiglu.kind == "custom:swiglu" and swiglu.shard_mode("ffn") == "partial"
     assert callable(swiglu.fn) and [p.name for p in swiglu.params] == ["w1", "w3", "w2"]
-    m = load(EXAMPLES / "swiglu.par").model()
+    m = load(EXAMPLES / "swiglu.par", layers=layers).model()
     op = next(o for o in m.ops if o.kind == "custom:swiglu")
     assert op.args == ("layer.0.rmsnorm1", "layer.0.swiglu0.w1", "layer.0.swiglu0.w3",
                        "layer.0.swiglu0.w2")
     assert op.type.dims == ("batch", "seq", "hidden") and op.out == "layer.0.swiglu0"
     assert op.attrs == (("ffn", "ffn"), ("hidden", "hidden"))
+    assert op.shard == (("ffn", "partial"),)  # the compiler reads this, not a registry
     p = {p.name: p for p in m.params}
     assert p["layer.1.swiglu0.w2"].type.dims == ("ffn", "hidden")
-    errs = errors(model_text("input x : f32[batch, hidden]\noutput y = swiglu(x)\n"))
+    errs = errors(model_text("input x : f32[batch, hidden]\noutput y = swiglu(x)\n"),
+                  layers=layers)
     assert "missing argument 'ffn'" in errs[0].message
+    assert layers.functions() == {"swiglu": swiglu.fn}
+
+
+def test_custom_layers_live_in_the_registry_passed_in(layers):
+    # loading a plugin into one registry leaves the others (the default one too) alone
+    before = custom.registered()
+    other = custom.LayerRegistry()
+    custom.load_plugin(str(EXAMPLES / "custom_layer.py"), layers=other)
+    other.remove("swiglu")
+    assert layers.get("swiglu") and other.registered() == {} and custom.registered() == before
+    errs = errors(EXAMPLES / "swiglu.par", layers=other)
+    assert errs[0].message == "unknown layer 'swiglu'" and "--plugin" in errs[0].hint
+    # a plugin imported before (a module name) still fills a new registry
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        for _ in range(2):
+            reg = custom.LayerRegistry()
+            custom.load_plugin("custom_layer", layers=reg)
+            assert list(reg.registered()) == ["swiglu"]
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.modules.pop("custom_layer", None)
+    # the decorator of a registry adds to it only
+    @other.layer("double", inputs=["x[...]"], output="[...]")
+    def double(x):
+        return 2 * x
+
+    assert list(other.registered()) == ["double"] and "double" not in custom.registered()
+    assert load(model_text("input x : f32[batch, hidden]\noutput y = double(x)\n"),
+                layers=other).model().ops[0].kind == "custom:double"
 
 
 def test_custom_layer_validation():
