@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import attrs
 
-FLOATS = ("f16", "bf16", "f32", "f64")
-INTS = ("i32", "i64")
-DTYPES = FLOATS + INTS
+from soapstone.shard.plan.dtypes import FLOATS, INTS
+
+DTYPES = FLOATS + INTS  # what a spec may declare (bool is no input dtype)
 PARAM_DTYPE = "f32"
 
 REQUIRED = object()

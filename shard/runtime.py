@@ -15,11 +15,11 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.fusion import find_fusions
 from soapstone.shard.ops import Shards, run_op
+from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Value
 
-TORCH_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
-                "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 
 
 class ShapeMismatch(RuntimeError):

@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from soapstone.shard.plan.dtypes import is_float
+
 FIRST_BUCKET_BYTES = 1 << 20
 
 
@@ -42,7 +44,7 @@ def plan_buckets(program, zero: int, data_axes: tuple[str, ...],
     numel: dict[str, int] = {}
     first_cap = min(cap, FIRST_BUCKET_BYTES)
     for spec in reversed(program.params):
-        if not spec.dtype.startswith(("f", "bf")):
+        if not is_float(spec.dtype):
             continue
         split = spec.layout.split_axes()
         dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)

@@ -67,10 +67,11 @@ import attrs
 
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
+from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 
-FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
 
 

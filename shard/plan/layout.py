@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import attrs
 
+from soapstone.shard.plan.dtypes import DTYPE_BYTES
+
 
 @attrs.frozen
 class Replicate:
@@ -63,9 +65,6 @@ def token(p: Placement) -> str:
     """A placement in a value's name (`x@model:P`): short, and stable for golden files."""
     return {Replicate: "R", Partial: "P"}.get(type(p)) or (
         p.dim if isinstance(p, Split) else f"@{p.coord}")
-
-
-DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ import math
 
 import attrs
 
+from soapstone.shard.plan.dtypes import is_float
 from soapstone.shard.plan.layout import Layout, Placement, nbytes
 
 
@@ -35,7 +36,7 @@ class Value:
     @property
     def is_float(self) -> bool:
         """Whether gradients flow through it."""
-        return self.dtype.startswith(("f", "bf"))
+        return is_float(self.dtype)
 
 
 @attrs.frozen
