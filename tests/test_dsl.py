@@ -457,8 +457,9 @@ def test_parallel_blocks_the_lowering_would_ignore():
                   "  parameter hidden, heads -> model\n}\n")
     assert len(errs) == 1 and "'hidden' and 'heads' over axis 'model'" in errs[0].message
     errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
-                  "  sample batch -> data\n  schedule gpipe, microbatches = 2\n}\n")
-    assert len(errs) == 1 and "without pipeline stages" in errs[0].message
+                  "  sample batch -> data\n  schedule interleaved, microbatches = 2, chunks = 2\n"
+                  "}\n")  # gpipe and 1f1b without stages are gradient accumulation
+    assert len(errs) == 1 and "interleaved schedule needs pipeline stages" in errs[0].message
     errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
                   "  attribute seq -> data\n  zero 1\n}\n")
     assert len(errs) == 1 and "no sample statement" in errs[0].message
