@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "Communicator": "communicator",
     "CommError": "communicator",
+    "UserError": "errors",
     "Work": "communicator",
     "OpStats": "communicator",
     "bus_bytes": "accounting",

@@ -32,12 +32,13 @@ import torch
 
 from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
+from .errors import UserError
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class CommError(ValueError):
+class CommError(UserError, ValueError):
     """Wrong input to a collective (or ranks that disagree): names the op, the argument, the fix."""
 
 

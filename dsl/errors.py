@@ -1,5 +1,7 @@
 """Spec errors: every problem with a .par file is a Diagnostic with a location and a hint.
 
+Both error classes here are UserErrors (soapstone.comm.errors): bad input, exit 2, no traceback.
+
 `SpecError` carries one or more diagnostics; `str(err)` is the compiler-style report:
 
     examples/bad.par:7:13: error: unknown name 'xx'
@@ -14,6 +16,8 @@ import difflib
 from collections.abc import Iterable
 
 import attrs
+
+from soapstone.comm.errors import UserError
 
 
 @attrs.frozen
@@ -47,7 +51,7 @@ class Diagnostic:
         return self.format()
 
 
-class SpecError(Exception):
+class SpecError(UserError):
     """A spec (or a flag naming things in it) is invalid; `.diagnostics` lists every problem."""
 
     def __init__(self, diagnostics: Iterable[Diagnostic]):
@@ -55,10 +59,15 @@ class SpecError(Exception):
         super().__init__(self.format())
 
     def format(self) -> str:
+        """Every diagnostic, compiler-style (FILE:LINE:COL, caret line, hint)."""
         return "\n".join(d.format() for d in self.diagnostics)
 
     def __str__(self) -> str:
         return self.format()
+
+
+class BadInput(UserError):
+    """A flag, file or launch that cannot work (not a place in a spec): one line, exit 2."""
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:

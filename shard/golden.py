@@ -30,6 +30,8 @@ import attrs
 import numpy as np
 import torch
 
+from soapstone.comm.errors import UserError
+
 FORMAT = "soapstone-golden/1"
 SAMPLES = 8
 FULL_LIMIT = 1 << 20
@@ -37,7 +39,7 @@ FULL_LIMIT = 1 << 20
 REQUIRED = ("model", "steps", "seed", "optimizer", "lr", "precision", "params")
 
 
-class GoldenError(ValueError):
+class GoldenError(UserError, ValueError):
     """An unreadable or mismatched record file (bad input: exit 2)."""
 
 @attrs.define

@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from soapstone.comm import autograd as ag
+from soapstone.comm.errors import UserError
 from soapstone.shard.fusion import find_fusions
 from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.plan.dtypes import DTYPES
@@ -22,7 +23,7 @@ from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Va
 TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 
 
-class ShapeMismatch(RuntimeError):
+class ShapeMismatch(UserError, RuntimeError):
     """A tensor's shape differs from the one the Program was compiled with."""
 
 
