@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from torch_gpt import GPT  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
+from soapstone.comm.bench import init_gloo  # noqa: E402
 from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.shard.memory import memory_report  # noqa: E402
 from soapstone.shard.optim import build_optimizer  # noqa: E402
@@ -142,25 +142,13 @@ def torch_row(model, data, fused):
     return t, torch_bytes(model, opt)
 
 
-def init_gloo():
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=comm.rank, world_size=comm.size)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", help="write the rows here (rank 0)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_gloo()
+    init_gloo(MPI.COMM_WORLD)
     data = batches(args.steps + 2)
     rows = {}
     rows["soapstone zero 0"] = soapstone_row(0, data)

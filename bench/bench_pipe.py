@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from soapstone.comm import init
-    from soapstone.comm.bench import _init_gloo
+    from soapstone.comm.bench import init_gloo
     from soapstone.shard import trace as tr
 
     torch.set_num_threads(1)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     if world.size != 2:
         raise SystemExit("run with mpiexec -n 2")
     mpi = MPI.COMM_WORLD
-    dist = _init_gloo(mpi)
+    dist = init_gloo(mpi)
     rank = world.rank
     model, graph, pm = soapstone_pipe(world, args.microbatches)
     sched = torch_stage(model, graph, rank, args.microbatches)

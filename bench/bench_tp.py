@@ -65,7 +65,7 @@ def main() -> int:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from soapstone import comm, dsl
-    from soapstone.comm.bench import _init_gloo
+    from soapstone.comm.bench import init_gloo
     from soapstone.dsl.lower import lower
     from soapstone.shard.optim import build_optimizer
     from soapstone.shard.runtime import ShardedModel
@@ -74,7 +74,7 @@ def main() -> int:
     world = comm.init("mpi")
     from mpi4py import MPI
 
-    _init_gloo(MPI.COMM_WORLD)
+    init_gloo(MPI.COMM_WORLD)
     spec = dsl.load(ROOT / "examples/gpt.par", dims=DIMS)
     par = spec.parallel("tp2")
     ours = ShardedModel(lower(spec.model(), par), comm.Mesh(world, **dict(par.mesh)), seed=0)

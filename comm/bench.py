@@ -1,72 +1,21 @@
-"""`soapstone bench comm`: soapstone's collectives vs raw mpi4py (the floor) vs torch gloo.
+"""The collectives benchmark behind `soapstone bench comm` (the command: dsl/commands/bench.py).
 
-Run under `mpiexec -n N`. For each op and size it times the three side by side in one job on
-the same buffers (warmup, then the median over iterations of the slowest rank's time) and
-prints nccl-tests style rows: size, time_us, algbw and busbw per implementation, plus the
-ratios soapstone/mpi4py and gloo/soapstone. Like mpi4py's and gloo's loops, soapstone's
-allgather / reduce_scatter / alltoall write into one preallocated buffer (`out=`); `--alloc`
-times them allocating a new output per call instead. Sizes follow nccl-tests: the full buffer
-(allreduce, broadcast, alltoall, reduce_scatter's input, allgather's output), fp32 elements.
+For each op and size it times soapstone, raw mpi4py (the floor) and torch gloo side by side in
+one job on the same buffers (warmup, then the median over iterations of the slowest rank's
+time) and reports nccl-tests style figures: time, algbw and busbw per implementation. Like
+mpi4py's and gloo's loops, soapstone's allgather / reduce_scatter / alltoall write into one
+preallocated buffer (`out=`); alloc=True times them allocating a new output per call instead.
+Sizes follow nccl-tests: the full buffer (allreduce, broadcast, alltoall, reduce_scatter's
+input, allgather's output), fp32 elements. Importing this module imports neither torch nor MPI.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
 import statistics
 import time
+from collections.abc import Iterator
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
-DEFAULT_SIZES = "8,64,512,4KiB,32KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """'8' -> 8, '64KiB' -> 65536, '4MiB' -> 4194304 (K/M/G are binary)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 8, 64KiB, 4MiB")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def _size_list(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def _op_list(text: str) -> list[str]:
-    ops = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
-    return ops
-
-
-def _json_path(text: str) -> str:
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"folder {folder} of {text!r} does not exist; "
-                                         "create it or pick another path")
-    return text
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the bench arguments to `parser`."""
-    parser.add_argument("name", choices=["comm"], help="which benchmark (comm: collectives)")
-    parser.add_argument("--sizes", type=_size_list, default=_size_list(DEFAULT_SIZES),
-                        help=f"comma-separated byte sizes (default {DEFAULT_SIZES})")
-    parser.add_argument("--ops", type=_op_list, default=list(OPS),
-                        help=f"comma-separated ops (default {','.join(OPS)})")
-    parser.add_argument("--iters", type=int, default=100,
-                        help="timed iterations per op/size/impl (capped for big sizes)")
-    parser.add_argument("--json", metavar="FILE", type=_json_path,
-                        help="also write the rows as a JSON array")
-    parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
-    parser.add_argument("--alloc", action="store_true",
-                        help="time soapstone's allgather/reduce_scatter/alltoall without out= "
-                             "(a new output per call) instead of into a preallocated buffer")
 
 
 def _free_port() -> int:
@@ -77,7 +26,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_gloo(mpi):
+def init_gloo(mpi):
+    """Start torch.distributed on gloo over the ranks of the mpi4py communicator `mpi` (rank 0
+    picks a free local TCP port and broadcasts it); returns the torch.distributed module.
+    Collective: every rank of `mpi` calls it. For benchmarks against PyTorch's own collectives."""
     import warnings
 
     import torch.distributed as dist
@@ -91,8 +43,8 @@ def _init_gloo(mpi):
     return dist
 
 
-def _impls(op, nbytes, world, mpi, dist, alloc=False):
-    """{impl: zero-arg callable} for one op and size, all on the same buffers."""
+def implementations(op, nbytes, world, mpi, dist, alloc=False):
+    """({impl: zero-arg callable}, bytes timed) for one op and size, on the same buffers."""
     import torch
     from mpi4py import MPI
 
@@ -132,7 +84,7 @@ def _impls(op, nbytes, world, mpi, dist, alloc=False):
     return impls, count * 4
 
 
-def _time(fn, iters: int, warmup: int, mpi) -> float | None:
+def time_call(fn, iters: int, warmup: int, mpi) -> float | None:
     """Median seconds per call, the slowest rank's; None if the impl cannot do the op."""
     from mpi4py import MPI
 
@@ -154,58 +106,27 @@ def _time(fn, iters: int, warmup: int, mpi) -> float | None:
     return mpi.allreduce(statistics.median(times), op=MPI.MAX)
 
 
-def _fmt_row(op, nbytes, cells, ratios):
-    text = f"{op:>14} {nbytes:>11}"
-    for cell in cells:
-        text += " |" + ("      n/a " * 3 if cell is None else
-                        f"{cell['time_us']:>10.1f}{cell['algbw_GBps']:>9.3f}"
-                        f"{cell['busbw_GBps']:>9.3f}")
-    return text + " | " + "  ".join(f"{r:>8}" for r in ratios)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run the benchmark; rank 0 prints the table. Returns 0."""
-    from mpi4py import MPI
-
+def measure(world, mpi, dist, ops, sizes, iters: int = 100,
+            alloc: bool = False) -> Iterator[tuple[str, int, list[dict | None]]]:
+    """Time every op at every size: yields (op, bytes, cells), one cell per implementation
+    (soapstone, mpi4py, then gloo unless `dist` is None): a row dict (op, bytes, impl,
+    time_us, algbw_GBps, busbw_GBps), or None where the implementation lacks the op.
+    Collective: every rank of `world` (and `mpi`, its mpi4py communicator) iterates it."""
     from .accounting import bus_bytes
-    from .world import init
 
-    world = init("mpi")
-    mpi = MPI.COMM_WORLD
     n = world.size
-    dist = None if args.no_gloo else _init_gloo(mpi)
     names = ["soapstone", "mpi4py"] + ([] if dist is None else ["gloo"])
-    say = print if world.rank == 0 else (lambda *a, **k: None)
-    say(f"# soapstone bench comm: {n} ranks, fp32, median of up to {args.iters} iterations "
-        "(slowest rank); time_us, algbw/busbw in GB/s; soapstone "
-        + ("allocates each output" if args.alloc else "writes into a preallocated out="))
-    head = f"{'op':>14} {'bytes':>11}" + "".join(
-        f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in names)
-    say(head + " | soap/mpi  gloo/soap")
-    rows = []
-    for op in args.ops:
-        for size in args.sizes:
-            impls, nbytes = _impls(op, size, world, mpi, dist, args.alloc)
-            iters = max(5, min(args.iters, (1 << 30) // max(nbytes, 1)))
-            cells = []
+    for op in ops:
+        for size in sizes:
+            impls, nbytes = implementations(op, size, world, mpi, dist, alloc)
+            n_iters = max(5, min(iters, (1 << 30) // max(nbytes, 1)))
+            cells: list[dict | None] = []
             for name in names:
-                sec = _time(impls[name], iters, max(2, iters // 10), mpi)
+                sec = time_call(impls[name], n_iters, max(2, n_iters // 10), mpi)
                 if sec is None:
                     cells.append(None)
                     continue
-                algbw = nbytes / sec / 1e9
-                row = {"op": op, "bytes": nbytes, "impl": name, "time_us": sec * 1e6,
-                       "algbw_GBps": algbw, "busbw_GBps": bus_bytes(op, nbytes, n) / sec / 1e9}
-                rows.append(row)
-                cells.append(row)
-            soap, raw = cells[0], cells[1]
-            gloo = cells[2] if len(cells) > 2 else None
-            ratios = [f"{soap['time_us'] / raw['time_us']:.3f}"]
-            ratios.append("n/a" if gloo is None else f"{gloo['time_us'] / soap['time_us']:.2f}")
-            say(_fmt_row(op, nbytes, cells, ratios), flush=True)
-    if args.json and world.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if dist is not None:
-        dist.destroy_process_group()
-    return 0
+                cells.append({"op": op, "bytes": nbytes, "impl": name, "time_us": sec * 1e6,
+                              "algbw_GBps": nbytes / sec / 1e9,
+                              "busbw_GBps": bus_bytes(op, nbytes, n) / sec / 1e9})
+            yield op, nbytes, cells

@@ -1,8 +1,9 @@
-"""The `soapstone` command: one entry point, one module per subcommand.
+"""The `soapstone` command: one entry point that only dispatches to a subcommand.
 
-Each subcommand lives in its own module with `configure(parser)` and `main(args) -> int`.
-Only the chosen module is imported, so `soapstone check` never pays for torch.
-Exit codes: 0 ok, 2 bad input (spec, flags, checkpoint), 1 anything else.
+Each subcommand is a module of soapstone.dsl.commands with `configure(parser)` and
+`main(args) -> int`. Only the chosen module is imported, so `soapstone check` never pays for
+torch. Exit codes: 0 ok, 2 bad input (any UserError: spec, flags, files, launch), 1 anything
+else.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help)
+# name -> (module, one-line help); every module is in soapstone.dsl.commands
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("soapstone.comm.bench", "benchmark soapstone against its peers"),
-    "check": ("soapstone.dsl.check_command", "parse and validate .par specs (no torch)"),
-    "show": ("soapstone.dsl.show_command", "print the checked IR of a spec"),
-    "run": ("soapstone.dsl.run_command", "train a spec's model (under mpiexec for a layout)"),
-    "golden": ("soapstone.dsl.golden_command",
+    "bench": ("soapstone.dsl.commands.bench", "benchmark soapstone against its peers"),
+    "check": ("soapstone.dsl.commands.check", "parse and validate .par specs (no torch)"),
+    "show": ("soapstone.dsl.commands.show", "print the checked IR of a spec"),
+    "run": ("soapstone.dsl.commands.run",
+            "train a spec's model (under mpiexec for a layout)"),
+    "golden": ("soapstone.dsl.commands.golden",
                "record a single-rank run; check that a layout reproduces it"),
-    "explain": ("soapstone.dsl.explain_command",
+    "explain": ("soapstone.dsl.commands.explain",
                 "per-rank memory, communication and bubble estimates before launch"),
 }
 

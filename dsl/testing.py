@@ -14,7 +14,7 @@ first step and tensor that left the record (tolerances: shard/golden.py).
 
 from __future__ import annotations
 
-from .golden_command import check_run, record_run
+from .golden_run import check_run, record_run
 
 __all__ = ["assert_matches_golden", "record_golden"]
 

@@ -86,33 +86,3 @@ class Trainer:
         for i in range(start, start + steps):
             yield self.step(i)
 
-
-class ProgressBar:
-    """A one-line progress bar on stderr (redrawn in place on a terminal; on a pipe, a line
-    every tenth of the run) showing the step, loss and tokens/s."""
-
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.width = total, width
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.every = max(1, total // 10)
-        self.t0 = time.perf_counter()
-
-    def update(self, m: StepMetrics) -> None:
-        """Show step `m` (on a pipe, only every tenth of the run and the last step)."""
-        done = m.step + 1
-        if not self.tty and done % self.every and done != self.total:
-            return
-        fill = self.width * done // max(self.total, 1)
-        bar = "#" * fill + "." * (self.width - fill)
-        text = (f"[{bar}] {done}/{self.total}  loss {m.loss:.4f}  "
-                f"{m.tokens_per_s:,.0f} tok/s  {time.perf_counter() - self.t0:.1f}s")
-        self.stream.write(("\r" + text) if self.tty else text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        """End the bar's line on a terminal."""
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from soapstone.dsl import custom, load
-from soapstone.dsl.show_command import render
+from soapstone.dsl.show_text import render
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -88,7 +88,7 @@ def test_lower_refuses_pipeline_layouts_and_points_to_stages():
 
 
 def test_show_prints_stage_graph_and_schedule():
-    from soapstone.dsl.show_command import render
+    from soapstone.dsl.show_text import render
 
     text = render(SPEC, parallel="pp2f1b")
     assert "stage graph: 2 virtual stages over pipe=2" in text

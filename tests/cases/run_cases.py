@@ -87,7 +87,7 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     """A pipeline layout: every rank's comm counters over one step equal explain's figures for
     its pipe rank (p2p sends, pipe-axis allreduces and each stage's collectives x microbatches),
     and its param/grad/optimizer memory is within 10% of the tensors its stages hold."""
-    from soapstone.dsl.run_command import single_program
+    from soapstone.dsl.build import single_program
     from soapstone.dsl.stages import lower_pipeline
     from soapstone.shard.data import make_task
     from soapstone.shard.memory import memory_report

@@ -1,22 +1,12 @@
-"""`soapstone show SPEC [--model M] [--parallel P] [--json]`: the checked IR, and with
---parallel the lowered Program (every tensor's layout, every collective with its bytes)."""
+"""The text and JSON of `soapstone show` for a loaded spec: the checked IR and, for a layout,
+the lowered Program (every tensor's layout, every collective with its bytes) or a pipeline's
+stage graph and schedule. Torch-free; the golden compile files under tests/golden/ are this
+text.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-
-from .check_command import add_spec_options, load_plugins, parse_dims
-from .errors import SpecError
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC", help="the .par file")
-    parser.add_argument("--model", help="which model (default: the only one, or --parallel's)")
-    parser.add_argument("--parallel", help="also show this parallel block")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    add_spec_options(parser)
 
 
 def render(spec, model_name: str | None = None, parallel: str | None = None,
@@ -62,18 +52,3 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
         else:
             text += format_program(program, par.zero)
     return text
-
-
-def main(args: argparse.Namespace) -> int:
-    from .spec import load
-
-    try:
-        dims = parse_dims(args.dim)
-        load_plugins(args.plugin)
-        spec = load(args.spec, dims=dims, filename=args.spec)
-        out = render(spec, args.model, args.parallel, args.json)
-    except SpecError as e:
-        print(e.format(), file=sys.stderr)
-        return 2
-    sys.stdout.write(out)
-    return 0

@@ -14,11 +14,15 @@ import argparse
 import json
 import sys
 
-from .errors import SpecError
-from .run_command import BadInput, add_model_options, load_layout
+from soapstone.comm.errors import UserError
+
+from ..build import load_layout
+from . import fail
+from .flags import add_model_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    """The model options, --optimizer and --json."""
     add_model_options(parser)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
@@ -26,26 +30,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Print the estimate for the flags' layout."""
     from soapstone.shard.plan.explain import estimate, estimate_pipeline, format_estimate
 
-    from .lower import lower
+    from ..lower import lower
 
     try:
         model, par = load_layout(args)
         zero = par.zero if par is not None else 0
         if par is not None and par.operator:
-            from .stages import lower_pipeline
+            from ..stages import lower_pipeline
 
             est = estimate_pipeline(lower_pipeline(model, par), zero=zero,
                                     optimizer=args.optimizer)
         else:
             est = estimate(lower(model, par), zero=zero, optimizer=args.optimizer)
-    except SpecError as e:
-        print(e.format(), file=sys.stderr)
-        return 2
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return fail(e)
     if args.json:
         print(json.dumps(est.to_data(), indent=1))
     else:

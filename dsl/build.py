@@ -1,0 +1,135 @@
+"""Spec + flags -> model, layout and compiled plan: what every command that builds a model
+shares (and tests and dsl/testing.py use without a command line).
+
+`load_layout(args)` reads SPEC, --model, --parallel, --dim and --plugin; `build_program` also
+checks the launch; `compile_layout` turns (model, layout) into the plan the runtime executes.
+Every failure is a UserError (SpecError with FILE:LINE:COL, or BadInput naming the flag), raised
+alike on every rank, so a bad input makes all ranks stop at once. Nothing at import time needs
+torch: `check`, `show` and `explain` import this module on machines without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from .errors import BadInput, Diagnostic, SpecError
+
+
+def parse_dims(items: list[str]) -> dict[str, int]:
+    """`["seq=64", ...]` -> {"seq": 64}; SpecError on a malformed item or a size < 1."""
+    dims: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise SpecError([Diagnostic("--dim", 0, 0, f"--dim {item!r}: expected NAME=INTEGER",
+                                        "e.g. --dim seq=256")])
+        if int(value) < 1:
+            raise SpecError([Diagnostic("--dim", 0, 0, f"--dim {name}={int(value)}: dim sizes "
+                                        "are integers >= 1", f"e.g. --dim {name}=16")])
+        dims[name] = int(value)
+    return dims
+
+
+def load_plugins(refs: list[str]) -> None:
+    """Import each plugin; a failure is bad input (SpecError), not a traceback."""
+    from .custom import load_plugin
+
+    for ref in refs:
+        try:
+            load_plugin(ref)
+        except SpecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of user code is reported
+            raise SpecError([Diagnostic(ref, 0, 0, f"cannot load plugin: "
+                                        f"{type(e).__name__}: {e}")]) from None
+
+
+def default_lr(optimizer: str) -> float:
+    """The learning rate when --lr is not given: 1e-2 for adamw, 0.1 for sgd."""
+    return 1e-2 if optimizer == "adamw" else 0.1
+
+
+def world():
+    """The world communicator (MPI; a singleton when launched without mpiexec)."""
+    from soapstone.comm import init
+
+    return init("mpi")
+
+
+def custom_layers() -> dict:
+    """Every registered custom layer's function, by name (for the runtime)."""
+    from .custom import registered
+
+    return {name: layer.fn for name, layer in registered().items()}
+
+
+def compile_layout(model, par):
+    """The layout's StageGraph (every layout: one without stages is one stage)."""
+    from .stages import lower_graph
+
+    return lower_graph(model, par)
+
+
+def single_program(model, graph):
+    """The Program whose global input shapes the data task draws: the single-rank Program of
+    the model (tied weights resolved); a one-stage graph's own when it runs whole batches."""
+    if len(graph.stages) == 1 and graph.microbatches == 1:
+        return graph.program
+    from .lower import lower
+
+    return lower(model, None)
+
+
+def load_layout(args: argparse.Namespace):
+    """(model, parallel block or None) named by the flags (SpecError / BadInput)."""
+    from .spec import load
+
+    dims = parse_dims(args.dim)
+    load_plugins(args.plugin)
+    spec = load(args.spec, dims=dims, filename=args.spec)
+    par = spec.parallel(args.parallel) if args.parallel else None
+    model = spec.model(args.model if args.model else (par.model if par else None))
+    if par is not None and par.model != model.name:
+        raise BadInput(f"parallel block '{par.name}' is for model '{par.model}', "
+                       f"not '{model.name}'")
+    return model, par
+
+
+def build_program(args: argparse.Namespace, world_size: int | None):
+    """(model, parallel or None, StageGraph) for the flags; SpecError / BadInput when unusable.
+
+    With world_size, also checks that the layout needs exactly that many ranks."""
+    model, par = load_layout(args)
+    need = par.world_size if par else 1
+    if world_size is not None and world_size != need:
+        what = f"layout '{par.name}' (mesh {' x '.join(f'{a}={s}' for a, s in par.mesh)})" \
+            if par else f"model '{model.name}' without --parallel"
+        raise BadInput(f"{what} needs {need} rank{'s' if need > 1 else ''}, but this run has "
+                       f"{world_size}: launch it with `mpiexec -n {need} soapstone ...`")
+    return model, par, compile_layout(model, par)
+
+
+def check_train_flags(args: argparse.Namespace) -> None:
+    """Numbers that cannot work (BadInput)."""
+    if args.steps < 1:
+        raise BadInput(f"--steps {args.steps}: give at least 1")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise BadInput(f"--lr {args.lr}: the learning rate must be a positive number")
+    if args.grad_clip is not None and not args.grad_clip > 0:
+        raise BadInput(f"--grad-clip {args.grad_clip}: must be positive")
+    metrics = getattr(args, "metrics", None)
+    if metrics and not Path(metrics).resolve().parent.is_dir():
+        raise BadInput(f"--metrics {metrics}: the directory {Path(metrics).parent} "
+                       "does not exist")
+
+
+def check_trace_flag(path: str, par) -> None:
+    """--trace needs a pipeline layout and a writable directory (BadInput)."""
+    if par is None or not par.operator:
+        raise BadInput(f"--trace {path}: only pipeline layouts (an operator statement) have "
+                       "a schedule timeline to trace")
+    if not Path(path).resolve().parent.is_dir():
+        raise BadInput(f"--trace {path}: the directory {Path(path).parent} does not exist")

@@ -1,0 +1,107 @@
+"""`[mpiexec -n N] soapstone bench comm [--sizes S] [--ops O] [--json F]`: soapstone's
+collectives vs raw mpi4py (the floor) vs torch gloo, nccl-tests style rows on rank 0: size,
+time_us, algbw and busbw per implementation, and the ratios soapstone/mpi4py and
+gloo/soapstone. The measuring: soapstone.comm.bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+from soapstone.comm.bench import OPS  # imports neither torch nor MPI
+
+DEFAULT_SIZES = "8,64,512,4KiB,32KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8' -> 8, '64KiB' -> 65536, '4MiB' -> 4194304 (K/M/G are binary)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 8, 64KiB, 4MiB")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def _op_list(text: str) -> list[str]:
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
+    return ops
+
+
+def _json_path(text: str) -> str:
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder} of {text!r} does not exist; "
+                                         "create it or pick another path")
+    return text
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the bench arguments to `parser`."""
+    parser.add_argument("name", choices=["comm"], help="which benchmark (comm: collectives)")
+    parser.add_argument("--sizes", type=_size_list, default=_size_list(DEFAULT_SIZES),
+                        help=f"comma-separated byte sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--ops", type=_op_list, default=list(OPS),
+                        help=f"comma-separated ops (default {','.join(OPS)})")
+    parser.add_argument("--iters", type=int, default=100,
+                        help="timed iterations per op/size/impl (capped for big sizes)")
+    parser.add_argument("--json", metavar="FILE", type=_json_path,
+                        help="also write the rows as a JSON array")
+    parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    parser.add_argument("--alloc", action="store_true",
+                        help="time soapstone's allgather/reduce_scatter/alltoall without out= "
+                             "(a new output per call) instead of into a preallocated buffer")
+
+
+def _fmt_row(op, nbytes, cells, ratios):
+    text = f"{op:>14} {nbytes:>11}"
+    for cell in cells:
+        text += " |" + ("      n/a " * 3 if cell is None else
+                        f"{cell['time_us']:>10.1f}{cell['algbw_GBps']:>9.3f}"
+                        f"{cell['busbw_GBps']:>9.3f}")
+    return text + " | " + "  ".join(f"{r:>8}" for r in ratios)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark; rank 0 prints the table. Returns 0."""
+    from mpi4py import MPI
+
+    from soapstone.comm import init
+    from soapstone.comm.bench import init_gloo, measure
+
+    world = init("mpi")
+    mpi = MPI.COMM_WORLD
+    dist = None if args.no_gloo else init_gloo(mpi)
+    names = ["soapstone", "mpi4py"] + ([] if dist is None else ["gloo"])
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    say(f"# soapstone bench comm: {world.size} ranks, fp32, median of up to {args.iters} "
+        "iterations (slowest rank); time_us, algbw/busbw in GB/s; soapstone "
+        + ("allocates each output" if args.alloc else "writes into a preallocated out="))
+    head = f"{'op':>14} {'bytes':>11}" + "".join(
+        f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in names)
+    say(head + " | soap/mpi  gloo/soap")
+    rows = []
+    for op, nbytes, cells in measure(world, mpi, dist, args.ops, args.sizes, args.iters,
+                                     args.alloc):
+        rows.extend(c for c in cells if c is not None)
+        soap, raw = cells[0], cells[1]
+        gloo = cells[2] if len(cells) > 2 else None
+        ratios = [f"{soap['time_us'] / raw['time_us']:.3f}"]
+        ratios.append("n/a" if gloo is None else f"{gloo['time_us'] / soap['time_us']:.2f}")
+        say(_fmt_row(op, nbytes, cells, ratios), flush=True)
+    if args.json and world.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if dist is not None:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,38 @@
+"""`soapstone show SPEC [--model M] [--parallel P] [--json]`: the checked IR, and with
+--parallel the lowered Program (every tensor's layout, every collective with its bytes)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from soapstone.comm.errors import UserError
+
+from ..build import load_plugins, parse_dims
+from . import fail
+from .flags import add_spec_options
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """SPEC, --model, --parallel, --json and the spec options."""
+    parser.add_argument("spec", metavar="SPEC", help="the .par file")
+    parser.add_argument("--model", help="which model (default: the only one, or --parallel's)")
+    parser.add_argument("--parallel", help="also show this parallel block")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_spec_options(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the spec's IR (and the layout's plan)."""
+    from ..show_text import render
+    from ..spec import load
+
+    try:
+        dims = parse_dims(args.dim)
+        load_plugins(args.plugin)
+        spec = load(args.spec, dims=dims, filename=args.spec)
+        out = render(spec, args.model, args.parallel, args.json)
+    except UserError as e:
+        return fail(e)
+    sys.stdout.write(out)
+    return 0

@@ -1,0 +1,130 @@
+"""Golden runs from a spec: `record_run` trains a model on one rank and writes the record;
+`check_run` trains a layout as a record says and compares step by step (the library behind
+`soapstone golden` and dsl/testing.py; the record format and tolerances: shard/golden.py).
+
+Bad input (spec, launch, record file, data) raises a UserError: SpecError, BadInput,
+golden.GoldenError or DataError, alike on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .build import compile_layout, custom_layers, default_lr, load_plugins, single_program, world
+from .errors import BadInput
+
+DEFAULT_STEPS = 5
+
+
+def _trainer(graph, mesh, header: dict, model):
+    """The Trainer a record's header describes, for `graph` (a StageGraph of ir.Model
+    `model`)."""
+    from soapstone.shard.data import make_task
+    from soapstone.shard.train import Trainer
+
+    task = make_task(single_program(model, graph), header["seed"], header.get("data"))
+    return Trainer(graph, mesh, task=task, seed=header["seed"], custom=custom_layers(),
+                   precision=header["precision"], optimizer=header["optimizer"],
+                   lr=header["lr"])
+
+
+def record_run(spec_path: str, output: str, *, model: str | None = None,
+               dims: dict | None = None, plugins: tuple[str, ...] = (),
+               steps: int = DEFAULT_STEPS, seed: int = 0, optimizer: str = "sgd",
+               lr: float | None = None, precision: str = "fp32", data: str | None = None):
+    """Train `model` on one rank and write the record; returns the Record."""
+    from soapstone.shard import golden
+    from soapstone.shard.data import make_task
+
+    from .spec import load
+
+    load_plugins(list(plugins))
+    spec = load(spec_path, dims=dims, filename=spec_path)
+    m = spec.model(model)
+    graph = compile_layout(m, None)
+    program = graph.program
+    lr = default_lr(optimizer) if lr is None else lr
+    make_task(program, seed, data)  # bad data is bad input before any training
+    header = {"spec": Path(spec_path).name, "model": m.name, "dims": dict(dims or {}),
+              "steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr,
+              "precision": precision, "data": data}
+    trainer = _trainer(graph, None, header, model=m)
+    rec = golden.Recorder(header, [p.name for p in program.params])
+    for metrics in trainer.run(steps):
+        rec.add(metrics.loss, trainer.full_state_dict())
+    record = rec.finish(trainer.full_state_dict())
+    golden.save(record, output)
+    return record
+
+
+def check_run(spec_path: str, parallel: str | None, record_file: str, *,
+              plugins: tuple[str, ...] = (), tol=None,
+              on_step: Callable[[int, float, float], None] | None = None):
+    """Train `parallel` (on this process's MPI world) as the record says and compare.
+
+    Returns the first Mismatch, or None when every step matches. Bad input raises a UserError
+    (SpecError, BadInput or golden.GoldenError; all ranks alike) before training starts."""
+    return prepare_check(spec_path, parallel, record_file, plugins=plugins).run(tol, on_step)
+
+
+class GoldenCheck:
+    """A layout set up to train as a record says; `run` trains it and compares each step."""
+
+    def __init__(self, record, trainer):
+        self.record, self.trainer = record, trainer
+
+    def run(self, tol=None, on_step: Callable[[int, float, float], None] | None = None):
+        """The first Mismatch, or None; `on_step(step, loss, recorded loss)` after each
+        matching step. Collective: every rank calls it."""
+        from soapstone.shard import golden
+
+        record, trainer = self.record, self.trainer
+        tol = tol or golden.Tolerance.for_record(record.header)
+        for m in trainer.run(record.steps):
+            state = trainer.full_state_dict()
+            bad = golden.compare_step(record, m.step, m.loss, state, tol)
+            if bad is None and m.step == record.steps - 1:
+                bad = golden.compare_final(record, state, tol)
+            if bad is not None:
+                return bad
+            if on_step:
+                on_step(m.step, m.loss, float(record.loss[m.step]))
+        return None
+
+
+def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
+                  plugins: tuple[str, ...] = ()) -> GoldenCheck:
+    """Read the record and build `parallel` on this process's MPI world, untrained.
+
+    Every bad input is found here (a UserError, alike on all ranks), so a caller can stop all
+    ranks with exit 2; a failure while training is a bug and aborts the job instead."""
+    from soapstone.comm import Mesh
+    from soapstone.shard import golden
+
+    from .spec import load
+
+    comm = world()
+    record = golden.load(record_file)
+    header = record.header
+    load_plugins(list(plugins))
+    spec = load(spec_path, dims=header.get("dims") or None, filename=spec_path)
+    par = spec.parallel(parallel) if parallel else None
+    if par is None and header["model"] not in spec.models:
+        raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
+                                 f"{spec_path} defines {', '.join(spec.models) or 'none'}")
+    model = spec.model(par.model if par else header["model"])
+    if model.name != header["model"]:
+        raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
+                                 f"layout '{parallel}' is for model '{model.name}'")
+    graph = compile_layout(model, par)
+    if comm.size != graph.world_size:
+        what = f"layout '{par.name}'" if par else f"model '{model.name}' on one rank"
+        raise BadInput(f"{what} needs {graph.world_size} ranks, but this run has "
+                       f"{comm.size}: launch it with `mpiexec -n {graph.world_size} ...`")
+    names = {p.name for s in graph.stages for p in s.program.params}
+    if names != set(header["params"]):
+        raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
+                                 f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
+    mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
+    return GoldenCheck(record, _trainer(graph, mesh, header, model=model))
