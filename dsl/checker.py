@@ -26,7 +26,7 @@ from .ir import (
     Param,
     TensorType,
 )
-from .layers import DTYPES, FLOATS, PARAM_DTYPE, REQUIRED, Value, broadcast
+from .layers import DTYPES, FLOATS, PARAM_DTYPE, REQUIRED, Operand, broadcast
 from .parser import Sources
 
 
@@ -34,7 +34,7 @@ class _Abort(Exception):
     """Stops checking one statement; its diagnostic (if any) is already recorded."""
 
 
-_POISON = Value("<error>", "?", ())
+_POISON = Operand("<error>", "?", ())
 
 
 class Ctx:
@@ -59,15 +59,15 @@ class Ctx:
     def derive(self, dim: str, size: int, alias_of: str | None = None, why: str = "") -> str:
         return self.b.derive(dim, size, alias_of, why, self.loc)
 
-    def param(self, local: str, dims: tuple[str, ...], init: str) -> Value:
+    def param(self, local: str, dims: tuple[str, ...], init: str) -> Operand:
         b = self.b
         name = f"{self.inst}.{local}"
         b.params.append(Param(name, TensorType(PARAM_DTYPE, dims), init, b.block, None, self.loc))
         b.taken.add(name)
-        return Value(name, PARAM_DTYPE, dims)
+        return Operand(name, PARAM_DTYPE, dims)
 
     def op(self, kind, args, dims, dtype, attrs=None, name: str | None = None,
-           shard=None) -> Value:
+           shard=None) -> Operand:
         b = self.b
         out = self.out if name is None else f"{self.inst}.{name}"
         if out in b.taken:
@@ -77,9 +77,9 @@ class Ctx:
         sh = tuple(sorted(shard.items())) if shard else ()
         b.ops.append(Op(kind, tuple(a.name for a in args), out, TensorType(dtype, dims), at,
                         b.block, self.layer, self.loc, sh))
-        return Value(out, dtype, dims)
+        return Operand(out, dtype, dims)
 
-    def call(self, layer: str, *args, final: bool = False, **kwargs) -> Value:
+    def call(self, layer: str, *args, final: bool = False, **kwargs) -> Operand:
         if self.counters is None:
             self.counters = {}
         k = self.counters.get(layer, 0)
@@ -114,7 +114,7 @@ class ModelBuilder:
         self.outputs: list[Output] = []
         self.blocks: list[str] = []
         self.repeats: dict[str, tuple[int, Loc]] = {}
-        self.vars: dict[str, Value] = {}
+        self.vars: dict[str, Operand] = {}
         self.ssa: dict[str, int] = {}
         self.taken: set[str] = set()
         self.scope = ""
@@ -213,7 +213,7 @@ class ModelBuilder:
         self.dims[d.name] = size
 
     # ---- tensors
-    def lookup(self, e: ast.Name) -> Value:
+    def lookup(self, e: ast.Name) -> Operand:
         v = self.vars.get(e.id)
         if v is _POISON:
             raise _Abort
@@ -224,7 +224,7 @@ class ModelBuilder:
         cands = list(self.vars) + [i.name for i in self.inputs]
         self.fail(e.loc, f"unknown name '{e.id}'", did_you_mean(e.id, cands))
 
-    def tensor(self, e, out: str | None = None) -> Value:
+    def tensor(self, e, out: str | None = None) -> Operand:
         """Evaluate a tensor expression; `out` names its result (else a fresh instance name)."""
         if isinstance(e, ast.Name):
             return self.lookup(e)
@@ -244,7 +244,7 @@ class ModelBuilder:
                 ast.Neg: "a negation"}.get(type(e), "this")
         self.fail(getattr(e, "loc", None), f"expected a tensor, got {what}")
 
-    def call(self, c: ast.Call, out: str | None) -> Value:
+    def call(self, c: ast.Call, out: str | None) -> Operand:
         defn = self.layers.builtin(c.func)
         if defn is None:
             cl = self.layers.custom(c.func)
@@ -335,7 +335,7 @@ class ModelBuilder:
                       did_you_mean(got, choices))
         raise AssertionError(kind)  # pragma: no cover
 
-    def custom_call(self, c: ast.Call, cl, out: str | None) -> Value:
+    def custom_call(self, c: ast.Call, cl, out: str | None) -> Operand:
         sig = [(p.name, "tensor") for p in cl.inputs] + [(d, "dim") for d in cl.dims]
 
         class _A:  # the bind() protocol
@@ -423,7 +423,7 @@ class ModelBuilder:
             seen.add(d)
         dims = tuple(d for d, _ in s.dims)
         self.inputs.append(Input(s.name, TensorType(s.dtype, dims), s.loc))
-        self.vars[s.name] = Value(s.name, s.dtype, dims)
+        self.vars[s.name] = Operand(s.name, s.dtype, dims)
         self.taken.add(s.name)
 
     def repeat(self, r: ast.Repeat) -> None:
@@ -473,7 +473,7 @@ class ModelBuilder:
         if is_loss and (v.dims or v.dtype not in FLOATS):
             self.fail(s.loc, f"the loss must be a float scalar, got {v.dtype}"
                       f"[{', '.join(v.dims)}]", "reduce it, e.g. with cross_entropy")
-        self.outputs.append(Output(s.name, v.name, is_loss, s.loc))
+        self.outputs.append(Output(s.name, v.name, is_loss))
 
     def build(self) -> Model | None:
         m = self.mdef

@@ -14,6 +14,9 @@ import math
 import attrs
 from attrs import field as _field  # Op has a field named `attrs`, shadowing the module
 
+# A model output is the program's output: one class from spec to runtime (dsl may use shard).
+from soapstone.shard.plan.program import Output
+
 
 @attrs.frozen
 class Loc:
@@ -81,16 +84,6 @@ class Op:
     def attr(self, key: str, default: object = None) -> object:
         """The value of one option, or `default`."""
         return dict(self.attrs).get(key, default)
-
-
-@attrs.frozen
-class Output:
-    """A named model output; `loss` marks the scalar that training minimises."""
-
-    name: str
-    value: str
-    is_loss: bool
-    loc: Loc | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

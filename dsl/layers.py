@@ -3,10 +3,10 @@
 Each layer's `expand(ctx, **args)` emits primitive ops (see `ir.PRIMITIVES`) through the
 expansion context `ctx` (dsl.checker.Ctx), which owns naming and error reporting:
 
-    ctx.param(local, dims, init)          -> Value   param "<scope>.<layer><k>.<local>"
-    ctx.op(kind, args, dims, dtype, attrs, name=None) -> Value
+    ctx.param(local, dims, init)          -> Operand   param "<scope>.<layer><k>.<local>"
+    ctx.op(kind, args, dims, dtype, attrs, name=None) -> Operand
                                           name=None: the layer's result; else "<inst>.<name>"
-    ctx.call(layer, *args, final=False, **kw) -> Value   a sub-layer (mlp uses linear)
+    ctx.call(layer, *args, final=False, **kw) -> Operand   a sub-layer (mlp uses linear)
     ctx.size(dim), ctx.derive(dim, size, alias_of=None), ctx.error(message, hint=None)
 
 The expansion decides which collectives the compiler will emit, so it is fixed and tested.
@@ -27,15 +27,14 @@ PARAM_DTYPE = "f32"
 REQUIRED = object()
 
 
-class Value:
-    """A tensor value during expansion: its SSA name and its named-dim type."""
+@attrs.frozen
+class Operand:
+    """A tensor a layer takes or returns while it expands: its SSA name and named-dim type.
+    (A tensor of the compiled program is soapstone.shard.plan.program.Value.)"""
 
-    __slots__ = ("name", "dtype", "dims")
-
-    def __init__(self, name: str, dtype: str, dims: tuple[str, ...]):
-        self.name = name
-        self.dtype = dtype
-        self.dims = dims
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
 
     def __repr__(self) -> str:
         return f"{self.name}: {self.dtype}[{', '.join(self.dims)}]"
@@ -72,7 +71,7 @@ def builtin(name: str, *args: Arg, doc: str = "") -> Callable[[Callable], Callab
     return register
 
 
-def _float(ctx, x: Value, what: str) -> None:
+def _float(ctx, x: Operand, what: str) -> None:
     if x.dtype not in FLOATS:
         ctx.error(f"{what} must be a float tensor, got {x.dtype}", "convert ids with embedding()")
 
@@ -81,13 +80,13 @@ def _dims(dims) -> str:
     return "[" + ", ".join(dims) + "]"
 
 
-def _last(ctx, x: Value, what: str) -> str:
+def _last(ctx, x: Operand, what: str) -> str:
     if not x.dims:
         ctx.error(f"{what} needs a tensor with at least one dim, got a scalar")
     return x.dims[-1]
 
 
-def broadcast(ctx, kind: str, a: Value, b: Value, name: str | None = None) -> Value:
+def broadcast(ctx, kind: str, a: Operand, b: Operand, name: str | None = None) -> Operand:
     """add/mul by dim name: the left operand's dims, then the right's new ones."""
     if a.dtype != b.dtype:
         ctx.error(f"{kind} of {a.dtype} and {b.dtype} tensors", "both operands need one dtype")
