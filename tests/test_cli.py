@@ -78,3 +78,19 @@ def test_each_layer_user_error_exits_2_without_traceback(layer, argv, needle):
     assert r.returncode == 2, (layer, r.stdout, r.stderr)
     assert needle in r.stderr, (layer, r.stderr)
     assert "Traceback" not in r.stdout + r.stderr, (layer, r.stderr)
+
+
+def test_progress_bar_on_a_pipe_prints_a_line_every_tenth_of_the_run():
+    import io
+    from types import SimpleNamespace
+
+    from soapstone.dsl.commands.run import ProgressBar
+
+    out = io.StringIO()  # not a terminal
+    bar = ProgressBar(100, stream=out)
+    for i in range(100):
+        bar.update(SimpleNamespace(step=i, loss=1.0, tokens_per_s=10.0))
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and "\r" not in out.getvalue(), lines
+    assert lines[-1].startswith("[" + "#" * 24 + "] 100/100")
