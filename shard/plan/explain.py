@@ -184,7 +184,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     from soapstone.shard.plan.buckets import plan_buckets
 
     norm_keys: set[tuple[str, ...]] = set()
-    master = 8 if float_params and float_params[0].dtype == "f64" else 4
+    # master copies are fp32, or as wide as the params (fp64)
+    master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
     for plan in plan_buckets(program, zero, program.data_axes, deferred):
         n_dp = math.prod(mesh[a] for a in plan.dp)
         padded = -(-plan.numel // n_dp) * n_dp
