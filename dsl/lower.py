@@ -24,6 +24,7 @@ import attrs
 from soapstone.dsl import ir, rules
 from soapstone.dsl.errors import Diagnostic, SpecError
 from soapstone.shard.plan.collectives import transition_cost
+from soapstone.shard.plan.dtypes import is_float
 from soapstone.shard.plan.layout import (
     Layout,
     Owned,
@@ -38,7 +39,6 @@ from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
     InputRole,
-    Output,
     ParamSpec,
     Program,
     Redistribute,
@@ -187,7 +187,7 @@ class _Lowering:
             params=params,
             values=tuple(self.values.values()),
             steps=tuple(self.steps),
-            outputs=tuple(Output(o.name, o.value, o.is_loss) for o in self.model.outputs),
+            outputs=self.model.outputs,
             batch_dim=batch_dim(self.model, par),
             # the sample axes that split something: gradients are summed and ZeRO shards there
             data_axes=tuple(dict.fromkeys(a for _, a in (par.sample if par else ())
@@ -389,7 +389,7 @@ def input_roles(model: ir.Model) -> tuple[InputRole, ...]:
     out = [r for r in found.values() if r.name in inputs]
     for i in model.inputs:
         if i.name not in found:
-            out.append(InputRole(i.name, "float") if i.type.dtype.startswith(("f", "bf"))
+            out.append(InputRole(i.name, "float") if is_float(i.type.dtype)
                        else InputRole(i.name, "labels", 2))
     return tuple(out)
 
