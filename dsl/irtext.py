@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from .ir import Model, Op, Parallel, TensorType
+from .ir import Model, Op, Parallel, Schedule, TensorType
 
 
 def format_type(t: TensorType) -> str:
@@ -63,19 +63,26 @@ def format_model(model: Model) -> str:
 
 
 def format_parallel(par: Parallel) -> str:
-    """The parallel block, one SOAP statement per line."""
+    """The parallel block, one SOAP statement per line: what was written, and the schedule that
+    runs."""
     mesh = ", ".join(f"{a} = {n}" for a, n in par.mesh)
     lines = [f"parallel {par.name} for {par.model} on mesh({mesh})  # {par.world_size} ranks"]
     for kind in ("sample", "attribute", "parameter"):
         pairs = getattr(par, kind)
         if pairs:
             lines.append(f"  {kind:<9} " + ", ".join(f"{d} -> {a}" for d, a in pairs))
-    for i, st in enumerate(par.operator):
-        head = "  operator  " if i == 0 else "            "
-        lines.append(f"{head}{', '.join(st.blocks)} -> {st.axis} {st.stage}")
+    placed = [f"{', '.join(st.blocks)} -> {st.axis} {st.stage}" for st in par.operator]
+    placed += [f"{b.value} -> {b.axis} {b.coord}" for b in par.branches]
+    for i, item in enumerate(placed):
+        lines.append(("  operator  " if i == 0 else "            ") + item)
+    # The IR keeps no trace of an unwritten schedule: the default one differs from none only
+    # when there are stages, which always run one.
     s = par.schedule
-    lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}, chunks = {s.chunks}")
-    lines.append(f"  zero      {par.zero}")
+    if par.operator or s != Schedule():
+        chunks = f", chunks = {s.chunks}" if s.kind == "interleaved" else ""
+        lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}{chunks}")
+    if par.zero:
+        lines.append(f"  zero      {par.zero}")
     return "\n".join(lines) + "\n"
 
 
