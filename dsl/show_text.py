@@ -15,28 +15,27 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     from soapstone.shard.plan.program_text import format_program, program_to_data
 
     from .irtext import format_model, format_parallel, to_data
-    from .lower import lower
+    from .stages import lower_graph
 
     par = spec.parallel(parallel) if parallel else None
     model = spec.model(model_name if model_name else (par.model if par else None))
-    # Pipeline layouts compile to a stage graph: one Program per virtual stage, the p2p edges
-    # between them, and the schedule every pipe rank runs.
-    staged = par is not None and bool(par.operator)
-    program = lower(model, par) if par is not None and not staged else None
-    graph = schedule = None
+    # What runs: every layout is a stage graph. A pipeline prints its stages, p2p edges and
+    # the schedule every pipe rank runs; one stage prints its Program (compiled for one
+    # microbatch when the schedule accumulates gradients over several).
+    graph = lower_graph(model, par) if par is not None else None
+    staged = graph is not None and graph.axis is not None
+    program = graph.program if graph is not None and not staged else None
+    schedule = None
     if staged:
         from soapstone.shard.plan.schedules import build
 
-        from .stages import lower_pipeline
-
-        graph = lower_pipeline(model, par)
         schedule = build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
     if as_json:
         data = {"model": to_data(model)}
         if par is not None:
             data["parallel"] = to_data(par)
             data["program"] = program_to_data(program, par.zero) if program else None
-            if graph is not None:
+            if staged:
                 data["stage_graph"] = graph.to_data(par.zero)
                 data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
                                     for r in range(schedule.pipe)]
@@ -44,11 +43,15 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     text = format_model(model)
     if par is not None:
         text += "\n" + format_parallel(par) + "\n"
-        if graph is not None:
+        if staged:
             text += graph.format(programs=False) + "\n" + schedule.format()
             for s in graph.stages:
                 text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
                 text += format_program(s.program, par.zero, graph.deferred(s), stage=True)
+        elif graph.microbatches > 1:
+            text += (f"gradient accumulation: {graph.microbatches} microbatches of "
+                     f"{graph.batch_dim} {graph.microbatch}, {graph.schedule} order\n")
+            text += format_program(program, par.zero, stage=True)
         else:
             text += format_program(program, par.zero)
     return text

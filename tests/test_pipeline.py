@@ -83,7 +83,7 @@ def test_interleaved_stage_graph():
 
 
 def test_lower_refuses_pipeline_layouts_and_points_to_stages():
-    with pytest.raises(LoweringError, match="lower_pipeline"):
+    with pytest.raises(LoweringError, match="lower_graph"):
         lower(SPEC.model(), SPEC.parallel("gpt8"))
 
 

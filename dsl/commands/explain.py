@@ -16,7 +16,7 @@ import sys
 
 from soapstone.comm.errors import UserError
 
-from ..build import load_layout
+from ..build import compile_layout, load_layout
 from . import fail
 from .flags import add_model_options
 
@@ -33,18 +33,14 @@ def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
     from soapstone.shard.plan.explain import estimate, estimate_pipeline, format_estimate
 
-    from ..lower import lower
-
     try:
         model, par = load_layout(args)
         zero = par.zero if par is not None else 0
-        if par is not None and par.operator:
-            from ..stages import lower_pipeline
-
-            est = estimate_pipeline(lower_pipeline(model, par), zero=zero,
-                                    optimizer=args.optimizer)
-        else:
-            est = estimate(lower(model, par), zero=zero, optimizer=args.optimizer)
+        graph = compile_layout(model, par)  # every layout is a stage graph
+        if len(graph.stages) == 1 and graph.microbatches == 1:
+            est = estimate(graph.program, zero=zero, optimizer=args.optimizer)
+        else:  # stages or accumulation: per microbatch x microbatches, the schedule's peak
+            est = estimate_pipeline(graph, zero=zero, optimizer=args.optimizer)
     except UserError as e:
         return fail(e)
     if args.json:
