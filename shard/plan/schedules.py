@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import attrs
 
+from soapstone.comm.errors import UserError
+
 KINDS = ("gpipe", "1f1b", "interleaved")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """A schedule that is malformed or would deadlock."""
 
 
