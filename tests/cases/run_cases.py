@@ -28,7 +28,7 @@ from soapstone.shard.train import Trainer
 ROOT = Path(__file__).resolve().parents[2]
 W = init("mpi")
 PLUGIN = str(ROOT / "examples/custom_layer.py")
-EXAMPLES = ("gpt", "mlp", "swiglu")
+EXAMPLES = tuple(p.stem for p in sorted((ROOT / "examples").glob("*.par")))
 
 
 def _spec(name: str):
@@ -84,11 +84,11 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
 
 
 def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
-    """A pipeline layout: every rank's comm counters over one step equal explain's figures for
-    its pipe rank (p2p sends, pipe-axis allreduces and each stage's collectives x microbatches),
-    and its param/grad/optimizer memory is within 10% of the tensors its stages hold."""
+    """A pipeline (or accumulating) layout: every rank's comm counters over one step equal
+    explain's figures for its pipe rank (p2p sends, pipe-axis allreduces and each stage's
+    collectives x microbatches), and its param/grad/optimizer memory is within 10% of the
+    tensors its stages hold."""
     from soapstone.dsl.build import single_program
-    from soapstone.dsl.stages import lower_pipeline
     from soapstone.shard.data import make_task
     from soapstone.shard.memory import memory_report
     from soapstone.shard.plan.explain import estimate_pipeline
@@ -96,7 +96,7 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     s = dsl.load(path)
     par = s.parallel(layout)
     model = s.model(par.model)
-    graph = lower_pipeline(model, par)
+    graph = lower_graph(model, par)
     mesh = Mesh(W, **dict(par.mesh))
     task = make_task(single_program(model, graph), 1)
     t = Trainer(graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3)
@@ -111,7 +111,7 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
             if st.bytes:
                 key = (",".join(axes), op)
                 measured[key] = measured.get(key, 0) + st.bytes
-    rank = mesh.coord(graph.axis)
+    rank = mesh.coord(graph.axis) if graph.axis else 0
     est = estimate_pipeline(graph, zero=par.zero, optimizer=optimizer, rank=rank)
     predicted = {k: b for k, (_, b) in est.comm_by().items() if b}
     assert measured == predicted, f"{layout} pipe rank {rank}: counters " \
@@ -129,14 +129,18 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
 
 PIPE_SPEC = ROOT / "tests/specs/pipe_layouts.par"
 PIPE_LAYOUTS = {2: ("pp2f1b", "pp2inter"), 4: ("pp2dp2",)}
-BRANCH_SPEC = "tests/specs/branch_layouts.par"  # branches: broadcasts and owned ops
-BRANCH_LAYOUTS = {2: ("br2", "gated_br2"), 4: ("dp2br2", "br2tp2")}
+# branches: broadcasts and owned ops (br2 and dp2br2 are examples/towers.par's, measured above)
+BRANCH_SPEC = "tests/specs/branch_layouts.par"
+BRANCH_LAYOUTS = {2: ("gated_br2",), 4: ("br2tp2",)}
 ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 2 and 3: per-bucket scatters and gathers
 ZERO_LAYOUTS = {2: ("dp2z2", "dp2z3"), 4: ("dp2tp2z3",)}
 # every distributed form (layernorm, rmsnorm, softmax, cross-entropy split over the dim they
 # reduce): the statistics allreduces shard/ops.py runs are the ones program.DIST_STATS lists
 OPS_SPEC = "tests/specs/ops_layouts.par"
 OPS_LAYOUTS = {2: ("hid2", "cls2"), 4: ("dp2hid2",)}
+# gradient accumulation: a one-stage graph's microbatches (ZeRO 2 scatters each one)
+ACC_SPEC = ROOT / "tests/specs/accumulate_layouts.par"
+ACC_LAYOUTS = {2: ("dp2acc2", "tp2acc2")}
 
 
 def _explain_all(optimizer: str) -> None:
@@ -157,6 +161,8 @@ def _explain_all(optimizer: str) -> None:
         _measure(ZERO_SPEC, layout, optimizer)
     for layout in OPS_LAYOUTS.get(W.size, ()):
         _measure(OPS_SPEC, layout, optimizer)
+    for layout in ACC_LAYOUTS.get(W.size, ()):
+        _measure_pipeline(ACC_SPEC, layout, optimizer)
 
 
 def case_explain_matches_counters_adamw():
