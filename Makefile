@@ -5,7 +5,7 @@ TORCH   ?= torch==2.13.0
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test golden lint install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q
+
+# Rewrite the golden `show` files (tests/golden/*.txt) from what show prints now; tests only
+# compare against them. Review the diff like code.
+golden: $(STAMP)
+	$(BIN)/python tests/update_golden.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
