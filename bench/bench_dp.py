@@ -29,7 +29,7 @@ import torch
 from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 from torch_gpt import GPT  # noqa: E402
 

@@ -7,7 +7,7 @@ Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, 
 batch 16, 4 layers: layers 0-1 with the embedding on rank 0, layers 2-3 with the head and loss
 on rank 1) with the same weights and batch, in one job, alternating. soapstone: a 2-stage
 pipeline layout compiled by lower_pipeline, the Executor over MPI p2p. PyTorch: the
-plain-torch GPT of bench/torch_gpt.py cut at the same place, PipelineStage + Schedule1F1B on
+plain-torch GPT of tests/torch_gpt.py cut at the same place, PipelineStage + Schedule1F1B on
 gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
 median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
 The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 16, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 

@@ -1,4 +1,4 @@
-"""The single-rank soapstone run equals an independent plain-torch model (bench/torch_gpt.py).
+"""The single-rank soapstone run equals an independent plain-torch model (tests/torch_gpt.py).
 
 Each reference uses torch's own building blocks (nn.Embedding, nn.LayerNorm, nn.RMSNorm,
 nn.Linear, scaled_dot_product_attention, F.cross_entropy), takes soapstone's initial
@@ -10,21 +10,19 @@ they tie every layout to plain torch.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_gpt import GPT, transformer_map
 
 from soapstone import dsl
 from soapstone.dsl.lower import lower
 from soapstone.shard.runtime import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from torch_gpt import GPT, transformer_map  # noqa: E402
 
 
 def compare(spec_path: str, reference: nn.Module, mapping: dict, inputs: dict) -> None:
