@@ -62,19 +62,28 @@ def format_model(model: Model) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_parallel(par: Parallel) -> str:
+def format_parallel(par: Parallel, source: bool = False) -> str:
     """The parallel block, one SOAP statement per line: what was written, and the schedule that
-    runs."""
+    runs. source=True: as .par text that `load` reads back (braces, block ranges such as
+    `layer[0..3] -> pipe 0`, commas between placements)."""
     mesh = ", ".join(f"{a} = {n}" for a, n in par.mesh)
-    lines = [f"parallel {par.name} for {par.model} on mesh({mesh})  # {par.world_size} ranks"]
+    head = f"parallel {par.name} for {par.model} on mesh({mesh})"
+    lines = [head + (" {" if source else f"  # {par.world_size} ranks")]
     for kind in ("sample", "attribute", "parameter"):
         pairs = getattr(par, kind)
         if pairs:
             lines.append(f"  {kind:<9} " + ", ".join(f"{d} -> {a}" for d, a in pairs))
-    placed = [f"{', '.join(st.blocks)} -> {st.axis} {st.stage}" for st in par.operator]
+    placed = []
+    for st in par.operator:
+        if source:
+            placed += [f"{rep}[{lo}..{hi}] -> {st.axis} {st.stage}" if hi > lo else
+                       f"{rep}[{lo}] -> {st.axis} {st.stage}" for rep, lo, hi in _runs(st.blocks)]
+        else:
+            placed.append(f"{', '.join(st.blocks)} -> {st.axis} {st.stage}")
     placed += [f"{b.value} -> {b.axis} {b.coord}" for b in par.branches]
     for i, item in enumerate(placed):
-        lines.append(("  operator  " if i == 0 else "            ") + item)
+        comma = "," if source and i < len(placed) - 1 else ""
+        lines.append(("  operator  " if i == 0 else "            ") + item + comma)
     # The IR keeps no trace of an unwritten schedule: the default one differs from none only
     # when there are stages, which always run one.
     s = par.schedule
@@ -83,7 +92,19 @@ def format_parallel(par: Parallel) -> str:
         lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}{chunks}")
     if par.zero:
         lines.append(f"  zero      {par.zero}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + (["}"] if source else [])) + "\n"
+
+
+def _runs(blocks: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(repeat, first, last) of each run of consecutive instances of one repeat."""
+    runs: list[list] = []
+    for b in blocks:
+        rep, i = b.rsplit(".", 1)
+        if runs and runs[-1][0] == rep and runs[-1][2] + 1 == int(i):
+            runs[-1][2] = int(i)
+        else:
+            runs.append([rep, int(i), int(i)])
+    return [tuple(r) for r in runs]
 
 
 def to_data(obj) -> dict:

@@ -4,10 +4,12 @@ model (shard/plan/cost.py), the search (dsl/plan_search.py) and the command."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from soapstone.comm.errors import UserError
+from soapstone.dsl import load
 from soapstone.shard.plan.hardware import (
     ProfileError,
     load_profile,
@@ -66,3 +68,156 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(str(path))
+
+
+# ---- the cost model ----------------------------------------------------------------------
+
+def test_axes_are_laid_out_innermost_first_inside_a_node():
+    from soapstone.shard.plan.cost import link_of
+
+    prof = load_profile("a100-40gb")  # 8 devices per node
+    mesh = {"pipe": 4, "data": 2, "model": 4}
+    assert link_of("model", mesh, prof) == prof.intra_node  # ranks 0..3
+    assert link_of("data", mesh, prof) == prof.intra_node  # span 2 x 4 = 8
+    assert link_of("data,model", mesh, prof) == prof.intra_node
+    assert link_of("pipe", mesh, prof) == prof.inter_node  # span 32
+    assert link_of("data", {"data": 4, "model": 4}, prof) == prof.inter_node
+
+
+def test_step_time_of_one_rank_is_its_compute_and_its_update():
+    from soapstone.dsl.stages import lower_graph
+    from soapstone.shard.plan.cost import program_work, step_time
+    from soapstone.shard.plan.explain import estimate_pipeline
+
+    model = load("examples/mlp.par").model()
+    graph = lower_graph(model, None)
+    work = program_work(graph.program)
+    # two linears: 2 * batch * features * ffn + 2 * batch * ffn * classes
+    assert work.matmul_flops == 2 * 8 * 32 * 64 + 2 * 8 * 64 * 8
+    prof = load_profile("a100-40gb")
+    t = step_time(estimate_pipeline(graph), [work], prof)
+    assert t.blocking_comm == t.grad_sync == t.bubble == 0
+    assert t.total == pytest.approx(t.compute + t.optimizer + t.after_step)
+    assert t.compute == pytest.approx(work.seconds(prof, "fp32"))
+
+
+# ---- the search --------------------------------------------------------------------------
+
+def gpt(layers: int) -> str:
+    """examples/gpt.par's model with `layers` blocks (no parallel blocks)."""
+    text = Path("examples/gpt.par").read_text().split("parallel single")[0]
+    return text.replace("repeat 4 as layer", f"repeat {layers} as layer")
+
+
+def test_layout_dims_are_megatrons_split():
+    from soapstone.dsl.plan_search import layout_dims
+
+    dims = layout_dims(load(gpt(4)).model())
+    assert (dims.batch, dims.tensor, dims.sequence) == ("batch", ("ffn", "heads", "vocab"),
+                                                        ("seq",))
+    dims = layout_dims(load("examples/mlp.par").model())
+    assert dims.tensor == ("ffn",)  # classes would split the second weight too
+
+
+def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
+    """The probes (1 and 2 blocks, 1 and 2 samples, re-estimated per data degree and ZeRO
+    stage) give the same explain figures and step time as compiling the whole model, for every
+    candidate layout of a 12-block GPT on 8 devices."""
+    from soapstone.dsl.plan_search import Planner, candidates
+
+    model = load(gpt(12)).model()
+    planner = Planner(model, load_profile("a100-40gb"))
+    assert not planner.exact  # 12 alike blocks: probed
+    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
+    assert {c.schedule for c in cands} == {"1f1b", "interleaved"} and any(c.sequence
+                                                                          for c in cands)
+    for c in cands[::2]:
+        probed, full = planner.cost(c, exact=False), planner.cost(c, exact=True)
+        a, b = probed.estimate.to_data(), full.estimate.to_data()
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                    "bubble", "comm_bytes_per_axis"):
+            assert a[key] == b[key], (c.label, key)
+        assert sorted(map(str, probed.estimate.traffic)) == \
+            sorted(map(str, full.estimate.traffic)), c.label
+        assert probed.time.total == pytest.approx(full.time.total, rel=1e-9), c.label
+
+
+def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
+    from soapstone.dsl.cli import main
+    from soapstone.dsl.stages import lower_graph
+
+    out = tmp_path / "planned.par"
+    assert main(["plan", "examples/gpt.par", "--world", "4", "--profile", "a100-40gb",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "why this layout" in text and "parallel planned for gpt on mesh(" in text
+    block = text[text.index("parallel planned"):text.index("}\n") + 2]
+    # written into a copy of the spec, and as the -o file that includes the spec
+    copy = tmp_path / "gpt.par"
+    copy.write_text(Path("examples/gpt.par").read_text() + "\n" + block)
+    for spec in (copy, out):
+        loaded = load(str(spec))
+        par = loaded.parallel("planned")
+        assert par.world_size == 4
+        lower_graph(loaded.model(par.model), par)
+        assert main(["check", str(spec)]) == 0
+        assert main(["explain", str(spec), "--parallel", "planned"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "examples/gpt.par", "--world", "8", "--profile", "h100-80gb",
+                 "--json", "--top", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["ranked"]) == 3 and data["ranked"][0]["fits"]
+    steps = [r["step_time_s"] for r in data["ranked"]]
+    assert steps == sorted(steps)
+    assert data["parallel"].startswith("parallel planned for gpt")
+
+
+def test_plan_runs_without_torch():
+    from test_torch_free import _run
+
+    r = _run("plan", "examples/gpt.par", "--world", "2", "--profile", "cpu-2core")
+    assert r.returncode == 0, r.stderr
+    assert "parallel planned" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world", "4", "--profile", "a100-41gb"], "unknown profile 'a100-41gb'"),
+    (["--world", "0", "--profile", "a100-40gb"], "--world 0"),
+    # 5 devices: no dim divides over 5, and 4 blocks make no 5 stages
+    (["--world", "5", "--profile", "a100-40gb"], "batch = 8 does not divide over 5"),
+    (["--world", "1", "--profile", "cpu-2core", "--dim", "hidden=65536"],
+     "memory: the smallest layout (d1 t1 p1 m8 z0) needs"),
+])
+def test_bad_input_is_exit_2_with_one_message(capsys, args, message):
+    from soapstone.dsl.cli import main
+
+    assert main(["plan", "examples/gpt.par", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_profile_file_missing_a_field_is_exit_2(tmp_path, capsys):
+    from soapstone.dsl.cli import main
+
+    data = load_profile("h200").to_data()
+    del data["devices_per_node"]
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(data))
+    assert main(["plan", "examples/gpt.par", "--world", "2", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: missing field 'devices_per_node'" in err
+
+
+def test_every_candidate_prints_as_a_block_that_loads_back_equal():
+    from soapstone.dsl import format_parallel
+    from soapstone.dsl.plan_search import Candidate, layout_dims, to_parallel
+
+    text = gpt(12)
+    model = load(text).model()
+    dims = layout_dims(model)
+    for c in (Candidate(2, 2, 2, True, 1, "1f1b", 4), Candidate(1, 1, 4, False, 0,
+                                                                "interleaved", 4, 2),
+              Candidate(1, 4, 1, True, 0, "1f1b", 2), Candidate(1, 1, 1)):
+        par = to_parallel(model, dims, c)
+        again = load(text + format_parallel(par, source=True)).parallel("planned")
+        assert again == par, c.label

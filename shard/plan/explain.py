@@ -61,6 +61,7 @@ figures add up its virtual stages:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -109,6 +110,8 @@ class Estimate:
     pipe_rank: int | None = None  # pipelines: whose figures the memory and traffic are
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
+    # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
+    rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -127,6 +130,7 @@ class Estimate:
     def to_data(self) -> dict:
         """The estimate as plain data (`explain --json`), with total and per-axis bytes."""
         d = attrs.asdict(self)
+        del d["rank_traffic"]
         d["total_bytes"] = self.total_bytes
         d["comm_bytes_per_axis"] = {}
         for t in self.traffic:
@@ -223,25 +227,63 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
 def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
     """Peak activation bytes held by pipe rank `rank` under `schedule`, and the peak number of
     microbatches in flight per virtual stage."""
+    snapshots, peak_live = _live(schedule.kind, schedule.pipe, schedule.microbatches,
+                                 schedule.chunks, rank)
+    peak = max((sum(n * act.get(s, 0) for s, n in snap) for snap in snapshots), default=0)
+    return peak, dict(peak_live)
+
+
+@functools.lru_cache(maxsize=4096)
+def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
+    """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
+    forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
+    is at one of them), and the peak per stage. Cached: the planner asks for many layouts."""
+    from soapstone.shard.plan import schedules
+
     live: dict[int, int] = {}
     peak_live: dict[int, int] = {}
-    peak = 0
-    for a in schedule.ranks[rank]:
+    snaps: set[tuple[tuple[int, int], ...]] = set()
+    for a in schedules.build(kind, pipe, m, chunks).ranks[rank]:
         live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
         peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
-        peak = max(peak, sum(n * act.get(s, 0) for s, n in live.items()))
-    return peak, peak_live
+        if a.kind == "F":
+            snaps.add(tuple(sorted(live.items())))
+
+    keep: list[dict[int, int]] = []  # by total, largest first: a dominating one comes first
+    for x in sorted(snaps, key=lambda x: -sum(n for _, n in x)):
+        if not any(all(n <= y.get(s, 0) for s, n in x) for y in keep):
+            keep.append(dict(x))
+    return tuple(tuple(k.items()) for k in keep), tuple(peak_live.items())
+
+
+@attrs.frozen
+class StageFigures:
+    """What `combine_pipeline` needs of one virtual stage besides its Estimate."""
+
+    index: int
+    rank: int  # the pipe rank running it
+    blocks: tuple[str, ...]
+    param_elements: int  # full (unsharded) parameter elements: the imbalance's measure
+
+
+@attrs.frozen
+class EdgeFigures:
+    """One stage-graph edge per microbatch: what its sender sends forward and gets back."""
+
+    src: int
+    dst: int
+    src_rank: int
+    dst_rank: int
+    tensors: int
+    nbytes: int
+    float_tensors: int  # those whose gradients come back
+    float_bytes: int
 
 
 def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                       rank: int | None = None) -> Estimate:
     """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
     default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
-    from soapstone.shard.plan import schedules
-
-    m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
-    mesh = dict(graph.mesh)
-    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
     shared = {n: w for n, w in graph.shared}
     per_stage = {}
     for st in graph.stages:
@@ -249,10 +291,32 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                                        deferred=tuple(n for n in shared
                                                       if n in {p.name for p in
                                                                st.program.params}))
+    stages = [StageFigures(st.index, st.rank, st.blocks,
+                           sum(math.prod(p.shape) for p in st.program.params))
+              for st in graph.stages]
+    edges = [EdgeFigures(e.src, e.dst, e.src_rank, e.dst_rank, len(e.tensors), e.nbytes,
+                         sum(1 for t in e.tensors if t.is_float),
+                         sum(t.nbytes for t in e.tensors if t.is_float)) for e in graph.edges]
+    tied = sum(math.prod(graph.stages[w[0]].program.value(name).local_shape)
+               for name, w in shared.items())
+    return combine_pipeline(graph, per_stage, stages, edges, tied, zero, optimizer, rank)
+
+
+def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFigures],
+                     edges: list[EdgeFigures], tied_elements: int, zero: int, optimizer: str,
+                     rank: int | None = None) -> Estimate:
+    """The pipeline estimate from each virtual stage's estimate (module doc): `graph` gives
+    the layout (model, parallel, mesh, axis, pipe, schedule, microbatches, chunks); the
+    planner passes stage estimates it extrapolated instead of compiling every stage."""
+    from soapstone.shard.plan import schedules
+
+    m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
+    mesh = dict(graph.mesh)
+    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
     ranks = []
     for r in range(pipe):
-        mine = [st for st in graph.stages if st.rank == r]
+        mine = [st for st in stages if st.rank == r]
         peak, flight = _in_flight(sched, r, act)
         rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -267,20 +331,16 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                     zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
                 add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
         if pipe > 1:
-            for e in graph.edges:
+            for e in edges:
                 if e.src_rank == r:
-                    add("p2p", "send", axis, len(e.tensors) * m, e.nbytes * m)
+                    add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
                 if e.dst_rank == r:
-                    floats = [t for t in e.tensors if t.is_float]
-                    add("p2p", "send", axis, len(floats) * m,
-                        sum(t.nbytes for t in floats) * m)
-            if shared:
-                n = sum(math.prod(graph.stages[w[0]].program.value(name).local_shape)
-                        for name, w in shared.items())
-                add("tied sum", "allreduce", axis, 1, bus_bytes("allreduce", 8 * n, pipe))
+                    add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
+            if tied_elements:
+                add("tied sum", "allreduce", axis, 1,
+                    bus_bytes("allreduce", 8 * tied_elements, pipe))
             add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
             add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
-        params = sum(math.prod(p.shape) for st in mine for p in st.program.params)
         ranks.append({
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
@@ -290,7 +350,7 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
             "activation_bytes": peak,
             "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
             "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
-            "param_elements": params,
+            "param_elements": sum(st.param_elements for st in mine),
             "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
         })
     for row in ranks:
@@ -298,21 +358,20 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
                                                   "optimizer_bytes", "activation_bytes"))
     pick = ranks[rank] if rank is not None else max(ranks, key=lambda x: x["total_bytes"])
     mean = sum(x["param_elements"] for x in ranks) / pipe
-    edges = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
-              "activation_bytes": e.nbytes * m,
-              "gradient_bytes": sum(t.nbytes for t in e.tensors if t.is_float) * m}
-             for e in graph.edges]
+    edge_data = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
+                  "activation_bytes": e.nbytes * m, "gradient_bytes": e.float_bytes * m}
+                 for e in edges]
     return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
                     bubble=sched.theory_bubble(),
                     imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
-                    stages=len(graph.stages), microbatches=m, schedule=graph.schedule,
+                    stages=len(stages), microbatches=m, schedule=graph.schedule,
                     pipe_rank=pick["pipe_rank"],
                     pipe_ranks=[{k: v for k, v in x.items() if k != "traffic"}
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
-                    edges=edges)
+                    edges=edge_data, rank_traffic=[x["traffic"] for x in ranks])
 
 
 def format_bytes(n: float) -> str:

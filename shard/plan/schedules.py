@@ -20,6 +20,8 @@ fraction is the schedule's bubble.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from soapstone.comm.errors import UserError
@@ -163,8 +165,10 @@ class Schedule:
         return "\n".join(lines) + "\n"
 
 
+@functools.lru_cache(maxsize=256)
 def build(kind: str, pipe: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The schedule of `kind` for `pipe` ranks, `microbatches` and `chunks` per rank."""
+    """The schedule of `kind` for `pipe` ranks, `microbatches` and `chunks` per rank (a frozen
+    value, cached: the planner and explain ask for the same ones often)."""
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule {kind!r}; use one of {', '.join(KINDS)}")
     p, m = pipe, microbatches

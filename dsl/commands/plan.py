@@ -1,0 +1,117 @@
+"""`soapstone plan SPEC --world N --profile NAME|FILE [--global-batch B] [--top K] [--json]`:
+choose a layout for the model on N devices of a hardware profile.
+
+Searches data x tensor (with or without sequence parallelism) x pipeline (stages, schedule,
+microbatches, virtual stages) x ZeRO, drops the layouts that do not fit the device's memory
+(explain's estimate), ranks the rest by the cost model's step time (dsl/plan_search.py,
+shard/plan/cost.py), prints the table with a reason per row, explains the winner in seed 004's
+order, and prints it as a `parallel` block that check, explain and run accept; `-o FILE`
+writes a spec that includes SPEC and holds the block. Nothing that fits: exit 2 saying what is
+missing (memory, or which dim does not divide). No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from soapstone.comm.errors import UserError
+
+from ..build import load_plugins, parse_dims
+from ..errors import BadInput
+from . import fail
+from .flags import add_spec_options
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """SPEC, --world, --profile, --global-batch, --top, --json and the spec options."""
+    parser.add_argument("spec", metavar="SPEC", help="the .par file")
+    parser.add_argument("--model", help="which model (default: the only one)")
+    parser.add_argument("--world", type=int, required=True, metavar="N",
+                        help="how many devices")
+    parser.add_argument("--profile", required=True, metavar="NAME|FILE",
+                        help="a hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, "
+                             "cpu-2core) or a profile file (`soapstone bench calibrate -o`)")
+    parser.add_argument("--global-batch", type=int, metavar="B",
+                        help="the batch per step (default: the spec's batch dim)")
+    parser.add_argument("--top", type=int, default=10, metavar="K",
+                        help="table rows (default 10)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the compute dtype whose peak the compute runs at (default fp32, "
+                             "as `run`)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="whose state to count (default adamw)")
+    parser.add_argument("--name", default="planned", help="the block's name (default planned)")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write a spec holding `include SPEC` and the winning block")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_spec_options(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Plan, print, and write the block."""
+    from soapstone.shard.plan.hardware import load_profile
+
+    from ..plan_search import Planner, search
+    from ..spec import load
+
+    t0 = time.perf_counter()
+    try:
+        if args.world < 1:
+            raise BadInput(f"--world {args.world}: give at least 1 device")
+        if args.top < 1:
+            raise BadInput(f"--top {args.top}: give at least 1 row")
+        if args.global_batch is not None and args.global_batch < 1:
+            raise BadInput(f"--global-batch {args.global_batch}: give at least 1")
+        if not args.name.isidentifier():
+            raise BadInput(f"--name {args.name!r}: a block name is an identifier")
+        if args.output and not Path(args.output).resolve().parent.is_dir():
+            raise BadInput(f"-o {args.output}: the directory does not exist")
+        profile = load_profile(args.profile)
+        dims = parse_dims(args.dim)
+        load_plugins(args.plugin)
+        model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
+        planner = Planner(model, profile, precision=args.precision, optimizer=args.optimizer)
+        batch = planner.dims.batch
+        if args.global_batch is not None and args.global_batch != model.size(batch):
+            dims[batch] = args.global_batch
+            model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
+            planner = Planner(model, profile, precision=args.precision,
+                              optimizer=args.optimizer)
+        plan = search(planner, args.world)
+    except UserError as e:
+        return fail(e)
+    seconds = time.perf_counter() - t0
+    block = plan.source(args.name)
+    if args.output:
+        Path(args.output).write_text(spec_file(args, block, dims))
+    if args.json:
+        print(json.dumps(plan.to_data(planner, args.top, args.name) | {
+            "seconds": seconds, "dims": dims}, indent=1))
+    else:
+        sys.stdout.write(plan.format(planner, args.top, args.name, seconds))
+        sys.stdout.write(_usage(args, dims))
+    return 0
+
+
+def spec_file(args: argparse.Namespace, block: str, dims: dict[str, int]) -> str:
+    """A spec that includes SPEC (by a path relative to the output) and holds the block."""
+    rel = os.path.relpath(Path(args.spec).resolve(), Path(args.output).resolve().parent)
+    flags = "".join(f" --dim {k}={v}" for k, v in dims.items())
+    return (f"# soapstone plan {args.spec} --world {args.world} --profile {args.profile}"
+            + (f" --global-batch {args.global_batch}" if args.global_batch else "") + "\n"
+            + (f"# run it with{flags}\n" if flags else "")
+            + f'include "{rel}"\n\n{block}')
+
+
+def _usage(args: argparse.Namespace, dims: dict[str, int]) -> str:
+    flags = "".join(f" --dim {k}={v}" for k, v in dims.items())
+    where = args.output or "a copy of " + args.spec
+    return (f"\nappend the block to {args.spec} (or use -o FILE), then:\n"
+            f"  soapstone explain {where if args.output else args.spec} --parallel {args.name}"
+            f"{flags}\n"
+            f"  mpiexec -n {args.world} soapstone run ... --parallel {args.name}{flags}\n")
