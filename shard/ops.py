@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from soapstone.comm import autograd as ag
+from soapstone.shard.plan.fusions import matmul_split  # noqa: F401 - ops' name for it
 from soapstone.shard.plan.program import DIST_STATS, Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
@@ -102,17 +103,6 @@ def einsum_spec(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) ->
     letter = {d: chr(ord("a") + i) for i, d in enumerate(dict.fromkeys((*a, *b, *out)))}
     return f"{''.join(letter[d] for d in a)},{''.join(letter[d] for d in b)}->" \
         f"{''.join(letter[d] for d in out)}"
-
-
-@functools.cache
-def matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
-    """k when a's last k dims are b's first k (contracted) and the output is the rest of a
-    then the rest of b: the contraction is one matmul. 0 otherwise."""
-    for k in range(min(len(a), len(b)), 0, -1):
-        if a[len(a) - k:] == b[:k] and out == a[:len(a) - k] + b[k:] \
-                and not set(a[:len(a) - k]) & set(b[k:]):
-            return k
-    return 0
 
 
 @op("einsum")

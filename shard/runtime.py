@@ -14,7 +14,7 @@ import torch
 
 from soapstone.comm import autograd as ag
 from soapstone.comm.errors import UserError
-from soapstone.shard.fusion import find_fusions
+from soapstone.shard.fusion import find_fusions, run_fused
 from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P, Split
@@ -160,8 +160,8 @@ class ShardedModel:
                     provider.before_step(i, env)
                 if i in self.fused:
                     f = self.fused[i]
-                    env[f.out] = self._checked(step, f.run(env, self.program, self.ctx.offset),
-                                               f.out)
+                    out = run_fused(f, env, self.program, self.ctx.offset)
+                    env[f.out] = self._checked(step, out, f.out)
                 elif i not in self.covered:
                     env[step.out] = self._run(step, env)
                 for name in self.frees.get(i, ()):
