@@ -26,6 +26,7 @@ import abc
 import math
 import os
 from collections.abc import Callable, Sequence
+from time import monotonic as _now
 from typing import Any, NamedTuple
 
 import torch
@@ -33,9 +34,14 @@ import torch
 from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 from .errors import UserError
+from .flight_recorder import DONE as _DONE
+from .flight_recorder import POSTED as _POSTED
+from .flight_recorder import STARTED as _STARTED
+from .flight_recorder import new_recorder
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NOTHING = torch.empty(0)  # what a barrier records as its tensor
 
 
 class CommError(UserError, ValueError):
@@ -52,7 +58,7 @@ class OpStats(NamedTuple):
 class Work:
     """Handle of an async op: wait() completes it and returns the result tensor."""
 
-    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep")
+    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep", "_rec", "_entry")
 
     def __init__(
         self,
@@ -66,17 +72,32 @@ class Work:
         self._result = result
         self._done = False
         self._keep = keep  # buffers the backend reads or writes until completion stay alive
+        self._rec = None  # the flight recorder and entry of this op (see Communicator._call)
+        self._entry = None
 
     def wait(self) -> torch.Tensor | None:
         """Block until the op is complete; return its result (idempotent)."""
         if not self._done:
-            if self._wait is not None:
-                self._wait()
-            if self._finish is not None:
-                self._result = self._finish()
-            self._done = True
-            self._keep = None
+            rec = self._rec
+            if rec is None:
+                self._complete()
+            else:
+                rec.wait(self._entry)
+                try:
+                    self._complete()
+                except BaseException:
+                    rec.fail(self._entry)
+                    raise
+                rec.end(self._entry)
         return self._result
+
+    def _complete(self) -> None:
+        if self._wait is not None:
+            self._wait()
+        if self._finish is not None:
+            self._result = self._finish()
+        self._done = True
+        self._keep = None
 
 
 def _debug_from_env() -> bool:
@@ -95,6 +116,19 @@ class Communicator(abc.ABC):
         self.debug = _debug_from_env()
         self._freed = False
         self._stats: dict[str, list[int]] = {}
+        #: this communicator's flight recorder (None: SOAPSTONE_FLIGHT_RECORDER=0)
+        self.recorder = new_recorder(self)
+
+    @property
+    def label(self) -> str:
+        """What this communicator is, in reports: a mesh axis ('data', 'data+model'), 'world'
+        or 'split'."""
+        return self.recorder.label if self.recorder is not None else ""
+
+    @label.setter
+    def label(self, value: str) -> None:
+        if self.recorder is not None:
+            self.recorder.set_label(value)
 
     # -- the byte counter ------------------------------------------------------------------
     @property
@@ -177,9 +211,56 @@ class Communicator(abc.ABC):
                 f"shape); pass torch.empty({want}, dtype={t.dtype}) or leave out=None"
             )
 
-    def _debug(self, op: str, t: torch.Tensor, *args: int) -> None:
+    def _call(self, op: str, t: torch.Tensor, nbytes: int, async_op: bool, check, fn, *args):
+        """Run backend call `fn(*args)` for collective `op` under the flight recorder: an entry
+        before, completed after (async: in the Work's wait()). The watchdog watches the entry
+        this rank is blocked in. `check`: the op's arguments for the debug cross-check
+        (SOAPSTONE_DEBUG_COLLECTIVES), run under the entry too, since it communicates.
+        The recording is written out here, not in FlightRecorder methods: this is every
+        collective's hot path (see flight_recorder.py for the entry's fields)."""
+        rec = self.recorder
+        if rec is None:
+            if self.debug and check is not None:
+                self._debug(op, t, *check)
+            return fn(*args)
+        rec.seq = s = rec.seq + 1
+        e = [s, op, t.shape, t.dtype, nbytes, -1, _now(), 0.0, 0.0, _STARTED]
+        rec.ring[s % rec.capacity] = e
+        if self.debug and check is not None:
+            return self._recorded(rec, e, async_op, self._debug_then, op, t, check, fn, args)
+        return self._recorded(rec, e, async_op, fn, *args)
+
+    @staticmethod
+    def _recorded(rec, e: list, async_op: bool, fn, *args):
+        """Run `fn(*args)` under entry `e` of `rec`: FAILED if it raises; DONE when it returns,
+        or POSTED with the Work carrying the entry to its wait() (async)."""
+        try:
+            out = fn(*args)
+        except BaseException:
+            rec.fail(e)
+            raise
+        if async_op:
+            e[9] = _POSTED
+            out._rec, out._entry = rec, e
+        else:
+            e[8] = _now()
+            e[9] = _DONE
+        return out
+
+    def _debug_then(self, op, t, check, fn, args):
+        self._debug(op, t, *check)
+        return fn(*args)
+
+    def _debug(self, op: str, t: torch.Tensor, *args) -> None:
         from .debug import check_agree
 
+        if op == "alltoallv":
+            from .debug import check_alltoallv_sizes
+
+            dim, send_sizes, recv_sizes = args
+            check_agree(self, op, t, (dim,))
+            check_alltoallv_sizes(self, send_sizes, recv_sizes)
+            return
         check_agree(self, op, t, args)
 
     # -- collectives ------------------------------------------------------------------------
@@ -193,10 +274,10 @@ class Communicator(abc.ABC):
                 f"allreduce: op='avg' needs a floating dtype, got {t.dtype}; "
                 "use op='sum' and divide, or cast"
             )
-        if self.debug:
-            self._debug("allreduce", t, REDUCE_OPS.index(op))
-        self._count("allreduce", t.numel() * t.element_size())
-        return self._allreduce(t, op, async_op)
+        nbytes = t.numel() * t.element_size()
+        self._count("allreduce", nbytes)
+        return self._call("allreduce", t, nbytes, async_op, (REDUCE_OPS.index(op),),
+                          self._allreduce, t, op, async_op)
 
     def reduce_scatter(
         self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None
@@ -210,10 +291,10 @@ class Communicator(abc.ABC):
             shape = list(t.shape)
             shape[dim] //= self.size
             self._check_out("reduce_scatter", t, out, shape)
-        if self.debug:
-            self._debug("reduce_scatter", t, dim)
-        self._count("reduce_scatter", t.numel() * t.element_size())
-        return self._reduce_scatter(t, dim, async_op, out)
+        nbytes = t.numel() * t.element_size()
+        self._count("reduce_scatter", nbytes)
+        return self._call("reduce_scatter", t, nbytes, async_op, (dim,), self._reduce_scatter,
+                          t, dim, async_op, out)
 
     def allgather(
         self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None
@@ -224,19 +305,19 @@ class Communicator(abc.ABC):
         dim = self._check_dim("allgather", t, dim)
         if out is not None:
             self._check_out("allgather", t, out, gather_layout(t, dim, self.size)[0])
-        if self.debug:
-            self._debug("allgather", t, dim)
-        self._count("allgather", t.numel() * t.element_size() * self.size)
-        return self._allgather(t, dim, async_op, out)
+        nbytes = t.numel() * t.element_size()
+        self._count("allgather", nbytes * self.size)
+        return self._call("allgather", t, nbytes, async_op, (dim,), self._allgather, t, dim,
+                          async_op, out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy rank `src`'s `t` into every rank's `t` in place; return `t`."""
         self._check("broadcast", t)
         self._check_rank("broadcast", src, "src")
-        if self.debug:
-            self._debug("broadcast", t, src)
-        self._count("broadcast", t.numel() * t.element_size())
-        return self._broadcast(t, src, async_op)
+        nbytes = t.numel() * t.element_size()
+        self._count("broadcast", nbytes)
+        return self._call("broadcast", t, nbytes, async_op, (src,), self._broadcast, t, src,
+                          async_op)
 
     def alltoall(
         self,
@@ -257,10 +338,11 @@ class Communicator(abc.ABC):
             shape[split_dim] //= self.size
             shape[concat_dim] *= self.size
             self._check_out("alltoall", t, out, shape)
-        if self.debug:
-            self._debug("alltoall", t, split_dim, concat_dim)
-        self._count("alltoall", t.numel() * t.element_size())
-        return self._alltoall(t, split_dim, concat_dim, async_op, out)
+        nbytes = t.numel() * t.element_size()
+        self._count("alltoall", nbytes)
+        return self._call("alltoall", t, nbytes, async_op, (split_dim, concat_dim),
+                          self._alltoall, t, split_dim,
+                          concat_dim, async_op, out)
 
     def alltoallv(
         self,
@@ -287,64 +369,68 @@ class Communicator(abc.ABC):
                 f"alltoallv: `send_sizes`={send_sizes} sum to {sum(send_sizes)}, but `t` has "
                 f"{t.shape[dim]} along dim {dim}; make them sum to t.shape[dim]"
             )
-        if self.debug:
-            self._debug("alltoallv", t, dim)
-            from .debug import check_alltoallv_sizes
-
-            check_alltoallv_sizes(self, send_sizes, recv_sizes)
         row = t.numel() // max(t.shape[dim], 1) * t.element_size()
         off_rank = sum(s for j, s in enumerate(send_sizes) if j != self.rank)
         self._count("alltoallv", off_rank * row)
-        return self._alltoallv(t, send_sizes, recv_sizes, dim, async_op)
+        return self._call("alltoallv", t, t.numel() * t.element_size(), async_op,
+                          (dim, send_sizes, recv_sizes), self._alltoallv, t, send_sizes,
+                          recv_sizes, dim, async_op)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send `t` to rank `dst` (blocking; the receiver knows the shape)."""
-        self._check_p2p("send", t, dst, "dst")
-        self._count("send", t.numel() * t.element_size())
-        if self.debug:
-            from .debug import send_descriptor
-
-            sent = send_descriptor(self, t, dst, tag)
-            self._send(t, dst, tag, False)
-            sent.wait()
-            return
-        self._send(t, dst, tag, False)
+        self._p2p("send", t, dst, tag, False)
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive from rank `src` into `t` (its shape and dtype must match); return `t`."""
-        self._check_p2p("recv", t, src, "src")
-        self._count("recv", 0)
-        if self.debug:
-            from .debug import recv_descriptor
-
-            recv_descriptor(self, "recv", t, src, tag).check(None)
-        return self._recv(t, src, tag, False)
+        return self._p2p("recv", t, src, tag, False)
 
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending `t` to `dst`; wait() on the handle before reusing `t`."""
-        self._check_p2p("isend", t, dst, "dst")
-        self._count("send", t.numel() * t.element_size())
-        if self.debug:
-            from .debug import send_descriptor
-
-            sent = send_descriptor(self, t, dst, tag)
-            work = self._send(t, dst, tag, True)
-            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent))
-        return self._send(t, dst, tag, True)
+        return self._p2p("isend", t, dst, tag, True)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving from `src` into `t`; wait() returns `t` once it has arrived."""
-        self._check_p2p("irecv", t, src, "src")
-        self._count("recv", 0)
-        if self.debug:
-            # the descriptor is received non-blockingly too and compared in wait(): a blocking
-            # receive here would deadlock neighbours that post their receives ahead (pipelines)
-            from .debug import recv_descriptor
+        return self._p2p("irecv", t, src, tag, True)
 
-            pending = recv_descriptor(self, "irecv", t, src, tag)
-            work = self._recv(t, src, tag, True)
-            return Work(None, None, lambda: pending.check(work), keep=(work, pending))
-        return self._recv(t, src, tag, True)
+    def _p2p(self, op: str, t: torch.Tensor, peer: int, tag: int, async_op: bool):
+        """send, recv, isend, irecv: check, count, record, hand to the backend."""
+        sending = op in ("send", "isend")
+        self._check_p2p(op, t, peer, "dst" if sending else "src")
+        nbytes = t.numel() * t.element_size()
+        self._count("send" if sending else "recv", nbytes if sending else 0)
+        if sending:
+            fn = self._send_debug if self.debug else self._send
+        else:
+            fn = self._recv_debug if self.debug else self._recv
+        rec = self.recorder
+        if rec is None:
+            return fn(t, peer, tag, async_op)
+        return self._recorded(rec, rec.p2p(op, t, peer, nbytes), async_op, fn, t, peer, tag,
+                              async_op)
+
+    def _send_debug(self, t, dst, tag, async_op):
+        """_send with SOAPSTONE_DEBUG_COLLECTIVES: the descriptor travels beside the data."""
+        from .debug import send_descriptor
+
+        sent = send_descriptor(self, t, dst, tag)
+        work = self._send(t, dst, tag, async_op)
+        if async_op:
+            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent))
+        sent.wait()
+        return None
+
+    def _recv_debug(self, t, src, tag, async_op):
+        """_recv with SOAPSTONE_DEBUG_COLLECTIVES: the sender's descriptor is compared with `t`
+        (irecv: non-blockingly, in wait(); a blocking receive here would deadlock neighbours
+        that post their receives ahead, as pipelines do)."""
+        from .debug import recv_descriptor
+
+        pending = recv_descriptor(self, "irecv" if async_op else "recv", t, src, tag)
+        if not async_op:
+            pending.check(None)
+            return self._recv(t, src, tag, False)
+        work = self._recv(t, src, tag, True)
+        return Work(None, None, lambda: pending.check(work), keep=(work, pending))
 
     def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> None:
         self._check(op, t)
@@ -356,7 +442,7 @@ class Communicator(abc.ABC):
         """Block until every rank of this communicator has reached the barrier."""
         if self._freed:
             raise CommError("barrier: this communicator was freed; use one that is still alive")
-        self._barrier()
+        self._call("barrier", _NOTHING, 0, False, None, self._barrier)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Sub-communicator of the ranks passing the same `color`, ordered by `key` (collective).

@@ -88,7 +88,9 @@ class Mesh:
                 rank = rank * self.shape[axis] + c
             else:
                 color = color * self.shape[axis] + c
-        return self.world.split(color, rank)
+        comm = self.world.split(color, rank)
+        comm.label = "+".join(key)  # how reports and flight-recorder dumps name it
+        return comm
 
     def free(self) -> None:
         """Free every communicator this mesh created (not the world); safe to call twice."""

@@ -110,6 +110,27 @@ class NCCLCommunicator(Communicator):
                 f"cuda:{torch.cuda.current_device()}; move it there"
             )
 
+    # NCCL calls return once enqueued: the flight-recorder entry stays ENQUEUED until a CUDA
+    # event recorded after it fires, which the watchdog thread polls (the same deadline). The
+    # Work of an async op has nothing to wait for on the host, so it is not tracked.
+    def _call(self, op, t, nbytes, async_op, check, fn, *args):
+        return self._enqueued(super()._call(op, t, nbytes, async_op, check, fn, *args), False)
+
+    def _p2p(self, op, t, peer, tag, async_op):
+        return self._enqueued(super()._p2p(op, t, peer, tag, async_op), True)
+
+    def _enqueued(self, out, p2p: bool):
+        rec = self.recorder
+        if rec is None:
+            return out
+        ring, seq = (rec.p2p_ring, rec.p2p_seq) if p2p else (rec.ring, rec.seq)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        rec.enqueued(ring[seq % rec.capacity], event)
+        if isinstance(out, Work):
+            out._rec = out._entry = None
+        return out
+
     @staticmethod
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream

@@ -14,7 +14,10 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
 
     backend: "mpi" (CPU tensors), "nccl" (CUDA tensors; selects this rank's GPU from its
     node-local rank first), or "auto" (nccl when CUDA and cupy's NCCL are usable, else mpi).
-    Also installs the failure handler: an uncaught exception on any rank aborts the job.
+    Also installs the failure handler (an uncaught exception on any rank aborts the job) and
+    starts the watchdog (watchdog.py: collective deadlines, flight-recorder dumps); a bad
+    SOAPSTONE_COLLECTIVE_TIMEOUT, SOAPSTONE_TRACE_DIR or SOAPSTONE_FLIGHT_RECORDER is a
+    UserError, raised before anything else.
     """
     global _world
     if backend not in BACKENDS:
@@ -27,6 +30,10 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
                 "call init() once per process"
             )
         return _world
+    from . import watchdog
+    from .flight_recorder import capacity_from_env
+
+    capacity_from_env(), watchdog.timeout_from_env(), watchdog.trace_dir_from_env()
     if failure_handler:
         install_failure_handler()
     if backend == "auto":
@@ -42,4 +49,7 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
         from .mpi import MPICommunicator
 
         _world = MPICommunicator()
+    from mpi4py import MPI
+
+    watchdog.start(MPI.COMM_WORLD)
     return _world

@@ -1,0 +1,267 @@
+"""Flight recorder: each communicator's ring buffer of its last N operations.
+
+Every collective and p2p call of a Communicator (communicator.py) records one entry before it
+reaches the backend and completes it afterwards (or, for `async_op=True`, in `Work.wait()`).
+An entry is a plain list, written on the hot path without formatting anything:
+
+    [seq, op, shape, dtype, bytes, peer, t_start, t_wait, t_end, state]
+
+- seq: collectives are numbered 1, 2, ... per communicator, so the n-th collective of every
+  member rank is the same call (a mismatch is a divergence); p2p ops have their own counter.
+- shape, dtype: the tensor's torch.Size and torch.dtype (immutable; formatted only in a dump).
+- peer: -1 for a collective, else the peer rank of a send/recv in this communicator.
+- t_*: time.monotonic(); t_wait is when wait() started on an async op (0.0 before).
+- state: STARTED (in a blocking call), POSTED (async, not waited yet), WAITING (in wait()),
+  ENQUEUED (NCCL: on the stream, not known complete), DONE or FAILED.
+
+Collectives and p2p ops have a ring each, indexed by their seq, so the newest entry of either is
+found without a search: the watchdog reads it (a blocking call in progress is the newest entry,
+STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
+t_wait for a wait(). The hot path is written out in Communicator._call (one list, two clock
+reads, no method call): it costs well under a microsecond (BENCHMARKS.md, bench comm
+--watchdog). Per-peer counters (`sent`, `recvd`) count every p2p message posted since the
+communicator was made, so a dump shows who stopped sending even after the ring has wrapped.
+
+SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512); 0 turns
+recording off (then the watchdog has nothing to watch: no deadlines, no dumps).
+Reading (dumps, the watchdog's status replies): `snapshot()` turns a recorder into JSON data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+
+from .errors import UserError
+
+SEQ, OP, SHAPE, DTYPE, NBYTES, PEER, T_START, T_WAIT, T_END, STATE = range(10)
+STARTED, POSTED, WAITING, ENQUEUED, DONE, FAILED = (
+    "started", "posted", "waiting", "enqueued", "done", "failed")
+IN_FLIGHT = (STARTED, POSTED, WAITING, ENQUEUED)
+SENDS = ("send", "isend")
+DEFAULT_CAPACITY = 512
+_now = time.monotonic
+
+
+class RecorderError(UserError):
+    """A bad SOAPSTONE_FLIGHT_RECORDER value."""
+
+
+def capacity_from_env() -> int:
+    """SOAPSTONE_FLIGHT_RECORDER: entries kept per communicator (0: off; default 512)."""
+    text = os.environ.get("SOAPSTONE_FLIGHT_RECORDER", "").strip()
+    if not text:
+        return DEFAULT_CAPACITY
+    if not text.isdigit():
+        raise RecorderError(
+            f"SOAPSTONE_FLIGHT_RECORDER={text!r} must be a whole number of entries >= 0 "
+            f"(0 turns the flight recorder off; default {DEFAULT_CAPACITY})")
+    return int(text)
+
+
+# every live recorder, for the watchdog and the dumps (weak: a recorder lives with its comm)
+_live: weakref.WeakValueDictionary[int, FlightRecorder] = weakref.WeakValueDictionary()
+_made: dict[tuple, int] = {}  # (label, world ranks) -> recorders made with it, for `index`
+_lock = threading.Lock()
+_ids = iter(range(1 << 62))
+
+
+def live_recorders() -> list[FlightRecorder]:
+    """Every recorder whose communicator is still referenced, oldest first."""
+    with _lock:
+        items = sorted(_live.items())
+    return [r for _, r in items]
+
+
+def new_recorder(comm) -> FlightRecorder | None:
+    """The recorder of a new communicator (None when SOAPSTONE_FLIGHT_RECORDER=0); its world
+    ranks come from `comm.mpi`, the MPI communicator over the same ranks."""
+    capacity = capacity_from_env()
+    if capacity == 0:
+        return None
+    mpi = getattr(comm, "mpi", None)
+    label, ranks = "world", list(range(comm.size))
+    if mpi is not None:
+        from mpi4py import MPI
+
+        if mpi != MPI.COMM_WORLD:
+            label = "split"
+            world_group, group = MPI.COMM_WORLD.Get_group(), mpi.Get_group()
+            try:
+                ranks = list(group.Translate_ranks(list(range(comm.size)), world_group))
+            finally:
+                group.Free()
+                world_group.Free()
+    return FlightRecorder(capacity, comm.rank, comm.size, ranks, label)
+
+
+class FlightRecorder:
+    """The ring of one communicator (see the module doc). `rank`, `size`: in the communicator;
+    `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
+    'data' or 'data+model', 'world', or 'split')."""
+
+    __slots__ = ("ring", "p2p_ring", "capacity", "seq", "p2p_seq", "active", "rank", "size",
+                 "world_ranks", "label", "index", "sent", "recvd", "pending", "__weakref__")
+
+    def __init__(self, capacity: int, rank: int, size: int, world_ranks: list[int],
+                 label: str):
+        self.capacity = capacity
+        self.ring: list[list | None] = [None] * capacity  # collective seq s at [s % capacity]
+        self.p2p_ring: list[list | None] = [None] * capacity
+        self.seq = 0  # collectives started
+        self.p2p_seq = 0  # p2p ops started
+        self.active: list | None = None
+        self.rank, self.size = rank, size
+        self.world_ranks = list(world_ranks)
+        self.sent = [0] * size
+        self.recvd = [0] * size
+        self.pending: list[list] = []  # NCCL: entries whose stream completion is not known yet
+        self.label = ""
+        self.index = 0
+        self.set_label(label)
+        with _lock:
+            _live[next(_ids)] = self
+
+    def set_label(self, label: str) -> None:
+        """Name this communicator (a mesh axis); `index` tells apart communicators with the same
+        label and ranks (made in the same order on every member)."""
+        key = (label, tuple(self.world_ranks))
+        with _lock:
+            self.index = _made.get(key, 0)
+            _made[key] = self.index + 1
+        self.label = label
+
+    @property
+    def key(self) -> str:
+        """The same string on every member rank: label, world ranks, index."""
+        ranks = ",".join(map(str, self.world_ranks))
+        return f"{self.label}[{ranks}]" + (f"#{self.index}" if self.index else "")
+
+    # -- recording (the collective hot path is inlined in Communicator._call) -------------
+    def collective(self, op: str, t, nbytes: int, posted: bool) -> list:
+        """Record collective `op` on tensor `t` starting now (posted: async, not waited)."""
+        self.seq = s = self.seq + 1
+        e = [s, op, t.shape, t.dtype, nbytes, -1, _now(), 0.0, 0.0, POSTED if posted else STARTED]
+        self.ring[s % self.capacity] = e
+        return e
+
+    def p2p(self, op: str, t, peer: int, nbytes: int) -> list:
+        """Record a send or recv with `peer` (a rank of this communicator) starting now."""
+        self.p2p_seq = s = self.p2p_seq + 1
+        (self.sent if op in SENDS else self.recvd)[peer] += 1
+        e = [s, op, t.shape, t.dtype, nbytes, peer, _now(), 0.0, 0.0, STARTED]
+        self.p2p_ring[s % self.capacity] = e
+        return e
+
+    def end(self, e: list) -> None:
+        """The blocking call (or wait) of entry `e` returned."""
+        e[T_END] = _now()
+        e[STATE] = DONE
+        self.active = None
+
+    def wait(self, e: list) -> None:
+        """wait() on async entry `e` starts blocking now."""
+        e[T_WAIT] = _now()
+        e[STATE] = WAITING
+        self.active = e
+
+    def fail(self, e: list) -> None:
+        """The backend raised during entry `e`."""
+        e[T_END] = _now()
+        e[STATE] = FAILED
+        self.active = None
+
+    def enqueued(self, e: list, event) -> None:
+        """NCCL: `e` is on the stream; `event` (a CUDA event recorded after it) tells when it
+        completed. The watchdog polls it (state ENQUEUED until then)."""
+        e[STATE] = ENQUEUED
+        e.append(event)
+        self.pending.append(e)
+
+    def blocked(self) -> list | None:
+        """The entry the main thread is blocked in on this communicator, if any: a wait(), or
+        the newest collective or p2p entry while STARTED."""
+        e = self.active
+        if e is not None and e[STATE] == WAITING:
+            return e
+        for ring, s in ((self.ring, self.seq), (self.p2p_ring, self.p2p_seq)):
+            e = ring[s % self.capacity] if s else None
+            if e is not None and e[STATE] == STARTED:
+                return e
+        return None
+
+    # -- reading ------------------------------------------------------------------------------
+    def entries(self) -> list[list]:
+        """The kept entries of both rings, oldest first by start time (copies, safe to read from
+        another thread)."""
+        out = []
+        for ring, n in ((self.ring, self.seq), (self.p2p_ring, self.p2p_seq)):
+            for i in range(max(1, n - self.capacity + 1), n + 1):
+                e = ring[i % self.capacity]
+                if e is not None and e[SEQ] == i:
+                    out.append(list(e[:STATE + 1]))
+        out.sort(key=lambda e: e[T_START])
+        return out
+
+    def last_collective(self) -> list | None:
+        """The newest collective entry (None before the first)."""
+        e = self.ring[self.seq % self.capacity] if self.seq else None
+        return None if e is None else list(e[:STATE + 1])
+
+    def snapshot(self, now: float | None = None, entries: bool = True) -> dict:
+        """This recorder as JSON data: identity, counters, the active op and the entries
+        (times as seconds before `now`, a time.monotonic() value)."""
+        now = _now() if now is None else now
+        active = self.blocked()
+        out = {
+            "key": self.key, "label": self.label, "world_ranks": self.world_ranks,
+            "rank": self.rank, "size": self.size, "seq": self.seq, "p2p_seq": self.p2p_seq,
+            "sent": list(self.sent), "recvd": list(self.recvd),
+            "active": None if active is None else describe(active, now),
+        }
+        last = self.last_collective()
+        out["last_collective"] = None if last is None else describe(last, now)
+        if entries:
+            out["entries"] = [describe(e, now) for e in self.entries()]
+        return out
+
+
+def describe(e: list, now: float) -> dict:
+    """One entry as JSON data; ages in seconds before `now`."""
+    from .dtypes import dtype_name
+
+    started = e[T_START]
+    d = {"seq": e[SEQ], "kind": "p2p" if e[PEER] >= 0 else "collective", "op": e[OP],
+         "shape": list(e[SHAPE]), "dtype": dtype_name(e[DTYPE]), "bytes": e[NBYTES],
+         "state": e[STATE], "started_s_ago": round(now - started, 6)}
+    if e[PEER] >= 0:
+        d["peer"] = e[PEER]
+    if e[T_WAIT]:
+        d["waiting_s"] = round((e[T_END] or now) - e[T_WAIT], 6)
+    if e[T_END]:
+        d["duration_s"] = round(e[T_END] - started, 6)
+    else:
+        d["blocked_s"] = round(now - (e[T_WAIT] or started), 6)
+    return d
+
+
+def entry_text(d: dict, label: str = "") -> str:
+    """One described entry in a line: `allreduce #17 on data (4,) float32 16 B: waiting 5.0s`."""
+    where = f" on {label}" if label else ""
+    peer = ""
+    if d.get("kind") == "p2p":
+        peer = (" to" if d["op"] in SENDS else " from") + f" rank {d['peer']}"
+        name = f"{d['op']}{peer} (p2p #{d['seq']}){where}"
+    else:
+        name = f"{d['op']} #{d['seq']}{where}"
+    shape = "(" + ", ".join(map(str, d["shape"])) + ("," if len(d["shape"]) == 1 else "") + ")"
+    state = d["state"]
+    if state == DONE:
+        how = f"done in {d.get('duration_s', 0) * 1e3:.3g} ms, {d['started_s_ago']:.3g}s ago"
+    elif state in (STARTED, WAITING, ENQUEUED):
+        how = f"{state}, blocked {d.get('blocked_s', 0):.3g}s"
+    else:
+        how = f"{state} {d['started_s_ago']:.3g}s ago"
+    return f"{name} {shape} {d['dtype']} {d['bytes']} B: {how}"

@@ -1,0 +1,145 @@
+"""The flight recorder's ring and the hang diagnosis, in-process (no MPI: pure data).
+
+Real communicators recording real ops: tests/cases/recorder_cases.py (under mpiexec)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from soapstone.comm import diagnose
+from soapstone.comm.flight_recorder import (
+    DONE,
+    FAILED,
+    POSTED,
+    STARTED,
+    STATE,
+    WAITING,
+    FlightRecorder,
+    RecorderError,
+    capacity_from_env,
+    entry_text,
+)
+from soapstone.comm.watchdog import WatchdogError, check_timeout, timeout_from_env
+
+
+def rec(capacity=4, rank=0, size=2, label="data"):
+    return FlightRecorder(capacity, rank, size, list(range(size)), label)
+
+
+def test_ring_keeps_the_newest_entries_in_order():
+    r = rec(capacity=4)
+    t = torch.ones(3, 2)
+    for _ in range(6):
+        r.end(r.collective("allreduce", t, 24, False))
+    kept = r.entries()
+    assert [e[0] for e in kept] == [3, 4, 5, 6]
+    assert all(e[STATE] == DONE for e in kept)
+    snap = r.snapshot()
+    assert snap["seq"] == 6 and snap["last_collective"]["seq"] == 6
+    assert snap["entries"][0]["shape"] == [3, 2] and snap["entries"][0]["dtype"] == "float32"
+
+
+def test_states_of_blocking_async_and_failed_ops():
+    r = rec()
+    t = torch.ones(2)
+    e = r.collective("allgather", t, 8, False)
+    assert e[STATE] == STARTED and r.blocked() is e
+    r.fail(e)
+    assert e[STATE] == FAILED and r.blocked() is None
+    w = r.collective("allreduce", t, 8, True)
+    assert w[STATE] == POSTED and r.blocked() is None  # posted, nobody blocked on it yet
+    r.wait(w)
+    assert w[STATE] == WAITING and r.blocked() is w
+    r.end(w)
+    assert r.blocked() is None and w[STATE] == DONE
+
+
+def test_p2p_counts_per_peer_and_its_own_seq():
+    r = rec(size=3, rank=1)
+    t = torch.ones(2)
+    r.end(r.p2p("isend", t, 2, 8))
+    r.end(r.p2p("irecv", t, 0, 8))
+    r.end(r.p2p("recv", t, 0, 8))
+    assert r.sent == [0, 0, 1] and r.recvd == [2, 0, 0]
+    assert r.seq == 0 and r.p2p_seq == 3
+    text = entry_text(r.snapshot()["entries"][-1], "pipe")
+    assert text.startswith("recv from rank 0 (p2p #3) on pipe (2,) float32 8 B: done")
+
+
+def test_recorders_with_the_same_label_and_ranks_get_distinct_keys():
+    a, b = rec(label="solo"), rec(label="solo")
+    assert a.key != b.key and a.key.startswith("solo[0,1]")
+
+
+def test_bad_settings_are_user_errors(monkeypatch):
+    monkeypatch.setenv("SOAPSTONE_FLIGHT_RECORDER", "-3")
+    with pytest.raises(RecorderError, match="whole number"):
+        capacity_from_env()
+    monkeypatch.setenv("SOAPSTONE_COLLECTIVE_TIMEOUT", "-1")
+    with pytest.raises(WatchdogError, match=">= 0"):
+        timeout_from_env()
+    for bad in ("nan", "inf", "soon"):
+        with pytest.raises(WatchdogError):
+            check_timeout(bad)
+    assert check_timeout("0") == 0 and check_timeout(2.5) == 2.5
+
+
+# -- diagnosis on hand-made statuses ---------------------------------------------------------
+def _entry(seq, op, state="done", shape=(4,), kind="collective", peer=None, blocked=0.0):
+    e = {"seq": seq, "kind": kind, "op": op, "shape": list(shape), "dtype": "float32",
+         "bytes": 16, "state": state, "started_s_ago": 1.0}
+    if peer is not None:
+        e["peer"] = peer
+    if state in ("started", "waiting"):
+        e["blocked_s"] = blocked
+    else:
+        e["duration_s"] = 0.001
+    return e
+
+
+def _status(rank, seq, last, active=None, sent=(0, 0), recvd=(0, 0), key="data[0,1]"):
+    snap = {"key": key, "label": "data", "world_ranks": [0, 1], "rank": rank, "size": 2,
+            "seq": seq, "p2p_seq": 0, "sent": list(sent), "recvd": list(recvd),
+            "active": active, "last_collective": last, "entries": [last] if last else []}
+    return {"rank": rank, "reason": "test", "idle_s": 2.0, "comms": [snap],
+            "active": None if active is None else {"key": key, **active},
+            "main_stack": [f'  File "job.py", line {10 + rank}, in step', "    work()"]}
+
+
+def test_a_rank_behind_is_named_with_what_it_is_doing():
+    waiting = _entry(5, "allreduce", "started", blocked=3.0)
+    statuses = {0: _status(0, 5, waiting, active=waiting), 1: _status(1, 4, _entry(4, "allreduce"))}
+    behind, other, silent = diagnose.missing_ranks(statuses, "data[0,1]", waiting)
+    assert (behind, other, silent) == ([1], [], [])
+    (text,) = diagnose.divergences(statuses)
+    assert text.startswith("rank 1 behind on data[0,1]: rank 0 reached allreduce #5")
+    assert "rank 1 has started 4 collectives there and is not in a communication call" in text
+
+
+def test_ranks_calling_different_collectives_are_a_disagreement():
+    mine = _entry(3, "allreduce", "started", blocked=3.0)
+    theirs = _entry(3, "allgather", "started", blocked=3.0)
+    statuses = {0: _status(0, 3, mine, active=mine), 1: _status(1, 3, theirs, active=theirs)}
+    behind, other, _ = diagnose.missing_ranks(statuses, "data[0,1]", mine)
+    assert behind == [] and [r for r, _ in other] == [1] and other[0][1]["op"] == "allgather"
+    found = diagnose.divergences(statuses)
+    assert found == ["ranks disagree on collective #3 of data[0,1]: rank 0 called "
+                     "allreduce(4,) float32; rank 1 called allgather(4,) float32"]
+
+
+def test_a_receive_whose_message_was_never_sent():
+    wait = _entry(1, "irecv", "waiting", kind="p2p", peer=0, blocked=3.0)
+    statuses = {0: _status(0, 0, None, sent=(0, 0)),
+                1: _status(1, 0, None, active=wait, recvd=(1, 0))}
+    behind, _, _ = diagnose.missing_ranks(statuses, "data[0,1]", wait)
+    assert behind == [0]
+    (text,) = diagnose.divergences(statuses)
+    assert "rank 1 is blocked in irecv from rank 0" in text
+    assert "it waits for message 1 from rank 0 on data[0,1], which has sent 0" in text
+
+
+def test_a_rank_without_status_is_reported_as_silent():
+    waiting = _entry(2, "allreduce", "started", blocked=3.0)
+    statuses = {0: _status(0, 2, waiting, active=waiting)}
+    assert diagnose.missing_ranks(statuses, "data[0,1]", waiting) == ([], [], [1])
