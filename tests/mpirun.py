@@ -2,13 +2,17 @@
 
 Two halves in one file:
 - pytest side: `run_mpi(n, args)` runs `mpiexec -n N <python> args...` under a timeout and
-  returns an MPIResult; `run_cases(n, "tests/cases/comm_cases.py")` runs every `case_*`
-  function of a module in one launch (each process pays the torch import once) and returns
-  per-case, per-rank results; `case_names(path)` lists the cases without importing the module.
-- rank side: `python tests/mpirun.py CASES_FILE OUT_DIR [--only a,b]` is what each rank runs.
-  It calls each case in file order, writes one JSON line per case to OUT_DIR/rank<R>.jsonl and
-  prints `PASS|FAIL|SKIP name` per case. A case raises `Skip` when it does not apply to this
-  world size. A per-case watchdog (faulthandler) kills a rank that hangs, dumping its stack.
+  returns an MPIResult; `run_cases(n, "tests/cases/comm_cases.py")` runs, in one launch (each
+  process pays the torch import once), every `case_*` function of a module that declares world
+  size n, and returns per-case, per-rank results. Each case declares its world sizes with
+  `@ranks(2, 4)`; `case_sizes(path)` reads the declarations without importing the module (no
+  torch at collection) and `case_params(path)` turns them into pytest parameters. A case
+  without a declaration is an error, so none is silently left out.
+- rank side: `python tests/mpirun.py CASES_FILE OUT_DIR` is what each rank runs.
+  It calls each case declared for its world size in file order, writes one JSON line per case
+  to OUT_DIR/rank<R>.jsonl and prints `PASS|FAIL|SKIP name` per case. A case raises `Skip`
+  when it does not apply here for another reason (a backend, a device). A per-case watchdog
+  (faulthandler) kills a rank that hangs, dumping its stack.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ CASE_TIMEOUT_S = float(os.environ.get("SOAPSTONE_CASE_TIMEOUT", "60"))
 
 
 class Skip(Exception):
-    """Raised by a case that does not apply here (e.g. needs an even world size)."""
+    """Raised by a case that does not apply here (its world sizes are declared, not skipped)."""
+
+
+def ranks(*sizes: int):
+    """Declare the world sizes a case runs at: `@ranks(2, 4)` above `def case_...():`, in
+    literal numbers (`case_sizes` reads them from the source; the case itself is unchanged)."""
+    if not sizes or not all(isinstance(n, int) and n >= 1 for n in sizes):
+        raise ValueError(f"@ranks takes world sizes >= 1, got {sizes}")
+    return lambda case: case
 
 
 # ---------------------------------------------------------------------------- pytest side --
@@ -124,20 +136,45 @@ class CaseResults:
             pytest.skip(per_rank[0][1] or "not applicable at this size")
 
 
+def case_sizes(cases_file: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each `case_*` function of a case module, in file order, with the world sizes its
+    `@ranks(...)` declares (parsed, not imported). ValueError names a case without one."""
+    tree = ast.parse(Path(ROOT, cases_file).read_text())
+    sizes = {}
+    for f in tree.body:
+        if not (isinstance(f, ast.FunctionDef) and f.name.startswith("case_")):
+            continue
+        calls = [d for d in f.decorator_list if isinstance(d, ast.Call)
+                 and getattr(d.func, "id", getattr(d.func, "attr", None)) == "ranks"]
+        if len(calls) != 1:
+            raise ValueError(f"{cases_file}:{f.lineno}: {f.name} must declare its world sizes "
+                             f"once, e.g. @ranks(2, 4) (from mpirun import ranks)")
+        sizes[f.name] = tuple(ast.literal_eval(a) for a in calls[0].args)
+    return sizes
+
+
 def case_names(cases_file: str | Path) -> list[str]:
     """The `case_*` functions of a case module, in file order (parsed, not imported)."""
-    tree = ast.parse(Path(ROOT, cases_file).read_text())
-    return [f.name for f in tree.body
-            if isinstance(f, ast.FunctionDef) and f.name.startswith("case_")]
+    return list(case_sizes(cases_file))
 
 
-def run_cases(n: int, cases_file: str | Path, timeout: float = 180, env: dict | None = None,
-              only: list[str] | None = None) -> CaseResults:
-    """Run every case of `cases_file` (path from the repo root) on `n` ranks in one launch."""
+def case_params(cases_file: str | Path, cases=None, sizes=None) -> list[tuple[str, int]]:
+    """`(case, n)` for each case (of `cases`, default all) and each world size it declares (of
+    `sizes`, default all): `@pytest.mark.parametrize("case,n", case_params(FILE))`."""
+    declared = case_sizes(cases_file)
+    unknown = sorted(set(cases or ()) - set(declared))
+    if unknown:
+        raise ValueError(f"{cases_file} has no cases {unknown}")
+    return [(c, n) for c, ns in declared.items() if cases is None or c in cases
+            for n in ns if sizes is None or n in sizes]
+
+
+def run_cases(n: int, cases_file: str | Path, timeout: float = 180,
+              env: dict | None = None) -> CaseResults:
+    """Run every case of `cases_file` (path from the repo root) that declares world size `n` on
+    `n` ranks, in one launch."""
     with tempfile.TemporaryDirectory(prefix="soapstone-cases-") as out:
         args = [str(Path(__file__).resolve()), str(cases_file), out]
-        if only:
-            args += ["--only", ",".join(only)]
         launch = run_mpi(n, args, timeout=timeout, env=env)
         cases: dict[str, dict[int, tuple[str, str]]] = {}
         for f in Path(out).glob("rank*.jsonl"):
@@ -155,15 +192,14 @@ def _rank_main(argv: list[str]) -> int:
     import traceback
 
     cases_file, out_dir = argv[0], Path(argv[1])
-    only = set(argv[3].split(",")) if len(argv) > 3 and argv[2] == "--only" else None
     sys.path[:0] = [str(ROOT), str(TESTS)]
     from mpi4py import MPI
 
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     spec = importlib.util.spec_from_file_location("_cases", ROOT / cases_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    names = [n for n in case_names(cases_file) if only is None or n in only]
+    names = [name for name, sizes in case_sizes(cases_file).items() if size in sizes]
     with open(out_dir / f"rank{rank}.jsonl", "w") as log:
         for name in names:
             # a hung collective cannot be interrupted from Python: dump the stack and exit,

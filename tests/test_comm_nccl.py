@@ -1,10 +1,10 @@
 """The comm cases on the NCCL backend (CUDA tensors); skipped without CUDA/cupy.
 
-By default they run at world size 1 only, where they are near-trivial: every collective is a
-copy (or nothing) on one GPU, p2p cases skip, and no byte crosses between GPUs. They check
-the wiring (dtypes, devices, layouts, error messages), not NCCL traffic. Real traffic needs
-several GPUs and SOAPSTONE_NCCL_RANKS=2 (or 4), which also runs every case on that many
-ranks, one GPU each.
+By default the cases declared for world size 1 run, where they are near-trivial: every
+collective is a copy (or nothing) on one GPU (p2p cases need 2 ranks), and no byte crosses
+between GPUs. They check the wiring (dtypes, devices, layouts, error messages), not NCCL
+traffic. Real traffic needs several GPUs and SOAPSTONE_NCCL_RANKS=2 (or 4), which also runs
+every case declared for that many ranks, one GPU each.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from conftest import COMM_CASES
-from mpirun import case_names
+from mpirun import case_params
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
@@ -25,9 +25,8 @@ RANKS = [1] + ([int(os.environ["SOAPSTONE_NCCL_RANKS"])]
                if os.environ.get("SOAPSTONE_NCCL_RANKS") else [])
 
 
-@pytest.mark.parametrize("n", RANKS)
-@pytest.mark.parametrize("case", case_names(COMM_CASES))
-def test_comm_case_nccl(comm_runs, n, case):
+@pytest.mark.parametrize("case,n", case_params(COMM_CASES, sizes=RANKS))
+def test_comm_case_nccl(comm_runs, case, n):
     comm_runs(n, env={"SOAPSTONE_TEST_BACKEND": "nccl"}).check(case)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpirun import case_names
+from mpirun import case_params
 
 from soapstone import dsl
 from soapstone.dsl.lower import lower
@@ -16,20 +16,10 @@ from soapstone.shard.runtime import ShardedModel
 
 CASES = "tests/cases/dp_cases.py"
 ROOT = Path(__file__).resolve().parents[1]
-FOUR = ("dp4", "dp2tp2", "dp2sp2")
-GENERIC = ("case_bf16_trains_close_to_fp32", "case_memory_matches_zero_formulas",
-           "case_overlap_and_zero3_frees")
-LAYOUT_CASES = [c for c in case_names(CASES) if c not in GENERIC]
 
 
-@pytest.mark.parametrize("case", LAYOUT_CASES)
-def test_layout_matches_single_rank(comm_runs, case):
-    comm_runs(4 if any(f"_{k}_" in case for k in FOUR) else 2, CASES).check(case)
-
-
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("case", GENERIC)
-def test_generic(comm_runs, case, n):
+@pytest.mark.parametrize("case,n", case_params(CASES))
+def test_data_parallel_case(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mpirun import run_mpi
+from mpirun import case_names, case_params, run_mpi
 
 from soapstone.shard.plan.schedules import build
 
@@ -15,10 +15,13 @@ CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "explain"]
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])  # 8: gpt8, in the launch test_golden makes anyway
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_explain_matches_a_real_step(comm_runs, n, optimizer):
-    comm_runs(n, CASES).check(f"case_explain_matches_counters_{optimizer}")
+# the explain cases of the run cases (test_golden.py takes the rest): one launch per size for both
+EXPLAIN = [c for c in case_names(CASES) if c.startswith("case_explain_")]
+
+
+@pytest.mark.parametrize("case,n", case_params(CASES, EXPLAIN))
+def test_explain_matches_a_real_step(comm_runs, case, n):
+    comm_runs(n, CASES).check(case)
 
 
 def test_bubble_formula():

@@ -9,16 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpirun import run_mpi
+from mpirun import case_names, case_params, run_mpi
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = "tests/cases/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "golden"]
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_example_layouts_match_their_records(comm_runs, n):
-    comm_runs(n, CASES).check("case_golden_examples")
+# every run case but explain's (test_explain.py): one launch per size for both
+GOLDEN = [c for c in case_names(CASES) if not c.startswith("case_explain_")]
+
+
+@pytest.mark.parametrize("case,n", case_params(CASES, GOLDEN))
+def test_example_layouts_match_their_records(comm_runs, case, n):
+    comm_runs(n, CASES).check(case)
 
 
 def test_record_format_is_pickle_free(tmp_path):

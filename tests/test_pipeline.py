@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpirun import case_names, run_mpi
+from mpirun import case_params, run_mpi
 
 from soapstone import dsl
 from soapstone.dsl.lower import LoweringError, lower
@@ -96,16 +96,8 @@ def test_show_prints_stage_graph_and_schedule():
     assert "--- stage 0 (pipe 0) ---" in text
 
 
-CASE_SIZES = {2: [c for c in case_names(CASES) if c.startswith("case_pp2_")
-                  and "dp2" not in c and "sp2" not in c and "tp2" not in c],
-              4: ["case_pp4_1f1b_mb8", "case_pp4_gpipe_mb4", "case_pp2_dp2_1f1b",
-                  "case_pp2_sp2_interleaved", "case_pp2_dp2_dropout",
-                  "case_pp2_tp2_received_residual"],
-              8: ["case_gpt8_pipe_data_model_zero1"]}
-
-
-@pytest.mark.parametrize("n,case", [(n, c) for n, cs in CASE_SIZES.items() for c in cs])
-def test_pipeline_matches_single_rank(comm_runs, n, case):
+@pytest.mark.parametrize("case,n", case_params(CASES))
+def test_pipeline_matches_single_rank(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
 
 

@@ -5,11 +5,11 @@ AdamW and SGD, against the single-rank run."""
 from __future__ import annotations
 
 import pytest
-from mpirun import case_names
+from mpirun import case_params
 
 CASES = "tests/cases/pipe_optim_cases.py"
 
 
-@pytest.mark.parametrize("n,case", [(4 if "dp2" in c else 2, c) for c in case_names(CASES)])
-def test_pipeline_optimizer_matches_single_rank(comm_runs, n, case):
+@pytest.mark.parametrize("case,n", case_params(CASES))
+def test_pipeline_optimizer_matches_single_rank(comm_runs, case, n):
     comm_runs(n, CASES).check(case)

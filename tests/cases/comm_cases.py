@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-from mpirun import Skip
+from mpirun import ranks
 
 from soapstone.comm import CommError, Mesh, init
 from soapstone.comm import autograd as ag
@@ -44,12 +44,8 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), f"{what}: got\n{a}\nexpected\n{b}"
 
 
-def need(n: int) -> None:
-    if N < n:
-        raise Skip(f"needs at least {n} ranks")
-
-
 # ------------------------------------------------------------------------------- collectives
+@ranks(1, 2, 4)
 def case_allreduce_all_ops_and_dtypes():
     for dt in DTYPES:
         for op in ("sum", "avg", "max", "min"):
@@ -67,12 +63,14 @@ def case_allreduce_all_ops_and_dtypes():
             same(out, want.to(dt), f"allreduce {op} {dt}")
 
 
+@ranks(1, 2, 4)
 def case_allreduce_fp32_random():
     xs = [rnd(r, (1000,)).float() for r in range(N)]
     out = W.allreduce(xs[R].clone())
     assert torch.allclose(out, torch.stack(xs).sum(0), rtol=1e-5, atol=1e-5)
 
 
+@ranks(1, 2, 4)
 def case_allreduce_is_zero_copy():
     # The buffer MPI reduces is the tensor's own memory: a view into a bigger tensor is
     # reduced where it lies, and the elements around it are untouched.
@@ -85,6 +83,7 @@ def case_allreduce_is_zero_copy():
     same(base, want, "in-place allreduce into a view")
 
 
+@ranks(1, 2, 4)
 def case_requires_grad_tensors_work():
     x = inp(R, (4,), torch.float32).requires_grad_()
     out = W.allgather(x, 0)
@@ -93,6 +92,7 @@ def case_requires_grad_tensors_work():
     same(y.detach(), sum(inp(r, (4,)) for r in range(N)), "allreduce of requires_grad")
 
 
+@ranks(1, 2, 4)
 def case_reduce_scatter():
     for dt in DTYPES:
         for dim in (0, 1, 2, -1):
@@ -106,6 +106,7 @@ def case_reduce_scatter():
             same(x, before, "reduce_scatter must not touch its input")
 
 
+@ranks(1, 2, 4)
 def case_allgather():
     for dt in DTYPES:
         for dim in (0, 1, 2):
@@ -115,6 +116,7 @@ def case_allgather():
                  f"allgather dim={dim} {dt}")
 
 
+@ranks(1, 2, 4)
 def case_broadcast():
     for dt in DTYPES:
         for src in range(N):
@@ -128,6 +130,7 @@ def _alltoall_want(shape, dt, split_dim, concat_dim):
     return torch.cat([inp(j, shape, dt).chunk(N, split_dim)[R] for j in range(N)], concat_dim)
 
 
+@ranks(1, 2, 4)
 def case_alltoall():
     for dt in DTYPES:
         for sd, cd in ((0, 0), (0, 1), (1, 0), (2, 1), (1, 1)):
@@ -143,6 +146,7 @@ def _vsizes(r: int) -> list[int]:
     return [(r + 2 * j) % 3 for j in range(N)]
 
 
+@ranks(1, 2, 4)
 def case_alltoallv():
     for dt in DTYPES:
         for dim in (0, 1):
@@ -159,8 +163,8 @@ def case_alltoallv():
             same(out, want, f"alltoallv dim={dim} {dt}")
 
 
+@ranks(2, 4)
 def case_send_recv_ring():
-    need(2)
     for dt in DTYPES:
         nxt, prv = (R + 1) % N, (R - 1) % N
         out = torch.empty(4, 2, dtype=dt, device=DEV)
@@ -176,6 +180,7 @@ def case_send_recv_ring():
         same(W.recv(torch.empty(3, device=DEV), R - 1), inp(R - 1, (3,)), "send/recv pair")
 
 
+@ranks(1, 2, 4)
 def case_async_ops_match_blocking():
     x = inp(R, (2 * N, 4), torch.float32)
     works = [
@@ -196,6 +201,7 @@ def case_async_ops_match_blocking():
     assert works[0].wait() is got[0], "wait() is idempotent"
 
 
+@ranks(1, 2, 4)
 def case_async_half_reduction():
     x = inp(R, (64,), torch.bfloat16)
     got = W.allreduce(x, async_op=True).wait()
@@ -203,6 +209,7 @@ def case_async_half_reduction():
     same(got, want.sum(0, dtype=torch.bfloat16), "async bf16 allreduce")
 
 
+@ranks(1, 2, 4)
 def case_split_subcommunicators():
     sub = W.split(R % 2, R)
     members = [r for r in range(N) if r % 2 == R % 2]
@@ -212,6 +219,7 @@ def case_split_subcommunicators():
     assert W.split(None) is None
 
 
+@ranks(1, 2, 4)
 def case_stats_count_bus_bytes():
     W.reset_stats()
     W.allreduce(torch.ones(256, device=DEV))
@@ -245,6 +253,7 @@ def _out_calls():
     return calls
 
 
+@ranks(1, 2, 4)
 def case_out_matches_fresh_result():
     for dt in DTYPES:
         for label, fn, shape, flat in _out_calls():
@@ -268,6 +277,7 @@ def case_out_matches_fresh_result():
                 same(x, before, f"{what} must not touch its input")
 
 
+@ranks(1, 2, 4)
 def case_out_keeps_stats_and_debug_checks():
     for debug in (False, True):
         W.debug = debug
@@ -314,6 +324,7 @@ def _bad_outs(op, fn, want):
     _raises(lambda: fn(torch.empty(want, device="meta")), op, "`out`", "meta")
 
 
+@ranks(1, 2, 4)
 def case_bad_out_is_a_comm_error_before_mpi():
     def boom(*a, **k):
         raise AssertionError("the backend (MPI/NCCL) was called despite a bad out=")
@@ -351,6 +362,7 @@ def _raises(fn, *words):
     raise AssertionError(f"expected CommError mentioning {words}")
 
 
+@ranks(1, 2, 4)
 def case_bad_input_is_a_clear_comm_error():
     assert issubclass(CommError, ValueError)
     x = torch.ones(N * 2 + 1, 3, device=DEV)
@@ -379,8 +391,8 @@ def case_bad_input_is_a_clear_comm_error():
         _raises(lambda: W.allreduce(torch.ones(3, device="cuda")), "allreduce", "cuda")
 
 
+@ranks(2, 4)
 def case_debug_collectives_name_disagreeing_ranks():
-    need(2)
     W.debug = True
     try:
         W.allreduce(torch.ones(3, device=DEV))  # agreeing calls pass
@@ -436,10 +448,10 @@ def case_debug_collectives_name_disagreeing_ranks():
         W.debug = False
 
 
+@ranks(2, 4)
 def case_debug_irecv_posted_before_the_send_does_not_hang():
     # A pipeline posts its receives a step early: rank 1 posts irecvs (two tags, the reverse
     # of the send order) and only then meets rank 0 in a barrier, after which rank 0 sends.
-    need(2)
     W.debug = True
     try:
         if R == 1:
@@ -461,9 +473,8 @@ def case_debug_irecv_posted_before_the_send_does_not_hang():
 
 
 # ------------------------------------------------------------------------------------ mesh
+@ranks(4)
 def case_mesh_2x2():
-    if N != 4:
-        raise Skip("needs 4 ranks")
     m = Mesh(W, data=2, model=2)
     assert m.axes == ("data", "model") and m.rank == R
     assert (m.coord("data"), m.coord("model")) == (R // 2, R % 2)
@@ -480,6 +491,7 @@ def case_mesh_2x2():
     assert m.rank_of(data=1, model=0) == 2
 
 
+@ranks(1, 2, 4)
 def case_mesh_size_one_axes():
     m = Mesh(W, pipe=1, data=N, model=1)
     assert m.size("pipe") == 1 and m.size("data") == N and m.coord("data") == R
@@ -493,11 +505,10 @@ def case_mesh_size_one_axes():
         assert m3.comm("data", "model").size == N // 2
 
 
+@ranks(8)
 def case_mesh_2x2x2_multi_axis_comms_in_any_order():
     # Ranks ask for different multi-axis communicators in different orders (pipeline stages
     # do): Mesh creates them all up front, so no comm() call is collective and nothing hangs.
-    if N != 8:
-        raise Skip("needs 8 ranks")
     m = Mesh(W, pipe=2, data=2, model=2)
     subsets = [("pipe",), ("data",), ("model",), ("pipe", "data"), ("pipe", "model"),
                ("data", "model"), ("pipe", "data", "model")]
@@ -519,6 +530,7 @@ def case_mesh_2x2x2_multi_axis_comms_in_any_order():
     m.free()
 
 
+@ranks(1, 2, 4)
 def case_mesh_free_and_context_manager():
     from mpi4py import MPI
 
@@ -540,6 +552,7 @@ def case_mesh_free_and_context_manager():
          "world still works")
 
 
+@ranks(1, 2, 4)
 def case_mesh_wrong_shape_names_both_numbers():
     _raises(lambda: Mesh(W, pipe=2, data=2, model=2 * N + 1), "Mesh", str(W.size),
             str(4 * (2 * N + 1)))
@@ -551,6 +564,7 @@ def _shard(t, dim, r=None):
     return t.chunk(N, dim)[R if r is None else r]
 
 
+@ranks(1, 2, 4)
 def case_autograd_copy_to_reduce_from_megatron_mlp():
     h, f = 4, 2 * N
     X, W1, W2, G = rnd(0, (3, h), 1), rnd(0, (h, f), 2), rnd(0, (f, h), 3), rnd(0, (3, h), 4)
@@ -569,6 +583,7 @@ def case_autograd_copy_to_reduce_from_megatron_mlp():
     close(w2d.grad, _shard(w2.grad, 0), "dW2 shard")
 
 
+@ranks(1, 2, 4)
 def case_autograd_all_reduce_backward_allreduce():
     # distributed norm: the statistic feeds every rank's (different) terms of the loss
     X, G = rnd(0, (4 * N,), 5), rnd(0, (4 * N,), 6)
@@ -589,6 +604,7 @@ def case_autograd_all_reduce_backward_allreduce():
     same(y.grad, torch.ones(3, dtype=torch.float64, device=DEV), "identity backward")
 
 
+@ranks(1, 2, 4)
 def case_autograd_all_gather_partial_and_replicate():
     X, Wt, G = rnd(0, (2 * N, 3), 8), rnd(0, (3, 2 * N), 9), rnd(0, (2 * N, 2 * N), 10)
     # partial: the gathered tensor feeds a column-parallel matmul (sequence parallelism)
@@ -609,6 +625,7 @@ def case_autograd_all_gather_partial_and_replicate():
     close(xd.grad, _shard(x.grad, 1), "all_gather(grad='replicate') backward")
 
 
+@ranks(1, 2, 4)
 def case_autograd_reduce_scatter_split_all_to_all():
     G = rnd(0, (2 * N, 3), 11)
     # reduce_scatter: each rank holds a term of the sum
@@ -639,8 +656,8 @@ def case_autograd_reduce_scatter_split_all_to_all():
     close(xd.grad, xs[R].grad, "all_to_all backward")
 
 
+@ranks(2, 4)
 def case_autograd_send_recv_pipeline():
-    need(2)
     X = rnd(R // 2, (3, 2), 16)
     if R % 2 == 0 and R + 1 < N:  # stage 0: y = 3x, sent on
         x = X.clone().requires_grad_()

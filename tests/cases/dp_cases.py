@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 import torch
-from mpirun import Skip
+from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
@@ -86,8 +86,7 @@ def reference(spec: str, dtype, name: str = "adamw", clip=None):
 
 def compare(spec, layout, zero, name="adamw", micro=1, clip=None):
     par = SPECS[spec].parallel(layout)
-    if par.world_size != W.size:
-        raise Skip(f"{layout} needs {par.world_size} ranks")
+    assert par.world_size == W.size, f"{layout} needs {par.world_size} ranks, not {W.size} (@ranks)"
     what = f"{spec}/{layout} zero {zero} {name}" + (f" micro {micro}" if micro > 1 else "")
     want_l, want_n, _ = reference(spec, torch.float32, name, clip)
     got_l, got_n, _, _ = train(spec, layout, zero, torch.float32, name, micro, clip)
@@ -103,110 +102,137 @@ def compare(spec, layout, zero, name="adamw", micro=1, clip=None):
             f"{what}: {k} after {STEPS} steps: max diff {float((got_p[k] - w).abs().max()):.3e}"
 
 
+@ranks(2)
 def case_gpt_dp2_zero0():
     compare("gpt", "dp2", 0)
 
 
+@ranks(2)
 def case_gpt_dp2_zero1():
     compare("gpt", "dp2", 1)
 
 
+@ranks(2)
 def case_gpt_dp2_zero2():
     compare("gpt", "dp2", 2)
 
 
+@ranks(2)
 def case_gpt_dp2_zero3():
     compare("gpt", "dp2", 3)
 
 
+@ranks(2)
 def case_mlp_dp2_zero0():
     compare("mlp", "dp2", 0)
 
 
+@ranks(2)
 def case_mlp_dp2_zero1():
     compare("mlp", "dp2", 1)
 
 
+@ranks(2)
 def case_mlp_dp2_zero2():
     compare("mlp", "dp2", 2)
 
 
+@ranks(2)
 def case_mlp_dp2_zero3():
     compare("mlp", "dp2", 3)
 
 
+@ranks(2)
 def case_gpt_dp2_sgd_zero1():
     compare("gpt", "dp2", 1, name="sgd")
 
 
+@ranks(2)
 def case_gpt_dp2_sgd_zero3():
     compare("gpt", "dp2", 3, name="sgd")
 
 
+@ranks(2)
 def case_gpt_dp2_clip_zero2():
     compare("gpt", "dp2", 2, clip=0.5)
 
 
+@ranks(2)
 def case_gpt_dp2_accumulate_zero0():
     compare("gpt", "dp2", 0, micro=MICRO)
 
 
+@ranks(2)
 def case_gpt_dp2_accumulate_zero1():
     compare("gpt", "dp2", 1, micro=MICRO)
 
 
+@ranks(2)
 def case_gpt_dp2_accumulate_zero3():
     compare("gpt", "dp2", 3, micro=MICRO)
 
 
+@ranks(4)
 def case_gpt_dp4_zero0():
     compare("gpt", "dp4", 0)
 
 
+@ranks(4)
 def case_gpt_dp4_zero1():
     compare("gpt", "dp4", 1)
 
 
+@ranks(4)
 def case_gpt_dp4_zero2():
     compare("gpt", "dp4", 2)
 
 
+@ranks(4)
 def case_gpt_dp4_zero3():
     compare("gpt", "dp4", 3)
 
 
+@ranks(4)
 def case_mlp_dp4_zero0():
     compare("mlp", "dp4", 0)
 
 
+@ranks(4)
 def case_mlp_dp4_zero1():
     compare("mlp", "dp4", 1)
 
 
+@ranks(4)
 def case_mlp_dp4_zero2():
     compare("mlp", "dp4", 2)
 
 
+@ranks(4)
 def case_mlp_dp4_zero3():
     compare("mlp", "dp4", 3)
 
 
+@ranks(4)
 def case_gpt_dp2tp2_zero1():
     compare("gpt", "dp2tp2", 1)
 
 
+@ranks(4)
 def case_gpt_dp2tp2_zero3():
     compare("gpt", "dp2tp2", 3, clip=0.5)
 
 
+@ranks(4)
 def case_gpt_dp2sp2_zero1():
     compare("gpt", "dp2sp2", 1, clip=0.5)
 
 
+@ranks(4)
 def case_gpt_dp2sp2_zero3():
     compare("gpt", "dp2sp2", 3)
 
 
+@ranks(2, 4)
 def case_bf16_trains_close_to_fp32():
     """bf16 compute with fp32 master weights: the loss falls and tracks the fp32 run."""
     layout = "dp2" if W.size == 2 else "dp4"
@@ -219,6 +245,7 @@ def case_bf16_trains_close_to_fp32():
             assert abs(a - b) <= 2e-2 * abs(b), f"zero {zero}: bf16 {bf16} vs fp32 {fp32}"
 
 
+@ranks(2, 4)
 def case_memory_matches_zero_formulas():
     """Bytes held per rank, measured from the tensors, against ZeRO's fp32-Adam formulas."""
     layout = "dp2" if W.size == 2 else "dp4"
@@ -234,6 +261,7 @@ def case_memory_matches_zero_formulas():
 
 
 
+@ranks(2, 4)
 def case_overlap_and_zero3_frees():
     """Buckets launch from gradient hooks during backward (not all at the end), in the same
     order on every rank; ZeRO-3 holds only a couple of gathered buckets at any time."""

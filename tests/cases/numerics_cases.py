@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from mpirun import Skip
+from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
@@ -47,8 +47,7 @@ def golden(spec: str, layout: str, dims: dict | None = None) -> None:
     s = dsl.load(ROOT / f"tests/specs/{spec}_layouts.par", dims=dims) if dims else SPECS[spec]
     par = s.parallel(layout)
     model = s.model(par.model)
-    if par.world_size != W.size:
-        raise Skip(f"{layout} needs {par.world_size} ranks")
+    assert par.world_size == W.size, f"{layout} needs {par.world_size} ranks, not {W.size} (@ranks)"
     mesh = Mesh(W, **dict(par.mesh))
     train_and_compare(model, par, mesh, torch.float32, final_atol=1e-2 * LR)
     train_and_compare(model, par, mesh, torch.float64, final_atol=None)
@@ -90,119 +89,145 @@ def train_and_compare(model, par, mesh, dtype, final_atol) -> None:
             assert diff <= final_atol, f"{what}: max abs diff {diff:.3e} > {final_atol:.1e}"
 
 
+@ranks(2)
 def case_gpt_dp2():
     golden("gpt", "dp2")
 
 
+@ranks(2)
 def case_gpt_tp2():
     golden("gpt", "tp2")
 
 
+@ranks(2)
 def case_gpt_sp2():
     golden("gpt", "sp2")
 
 
+@ranks(2)
 def case_gpt_cp2():
     golden("gpt", "cp2")
 
 
+@ranks(4)
 def case_gpt_tp4():
     golden("gpt", "tp4")
 
 
+@ranks(4)
 def case_gpt_dp2tp2():
     golden("gpt", "dp2tp2")
 
 
+@ranks(4)
 def case_gpt_cp2tp2():
     golden("gpt", "cp2tp2")
 
 
+@ranks(4)
 def case_gpt_dp2sp2():
     golden("gpt", "dp2sp2")
 
 
+@ranks(4)
 def case_gpt_ulysses4():
     # long enough sequences that the compiler picks all-to-alls (checked in test_compile.py)
     golden("gpt", "ulysses4", dims={"seq": 128})
 
 
+@ranks(2)
 def case_mlp_dp2():
     golden("mlp", "dp2")
 
 
+@ranks(2)
 def case_mlp_tp2():
     golden("mlp", "tp2")
 
 
+@ranks(2)
 def case_mlp_rowfirst():
     golden("mlp", "rowfirst")
 
 
+@ranks(4)
 def case_mlp_tp4():
     golden("mlp", "tp4")
 
 
+@ranks(4)
 def case_mlp_dp2tp2():
     golden("mlp", "dp2tp2")
 
 
+@ranks(2)
 def case_llama_tp2():
     golden("llama", "tp2")
 
 
+@ranks(2)
 def case_llama_dp2():
     golden("llama", "dp2")
 
 
+@ranks(2)
 def case_llama_sp2():
     golden("llama", "sp2")
 
 
+@ranks(2)
 def case_llama_cp2():
     golden("llama", "cp2")
 
 
+@ranks(4)
 def case_llama_tp4():
     golden("llama", "tp4")
 
 
+@ranks(4)
 def case_llama_dp2tp2():
     golden("llama", "dp2tp2")
 
 
+@ranks(2)
 def case_ops_hid2():
     golden("ops", "hid2")
 
 
+@ranks(2)
 def case_ops_cls2():
     golden("ops", "cls2")
 
 
+@ranks(4)
 def case_ops_dp2hid2():
     golden("ops", "dp2hid2")
 
 
+@ranks(2)
 def case_branch_br2():
     golden("branch", "br2")
 
 
+@ranks(4)
 def case_branch_dp2br2():
     golden("branch", "dp2br2")
 
 
+@ranks(4)
 def case_branch_br2tp2():
     golden("branch", "br2tp2")
 
 
+@ranks(2)
 def case_branch_gated_br2():
     golden("branch", "gated_br2")
 
 
+@ranks(2)
 def case_branch_ops_run_only_on_their_owner():
     """Off its owner a branch op does no work: a torch profiler sees no matmul for it."""
-    if W.size != 2:
-        raise Skip("needs 2 ranks")
     s = SPECS["branch"]
     program = lower(s.model("towers"), s.parallel("br2"))
     m = ShardedModel(program, Mesh(W, branch=2), seed=0)
@@ -216,6 +241,7 @@ def case_branch_ops_run_only_on_their_owner():
     assert mms == 2 + 2, f"rank {W.rank} ran {mms} matmuls"
 
 
+@ranks(2, 4)
 def case_full_state_dict_round_trip():
     """A plain (unsharded) state dict loads into any layout and comes back unchanged."""
     s = SPECS["gpt"]

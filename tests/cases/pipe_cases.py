@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mpirun import Skip  # noqa: E402
+from mpirun import ranks  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
@@ -61,8 +61,8 @@ def rel(got: float, want: float, what: str) -> None:
 
 def golden(model, par, optimizer: str = "torch") -> None:
     """Train the pipeline layout and the single-rank model side by side and compare."""
-    if par.world_size != W.size:
-        raise Skip(f"{par.name} needs {par.world_size} ranks")
+    assert par.world_size == W.size, \
+        f"{par.name} needs {par.world_size} ranks, not {W.size} (@ranks)"
     mesh = Mesh(W, **dict(par.mesh))
     graph = lower_pipeline(model, par)
     single = lower(resolve_ties(model), None)
@@ -101,14 +101,17 @@ def layout(name: str) -> None:
     golden(SPEC.model(), SPEC.parallel(name))
 
 
+@ranks(2)
 def case_pp2_gpipe_mb4():
     layout("pp2gpipe")
 
 
+@ranks(2)
 def case_pp2_1f1b_mb8():
     layout("pp2f1b")
 
 
+@ranks(2)
 def case_pp2_interleaved_mb4():
     layout("pp2inter")
 
@@ -125,6 +128,7 @@ def tied_model():
     return attrs.evolve(m, params=params, ops=ops)
 
 
+@ranks(2)
 def case_pp2_tied_embedding():
     model = tied_model()
     par = SPEC.parallel("pp2f1b")
@@ -133,10 +137,9 @@ def case_pp2_tied_embedding():
     golden(model, par)
 
 
+@ranks(2)
 def case_pp2_trace():
     """A traced step: Chrome trace JSON with every F and B of both ranks, a measured bubble."""
-    if W.size != 2:
-        raise Skip("2 ranks")
     par = SPEC.parallel("pp2f1b")
     pm = Executor(lower_pipeline(SPEC.model(), par), Mesh(W, **dict(par.mesh)), trace=True)
     pm.train_step(synthetic_inputs(SPEC.model(), 0))
@@ -155,22 +158,27 @@ def case_pp2_trace():
             assert tr.write_png(png, timeline) and png.read_bytes()[:4] == b"\x89PNG"
 
 
+@ranks(4)
 def case_pp4_1f1b_mb8():
     layout("pp4f1b")
 
 
+@ranks(4)
 def case_pp4_gpipe_mb4():
     layout("pp4gpipe")
 
 
+@ranks(4)
 def case_pp2_dp2_1f1b():
     layout("pp2dp2")
 
 
+@ranks(4)
 def case_pp2_sp2_interleaved():
     layout("pp2tp2")
 
 
+@ranks(8)
 def case_gpt8_pipe_data_model_zero1():
     """gpt.par's gpt8: pipe 2 x data 2 x model (tensor + sequence) 2, 1F1B, ZeRO-1 through
     build_optimizer (its own gradient reduction; every microbatch but the last in no_sync),
@@ -178,17 +186,20 @@ def case_gpt8_pipe_data_model_zero1():
     golden(SPEC.model(), SPEC.parallel("gpt8"), optimizer="zero1")
 
 
+@ranks(2)
 def case_pp2_dropout_mb4():
     """Dropout (p = 0.25) in every block, 4 microbatches: each microbatch's mask is its rows
     of the single-rank run's mask, not one mask drawn at the microbatch's size for all."""
     golden(RES.model(), RES.parallel("pp2drop"))
 
 
+@ranks(4)
 def case_pp2_dp2_dropout():
     """Dropout with the microbatch split again over data: rows mb * 4 + coord * 2, ..."""
     golden(RES.model(), RES.parallel("pp2dp2drop"))
 
 
+@ranks(4)
 def case_pp2_tp2_received_residual():
     """A stage receives the replicated residual stream and feeds it into h2-split work: its
     CopyTo sums the gradient over `model` before it is sent back (formerly refused)."""

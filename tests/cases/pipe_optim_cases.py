@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mpirun import Skip  # noqa: E402
+from mpirun import ranks  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
@@ -58,8 +58,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def golden(layout: str, name: str, zero: int, tie: bool = False) -> None:
     par = SPEC.parallel(layout)
-    if par.world_size != W.size:
-        raise Skip(f"{layout} needs {par.world_size} ranks")
+    assert par.world_size == W.size, f"{layout} needs {par.world_size} ranks, not {W.size} (@ranks)"
     model = tied(SPEC.model()) if tie else SPEC.model()
     graph = lower_pipeline(model, par)
     if tie:
@@ -92,21 +91,26 @@ def golden(layout: str, name: str, zero: int, tie: bool = False) -> None:
                       f"{layout}: {pname} after {STEPS} {name} zero {zero} steps ({dtype})")
 
 
+@ranks(2)
 def case_pp2_1f1b_adamw_clip():
     golden("pp2f1b", "adamw", zero=0)
 
 
+@ranks(2)
 def case_pp2_1f1b_tied_sgd_clip():
     golden("pp2f1b", "sgd", zero=0, tie=True)
 
 
+@ranks(2)
 def case_pp2_interleaved_tied_adamw_clip():
     golden("pp2inter", "adamw", zero=1, tie=True)
 
 
+@ranks(4)
 def case_pp2dp2_zero1_adamw_clip():
     golden("pp2dp2", "adamw", zero=1)
 
 
+@ranks(4)
 def case_pp2dp2_zero1_tied_sgd_clip():
     golden("pp2dp2", "sgd", zero=1, tie=True)
