@@ -33,13 +33,16 @@ def comm_views(statuses: dict[int, dict]) -> dict[str, dict[int, dict]]:
     return out
 
 
-def doing(st: dict | None) -> str:
-    """What a rank is doing now, from its status: its blocked op or 'not in a comm call'."""
+def doing(st: dict | None, short: bool = False) -> str:
+    """What a rank is doing now, from its status: its blocked op or 'not in a comm call'.
+    short: the op without its shape and timing."""
     if st is None:
         return "no status (it did not answer: dead, or stuck in native code holding the GIL)"
     act = st.get("active")
     if act:
-        return "blocked in " + entry_text(act, act["key"])
+        text = entry_text(act, act["key"])
+        return "blocked in " + (text.split(" (")[0] if short and act["kind"] != "p2p" else
+                                text.rsplit(" (", 1)[0] if short else text)
     idle = st.get("idle_s")
     if idle is None:
         return "not in a communication call (none made yet)"
@@ -61,35 +64,27 @@ def _signature(e: dict) -> tuple:
     return (e["op"], tuple(e["shape"]), e["dtype"])
 
 
-def missing_ranks(statuses: dict[int, dict], key: str, entry: dict) -> tuple[list, list, list]:
-    """For the op `entry` on communicator `key` that timed out on some rank: (ranks that did not
-    arrive, ranks that arrived in a different op [(rank, entry)], ranks with no status).
+def missing_ranks(statuses: dict[int, dict], key: str, entry: dict,
+                  rank: int) -> tuple[list, list, list]:
+    """For the op `entry` of world rank `rank` on communicator `key` (timed out): (ranks that did
+    not arrive, ranks that arrived in a different op [(rank, entry)], ranks with no status).
     Collective: members that have started fewer than `entry['seq']` collectives on it. p2p: the
-    peer, when it has sent (received) fewer messages to (from) the waiting rank than it waits
-    for."""
-    views = comm_views(statuses)
-    members = next(iter(views.get(key, {}).values()), {}).get("world_ranks", [])
+    peer, when it has sent (received) fewer messages to (from) `rank` than `rank` waits for."""
+    views = comm_views(statuses).get(key, {})
+    members = next(iter(views.values()), {}).get("world_ranks", [])
     behind, other, silent = [], [], []
     if entry.get("kind") == "p2p":
-        waiter = [r for r, s in views.get(key, {}).items()
-                  if s.get("active") and s["active"] == entry]
-        me = waiter[0] if waiter else None
         peer = members[entry["peer"]] if entry["peer"] < len(members) else None
-        if peer is None or peer not in views.get(key, {}):
-            return [], [], [peer] if peer is not None else []
-        mine = views[key][me] if me is not None else None
-        theirs = views[key][peer]
-        if mine is not None:
-            pm, pt = members.index(me), entry["peer"]
-            if entry["op"] in SENDS:
-                if theirs["recvd"][pm] < mine["sent"][pt]:
-                    behind.append(peer)
-            elif theirs["sent"][pm] < mine["recvd"][pt]:
-                behind.append(peer)
+        mine, theirs = views.get(rank), views.get(peer)
+        if theirs is None or mine is None:
+            return [], [], [] if peer is None else [peer]
+        mine_key, their_key, _ = _P2P_TEXT[entry["op"] in SENDS]
+        if theirs[their_key][members.index(rank)] < mine[mine_key][entry["peer"]]:
+            behind.append(peer)
         return behind, other, silent
     seq = entry["seq"]
     for r in members:
-        snap = views.get(key, {}).get(r)
+        snap = views.get(r)
         if snap is None:
             silent.append(r)
         elif snap["seq"] < seq:
@@ -131,7 +126,7 @@ def _collective_divergence(statuses, key, snaps, members, skip_behind=False):
         what = entry_text(e, key) if e else f"collective #{top} on {key}"
         text = (f"{_ranks(behind)} behind on {key}: {_ranks(ahead)} reached {what}; ")
         text += "; ".join(f"rank {r} has started {seqs[r]} collectives there and is "
-                          f"{doing(statuses.get(r))}" for r in behind)
+                          f"{doing(statuses.get(r), True)}" for r in behind)
         lines.append((max(_blocked_s(statuses.get(r)) for r in ahead) + 1e6, text))
     at_top = {r: _collective_at(snaps[r], top) for r in ahead}
     sigs: dict[tuple, list[int]] = {}
@@ -166,14 +161,15 @@ def _p2p_divergence(statuses, key, snaps, members):
         theirs = snaps.get(peer)
         blocked = act.get("blocked_s", 0.0)
         if theirs is None:
-            lines.append((blocked, f"rank {r} is {doing(statuses[r])}; rank {peer}: {doing(None)}"))
+            lines.append((blocked, f"rank {r} is {doing(statuses[r], True)}; rank {peer}: "
+                                   f"{doing(None)}"))
             continue
         mine_key, their_key, text = _P2P_TEXT[act["op"] in SENDS]
         want, got = snap[mine_key][pi], theirs[their_key][members.index(r)]
         if got < want:
             said = text.format(want=want, peer=peer, key=key, got=got)
-            lines.append((blocked, f"rank {r} is {doing(statuses[r])}: {said} and is "
-                                   f"{doing(statuses.get(peer))}"))
+            lines.append((blocked, f"rank {r} is {doing(statuses[r], True)}: {said} and is "
+                                   f"{doing(statuses.get(peer), True)}"))
     return lines
 
 

@@ -507,13 +507,13 @@ def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: di
     lines = [f"soapstone watchdog: collective timeout: rank {rank} waited {waited:.1f}s "
              f"(SOAPSTONE_COLLECTIVE_TIMEOUT={timeout:g}) in "
              + entry_text(entry, key).split(":")[0]]
-    behind, other, silent = missing_ranks(statuses, key, entry)
+    behind, other, silent = missing_ranks(statuses, key, entry, rank)
     if behind:
         lines.append("  did not arrive: " + ", ".join(f"rank {r}" for r in behind))
         for r in behind:
             snap = comm_views(statuses).get(key, {}).get(r, {})
-            count = (f" it has sent {sum(snap.get('sent', []))} and received "
-                     f"{sum(snap.get('recvd', []))} messages on {key};"
+            count = (f" it has sent {sum(snap.get('sent', []))} and posted "
+                     f"{sum(snap.get('recvd', []))} receives on {key};"
                      if entry.get("kind") == "p2p" else
                      f" it has started {snap.get('seq', '?')} collectives on {key};")
             lines.append(f"    rank {r}:{count} it is {doing(statuses.get(r))}")

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "record a single-rank run; check that a layout reproduces it"),
     "explain": ("soapstone.dsl.commands.explain",
                 "per-rank memory, communication and bubble estimates before launch"),
+    "debug": ("soapstone.dsl.commands.debug",
+              "debug hang DIR: who diverged, from every rank's flight-recorder dump"),
     "plan": ("soapstone.dsl.commands.plan",
              "choose a layout for N devices of a hardware profile (no torch)"),
 }

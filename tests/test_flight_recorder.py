@@ -110,7 +110,7 @@ def _status(rank, seq, last, active=None, sent=(0, 0), recvd=(0, 0), key="data[0
 def test_a_rank_behind_is_named_with_what_it_is_doing():
     waiting = _entry(5, "allreduce", "started", blocked=3.0)
     statuses = {0: _status(0, 5, waiting, active=waiting), 1: _status(1, 4, _entry(4, "allreduce"))}
-    behind, other, silent = diagnose.missing_ranks(statuses, "data[0,1]", waiting)
+    behind, other, silent = diagnose.missing_ranks(statuses, "data[0,1]", waiting, 0)
     assert (behind, other, silent) == ([1], [], [])
     (text,) = diagnose.divergences(statuses)
     assert text.startswith("rank 1 behind on data[0,1]: rank 0 reached allreduce #5")
@@ -121,7 +121,7 @@ def test_ranks_calling_different_collectives_are_a_disagreement():
     mine = _entry(3, "allreduce", "started", blocked=3.0)
     theirs = _entry(3, "allgather", "started", blocked=3.0)
     statuses = {0: _status(0, 3, mine, active=mine), 1: _status(1, 3, theirs, active=theirs)}
-    behind, other, _ = diagnose.missing_ranks(statuses, "data[0,1]", mine)
+    behind, other, _ = diagnose.missing_ranks(statuses, "data[0,1]", mine, 0)
     assert behind == [] and [r for r, _ in other] == [1] and other[0][1]["op"] == "allgather"
     found = diagnose.divergences(statuses)
     assert found == ["ranks disagree on collective #3 of data[0,1]: rank 0 called "
@@ -132,14 +132,14 @@ def test_a_receive_whose_message_was_never_sent():
     wait = _entry(1, "irecv", "waiting", kind="p2p", peer=0, blocked=3.0)
     statuses = {0: _status(0, 0, None, sent=(0, 0)),
                 1: _status(1, 0, None, active=wait, recvd=(1, 0))}
-    behind, _, _ = diagnose.missing_ranks(statuses, "data[0,1]", wait)
+    behind, _, _ = diagnose.missing_ranks(statuses, "data[0,1]", wait, 1)
     assert behind == [0]
     (text,) = diagnose.divergences(statuses)
-    assert "rank 1 is blocked in irecv from rank 0" in text
+    assert "rank 1 is blocked in irecv from rank 0 (p2p #1) on data[0,1]:" in text
     assert "it waits for message 1 from rank 0 on data[0,1], which has sent 0" in text
 
 
 def test_a_rank_without_status_is_reported_as_silent():
     waiting = _entry(2, "allreduce", "started", blocked=3.0)
     statuses = {0: _status(0, 2, waiting, active=waiting)}
-    assert diagnose.missing_ranks(statuses, "data[0,1]", waiting) == ([], [], [1])
+    assert diagnose.missing_ranks(statuses, "data[0,1]", waiting, 0) == ([], [], [1])

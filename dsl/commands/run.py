@@ -6,6 +6,10 @@ rank exit 2 at once (rank 0 prints the error) instead of leaving some waiting in
 Errors during training are not caught here: one rank's exception aborts the whole job
 (soapstone.comm's failure handler), since the other ranks would wait for it forever.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
+Every comm op runs under the watchdog's deadline (--collective-timeout, default
+SOAPSTONE_COLLECTIVE_TIMEOUT or 600 s; a timeout ends the job with a report naming the op and
+the ranks that did not arrive), dumps go to --debug-dir (`soapstone debug hang DIR` reads them),
+and SIGTERM/SIGINT to mpiexec end every rank promptly with one line (soapstone.comm.watchdog).
 """
 
 from __future__ import annotations
@@ -42,13 +46,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="pipeline layouts: write the last step's timeline as a Chrome "
                              "trace (and FILE with .png if matplotlib is installed) and print "
                              "the measured bubble next to the schedule's theoretical one")
+    parser.add_argument("--collective-timeout", type=_seconds, metavar="S",
+                        help="end the job with a report when a rank waits longer than S seconds "
+                             "in one collective or p2p op (default: SOAPSTONE_COLLECTIVE_TIMEOUT "
+                             "or 600; 0: no deadline)")
+    parser.add_argument("--debug-dir", metavar="DIR",
+                        help="where every rank writes its flight-recorder dump on a timeout, a "
+                             "failure or SIGUSR1 (default: SOAPSTONE_TRACE_DIR; read them with "
+                             "`soapstone debug hang DIR`)")
+
+
+def _seconds(text: str) -> float:
+    from soapstone.comm.watchdog import WatchdogError, check_timeout
+
+    try:
+        return check_timeout(text, "--collective-timeout")
+    except WatchdogError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.shard.data import make_task
 
-    comm = world()
+    try:
+        comm = world()  # a bad SOAPSTONE_* watchdog setting is bad input too
+        watch(args)
+    except UserError as e:
+        from soapstone.comm.failure import world_rank
+
+        return fail(e, world_rank())
     try:
         check_train_flags(args)
         model, par, program = build_program(args, comm.size)
@@ -58,6 +85,16 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e, comm.rank)
     return train(args, comm, par, program, task)
+
+
+def watch(args) -> None:
+    """The watchdog as the flags say; SIGTERM/SIGINT end every rank promptly."""
+    from soapstone.comm import watchdog
+
+    watchdog.configure(timeout=args.collective_timeout, trace_dir=args.debug_dir)
+    dog = watchdog.get()
+    if dog is not None:
+        dog.exit_on_signals("soapstone run")
 
 
 def train(args, comm, par, program, task) -> int:

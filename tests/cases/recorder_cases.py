@@ -1,0 +1,88 @@
+"""Flight-recorder cases, run on every rank by tests/mpirun.py (see tests/test_watchdog.py):
+every op of a real MPICommunicator leaves one entry, with the right fields and state."""
+
+from __future__ import annotations
+
+import torch
+from mpirun import ranks
+
+from soapstone.comm import Mesh, init
+from soapstone.comm import watchdog as wd
+
+W = init("mpi")
+R, N = W.rank, W.size
+
+
+def newest(comm, n=1):
+    return comm.recorder.snapshot()["entries"][-n:]
+
+
+@ranks(2)
+def case_every_collective_leaves_one_entry_with_its_fields():
+    rec = W.recorder
+    start = rec.seq
+    x = torch.ones(2 * N, 3)
+    W.allreduce(x)
+    W.allgather(x, dim=1)
+    W.reduce_scatter(x)
+    W.broadcast(x, 0)
+    W.alltoall(x)
+    W.alltoallv(x, [2] * N, [2] * N)
+    W.barrier()
+    got = newest(W, 7)
+    assert [e["op"] for e in got] == ["allreduce", "allgather", "reduce_scatter", "broadcast",
+                                      "alltoall", "alltoallv", "barrier"]
+    assert [e["seq"] for e in got] == list(range(start + 1, start + 8))
+    assert all(e["state"] == "done" and e["kind"] == "collective" for e in got)
+    assert got[0]["shape"] == [2 * N, 3] and got[0]["dtype"] == "float32"
+    assert got[0]["bytes"] == 2 * N * 3 * 4
+    snap = rec.snapshot()
+    assert snap["key"] == f"world[{','.join(map(str, range(N)))}]" and snap["active"] is None
+
+
+@ranks(2)
+def case_async_entry_is_posted_until_waited():
+    x = torch.ones(4)
+    work = W.allreduce(x, async_op=True)
+    (e,) = newest(W)
+    assert e["state"] == "posted" and e["op"] == "allreduce"
+    work.wait()
+    (e,) = newest(W)
+    assert e["state"] == "done" and "waiting_s" in e
+
+
+@ranks(2)
+def case_p2p_entries_and_per_peer_counters():
+    rec = W.recorder
+    peer = (R + 1) % N
+    src = (R - 1) % N
+    sent, recvd = rec.sent[peer], rec.recvd[src]
+    buf = torch.empty(3)
+    works = [W.irecv(buf, src, tag=5), W.isend(torch.full((3,), float(R)), peer, tag=5)]
+    for w in works:
+        w.wait()
+    assert buf[0] == src
+    assert rec.sent[peer] == sent + 1 and rec.recvd[src] == recvd + 1
+    last = newest(W, 2)
+    assert {e["op"] for e in last} == {"irecv", "isend"}
+    assert all(e["kind"] == "p2p" and e["state"] == "done" for e in last)
+
+
+@ranks(2)
+def case_mesh_communicators_are_named_by_their_axes():
+    with Mesh(W, pipe=2, data=N // 2) as mesh:
+        data = mesh.comm("data")
+        assert data.label == "data" and mesh.comm("pipe", "data").label == "pipe+data"
+        snap = data.recorder.snapshot()
+        assert snap["world_ranks"] == [mesh.rank_of(data=i) for i in range(N // 2)]
+        data.allreduce(torch.ones(1))
+        assert newest(data)[0]["op"] == "allreduce"
+
+
+@ranks(2)
+def case_status_holds_every_live_recorder_and_the_stack():
+    st = wd.status("test")
+    assert st["rank"] == R and st["size"] == N
+    keys = {c["key"] for c in st["comms"]}
+    assert W.recorder.key in keys and st["active"] is None
+    assert any("case_status_holds_every_live_recorder" in line for line in st["main_stack"])
