@@ -22,8 +22,9 @@ reads, no method call): it costs well under a microsecond (BENCHMARKS.md, bench 
 --watchdog). Per-peer counters (`sent`, `recvd`) count every p2p message posted since the
 communicator was made, so a dump shows who stopped sending even after the ring has wrapped.
 
-SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512); 0 turns
-recording off (then the watchdog has nothing to watch: no deadlines, no dumps).
+SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
+to a power of two, so that a seq finds its slot with a mask); 0 turns recording off (then the
+watchdog has nothing to watch: no deadlines, no dumps).
 Reading (dumps, the watchdog's status replies): `snapshot()` turns a recorder into JSON data.
 """
 
@@ -102,12 +103,13 @@ class FlightRecorder:
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
     'data' or 'data+model', 'world', or 'split')."""
 
-    __slots__ = ("ring", "p2p_ring", "capacity", "seq", "p2p_seq", "active", "rank", "size",
+    __slots__ = ("ring", "p2p_ring", "capacity", "mask", "seq", "p2p_seq", "active", "rank", "size",
                  "world_ranks", "label", "index", "sent", "recvd", "pending", "__weakref__")
 
     def __init__(self, capacity: int, rank: int, size: int, world_ranks: list[int],
                  label: str):
-        self.capacity = capacity
+        capacity = 1 << max(0, capacity - 1).bit_length()  # a power of two
+        self.capacity, self.mask = capacity, capacity - 1
         self.ring: list[list | None] = [None] * capacity  # collective seq s at [s % capacity]
         self.p2p_ring: list[list | None] = [None] * capacity
         self.seq = 0  # collectives started
