@@ -183,8 +183,8 @@ class FlightRecorder:
         self.pending.append(e)
 
     def blocked(self) -> list | None:
-        """The entry the main thread is blocked in on this communicator, if any: a wait(), or
-        the newest collective or p2p entry while STARTED."""
+        """The entry this rank is held up in on this communicator, if any: a wait(), the newest
+        collective or p2p entry while STARTED, or (NCCL) the oldest op still on the stream."""
         e = self.active
         if e is not None and e[STATE] == WAITING:
             return e
@@ -192,7 +192,8 @@ class FlightRecorder:
             e = ring[s % self.capacity] if s else None
             if e is not None and e[STATE] == STARTED:
                 return e
-        return None
+        pending = self.pending
+        return pending[0] if pending else None
 
     # -- reading ------------------------------------------------------------------------------
     def entries(self) -> list[list]:

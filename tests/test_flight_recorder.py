@@ -143,3 +143,32 @@ def test_a_rank_without_status_is_reported_as_silent():
     waiting = _entry(2, "allreduce", "started", blocked=3.0)
     statuses = {0: _status(0, 2, waiting, active=waiting)}
     assert diagnose.missing_ranks(statuses, "data[0,1]", waiting, 0) == ([], [], [1])
+
+
+def test_enqueued_entries_complete_in_stream_order():
+    """The NCCL bookkeeping (events stand in for CUDA events: no GPU needed)."""
+    from soapstone.comm.watchdog import Watchdog
+
+    class Event:
+        def __init__(self, fired):
+            self.fired = fired
+
+        def query(self):
+            return self.fired
+
+    r = rec()
+    t = torch.ones(2)
+    events = [Event(True), Event(False), Event(True)]
+    entries = []
+    for ev in events:
+        e = r.collective("allreduce", t, 8, False)
+        r.end(e)
+        r.enqueued(e, ev)
+        entries.append(e)
+    assert r.blocked() is entries[0]
+    Watchdog._poll_events(r, 1.0)
+    assert entries[0][STATE] == DONE and len(entries[0]) == STATE + 1
+    assert r.blocked() is entries[1]  # the stream is stuck there: the third waits behind it
+    events[1].fired = True
+    Watchdog._poll_events(r, 2.0)
+    assert r.pending == [] and all(e[STATE] == DONE for e in entries)
