@@ -261,6 +261,7 @@ def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
     f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
+               ("transient_bytes",): est.transient_bytes,
                ("flops",): work.matmul_flops, ("moved",): work.other_bytes,
                ("param_elements",): param_elements}
     for t in est.traffic:
@@ -285,7 +286,7 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
-                   g[("activation_bytes",)], traffic)
+                   g[("activation_bytes",)], traffic, transient_bytes=g[("transient_bytes",)])
     return est, Work(f[("flops",)], f[("moved",)]), g[("param_elements",)]
 
 

@@ -137,9 +137,11 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                     "bubble", "comm_bytes_per_axis"):
             assert a[key] == b[key], (c.label, key)
+        # the working set is a peak (a max), only nearly affine in blocks and samples
+        assert a["transient_bytes"] == pytest.approx(b["transient_bytes"], rel=0.1), c.label
         assert sorted(map(str, probed.estimate.traffic)) == \
             sorted(map(str, full.estimate.traffic)), c.label
-        assert probed.time.total == pytest.approx(full.time.total, rel=1e-9), c.label
+        assert probed.time.total == pytest.approx(full.time.total, rel=1e-6), c.label
 
 
 def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
@@ -221,3 +223,20 @@ def test_every_candidate_prints_as_a_block_that_loads_back_equal():
         par = to_parallel(model, dims, c)
         again = load(text + format_parallel(par, source=True)).parallel("planned")
         assert again == par, c.label
+
+
+def test_explains_activations_match_a_measured_step(tmp_path):
+    """explain's activations (what autograd saves) and its peak (with the working set) against
+    one real training step (bench/bench_memory.py: saved-tensor hooks and the resident-memory
+    high-water mark), on one rank."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "memory.json"
+    r = subprocess.run([sys.executable, "bench/bench_memory.py", "--small", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600,
+                       env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    for row in json.loads(out.read_text()):
+        assert abs(row["saved_error"]) < 0.05, r.stdout
+        assert abs(row["peak_error"]) < 0.15, r.stdout

@@ -9,10 +9,14 @@ Memory (bytes per rank):
   (ZeRO-2/3: 1/D).
 - optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
   SGD with momentum 4 bytes (ZeRO >= 1: 1/D).
-- activations: the sum of the bytes of every float value the forward computes (each Compute
-  output and each redistributed copy; CopyTo is a view and costs nothing). This is what
-  autograd may keep alive for backward in the worst case: an upper bound, since some ops
-  (adds, views) keep less. Inputs and integer values are left out.
+- activations: the bytes autograd keeps for backward at the end of the forward, per primitive
+  what the runtime's kernels save (fused attention keeps q, k, v and its output, never the
+  scores; an add keeps nothing; ...: shard/plan/activations.py), each tensor once;
+- transient: the working set on top of them at the step's peak (values still to be read in
+  forward, gradients in flight in backward), from a walk of the Program that frees each value
+  after its last use as the runtime does. activations + transient is the step's peak above
+  the parameter state (within a few percent of the measured peak on the examples:
+  bench/bench_memory.py, tests/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
@@ -40,8 +44,10 @@ Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Progr
 for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
 figures add up its virtual stages:
 - params, grads, optimizer: the sum over the rank's stages (a tied weight counts per copy).
-- activations: one microbatch's activation bytes per stage times the microbatches in flight,
-  taken from the schedule itself: walking the rank's F/B actions, the peak over time of
+- activations: one microbatch's saved bytes per stage times the microbatches in flight,
+  taken from the schedule itself (the transient: the largest of the rank's stages', plus
+  every tensor it sends in the step, whose sends are waited on at the step's end):
+  walking the rank's F/B actions, the peak over time of
   sum(live forwards of stage s x its bytes). For 1F1B that is p - s microbatches on pipe rank s
   (at most m); GPipe keeps all m; interleaved keeps its warm-up depth.
 - communication: a stage's forward and backward collectives run once per microbatch (x m);
@@ -67,6 +73,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.plan.activations import activation_figures
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -110,12 +117,14 @@ class Estimate:
     pipe_rank: int | None = None  # pipelines: whose figures the memory and traffic are
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
+    transient_bytes: int = 0  # the working set above the saved activations at the peak
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
     rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + \
+            self.activation_bytes + self.transient_bytes
 
     def comm_by(self, *, merge_phases: bool = True) -> dict[tuple[str, str], tuple[int, int]]:
         """(axis, kind) -> (calls, bytes), summed over phases: what `stats` counters show."""
@@ -160,18 +169,13 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
     elems = sum(math.prod(p.local_shape) for p in float_params)
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
-    activations = 0
+    activations, transient = activation_figures(program)
     for step in program.steps:
-        out = program.value(step.out)
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             if forward_op(step):
                 add("forward", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-        if isinstance(step, CopyTo):
-            continue  # an alias of its source: no new activation
-        if out.is_float:
-            activations += out.nbytes
         if isinstance(step, Compute) and step.dist:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
@@ -188,6 +192,9 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     from soapstone.shard.plan.buckets import plan_buckets
 
     norm_keys: set[tuple[str, ...]] = set()
+    # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
+    # gradient buffers, held until their reduce-scatters complete
+    gathered = 0
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
     for plan in plan_buckets(program, zero, program.data_axes, deferred):
@@ -206,6 +213,7 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
             add("forward", "allgather", plan.dp, padded * item)
             add("backward", "allgather", plan.dp, padded * item)
+            gathered = max(gathered, padded * item)
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -221,7 +229,9 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     opt_bytes = elems * OPTIMIZER_STATE.get(optimizer, 8) // (d if zero >= 1 else 1)
     return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
                     param_bytes // (d if zero >= 3 else 1), grad_bytes, opt_bytes, activations,
-                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)))
+                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+                    transient_bytes=transient + gathered + (
+                        elems * 4 - grad_bytes if zero >= 2 else 0))
 
 
 def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
@@ -348,6 +358,10 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
             "activation_bytes": peak,
+            # + the step's sends, held until its end (the executor waits on them there)
+            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine) + m * (
+                sum(e.nbytes for e in edges if e.src_rank == r and pipe > 1)
+                + sum(e.float_bytes for e in edges if e.dst_rank == r and pipe > 1)),
             "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
             "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
@@ -355,7 +369,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         })
     for row in ranks:
         row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
-                                                  "optimizer_bytes", "activation_bytes"))
+                                                  "optimizer_bytes", "activation_bytes",
+                                                  "transient_bytes"))
     pick = ranks[rank] if rank is not None else max(ranks, key=lambda x: x["total_bytes"])
     mean = sum(x["param_elements"] for x in ranks) / pipe
     edge_data = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
@@ -364,7 +379,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
-                    bubble=sched.theory_bubble(),
+                    transient_bytes=pick["transient_bytes"], bubble=sched.theory_bubble(),
                     imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
                     stages=len(stages), microbatches=m, schedule=graph.schedule,
                     pipe_rank=pick["pipe_rank"],
@@ -409,8 +424,10 @@ def format_estimate(e: Estimate) -> str:
              f"  params        {format_bytes(e.param_bytes):>12}",
              f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
              f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
-             f"  activations   {format_bytes(e.activation_bytes):>12}   (forward values kept for "
-             "backward, upper bound)",
+             f"  activations   {format_bytes(e.activation_bytes):>12}   (what backward keeps"
+             + (", x microbatches in flight)" if e.pipe_rank is not None else ")"),
+             f"  working set   {format_bytes(e.transient_bytes):>12}   (above them at the peak: "
+             "values to read, gradients in flight)",
              f"  total         {format_bytes(e.total_bytes):>12}",
              "communication per training step (bytes this rank sends, ring convention):"]
     lines.extend(format_traffic(e.traffic))

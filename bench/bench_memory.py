@@ -1,0 +1,152 @@
+"""explain's activation estimate against what a real step holds.
+
+For each case (an example model with dims scaled up so that activations dominate, on one rank;
+or, under mpiexec, one layout), one training step of `soapstone run`'s path (Executor + AdamW)
+is measured on every rank after a first step has allocated gradients and optimizer state:
+- saved: the bytes autograd keeps for backward (every tensor a saved-tensors hook packs, each
+  storage once, parameters left out): explain's `activation_bytes`;
+- peak: the forward and backward's peak resident memory above what the rank held before
+  (VmHWM reset through /proc/self/clear_refs; allocations over 64 KiB each get their own
+  mmap, returned at free, so resident memory follows the live tensors): explain's
+  `activation_bytes + transient_bytes`, less the input batch, which exists before.
+
+    .venv/bin/python bench/bench_memory.py [--json F]
+    mpiexec -n 2 .venv/bin/python bench/bench_memory.py --spec examples/gpt.par \\
+        --parallel tp2 --dim seq=256 --dim hidden=256
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+CASES = [  # (spec, dims)
+    ("examples/mlp.par", {"batch": 4096, "features": 512, "ffn": 2048}),
+    ("examples/gpt.par", {"batch": 8, "seq": 256, "hidden": 256, "heads": 8, "ffn": 1024,
+                          "vocab": 512}),
+    ("examples/towers.par", {"batch": 2048, "hidden": 512, "ffn": 2048}),
+]
+SMALL = [  # quick enough for a test
+    ("examples/mlp.par", {"batch": 1024, "features": 256, "ffn": 1024}),
+    ("examples/gpt.par", {"batch": 8, "seq": 128, "hidden": 128, "heads": 4, "ffn": 512,
+                          "vocab": 256}),
+]
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _exact_rss() -> None:
+    """Serve every allocation over 64 KiB by its own mmap, returned at free."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic raise)
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+
+
+def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=None) -> dict:
+    """explain's figures vs saved-for-backward bytes and the step's peak, on this rank."""
+    import torch
+
+    from soapstone.comm import Mesh
+    from soapstone.dsl import load
+    from soapstone.dsl.stages import lower_graph
+    from soapstone.shard.data import make_task
+    from soapstone.shard.executor import Executor
+    from soapstone.shard.plan.explain import estimate_pipeline
+
+    loaded = load(spec, dims=dims)
+    par = loaded.parallel(layout) if layout else None
+    model = loaded.model(par.model if par else None)
+    graph = lower_graph(model, par)
+    mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
+    rank = mesh.rank if mesh else 0
+    pipe_rank = mesh.coord(graph.axis) if mesh and graph.axis else None
+    est = estimate_pipeline(graph, par.zero if par else 0, "adamw", rank=pipe_rank)
+    ex = Executor(graph, mesh, seed=0)
+    ex.use_optimizer(name="adamw", lr=1e-3, zero=par.zero if par else 0)
+    task = make_task(lower_graph(model, None).program, 0)
+    ex.train_step(task.batch(0), step=0)  # gradients and optimizer state now exist
+    params = {p.untyped_storage().data_ptr() for p in ex.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ex.forward_backward(task.batch(1), step=1)
+    ex.step()
+    batch = task.batch(2)
+    before = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    ex.forward_backward(batch, step=2)
+    peak = _status("VmHWM") - before
+    ex.step()
+    inputs = sum(t.untyped_storage().nbytes() for t in batch.values())
+    est_peak = est.activation_bytes + est.transient_bytes - inputs
+    return {"spec": spec, "dims": dims, "layout": layout, "rank": rank,
+            "explain_activation_bytes": est.activation_bytes,
+            "explain_transient_bytes": est.transient_bytes, "saved_bytes": sum(saved.values()),
+            "peak_step_bytes": peak, "input_bytes": inputs,
+            "saved_error": est.activation_bytes / max(1, sum(saved.values())) - 1,
+            "peak_error": est_peak / max(1, peak) - 1}
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as text."""
+    out = [f"{'case':<34} {'rank':>4} {'saved MiB':>9} {'explain':>8} {'err':>6} "
+           f"{'peak MiB':>8} {'explain':>8} {'err':>6}"]
+    for r in rows:
+        case = r["spec"] + (f" / {r['layout']}" if r["layout"] else "")
+        est_peak = r["explain_activation_bytes"] + r["explain_transient_bytes"] - \
+            r["input_bytes"]
+        out.append(f"{case:<34} {r['rank']:>4} {r['saved_bytes'] / 2**20:>9.1f} "
+                   f"{r['explain_activation_bytes'] / 2**20:>8.1f} {r['saved_error']:>+6.1%} "
+                   f"{r['peak_step_bytes'] / 2**20:>8.1f} {est_peak / 2**20:>8.1f} "
+                   f"{r['peak_error']:>+6.1%}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", help="one case: this spec (default: the built-in cases)")
+    ap.add_argument("--parallel", help="its layout (run under mpiexec -n WORLD)")
+    ap.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--small", action="store_true", help="the quick cases (tests)")
+    ap.add_argument("--json", metavar="F", help="also write the rows as JSON (rank 0)")
+    args = ap.parse_args()
+    import torch
+
+    from soapstone.comm import init
+    from soapstone.dsl.build import parse_dims
+
+    torch.set_num_threads(1)
+    _exact_rss()
+    comm = init("mpi")
+    if args.spec:
+        cases = [(args.spec, parse_dims(args.dim))]
+    else:
+        cases = SMALL if args.small else CASES
+    rows = [measure(spec, dims, args.parallel, comm) for spec, dims in cases]
+    from mpi4py import MPI
+
+    every = MPI.COMM_WORLD.allgather(rows)
+    if comm.rank == 0:
+        flat = [r for part in every for r in part]
+        sys.stdout.write(table(flat))
+        if args.json:
+            Path(args.json).write_text(json.dumps(flat, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
