@@ -112,6 +112,48 @@ def build_program(args: argparse.Namespace, world_size: int | None):
     return model, par, compile_layout(model, par)
 
 
+def check_memory(model, graph, comm, optimizer: str, spec: str) -> None:
+    """The fit check before anything is allocated (shard/plan/fit.py): DoesNotFit (exit 2)
+    with the numbers and a layout `soapstone plan` finds for this many ranks, when the
+    layout's estimate exceeds what a rank has. Alike on every rank (the estimate is the
+    busiest rank's; the memory is the host's MemTotal over the ranks on it, or the GPU's)."""
+    from soapstone.shard.plan.fit import DoesNotFit, check_fit
+    from soapstone.shard.train import rank_memory
+
+    available, where = rank_memory(comm)
+    try:
+        check_fit(graph, optimizer, available, where)
+    except DoesNotFit as e:
+        raise DoesNotFit(f"{e}\nhint: {plan_hint(model, comm.size, available, optimizer, spec)}"
+                         ) from None
+
+
+def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> str:
+    """What `soapstone plan` suggests for `world` ranks of `available` bytes each."""
+    import attrs
+
+    from soapstone.shard.plan.explain import format_bytes
+    from soapstone.shard.plan.hardware import presets
+
+    from .plan_search import PlanError, Planner, search
+
+    base = presets()["cpu-2core"]
+    prof = attrs.evolve(base, name="this machine", memory_bytes=available, usable_fraction=0.9,
+                        devices_per_node=max(world, 1))
+    ranks = f"{world} rank{'s' if world > 1 else ''} of {format_bytes(available)}"
+    try:
+        plan = search(Planner(model, prof, optimizer=optimizer), world)
+    except PlanError as e:
+        why = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        return (f"no layout of {model.name} fits {ranks} ({why}): launch more ranks or use "
+                f"smaller dims (`soapstone plan {spec} --world N --profile NAME|FILE` "
+                "searches)")
+    best = plan.best
+    block = "\n".join("  " + line for line in plan.source().splitlines())
+    return (f"`soapstone plan` finds for {ranks}: {best.candidate.label}, "
+            f"{format_bytes(best.memory)} per rank:\n{block}")
+
+
 def check_train_flags(args: argparse.Namespace) -> None:
     """Numbers that cannot work (BadInput)."""
     if args.steps < 1:

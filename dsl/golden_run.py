@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .build import compile_layout, custom_layers, default_lr, load_plugins, single_program, world
+from .build import (
+    check_memory,
+    compile_layout,
+    custom_layers,
+    default_lr,
+    load_plugins,
+    single_program,
+    world,
+)
 from .errors import BadInput
 
 DEFAULT_STEPS = 5
@@ -126,5 +134,6 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     if names != set(header["params"]):
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
+    check_memory(model, graph, comm, header["optimizer"], spec_path)
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     return GoldenCheck(record, _trainer(graph, mesh, header, model=model))

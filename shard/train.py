@@ -42,6 +42,17 @@ class StepMetrics:
                 "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes}
 
 
+def rank_memory(comm=None) -> tuple[int, str]:
+    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA,
+    else this host's physical memory over the ranks the launcher put on it."""
+    from soapstone.shard.plan.fit import host_memory_per_rank
+
+    if comm is not None and comm.device.type == "cuda":
+        props = torch.cuda.get_device_properties(comm.device)
+        return props.total_memory, props.name
+    return host_memory_per_rank()
+
+
 def max_rss_bytes() -> int:
     """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -54,9 +65,13 @@ class Trainer:
     def __init__(self, graph: StageGraph, mesh=None, *, task: SyntheticTask, seed: int = 0,
                  custom: dict | None = None, precision: str = "fp32", optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
-                 trace: bool = False):
+                 trace: bool = False, check_memory: bool = True):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
+            from soapstone.shard.plan.fit import check_fit
+
+            check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
         self.executor = Executor(

@@ -26,6 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
+    parser.add_argument("--profile", metavar="NAME|FILE",
+                        help="compare the memory with this device's (a preset or a profile "
+                             "file; default: this host's memory over the layout's ranks)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -41,10 +44,31 @@ def main(args: argparse.Namespace) -> int:
             est = estimate(graph.program, zero=zero, optimizer=args.optimizer)
         else:  # stages or accumulation: per microbatch x microbatches, the schedule's peak
             est = estimate_pipeline(graph, zero=zero, optimizer=args.optimizer)
+        limit, where = _memory_limit(args.profile, est.world_size)
     except UserError as e:
         return fail(e)
+    fits = est.total_bytes <= limit
     if args.json:
-        print(json.dumps(est.to_data(), indent=1))
+        print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
+                                          "memory_limit": where}, indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+    if not fits:
+        from soapstone.shard.plan.explain import format_bytes
+
+        print(f"warning: this layout does not fit: it needs {format_bytes(est.total_bytes)} "
+              f"per rank, but a rank has {format_bytes(limit)} ({where}); `run` would refuse "
+              "it. `soapstone plan SPEC --world N --profile NAME` finds layouts that fit",
+              file=sys.stderr)
     return 0
+
+
+def _memory_limit(profile: str | None, ranks: int) -> tuple[int, str]:
+    """(bytes a rank may hold, whose): the profile's usable memory, else this host's share."""
+    from soapstone.shard.plan.fit import host_memory_per_rank
+    from soapstone.shard.plan.hardware import load_profile
+
+    if profile:
+        p = load_profile(profile)
+        return p.usable_bytes, f"{p.name}, {p.usable_fraction:.0%} usable"
+    return host_memory_per_rank(ranks)

@@ -24,6 +24,7 @@ from soapstone.comm.errors import UserError
 
 from ..build import (
     build_program,
+    check_memory,
     check_trace_flag,
     check_train_flags,
     custom_layers,
@@ -81,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         model, par, program = build_program(args, comm.size)
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
+        check_memory(model, program, comm, args.optimizer, args.spec)
         task = make_task(single_program(model, program), args.seed, args.data)
     except UserError as e:
         return fail(e, comm.rank)
