@@ -32,6 +32,7 @@ from collections.abc import Iterator
 import attrs
 
 from soapstone.comm.errors import UserError
+from soapstone.shard.plan.activations import activation_figures
 from soapstone.shard.plan.cost import StepTime, Work, program_work, step_time
 from soapstone.shard.plan.explain import (
     EdgeFigures,
@@ -353,6 +354,8 @@ class Probes:
         self.optimizer = optimizer
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
+        self.acts: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self.cache: dict[tuple, tuple] = {}
         self.edge: dict[int, EdgeFigures] = {}
         for n in (1, 2):
             for b in (1, 2):
@@ -374,7 +377,10 @@ class Probes:
         key = (kind, n, b, data, zero)
         if key not in self.stage:
             prog = self.programs[kind, n, b]
-            est = estimate(_remesh(prog, data), zero, self.optimizer)
+            if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
+                self.acts[kind, n, b] = activation_figures(prog)
+            est = estimate(_remesh(prog, data), zero, self.optimizer,
+                           activations=self.acts[kind, n, b])
             self.stage[key] = _figs(est, program_work(prog),
                                     sum(math.prod(p.shape) for p in prog.params))
         return self.stage[key]
@@ -489,8 +495,11 @@ class Planner:
         inner = {"data": c.data, "model": c.tensor}
         inner = {a: n for a, n in inner.items() if a in dict(probes.programs["only", 1, 1].mesh)}
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
-            f = probes.figures(kind, len(run), b, c.data, c.zero)
-            est, w, elements = _from_figs(f, self.model.name, inner, c.zero, self.optimizer)
+            key = (kind, len(run), b, c.data, c.zero)
+            if key not in probes.cache:
+                f = probes.figures(*key)
+                probes.cache[key] = _from_figs(f, self.model.name, inner, c.zero, self.optimizer)
+            est, w, elements = probes.cache[key]
             per_stage[i] = est
             stages.append(StageFigures(i, i % c.pipe, run, elements))
             work[i % c.pipe] = work[i % c.pipe] + w

@@ -169,8 +169,13 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
     ranks = est.rank_traffic or [est.traffic]
     if len(work) != len(ranks):
         raise ValueError(f"{len(work)} work figures for {len(ranks)} pipe ranks")
-    rows = [_rank_time(t, w, est, data_axes, profile, precision)
-            for t, w in zip(ranks, work, strict=True)]
+    seen: dict[tuple, dict] = {}  # the middle ranks of a pipeline are alike
+    rows = []
+    for t, w in zip(ranks, work, strict=True):
+        key = (tuple((x.phase, x.kind, x.axis, x.calls, x.bytes) for x in t), w)
+        if key not in seen:
+            seen[key] = _rank_time(t, w, est, data_axes, profile, precision)
+        rows.append(seen[key])
     p = len(ranks)
     busiest = max(rows, key=lambda r: r["busy"])
     busy = busiest["busy"]

@@ -148,9 +148,11 @@ class Estimate:
 
 
 def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
-             deferred: tuple[str, ...] = ()) -> Estimate:
+             deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None
+             ) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
-    deferred: params with a gradient bucket of their own (pipeline tied weights)."""
+    deferred: params with a gradient bucket of their own (pipeline tied weights);
+    activations: activation_figures(program) when the caller has them already."""
     mesh = dict(program.mesh)
     dp_axes = program.data_axes if zero else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
@@ -169,7 +171,7 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
     elems = sum(math.prod(p.local_shape) for p in float_params)
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
-    activations, transient = activation_figures(program)
+    activations, transient = activations or activation_figures(program)
     for step in program.steps:
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             if forward_op(step):
@@ -324,9 +326,17 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     mesh = dict(graph.mesh)
     sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
+    of_rank: dict[int, list[StageFigures]] = {}
+    sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
+    backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
+    for st in stages:
+        of_rank.setdefault(st.rank, []).append(st)
+    for e in edges if pipe > 1 else ():
+        sends.setdefault(e.src_rank, []).append(e)
+        backs.setdefault(e.dst_rank, []).append(e)
     ranks = []
     for r in range(pipe):
-        mine = [st for st in stages if st.rank == r]
+        mine = of_rank.get(r, [])
         peak, flight = _in_flight(sched, r, act)
         rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -341,11 +351,10 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                     zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
                 add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
         if pipe > 1:
-            for e in edges:
-                if e.src_rank == r:
-                    add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
-                if e.dst_rank == r:
-                    add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
+            for e in sends.get(r, ()):
+                add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
+            for e in backs.get(r, ()):
+                add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
             if tied_elements:
                 add("tied sum", "allreduce", axis, 1,
                     bus_bytes("allreduce", 8 * tied_elements, pipe))
@@ -360,8 +369,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "activation_bytes": peak,
             # + the step's sends, held until its end (the executor waits on them there)
             "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine) + m * (
-                sum(e.nbytes for e in edges if e.src_rank == r and pipe > 1)
-                + sum(e.float_bytes for e in edges if e.dst_rank == r and pipe > 1)),
+                sum(e.nbytes for e in sends.get(r, ()))
+                + sum(e.float_bytes for e in backs.get(r, ()))),
             "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
             "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
