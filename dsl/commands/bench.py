@@ -2,6 +2,10 @@
 collectives vs raw mpi4py (the floor) vs torch gloo, nccl-tests style rows on rank 0: size,
 time_us, algbw and busbw per implementation, and the ratios soapstone/mpi4py and
 gloo/soapstone. The measuring: soapstone.comm.bench.
+
+`[mpiexec -n 2] soapstone bench calibrate -o PROFILE.json`: this machine's matmul throughput,
+memory bandwidth and collective alpha-beta as a hardware profile for `soapstone plan`
+(shard/calibrate.py).
 """
 
 from __future__ import annotations
@@ -48,7 +52,11 @@ def _json_path(text: str) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the bench arguments to `parser`."""
-    parser.add_argument("name", choices=["comm"], help="which benchmark (comm: collectives)")
+    parser.add_argument("name", choices=["comm", "calibrate"],
+                        help="which benchmark (comm: collectives; calibrate: this machine as "
+                             "a hardware profile, with -o)")
+    parser.add_argument("-o", "--output", metavar="PROFILE.json", type=_json_path,
+                        help="calibrate: the profile file to write")
     parser.add_argument("--sizes", type=_size_list, default=_size_list(DEFAULT_SIZES),
                         help=f"comma-separated byte sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--ops", type=_op_list, default=list(OPS),
@@ -74,6 +82,8 @@ def _fmt_row(op, nbytes, cells, ratios):
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table. Returns 0."""
+    if args.name == "calibrate":
+        return _calibrate(args)
     from mpi4py import MPI
 
     from soapstone.comm import init
@@ -104,4 +114,28 @@ def main(args: argparse.Namespace) -> int:
             json.dump(rows, f, indent=1)
     if dist is not None:
         dist.destroy_process_group()
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure, print and (rank 0) write the profile."""
+    from soapstone.comm import init
+    from soapstone.comm.errors import UserError
+    from soapstone.shard.calibrate import calibrate
+    from soapstone.shard.plan.hardware import save_profile
+
+    from ..errors import BadInput
+    from . import fail
+
+    world = init("mpi")
+    if not args.output:
+        return fail(BadInput("bench calibrate needs -o PROFILE.json"), world.rank)
+    try:
+        profile = calibrate(world)
+    except UserError as e:
+        return fail(e, world.rank)
+    if world.rank == 0:
+        save_profile(profile, args.output)
+        print(json.dumps(profile.to_data(), indent=1))
+        print(f"wrote {args.output}: soapstone plan SPEC --world N --profile {args.output}")
     return 0

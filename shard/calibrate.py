@@ -1,0 +1,110 @@
+"""`[mpiexec -n N] soapstone bench calibrate -o PROFILE.json`: this machine as a hardware
+profile (shard/plan/hardware.py's format), for `soapstone plan --profile PROFILE.json` and
+`explain --profile`.
+
+Every rank measures at once, as ranks of a run compute at once (the slowest rank's figure is
+kept): matmul throughput per compute dtype (the best of a few square sizes, one thread per
+rank as `run` sets it), memory bandwidth (a large copy: bytes read + written per second), and
+the alpha-beta model of the world communicator's allreduce (least squares of time = 2(n-1)
+hops x alpha + bus bytes / beta over sizes from 8 B to 16 MiB; MPI here, NCCL where the
+communicator is). One host has one link class: both intra_node and inter_node get the
+measured link (edit inter_node for a cluster). matmul_efficiency is 1: the peaks are what
+matmuls achieve here. Memory per device: the host's memory over the ranks on it.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+import torch
+
+from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.plan.fit import host_memory_per_rank
+from soapstone.shard.plan.hardware import Link, Profile
+
+MATMUL_SIZES = (256, 512, 1024)
+LINK_SIZES = (8, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _time(fn, seconds: float = 0.3, least: int = 3) -> float:
+    """Median seconds of one call of fn (after a warm-up), repeated for about `seconds`."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < least or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+def matmul_flops(dtype: torch.dtype) -> float:
+    """Best FLOP/s of an n x n matmul over MATMUL_SIZES."""
+    best = 0.0
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        best = max(best, 2 * n**3 / _time(lambda a=a, b=b: torch.matmul(a, b)))
+    return best
+
+
+def memory_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes per second of a large copy (read + write)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time(lambda: dst.copy_(src))
+
+
+def link(world) -> Link:
+    """The alpha-beta fit of `world`'s allreduce (every rank calls it)."""
+    n = world.size
+    hops = 2 * (n - 1)
+    rows = []
+    for size in LINK_SIZES:
+        x = torch.ones(max(1, size // 4))
+        iters = 50 if size <= 1 << 18 else 10  # the same count on every rank: collectives
+        world.allreduce(x)
+        times = []
+        for _ in range(iters):
+            world.barrier()
+            t0 = time.perf_counter()
+            world.allreduce(x)
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        t = world.allreduce(torch.tensor([t], dtype=torch.float64), op="max").item()
+        rows.append((hops, bus_bytes("allreduce", x.numel() * 4, n), t))
+    # least squares of t = hops * alpha + bus * (1 / beta), both >= 0
+    sxx = sum(h * h for h, _, _ in rows)
+    sxy = sum(h * b for h, b, _ in rows)
+    syy = sum(b * b for _, b, _ in rows)
+    sxt = sum(h * t for h, _, t in rows)
+    syt = sum(b * t for _, b, t in rows)
+    det = sxx * syy - sxy * sxy
+    alpha = max((sxt * syy - syt * sxy) / det, 0.0)
+    inv_beta = max((sxx * syt - sxy * sxt) / det, 1e-12)
+    return Link(1 / inv_beta, alpha)
+
+
+def calibrate(world) -> Profile:
+    """This machine's profile, measured by every rank of `world` (collective)."""
+    torch.set_num_threads(1)
+    peaks = {}
+    for name, dtype in DTYPES.items():
+        mine = torch.tensor([matmul_flops(dtype)], dtype=torch.float64)
+        peaks[name] = world.allreduce(mine, op="min").item() if world.size > 1 else mine.item()
+    bw = torch.tensor([memory_bandwidth()], dtype=torch.float64)
+    bw = world.allreduce(bw, op="min").item() if world.size > 1 else bw.item()
+    measured = link(world) if world.size > 1 else Link(1e12, 0.0)
+    memory, _ = host_memory_per_rank(world.size)
+    host = socket.gethostname()
+    return Profile(
+        name=f"calibrated-{host}",
+        description=f"{host} measured by `soapstone bench calibrate` on {world.size} ranks "
+                    f"({time.strftime('%Y-%m-%d')}): one rank per device, one thread each",
+        memory_bytes=memory, usable_fraction=0.9, devices_per_node=world.size,
+        peak_flops=peaks, matmul_efficiency=1.0, memory_bandwidth=bw,
+        intra_node=measured, inter_node=measured)
