@@ -327,3 +327,16 @@ def test_seed_004_a_1t_model_on_4096_a100s_plans_to_tensor_8_pipeline_64_data_8(
     long = load("tests/specs/gpt_1t.par").model()  # sequence 2048
     with pytest.raises(PlanError, match=r"memory: the smallest layout \(.*\) needs"):
         search(Planner(long, profile, precision="bf16"), 4096)
+
+
+def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
+    from mpirun import run_mpi
+
+    out = tmp_path / "cpu.json"
+    run_mpi(2, ["-m", "soapstone.dsl.cli", "bench", "calibrate", "-o", str(out)], check=True,
+            timeout=600)
+    prof = load_profile(str(out))
+    assert prof.devices_per_node == 2 and prof.matmul_efficiency == 1.0
+    assert prof.peak_flops["fp32"] > 1e8 and prof.intra_node.bandwidth > 1e6
+    r = run_mpi(1, ["-m", "soapstone.dsl.cli", "bench", "calibrate"])
+    assert r.returncode == 2 and "needs -o PROFILE.json" in r.stderr
