@@ -43,8 +43,23 @@ def init_gloo(mpi):
     return dist
 
 
-def implementations(op, nbytes, world, mpi, dist, alloc=False):
-    """({impl: zero-arg callable}, bytes timed) for one op and size, on the same buffers."""
+def _soapstone(op, comm, x, chunk, full_out, chunk_out):
+    """soapstone's call of `op` on communicator `comm` (the buffers of `implementations`)."""
+    if op == "allreduce":
+        return lambda: comm.allreduce(x)
+    if op == "allgather":
+        return lambda: comm.allgather(chunk, 0, **full_out)
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, 0, **chunk_out)
+    if op == "broadcast":
+        return lambda: comm.broadcast(x, 0)
+    return lambda: comm.alltoall(x, 0, 0, **full_out)
+
+
+def implementations(op, nbytes, world, mpi, dist, alloc=False, bare=None):
+    """({impl: zero-arg callable}, bytes timed) for one op and size, on the same buffers.
+    `bare`: a communicator over the same ranks whose ops are not recorded (the watchdog still
+    watches it, from stack samples: no per-op work), timed as "no-recorder" beside soapstone."""
     import torch
     from mpi4py import MPI
 
@@ -59,70 +74,81 @@ def implementations(op, nbytes, world, mpi, dist, alloc=False):
     o = out.numpy()
     full_out = {} if alloc else {"out": out}  # soapstone's out=, like mpi4py's reused buffer
     chunk_out = {} if alloc else {"out": chunk}
+    impls = {"soapstone": _soapstone(op, world, x, chunk, full_out, chunk_out)}
+    if bare is not None:
+        impls["no-recorder"] = _soapstone(op, bare, x, chunk, full_out, chunk_out)
     if op == "allreduce":
-        impls = {"soapstone": lambda: world.allreduce(x),
-                 "mpi4py": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
-                 "gloo": lambda: dist.all_reduce(x)}
+        impls |= {"mpi4py": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
+                  "gloo": lambda: dist.all_reduce(x)}
     elif op == "allgather":
-        impls = {"soapstone": lambda: world.allgather(chunk, 0, **full_out),
-                 "mpi4py": lambda: mpi.Allgather(c, o),
-                 "gloo": lambda: dist.all_gather_into_tensor(out, chunk)}
+        impls |= {"mpi4py": lambda: mpi.Allgather(c, o),
+                  "gloo": lambda: dist.all_gather_into_tensor(out, chunk)}
     elif op == "reduce_scatter":
-        impls = {"soapstone": lambda: world.reduce_scatter(x, 0, **chunk_out),
-                 "mpi4py": lambda: mpi.Reduce_scatter_block(a, c),
-                 "gloo": lambda: dist.reduce_scatter_tensor(chunk, x)}
+        impls |= {"mpi4py": lambda: mpi.Reduce_scatter_block(a, c),
+                  "gloo": lambda: dist.reduce_scatter_tensor(chunk, x)}
     elif op == "broadcast":
-        impls = {"soapstone": lambda: world.broadcast(x, 0),
-                 "mpi4py": lambda: mpi.Bcast(a, 0),
-                 "gloo": lambda: dist.broadcast(x, 0)}
+        impls |= {"mpi4py": lambda: mpi.Bcast(a, 0),
+                  "gloo": lambda: dist.broadcast(x, 0)}
     else:
-        impls = {"soapstone": lambda: world.alltoall(x, 0, 0, **full_out),
-                 "mpi4py": lambda: mpi.Alltoall(a, o),
-                 "gloo": lambda: dist.all_to_all_single(out, x)}
+        impls |= {"mpi4py": lambda: mpi.Alltoall(a, o),
+                  "gloo": lambda: dist.all_to_all_single(out, x)}
     if dist is None:
         del impls["gloo"]
     return impls, count * 4
 
 
-def time_call(fn, iters: int, warmup: int, mpi) -> float | None:
-    """Median seconds per call, the slowest rank's; None if the impl cannot do the op."""
+def time_calls(fns: dict, iters: int, warmup: int, mpi, rounds: int = 1) -> dict:
+    """{name: median seconds per call, the slowest rank's, or None if the impl cannot do the
+    op}. rounds > 1 interleaves the impls (iters/rounds calls of each in turn, `rounds` times),
+    so that a slow phase of a loaded machine hits all of them alike."""
     from mpi4py import MPI
 
-    try:
-        for _ in range(warmup):
-            fn()
-        ok = 1
-    except RuntimeError:  # e.g. gloo without this collective: every rank fails alike
-        ok = 0
-    if not mpi.allreduce(ok, op=MPI.MIN):
-        return None
-    mpi.Barrier()
-    times = []
+    usable = []
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            ok = 1
+        except RuntimeError:  # e.g. gloo without this collective: every rank fails alike
+            ok = 0
+        if mpi.allreduce(ok, op=MPI.MIN):
+            usable.append(name)
+    times: dict[str, list[float]] = {name: [] for name in usable}
     clock = time.perf_counter
-    for _ in range(iters):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return mpi.allreduce(statistics.median(times), op=MPI.MAX)
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        for name in usable:
+            fn, out = fns[name], times[name]
+            mpi.Barrier()
+            for _ in range(per_round):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return {name: (mpi.allreduce(statistics.median(times[name]), op=MPI.MAX)
+                   if name in times else None) for name in fns}
 
 
-def measure(world, mpi, dist, ops, sizes, iters: int = 100,
-            alloc: bool = False) -> Iterator[tuple[str, int, list[dict | None]]]:
+def measure(world, mpi, dist, ops, sizes, iters: int = 100, alloc: bool = False,
+            bare=None, rounds: int = 1) -> Iterator[tuple[str, int, list[dict | None]]]:
     """Time every op at every size: yields (op, bytes, cells), one cell per implementation
-    (soapstone, mpi4py, then gloo unless `dist` is None): a row dict (op, bytes, impl,
-    time_us, algbw_GBps, busbw_GBps), or None where the implementation lacks the op.
+    (soapstone, then no-recorder if `bare` is given, mpi4py, then gloo unless `dist` is None):
+    a row dict (op, bytes, impl, time_us, algbw_GBps, busbw_GBps), or None where the
+    implementation lacks the op. `rounds`: see time_calls.
     Collective: every rank of `world` (and `mpi`, its mpi4py communicator) iterates it."""
     from .accounting import bus_bytes
 
     n = world.size
-    names = ["soapstone", "mpi4py"] + ([] if dist is None else ["gloo"])
+    names = ["soapstone"] + ([] if bare is None else ["no-recorder"]) + ["mpi4py"]
+    names += [] if dist is None else ["gloo"]
     for op in ops:
         for size in sizes:
-            impls, nbytes = implementations(op, size, world, mpi, dist, alloc)
+            impls, nbytes = implementations(op, size, world, mpi, dist, alloc, bare)
             n_iters = max(5, min(iters, (1 << 30) // max(nbytes, 1)))
+            secs = time_calls({k: impls[k] for k in names}, n_iters, max(2, n_iters // 10), mpi,
+                              rounds)
             cells: list[dict | None] = []
             for name in names:
-                sec = time_call(impls[name], n_iters, max(2, n_iters // 10), mpi)
+                sec = secs[name]
                 if sec is None:
                     cells.append(None)
                     continue

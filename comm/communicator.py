@@ -116,19 +116,20 @@ class Communicator(abc.ABC):
         self.debug = _debug_from_env()
         self._freed = False
         self._stats: dict[str, list[int]] = {}
-        #: this communicator's flight recorder (None: SOAPSTONE_FLIGHT_RECORDER=0)
-        self.recorder = new_recorder(self)
+        #: names this communicator in reports and dumps, and records its ops when recording
+        self.flight = new_recorder(self)
+        #: the recorder the hot path writes to (None: SOAPSTONE_FLIGHT_RECORDER=0)
+        self.recorder = self.flight if self.flight.recording else None
 
     @property
     def label(self) -> str:
         """What this communicator is, in reports: a mesh axis ('data', 'data+model'), 'world'
         or 'split'."""
-        return self.recorder.label if self.recorder is not None else ""
+        return self.flight.label
 
     @label.setter
     def label(self, value: str) -> None:
-        if self.recorder is not None:
-            self.recorder.set_label(value)
+        self.flight.set_label(value)
 
     # -- the byte counter ------------------------------------------------------------------
     @property
@@ -222,7 +223,10 @@ class Communicator(abc.ABC):
         if rec is None:
             if self.debug and check is not None:
                 self._debug(op, t, *check)
-            return fn(*args)
+            out = fn(*args)
+            if async_op:  # so that the watchdog can name a wait() it finds blocked
+                out._entry = (self, op, t, -1)
+            return out
         rec.seq = s = rec.seq + 1
         e = [s, op, t.shape, t.dtype, nbytes, -1, _now(), 0.0, 0.0, _STARTED]
         rec.ring[s & rec.mask] = e
@@ -415,7 +419,10 @@ class Communicator(abc.ABC):
             fn = self._recv_debug if self.debug else self._recv
         rec = self.recorder
         if rec is None:
-            return fn(t, peer, tag, async_op)
+            out = fn(t, peer, tag, async_op)
+            if async_op:
+                out._entry = (self, op, t, peer)
+            return out
         return self._recorded(rec, rec.p2p(op, t, peer, nbytes), async_op, fn, t, peer, tag,
                               async_op)
 
@@ -453,6 +460,7 @@ class Communicator(abc.ABC):
         """Block until every rank of this communicator has reached the barrier."""
         if self._freed:
             raise CommError("barrier: this communicator was freed; use one that is still alive")
+        self.flight.barriers += 1
         self._call("barrier", _NOTHING, 0, False, None, self._barrier)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

@@ -78,6 +78,8 @@ def missing_ranks(statuses: dict[int, dict], key: str, entry: dict,
         mine, theirs = views.get(rank), views.get(peer)
         if theirs is None or mine is None:
             return [], [], [] if peer is None else [peer]
+        if not (mine.get("recording", True) and theirs.get("recording", True)):
+            return [peer], [], []  # no per-peer counts: the peer is the one waited on
         mine_key, their_key, _ = _P2P_TEXT[entry["op"] in SENDS]
         if theirs[their_key][members.index(rank)] < mine[mine_key][entry["peer"]]:
             behind.append(peer)
@@ -163,6 +165,11 @@ def _p2p_divergence(statuses, key, snaps, members):
         if theirs is None:
             lines.append((blocked, f"rank {r} is {doing(statuses[r], True)}; rank {peer}: "
                                    f"{doing(None)}"))
+            continue
+        if not (snap.get("recording", True) and theirs.get("recording", True)):
+            lines.append((blocked, f"rank {r} is {doing(statuses[r], True)}; rank {peer} is "
+                                   f"{doing(statuses.get(peer), True)} (message counts per "
+                                   "peer need the flight recorder)"))
             continue
         mine_key, their_key, text = _P2P_TEXT[act["op"] in SENDS]
         want, got = snap[mine_key][pi], theirs[their_key][members.index(r)]

@@ -23,8 +23,11 @@ reads, no method call): it costs well under a microsecond (BENCHMARKS.md, bench 
 communicator was made, so a dump shows who stopped sending even after the ring has wrapped.
 
 SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
-to a power of two, so that a seq finds its slot with a mask); 0 turns recording off (then the
-watchdog has nothing to watch: no deadlines, no dumps).
+to a power of two, so that a seq finds its slot with a mask); 0 turns recording off: nothing is
+written per op, and the watchdog still works from samples of the main thread's stack (see
+watchdog.sample_blocked) with sequence numbers from the communicator's byte counter; dumps then
+hold the op each rank is in, not a history, and p2p reports cannot count messages per peer.
+A recorder object exists either way (`recording` says which): it names the communicator.
 Reading (dumps, the watchdog's status replies): `snapshot()` turns a recorder into JSON data.
 """
 
@@ -76,12 +79,14 @@ def live_recorders() -> list[FlightRecorder]:
     return [r for _, r in items]
 
 
-def new_recorder(comm) -> FlightRecorder | None:
-    """The recorder of a new communicator (None when SOAPSTONE_FLIGHT_RECORDER=0); its world
-    ranks come from `comm.mpi`, the MPI communicator over the same ranks."""
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
+               "alltoallv", "barrier")
+
+
+def new_recorder(comm) -> FlightRecorder:
+    """The recorder of a new communicator (not recording when SOAPSTONE_FLIGHT_RECORDER=0); its
+    world ranks come from `comm.mpi`, the MPI communicator over the same ranks."""
     capacity = capacity_from_env()
-    if capacity == 0:
-        return None
     mpi = getattr(comm, "mpi", None)
     label, ranks = "world", list(range(comm.size))
     if mpi is not None:
@@ -95,7 +100,9 @@ def new_recorder(comm) -> FlightRecorder | None:
             finally:
                 group.Free()
                 world_group.Free()
-    return FlightRecorder(capacity, comm.rank, comm.size, ranks, label)
+    rec = FlightRecorder(capacity, comm.rank, comm.size, ranks, label)
+    rec.comm_ref = weakref.ref(comm)
+    return rec
 
 
 class FlightRecorder:
@@ -103,12 +110,14 @@ class FlightRecorder:
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
     'data' or 'data+model', 'world', or 'split')."""
 
-    __slots__ = ("ring", "p2p_ring", "capacity", "mask", "seq", "p2p_seq", "active", "rank", "size",
-                 "world_ranks", "label", "index", "sent", "recvd", "pending", "__weakref__")
+    __slots__ = ("ring", "p2p_ring", "capacity", "mask", "seq", "p2p_seq", "active", "rank",
+                 "size", "world_ranks", "label", "index", "sent", "recvd", "pending", "recording",
+                 "comm_ref", "sampled", "barriers", "__weakref__")
 
     def __init__(self, capacity: int, rank: int, size: int, world_ranks: list[int],
                  label: str):
-        capacity = 1 << max(0, capacity - 1).bit_length()  # a power of two
+        self.recording = capacity > 0
+        capacity = 1 << max(0, capacity - 1).bit_length() if capacity else 0  # a power of two
         self.capacity, self.mask = capacity, capacity - 1
         self.ring: list[list | None] = [None] * capacity  # collective seq s at [s % capacity]
         self.p2p_ring: list[list | None] = [None] * capacity
@@ -120,6 +129,9 @@ class FlightRecorder:
         self.sent = [0] * size
         self.recvd = [0] * size
         self.pending: list[list] = []  # NCCL: entries whose stream completion is not known yet
+        self.comm_ref = None  # the communicator (weak), for counts when not recording
+        self.sampled: list | None = None  # not recording: the op the watchdog saw it blocked in
+        self.barriers = 0  # not recording: barriers started (the byte counter has no row)
         self.label = ""
         self.index = 0
         self.set_label(label)
@@ -185,6 +197,8 @@ class FlightRecorder:
     def blocked(self) -> list | None:
         """The entry this rank is held up in on this communicator, if any: a wait(), the newest
         collective or p2p entry while STARTED, or (NCCL) the oldest op still on the stream."""
+        if not self.recording:
+            return self.sampled
         e = self.active
         if e is not None and e[STATE] == WAITING:
             return e
@@ -200,6 +214,8 @@ class FlightRecorder:
         """The kept entries of both rings, oldest first by start time (copies, safe to read from
         another thread)."""
         out = []
+        if not self.recording:
+            return [list(self.sampled)] if self.sampled else []
         for ring, n in ((self.ring, self.seq), (self.p2p_ring, self.p2p_seq)):
             for i in range(max(1, n - self.capacity + 1), n + 1):
                 e = ring[i % self.capacity]
@@ -209,19 +225,34 @@ class FlightRecorder:
         return out
 
     def last_collective(self) -> list | None:
-        """The newest collective entry (None before the first)."""
+        """The newest collective entry (None before the first; not recording: the one the
+        rank is blocked in, if any)."""
+        if not self.recording:
+            e = self.sampled
+            return None if e is None or e[PEER] >= 0 else list(e)
         e = self.ring[self.seq % self.capacity] if self.seq else None
         return None if e is None else list(e[:STATE + 1])
+
+    def counts(self) -> tuple[int, int]:
+        """(collectives, p2p ops) started on this communicator: the recorder's seqs, or, not
+        recording, the communicator's byte counter's calls (every op counts before it starts)."""
+        if self.recording:
+            return self.seq, self.p2p_seq
+        comm = self.comm_ref() if self.comm_ref is not None else None
+        stats = comm._stats if comm is not None else {}
+        coll = self.barriers + sum(v[0] for k, v in stats.items() if k in COLLECTIVES)
+        return coll, sum(v[0] for k, v in stats.items() if k not in COLLECTIVES)
 
     def snapshot(self, now: float | None = None, entries: bool = True) -> dict:
         """This recorder as JSON data: identity, counters, the active op and the entries
         (times as seconds before `now`, a time.monotonic() value)."""
         now = _now() if now is None else now
         active = self.blocked()
+        seq, p2p_seq = self.counts()
         out = {
             "key": self.key, "label": self.label, "world_ranks": self.world_ranks,
-            "rank": self.rank, "size": self.size, "seq": self.seq, "p2p_seq": self.p2p_seq,
-            "sent": list(self.sent), "recvd": list(self.recvd),
+            "rank": self.rank, "size": self.size, "seq": seq, "p2p_seq": p2p_seq,
+            "recording": self.recording, "sent": list(self.sent), "recvd": list(self.recvd),
             "active": None if active is None else describe(active, now),
         }
         last = self.last_collective()

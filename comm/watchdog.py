@@ -4,7 +4,10 @@ One daemon thread per process, started by `soapstone.comm.init()` (which every r
 four things, waking every `poll_s` seconds (and at once on a signal):
 
 - Deadlines. The flight recorder (flight_recorder.py) marks the entry the main thread is blocked
-  in (a blocking collective or p2p call, or a Work's wait()). When one has been blocked longer
+  in (a blocking collective or p2p call, or a Work's wait()); with recording off
+  (SOAPSTONE_FLIGHT_RECORDER=0) this thread finds that call on the main thread's stack instead
+  (sample_blocked: nothing on the hot path, the deadline good to one poll). When one has been
+  blocked longer
   than SOAPSTONE_COLLECTIVE_TIMEOUT seconds (default 600; 0 disables; `run --collective-timeout`)
   this rank reports: it asks every rank for its status over a side channel, prints one report
   (the op, the communicator's mesh axis and world ranks, the sequence number, the ranks that did
@@ -12,8 +15,8 @@ four things, waking every `poll_s` seconds (and at once on a signal):
   NCCL ops are enqueued, not blocking: their CUDA events are polled here, the same deadline.
 - The side channel: a duplicate of MPI.COMM_WORLD, used only by this thread (and the failure
   handler), tags NOTICE and REPLY. Blocking MPI calls in the main thread and probes here need
-  MPI_THREAD_MULTIPLE, which mpi4py requests by default (init() checks it; with less, there is no
-  side channel: a timeout still ends the job, reporting only this rank's view). A rank that gets
+  MPI_THREAD_MULTIPLE, which mpi4py requests by default (start() checks it; with less, no
+  watchdog runs and failures abort as before, without the other ranks' dumps). A rank that gets
   a notice dumps its flight recorder and answers with its status. When several ranks time out
   together, the lowest-numbered one reports; the others answer it and wait for its Abort.
 - Dumps: on a timeout, an uncaught exception (failure.py) or SIGUSR1 (to any rank, or to
@@ -55,10 +58,12 @@ from .diagnose import comm_views, divergences, doing, missing_ranks, stack_tail
 from .errors import UserError
 from .flight_recorder import (
     DONE,
+    STARTED,
     STATE,
     T_END,
     T_START,
     T_WAIT,
+    WAITING,
     describe,
     entry_text,
     live_recorders,
@@ -123,8 +128,7 @@ def get() -> Watchdog | None:
 
 def start(world_mpi) -> Watchdog | None:
     """Start this process's watchdog over the ranks of `world_mpi` (MPI.COMM_WORLD); collective
-    (every rank calls it, from init()). None when MPI is not thread-multiple or the flight
-    recorder is off (SOAPSTONE_FLIGHT_RECORDER=0: nothing to watch)."""
+    (every rank calls it, from init()). None when MPI is not thread-multiple."""
     global _dog
     from mpi4py import MPI
 
@@ -133,7 +137,8 @@ def start(world_mpi) -> Watchdog | None:
     timeout, trace_dir = timeout_from_env(), trace_dir_from_env()  # bad values: before any MPI
     if _dog is not None:
         return _dog
-    if capacity_from_env() == 0 or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+    capacity_from_env()
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         return None
     _dog = Watchdog(world_mpi.Dup(), timeout, trace_dir)
     return _dog
@@ -186,6 +191,7 @@ def status(reason: str, entries: bool = True) -> dict:
     from mpi4py import MPI
 
     now = time.monotonic()
+    sample_blocked(now)
     comms, active, last_end = [], None, 0.0
     for rec in live_recorders():
         comms.append(rec.snapshot(now, entries))
@@ -193,7 +199,7 @@ def status(reason: str, entries: bool = True) -> dict:
         if e is not None:
             active = {"key": rec.key, **describe(e, now)}
         for ring, seq in ((rec.ring, rec.seq), (rec.p2p_ring, rec.p2p_seq)):
-            newest = ring[seq % rec.capacity] if seq else None
+            newest = ring[seq & rec.mask] if seq and rec.recording else None
             if newest is not None:
                 last_end = max(last_end, newest[T_END] or newest[T_START])
     return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
@@ -261,6 +267,78 @@ def write_dump(st: dict, trace_dir: str | None) -> str | None:
         _say(st["rank"], [f"cannot write the dump {path}: {e}"])
         return None
     return str(path)
+
+
+# -- communicators that do not record: where the main thread is, from its stack -------------
+_sample: dict = {"frame": None, "rec": None}
+_codes: dict = {}
+
+
+def _blocking_codes() -> dict:
+    """The code objects of the comm calls a main thread can be found blocked in."""
+    if not _codes:
+        from .communicator import Communicator, Work
+
+        for name in ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
+                     "alltoallv", "barrier", "_p2p"):
+            _codes[getattr(Communicator, name).__code__] = name
+        _codes[Work.wait.__code__] = "wait"
+    return _codes
+
+
+def sample_blocked(now: float) -> None:
+    """For communicators that do not record (SOAPSTONE_FLIGHT_RECORDER=0): find the comm call
+    the main thread is in from its stack and keep it as that recorder's `sampled` entry,
+    started when this call was first seen (the same frame object seen again is the same call,
+    still blocked). This costs the hot path nothing; the deadline is then good to a poll."""
+    codes = _blocking_codes()
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    found = None
+    for _ in range(64):
+        if frame is None:
+            break
+        name = codes.get(frame.f_code)
+        if name is not None:
+            found = _sampled_call(frame, name)
+            break
+        frame = frame.f_back
+    prev = _sample["rec"]
+    if found is None or found[0] is not prev or frame is not _sample["frame"]:
+        if prev is not None:
+            prev.sampled = None
+        _sample["frame"], _sample["rec"] = None, None
+        if found is None:
+            return
+        rec, entry = found
+        rec.sampled = entry
+        entry[T_START] = now
+        _sample["frame"], _sample["rec"] = frame, rec
+
+
+def _sampled_call(frame, name: str):
+    """(recorder, entry) for a comm call found on the stack, or None when it is recorded (the
+    recorder watches it) or cannot be attributed."""
+    import torch
+
+    local = frame.f_locals
+    obj = local.get("self")
+    if name == "wait":
+        info = getattr(obj, "_entry", None)
+        if getattr(obj, "_rec", None) is not None or not isinstance(info, tuple):
+            return None
+        comm, op, t, peer = info
+    else:
+        comm = obj
+        if getattr(comm, "recorder", 1) is not None:
+            return None
+        op = local.get("op", name) if name == "_p2p" else name
+        t, peer = local.get("t"), local.get("peer", -1)
+    if not isinstance(t, torch.Tensor):
+        t = torch.empty(0)
+    coll, p2p = comm.flight.counts()
+    entry = [coll if peer < 0 else p2p, op, t.shape, t.dtype, t.numel() * t.element_size(),
+             peer, 0.0, 0.0, 0.0, WAITING if name == "wait" else STARTED]
+    return comm.flight, entry
 
 
 # -- the watchdog ------------------------------------------------------------------------------
@@ -358,6 +436,7 @@ class Watchdog:
 
     def _check(self, now: float) -> None:
         """Complete NCCL entries whose event fired; expire an op past the deadline."""
+        sample_blocked(now)
         for rec in live_recorders():
             if rec.pending:
                 self._poll_events(rec, now)
@@ -511,7 +590,8 @@ def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: di
         lines.append("  did not arrive: " + ", ".join(f"rank {r}" for r in behind))
         for r in behind:
             snap = comm_views(statuses).get(key, {}).get(r, {})
-            count = (f" it has sent {sum(snap.get('sent', []))} and posted "
+            count = ("" if entry.get("kind") == "p2p" and not snap.get("recording", True) else
+                     f" it has sent {sum(snap.get('sent', []))} and posted "
                      f"{sum(snap.get('recvd', []))} receives on {key};"
                      if entry.get("kind") == "p2p" else
                      f" it has started {snap.get('seq', '?')} collectives on {key};")

@@ -48,16 +48,22 @@ def ended(res) -> str:
     return res.stdout + res.stderr
 
 
-def test_a_skipped_collective_is_reported_with_the_op_each_rank_called():
-    res = run_mpi(2, [JOBS, "skip"], timeout=120, env={"SOAPSTONE_COLLECTIVE_TIMEOUT": "3"})
+# recorder "0": no flight recorder; the watchdog finds the call on the stack and numbers it from
+# the byte counter
+@pytest.mark.parametrize("recorder", ["512", "0"])
+def test_a_skipped_collective_is_reported_with_the_op_each_rank_called(recorder):
+    res = run_mpi(2, [JOBS, "skip"], timeout=120,
+                  env={"SOAPSTONE_COLLECTIVE_TIMEOUT": "3", "SOAPSTONE_FLIGHT_RECORDER": recorder})
     out = ended(res)
     assert "soapstone watchdog: collective timeout: rank " in out, res.report()
     assert ("ranks disagree on collective #2 of world[0,1]: rank 0 called allreduce(4,) "
             "float32; rank 1 called barrier(0,) float32") in out, res.report()
 
 
-def test_allgather_against_allreduce_is_reported():
-    res = run_mpi(2, [JOBS, "mismatch"], timeout=120, env={"SOAPSTONE_COLLECTIVE_TIMEOUT": "3"})
+@pytest.mark.parametrize("recorder", ["512", "0"])
+def test_allgather_against_allreduce_is_reported(recorder):
+    res = run_mpi(2, [JOBS, "mismatch"], timeout=120,
+                  env={"SOAPSTONE_COLLECTIVE_TIMEOUT": "3", "SOAPSTONE_FLIGHT_RECORDER": recorder})
     out = ended(res)
     assert "arrived in another op: rank " in out, res.report()
     assert ("ranks disagree on collective #2 of world[0,1]: rank 0 called allgather(4,) "

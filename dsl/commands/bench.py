@@ -69,6 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alloc", action="store_true",
                         help="time soapstone's allgather/reduce_scatter/alltoall without out= "
                              "(a new output per call) instead of into a preallocated buffer")
+    parser.add_argument("--watchdog", action="store_true",
+                        help="the watchdog's cost: also time soapstone with its ops not recorded "
+                             "(column no-recorder, which the watchdog watches from stack samples "
+                             "at no per-op cost; ratio rec/none), the implementations interleaved "
+                             "in 5 rounds")
 
 
 def _fmt_row(op, nbytes, cells, ratios):
@@ -88,26 +93,39 @@ def main(args: argparse.Namespace) -> int:
 
     from soapstone.comm import init
     from soapstone.comm.bench import init_gloo, measure
+    from soapstone.comm.errors import UserError
 
-    world = init("mpi")
+    from . import fail
+
+    try:
+        world = init("mpi")
+    except UserError as e:  # a bad SOAPSTONE_* setting
+        return fail(e, MPI.COMM_WORLD.Get_rank())
     mpi = MPI.COMM_WORLD
     dist = None if args.no_gloo else init_gloo(mpi)
-    names = ["soapstone", "mpi4py"] + ([] if dist is None else ["gloo"])
+    bare = None
+    if args.watchdog:  # the same ranks and MPI communicator, nothing recorded per op
+        bare = type(world)(mpi)
+        bare.recorder = None
+    names = ["soapstone"] + ([] if bare is None else ["no-recorder"]) + ["mpi4py"]
+    names += [] if dist is None else ["gloo"]
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"# soapstone bench comm: {world.size} ranks, fp32, median of up to {args.iters} "
         "iterations (slowest rank); time_us, algbw/busbw in GB/s; soapstone "
         + ("allocates each output" if args.alloc else "writes into a preallocated out="))
     head = f"{'op':>14} {'bytes':>11}" + "".join(
         f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in names)
-    say(head + " | soap/mpi  gloo/soap")
+    say(head + " | soap/mpi  gloo/soap" + ("  rec/none" if bare is not None else ""))
     rows = []
     for op, nbytes, cells in measure(world, mpi, dist, args.ops, args.sizes, args.iters,
-                                     args.alloc):
+                                     args.alloc, bare, 5 if bare is not None else 1):
         rows.extend(c for c in cells if c is not None)
-        soap, raw = cells[0], cells[1]
-        gloo = cells[2] if len(cells) > 2 else None
+        cell = dict(zip(names, cells, strict=True))
+        soap, raw, gloo = cell["soapstone"], cell["mpi4py"], cell.get("gloo")
         ratios = [f"{soap['time_us'] / raw['time_us']:.3f}"]
         ratios.append("n/a" if gloo is None else f"{gloo['time_us'] / soap['time_us']:.2f}")
+        if bare is not None:
+            ratios.append(f"{soap['time_us'] / cell['no-recorder']['time_us']:.3f}")
         say(_fmt_row(op, nbytes, cells, ratios), flush=True)
     if args.json and world.rank == 0:
         with open(args.json, "w") as f:
@@ -121,7 +139,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     """Measure, print and (rank 0) write the profile."""
     from soapstone.comm import init
     from soapstone.comm.errors import UserError
-    from soapstone.shard.calibrate import calibrate
+    from soapstone.shard.calibrate import PROBE_SPEC, calibrate
     from soapstone.shard.plan.hardware import save_profile
 
     from ..errors import BadInput
@@ -131,7 +149,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not args.output:
         return fail(BadInput("bench calibrate needs -o PROFILE.json"), world.rank)
     try:
-        profile = calibrate(world)
+        from ..spec import load
+        from ..stages import lower_graph
+
+        probe = lower_graph(load(PROBE_SPEC).model(), None)
+        profile = calibrate(world, probe)
     except UserError as e:
         return fail(e, world.rank)
     if world.rank == 0:
