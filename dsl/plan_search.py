@@ -263,7 +263,7 @@ def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
                ("transient_bytes",): est.transient_bytes,
-               ("flops",): work.matmul_flops, ("moved",): work.other_bytes,
+               ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
                ("param_elements",): param_elements}
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
@@ -288,7 +288,7 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
                    g[("activation_bytes",)], traffic, transient_bytes=g[("transient_bytes",)])
-    return est, Work(f[("flops",)], f[("moved",)]), g[("param_elements",)]
+    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)]), g[("param_elements",)]
 
 
 def _remesh(program, data: int):

@@ -9,7 +9,9 @@ the alpha-beta model of the world communicator's allreduce (least squares of tim
 hops x alpha + bus bytes / beta over sizes from 8 B to 16 MiB; MPI here, NCCL where the
 communicator is). One host has one link class: both intra_node and inter_node get the
 measured link (edit inter_node for a cluster). matmul_efficiency is 1: the peaks are what
-matmuls achieve here. Memory per device: the host's memory over the ranks on it.
+matmuls achieve here. Memory per device: the host's memory over the ranks on it. The ops'
+fixed cost: a model too small to compute (PROBE_SPEC) trained on each rank alone, its
+forward-backward time over its op count.
 """
 
 from __future__ import annotations
@@ -24,6 +26,22 @@ from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.plan.fit import host_memory_per_rank
 from soapstone.shard.plan.hardware import Link, Profile
 
+# A model too small to compute anything: its step time is its ops' fixed cost (the command
+# compiles it: shard does not read specs).
+PROBE_SPEC = """
+model probe {
+  dim batch = 2, seq = 4, hidden = 8, heads = 2, ffn = 16, vocab = 16
+  input tokens  : i64[batch, seq]
+  input targets : i64[batch, seq]
+  x = embedding(tokens, vocab -> hidden)
+  repeat 2 as layer {
+    x = x + attention(layernorm(x), heads = heads, causal = true)
+    x = x + mlp(layernorm(x), ffn, activation = gelu)
+  }
+  logits = linear(layernorm(x), hidden -> vocab)
+  output loss = cross_entropy(logits, targets)
+}
+"""
 MATMUL_SIZES = (256, 512, 1024)
 LINK_SIZES = (8, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,6 +77,19 @@ def memory_bandwidth(nbytes: int = 64 << 20) -> float:
     return 2 * nbytes / _time(lambda: dst.copy_(src))
 
 
+def op_overhead(graph) -> float:
+    """Seconds per op (forward and backward) of the one-rank StageGraph `graph` of a model
+    too small to compute: its forward-backward time over its op count (cost.program_work)."""
+    from soapstone.shard.data import make_task
+    from soapstone.shard.executor import Executor
+    from soapstone.shard.plan.cost import program_work
+
+    ex = Executor(graph, None, seed=0)
+    batch = make_task(graph.program, 0).batch(0)
+    return _time(lambda: ex.forward_backward(batch), seconds=1.0) / \
+        program_work(graph.program).ops
+
+
 def link(world) -> Link:
     """The alpha-beta fit of `world`'s allreduce (every rank calls it)."""
     n = world.size
@@ -89,9 +120,14 @@ def link(world) -> Link:
     return Link(1 / inv_beta, alpha)
 
 
-def calibrate(world) -> Profile:
-    """This machine's profile, measured by every rank of `world` (collective)."""
+def calibrate(world, probe=None) -> Profile:
+    """This machine's profile, measured by every rank of `world` (collective); `probe`: the
+    one-rank StageGraph of PROBE_SPEC, for the ops' fixed cost (0 without)."""
     torch.set_num_threads(1)
+    overhead = torch.tensor([op_overhead(probe) if probe is not None else 0.0],
+                            dtype=torch.float64)
+    if world.size > 1:
+        overhead = world.allreduce(overhead, op="max")
     peaks = {}
     for name, dtype in DTYPES.items():
         mine = torch.tensor([matmul_flops(dtype)], dtype=torch.float64)
@@ -107,4 +143,4 @@ def calibrate(world) -> Profile:
                     f"({time.strftime('%Y-%m-%d')}): one rank per device, one thread each",
         memory_bytes=memory, usable_fraction=0.9, devices_per_node=world.size,
         peak_flops=peaks, matmul_efficiency=1.0, memory_bandwidth=bw,
-        intra_node=measured, inter_node=measured)
+        intra_node=measured, inter_node=measured, op_overhead_s=overhead.item())

@@ -9,7 +9,9 @@ time, on a `hardware.Profile`:
   achievable matmul rate in the run's precision; every other op (elementwise, norms, softmax,
   embedding, cross entropy) is memory-bound: the bytes of its float inputs and output at the
   memory bandwidth (half of them in bf16). Backward costs twice the forward (a matmul's two
-  gradients; an elementwise op reads and writes its gradients).
+  gradients; an elementwise op reads and writes its gradients). Each op (a fused chain is
+  one, a redistribution is one) also costs the profile's fixed `op_overhead_us`, forward and
+  backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
   / bandwidth, on the link class of the row's axes. Axes are laid out row-major (the last mesh
   axis innermost, as comm.Mesh places ranks): a group of axes stays inside a node when its
@@ -36,6 +38,7 @@ import math
 import attrs
 
 from soapstone.shard.plan.explain import OPTIMIZER_STATE, Estimate, Traffic
+from soapstone.shard.plan.fusions import find_fusions
 from soapstone.shard.plan.hardware import Link, Profile
 from soapstone.shard.plan.program import Compute, Program
 
@@ -50,26 +53,27 @@ class Work:
 
     matmul_flops: float = 0.0
     other_bytes: float = 0.0
+    ops: float = 0.0  # kernels run (a fused chain is one)
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes)
-
-    def scaled(self, k: float) -> Work:
-        """This work times k."""
-        return Work(self.matmul_flops * k, self.other_bytes * k)
+        return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes,
+                    self.ops + other.ops)
 
     def seconds(self, profile: Profile, precision: str) -> float:
-        """Forward + backward time at the profile's rates."""
+        """Forward + backward time at the profile's rates, and each op's fixed cost."""
         width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
         fwd = self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth
-        return fwd * (1 + BACKWARD_FACTOR)
+        return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s
 
 
 def program_work(program: Program) -> Work:
     """The forward work of one microbatch of `program` on one rank (module doc)."""
     flops = 0.0
     moved = 0.0
+    covered = {i for f in find_fusions(program).values() for i in f.covered}
+    ops = sum(1 for i, s in enumerate(program.steps) if i not in covered and not (
+        isinstance(s, Compute) and s.kind in FREE_OPS))
     for step in program.steps:
         if not isinstance(step, Compute) or step.kind in FREE_OPS:
             continue
@@ -82,7 +86,7 @@ def program_work(program: Program) -> Work:
         else:
             vals = [program.value(a) for a in step.args] + [program.value(step.out)]
             moved += sum(v.nbytes for v in vals if v.is_float)
-    return Work(flops, moved)
+    return Work(flops, moved, ops)
 
 
 def link_of(axes: str, mesh: dict[str, int], profile: Profile) -> Link:

@@ -52,6 +52,7 @@ class Profile:
     memory_bandwidth: float  # bytes/s
     intra_node: Link
     inter_node: Link
+    op_overhead_s: float = 0.0  # fixed cost of one op, forward and backward (launch, dispatch)
     source: str = ""  # where it was read from (a preset or a file)
 
     @property
@@ -79,6 +80,7 @@ class Profile:
                            "latency_us": self.intra_node.latency_s * 1e6},
             "inter_node": {"bandwidth_gbs": self.inter_node.bandwidth / 1e9,
                            "latency_us": self.inter_node.latency_s * 1e6},
+            "op_overhead_us": self.op_overhead_s * 1e6,
         }
 
 
@@ -89,6 +91,7 @@ FIELDS: dict[str, str] = {
     "memory_bandwidth_gbs": "num",
     "intra_node.bandwidth_gbs": "num", "intra_node.latency_us": "num0",
     "inter_node.bandwidth_gbs": "num", "inter_node.latency_us": "num0",
+    "op_overhead_us": "num0",
 }
 
 
@@ -137,7 +140,7 @@ def profile_from_data(data: dict, where: str) -> Profile:
         memory_bandwidth=v["memory_bandwidth_gbs"] * 1e9,
         intra_node=Link(v["intra_node.bandwidth_gbs"] * 1e9, v["intra_node.latency_us"] * 1e-6),
         inter_node=Link(v["inter_node.bandwidth_gbs"] * 1e9, v["inter_node.latency_us"] * 1e-6),
-        source=where)
+        op_overhead_s=v["op_overhead_us"] * 1e-6, source=where)
 
 
 def _profiles_in(data, where: str) -> list[Profile]:
