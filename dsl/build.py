@@ -168,6 +168,25 @@ def check_train_flags(args: argparse.Namespace) -> None:
                        "does not exist")
 
 
+def lr_schedule(args: argparse.Namespace, lr: float):
+    """The LRSchedule the flags ask for (--lr-schedule, --warmup, --min-lr); BadInput when
+    the numbers cannot work. Also checks --accumulate, --eval-every and --eval-steps."""
+    from soapstone.shard.lr_schedule import LRSchedule
+
+    min_lr = args.min_lr if args.min_lr is not None else lr / 10
+    if not 0 <= args.warmup <= args.steps:
+        raise BadInput(f"--warmup {args.warmup}: give 0 to --steps ({args.steps}) steps")
+    if not (math.isfinite(min_lr) and 0 <= min_lr <= lr):
+        raise BadInput(f"--min-lr {min_lr:g}: the floor must be between 0 and the learning "
+                       f"rate {lr:g}")
+    for flag, value, least in (("--accumulate", args.accumulate, 1),
+                               ("--eval-every", args.eval_every, 0),
+                               ("--eval-steps", args.eval_steps, 1)):
+        if value < least:
+            raise BadInput(f"{flag} {value}: give at least {least}")
+    return LRSchedule(lr, args.steps, args.warmup, args.lr_schedule, min_lr)
+
+
 def check_trace_flag(path: str, par) -> None:
     """--trace needs a pipeline layout and a writable directory (BadInput)."""
     if par is None or not par.operator:

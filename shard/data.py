@@ -18,14 +18,14 @@ The synthetic task (`SyntheticTask`), learnable in well under 100 steps on a CPU
   random linear teacher applied to them.
 - anything else: random inputs and random labels (nothing to learn, the run still works).
 
-`TokenFile` reads real tokens: a .npy of integer ids, or any other file read as bytes (ids
-0..255); windows of seq+1 tokens at offsets drawn from (seed, step).
+Held-out batches (`eval_batch(j)`, for `run --eval-every`) are the task's batches of negative
+step numbers, which training never draws. Real tokens come from a memory-mapped token file
+(shard/token_memmap.py: nanoGPT's .bin, .npy, or any file's bytes), with its own held-out split.
 """
 
 from __future__ import annotations
 
 import zlib
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,6 +122,10 @@ class SyntheticTask:
                 out[name] = labels.to(_dtype(self.program, name))
         return out
 
+    def eval_batch(self, j: int) -> dict[str, torch.Tensor]:
+        """Held-out batch j: the batch of step -1 - j, which training never draws."""
+        return self.batch(-1 - j)
+
     def tokens(self, step: int) -> int:
         """Tokens (or samples) per global batch: the elements of the label input."""
         name = next((n for n, (r, _) in self.roles.items() if r == "labels"), None)
@@ -129,71 +133,18 @@ class SyntheticTask:
         return int(np.prod(_shape(self.program, name)))
 
 
-def read_tokens(path: str | Path) -> np.ndarray:
-    """Token ids from a .npy of integers, or any other file's bytes; DataError if unusable."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"--data {path}: no such file")
-    try:
-        if p.suffix == ".npy":
-            arr = np.load(p, allow_pickle=False)
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise DataError(f"--data {path}: expected integer token ids, got {arr.dtype}")
-            arr = arr.reshape(-1).astype(np.int64)
-        else:
-            arr = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64)
-    except DataError:
-        raise
-    except (OSError, ValueError) as e:
-        raise DataError(f"--data {path}: cannot read it ({e})") from None
-    if arr.size and arr.min() < 0:
-        raise DataError(f"--data {path}: negative token id {int(arr.min())}")
-    return arr
+def make_task(program: Program, seed: int = 0, data: str | None = None,
+              val_data: str | None = None, data_dtype: str | None = None) -> SyntheticTask:
+    """The data source of a run: a memory-mapped token file with --data (held-out batches
+    from --val-data or its tail), the synthetic task otherwise."""
+    if not data:
+        if val_data:
+            raise DataError(f"--val-data {val_data}: give --data too (the synthetic task "
+                            "has its own held-out batches)")
+        return SyntheticTask(program, seed)
+    from soapstone.shard.token_memmap import TokenMemmap
 
-
-class TokenFile(SyntheticTask):
-    """Language-model batches cut from a token file (windows at seeded random offsets)."""
-
-    def __init__(self, program: Program, path: str | Path, seed: int = 0):
-        super().__init__(program, seed)
-        if not self.lm:
-            raise DataError(f"--data {path}: model {program.model} has no token input and "
-                            "next-token targets of the same shape to feed from a token file")
-        self.data = read_tokens(path)
-        ids, _, vocab = self.lm
-        need = _shape(program, ids)[-1] + 1
-        if self.data.size < need:
-            raise DataError(f"--data {path}: {self.data.size} tokens, fewer than the "
-                            f"{need} one sequence needs")
-        top = int(self.data.max())
-        if top >= vocab:
-            raise DataError(f"--data {path}: token id {top} does not fit the vocab of {vocab}; "
-                            f"raise it (e.g. --dim vocab={_pow2(top + 1)})")
-        self.data_t = torch.from_numpy(self.data)
-
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        ids, targets, _ = self.lm
-        shape = _shape(self.program, ids)
-        rows, seq = int(np.prod(shape[:-1])), shape[-1]
-        g = _generator(self.seed, "data", step)
-        starts = torch.randint(0, self.data.size - seq, (rows,), generator=g)
-        win = self.data_t[starts.unsqueeze(1) + torch.arange(seq + 1)]
-        out = {n: v for n, v in super().batch(step).items() if n not in (ids, targets)}
-        out[ids] = win[:, :-1].reshape(shape).to(_dtype(self.program, ids))
-        out[targets] = win[:, 1:].reshape(shape).to(_dtype(self.program, targets))
-        return out
-
-
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
-def make_task(program: Program, seed: int = 0, data: str | None = None) -> SyntheticTask:
-    """The data source of a run: `TokenFile` with --data, the synthetic task otherwise."""
-    return TokenFile(program, data, seed) if data else SyntheticTask(program, seed)
+    return TokenMemmap(program, data, seed, val_path=val_data, dtype=data_dtype)
 
 
 def random_inputs(program: Program, step: int) -> dict[str, torch.Tensor]:

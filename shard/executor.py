@@ -119,6 +119,11 @@ class Executor:
             deferred = tuple(n for n in m.params if n in shared)
             self.optimizers[i] = build_optimizer(m, deferred=deferred, **settings)
 
+    def set_lr(self, lr: float) -> None:
+        """Every stage's optimizer updates at rate `lr` from now on (an LR schedule's step)."""
+        for opt in self.optimizers.values():
+            opt.set_lr(lr)
+
     def step(self) -> None:
         """The optimizers' step: sum tied weights' gradients over the pipe axis, reduce, clip
         by the global norm over every stage (collective over the pipe axis), update, clear
@@ -211,19 +216,47 @@ class Executor:
                     piece[n] = t
         return out
 
-    def train_step(self, batch: dict[str, torch.Tensor], step: int = 0) -> float:
+    def input_rows(self) -> dict[str, list[int] | None]:
+        """Input name -> the rows of the full global batch (indices along the batch dim) this
+        rank reads, over every microbatch; None: every row (the input has no batch dim). An
+        input no stage on this rank reads is absent. A data loader reads only these."""
+        g = self.graph
+        out: dict[str, list[int] | None] = {}
+        for i, s in self.stages.items():
+            for n in s.data_inputs:
+                v = s.program.value(n)
+                if g.batch_dim is None or g.batch_dim not in v.dims:
+                    out[n] = None
+                    continue
+                mine = self.models[i].ctx.local_slices(v)[v.dims.index(g.batch_dim)]
+                out[n] = sorted({mb * g.microbatch + r for mb in range(g.microbatches)
+                                 for r in range(mine.start, mine.stop)} | set(out.get(n) or ()))
+        return out
+
+    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+                   step: int = 0) -> float:
         """One training step on a full global batch: forward and backward of every microbatch,
         then, with use_optimizer(), the optimizers' step(); returns the loss of the whole batch
         (the mean over microbatches) on every rank. `step` seeds dropout (the masks are a
         function of seed, step and value, never of the layout). Without an optimizer the
-        gradients are left accumulated, unreduced, in each parameter's .grad."""
-        loss = self.forward_backward(batch, step)
+        gradients are left accumulated, unreduced, in each parameter's .grad.
+
+        A list of k batches is gradient accumulation beyond the layout's microbatches: one
+        update from the mean gradient of all k (each backpropagates its loss / k, gradients are
+        reduced once, after the last); the loss returned is their mean; batch j's dropout
+        masks use step k * step + j."""
+        batches = batch if isinstance(batch, list) else [batch]
+        k = len(batches)
+        loss = sum(self.forward_backward(b, k * step + j, scale=k, sync=j == k - 1)
+                   for j, b in enumerate(batches)) / k
         if self.optimizers:
             self.step()
         return loss
 
-    def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0) -> float:
-        """Forward and backward of every microbatch by the schedule; the whole batch's loss."""
+    def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0, scale: int = 1,
+                         sync: bool = True) -> float:
+        """Forward and backward of every microbatch by the schedule; the whole batch's loss.
+        Gradients are of loss / scale; sync=False reduces none of them (more batches follow)."""
         g = self.graph
         mbs = self.microbatches(batch)
         if self.trace and self.pipe_comm is not None:
@@ -265,11 +298,12 @@ class Executor:
                 t0 = self.timeline.now()
                 leaves, outs = store[(a.mb, a.stage)]
                 opt = self.optimizers.get(a.stage)
-                ctx = opt.no_sync() if opt is not None and a.mb != g.microbatches - 1 \
+                last_mb = a.mb == g.microbatches - 1 and sync
+                ctx = opt.no_sync() if opt is not None and not last_mb \
                     else contextlib.nullcontext()
                 with ctx:
                     if self.stages[a.stage].is_last:
-                        (outs[0] / g.microbatches).backward()
+                        (outs[0] / (g.microbatches * scale)).backward()
                     else:
                         pairs = [(o, t) for o, (b, t) in zip(self._float_outs(a.stage, outs),
                                                              got, strict=True) if o.requires_grad]
@@ -293,7 +327,72 @@ class Executor:
         for w, _ in sends:
             w.wait()
         store.clear()
-        return self._loss(losses)
+        self.last_loss = self._loss(losses)
+        return self.last_loss
+
+    def infer(self, batch: dict[str, torch.Tensor], step: int = 0,
+              gather: tuple[str, ...] = ()) -> tuple[float, dict[str, torch.Tensor]]:
+        """Forward only (no autograd, dropout off, ZeRO-3 parameters gathered) on a full
+        global batch by the schedule's forward actions: the whole batch's loss and the full
+        values of the last stage's outputs named in `gather` (the whole batch), on every rank
+        (collective). Parameters, gradients and optimizer state are left as they were."""
+        g = self.graph
+        mbs = self.microbatches(batch)
+        pending: dict[tuple[int, int], list] = {}
+        kept: dict[tuple[int, int], list] = {}
+        sends: list = []
+        losses: dict[int, torch.Tensor] = {}
+        pieces: dict[str, list[torch.Tensor]] = {n: [] for n in gather}
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for opt in self.optimizers.values():
+                stack.enter_context(opt.gathered())
+            for m in self.models.values():
+                m.ctx.training = False
+                stack.callback(setattr, m.ctx, "training", True)
+            for a in self.actions:
+                if a.kind == "RA":
+                    pending[(a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
+                elif a.kind == "F":
+                    got = [(b, w.wait()) for b, _, w in pending.pop((a.mb, a.stage), [])]
+                    model, stage = self.models[a.stage], self.stages[a.stage]
+                    window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
+                        if g.microbatches > 1 else None
+                    outs = model.forward(mbs[a.mb], local={b.name: t for b, t in got},
+                                         rng_step=step, window=window)
+                    if stage.is_last:
+                        losses[a.mb] = outs[model.program.loss.name]
+                        for n in gather:
+                            out = next(o for o in model.program.outputs if o.name == n)
+                            pieces[n].append(model.gather(outs[n],
+                                                          model.program.value(out.value)))
+                    else:
+                        kept[(a.mb, a.stage)] = [outs[n] for n in stage.send]
+                elif a.kind == "SA":
+                    edge = g.edges[a.stage]
+                    sends += self._send(edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank,
+                                        "A", a.mb, a.stage, a.stage)
+            for w, _ in sends:
+                w.wait()
+        return self._loss(losses), {n: self._from_last(n, p) for n, p in pieces.items()}
+
+    def _from_last(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """A last-stage output's full value (microbatches joined on the batch dim), sent from
+        the last pipe rank to every pipe rank."""
+        g = self.graph
+        last = g.stages[-1].program
+        value = last.value(next(o.value for o in last.outputs if o.name == name))
+        k = value.dims.index(g.batch_dim) if g.batch_dim in value.dims else None
+        if pieces:
+            full = torch.cat(pieces, k) if k is not None else pieces[0]
+        else:
+            sizes = dict(last.dims)
+            shape = [sizes[d] * (g.microbatches if i == k else 1)
+                     for i, d in enumerate(value.dims)]
+            full = torch.empty(shape, dtype=self._float_dtype(value.dtype))
+        if g.pipe > 1:
+            full = full.contiguous()
+            self.pipe_comm.broadcast(full, src=g.stages[-1].rank)
+        return full
 
     def _float_outs(self, stage: int, outs: list) -> list:
         edge = self.graph.edges[stage]
@@ -360,7 +459,6 @@ class Executor:
             t = torch.tensor([value], dtype=torch.float64)
             self.pipe_comm.allreduce(t)
             value = float(t)
-        self.last_loss = value
         return value
 
     # --- timeline ---------------------------------------------------------------------------

@@ -133,6 +133,10 @@ class Optimizer:
                     self.rule.update(seg.master, seg.grad, state, self.steps)
         self.reducer.publish_params()
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following updates (a schedule's value for the step)."""
+        self.rule.lr = lr
+
     def zero_grad(self) -> None:
         """Clear the gradients (the flat buffers are zeroed, not freed)."""
         self.reducer.zero_grad()

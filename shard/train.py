@@ -5,11 +5,14 @@ One step: every rank builds the same full batch (shard/data.py) and the executor
 schedule, then the optimizers (shard/optim.py) sync gradients, clip and update the local
 shards. Every layout takes this one path; a layout without stages is a one-stage graph.
 `Trainer.step(i)` returns the step's metrics; the global loss is gathered on every rank (a
-collective: all ranks call it), so any rank may log it.
+collective: all ranks call it), so any rank may log it. A schedule (shard/lr_schedule.py) sets
+each step's learning rate; `accumulate` k > 1 takes batches k*i .. k*i+k-1 into step i's one
+update; `evaluate(n)` is the loss of n held-out batches (the task's `eval_batch`), forward only.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -20,6 +23,7 @@ import torch
 
 from soapstone.shard.data import SyntheticTask
 from soapstone.shard.executor import Executor
+from soapstone.shard.lr_schedule import LRSchedule
 from soapstone.shard.plan.stage_graph import StageGraph
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -35,11 +39,31 @@ class StepMetrics:
     tokens_per_s: float
     max_rss_bytes: int
     grad_norm: float | None = None
+    lr: float | None = None
 
     def to_json(self) -> dict:
-        """The --metrics line: step, loss, step_time_s, tokens_per_s, max_rss_bytes."""
-        return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
-                "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes}
+        """The --metrics line: step, loss, lr, step_time_s, tokens_per_s, max_rss_bytes."""
+        return {"step": self.step, "loss": self.loss, "lr": self.lr,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "max_rss_bytes": self.max_rss_bytes}
+
+
+@attrs.frozen
+class EvalMetrics:
+    """An evaluation after training step `step`: the mean loss of `batches` held-out batches
+    (and its perplexity, exp(loss), for a language model)."""
+
+    step: int
+    loss: float
+    batches: int
+    perplexity: float | None = None
+
+    def to_json(self) -> dict:
+        """The --metrics line of an evaluation: step, eval_loss, eval_batches (+ perplexity)."""
+        out = {"step": self.step, "eval_loss": self.loss, "eval_batches": self.batches}
+        if self.perplexity is not None:
+            out["eval_perplexity"] = self.perplexity
+        return out
 
 
 def rank_memory(comm=None) -> tuple[int, str]:
@@ -65,7 +89,8 @@ class Trainer:
     def __init__(self, graph: StageGraph, mesh=None, *, task: SyntheticTask, seed: int = 0,
                  custom: dict | None = None, precision: str = "fp32", optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
-                 trace: bool = False, check_memory: bool = True):
+                 trace: bool = False, check_memory: bool = True,
+                 schedule: LRSchedule | None = None, accumulate: int = 1):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
@@ -80,17 +105,36 @@ class Trainer:
             compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+        self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
         self.task = task
+        if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows
+            task.read_rows(self.executor.input_rows())
 
     def step(self, i: int) -> StepMetrics:
-        """Forward, backward and optimizer step on batch `i`; the global loss and timings."""
-        batch = self.task.batch(i)
+        """Forward, backward and optimizer step on batch `i` (with accumulate k: batches
+        k*i .. k*i+k-1, one update); the global loss, the rate and timings."""
+        k = self.accumulate
+        batch = self.task.batch(i) if k == 1 else [self.task.batch(k * i + j) for j in range(k)]
+        lr = self.schedule.at(i) if self.schedule is not None else self.lr
+        if self.schedule is not None:
+            self.executor.set_lr(lr)
         t0 = time.perf_counter()
         loss = self.executor.train_step(batch, step=i)
         dt = time.perf_counter() - t0
         norm = self.executor.grad_norm
-        return StepMetrics(i, loss, dt, self.task.tokens(i) / dt if dt > 0 else 0.0,
-                           max_rss_bytes(), None if norm is None else float(norm))
+        tokens = sum(self.task.tokens(k * i + j) for j in range(k))
+        return StepMetrics(i, loss, dt, tokens / dt if dt > 0 else 0.0,
+                           max_rss_bytes(), None if norm is None else float(norm), lr)
+
+    def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
+        """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,
+        after training step `step`; perplexity for a language model (collective)."""
+        loss = sum(self.executor.infer(self.task.eval_batch(j))[0]
+                   for j in range(batches)) / batches
+        lm = getattr(self.task, "lm", None)
+        return EvalMetrics(step, loss, batches, math.exp(min(loss, 700.0)) if lm else None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as its full tensor, on every rank (collective)."""

@@ -44,3 +44,28 @@ def add_train_options(parser: argparse.ArgumentParser, steps: int, optimizer: st
     parser.add_argument("--data", metavar="FILE",
                         help="token data: a .npy of integer ids, or any file read as bytes "
                              "(default: the built-in synthetic task)")
+
+
+def add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """--warmup, --lr-schedule, --min-lr, --accumulate, --eval-every, --eval-steps,
+    --val-data, --data-dtype: how `run` trains and evaluates as people run it."""
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"),
+                        default="constant", help="decay after the warmup (default constant)")
+    parser.add_argument("--warmup", type=int, default=0, metavar="N",
+                        help="linear warmup over the first N steps (default 0)")
+    parser.add_argument("--min-lr", type=float, default=None, metavar="LR",
+                        help="the floor cosine/linear decay ends at (default lr/10)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="gradient accumulation: K batches per optimizer step, beyond the "
+                             "layout's own microbatches (default 1)")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="K",
+                        help="evaluate on held-out batches every K steps and after the last "
+                             "(default 0: never)")
+    parser.add_argument("--eval-steps", type=int, default=10, metavar="E",
+                        help="held-out batches per evaluation (default 10)")
+    parser.add_argument("--val-data", metavar="FILE",
+                        help="held-out token data for --eval-every (default: the last 10%% of "
+                             "--data)")
+    parser.add_argument("--data-dtype", choices=("uint16", "uint32", "uint8", "int32", "int64"),
+                        default=None, help="the id type of a .bin token file (default uint16, "
+                                           "as nanoGPT writes them)")

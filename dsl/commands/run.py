@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
@@ -29,19 +29,31 @@ from ..build import (
     check_train_flags,
     custom_layers,
     default_lr,
+    lr_schedule,
     single_program,
     world,
 )
+from ..run_checkpoints import after_step, begin, checkpoint_plan
 from . import fail
-from .flags import add_model_options, add_train_options
+from .flags import (
+    add_checkpoint_options,
+    add_model_options,
+    add_schedule_options,
+    add_train_options,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """The model and training options, --metrics, --quiet and --trace."""
     add_model_options(parser)
     add_train_options(parser, steps=100, optimizer="adamw", lr=None)
+    add_schedule_options(parser)
+    add_checkpoint_options(parser)
     parser.add_argument("--metrics", metavar="F.jsonl",
-                        help="write one JSON line per step (rank 0)")
+                        help="write one JSON line per step and per evaluation (rank 0)")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write TensorBoard event files to DIR (rank 0; needs "
+                             "tensorboardX: pip install 'soapstone[tensorboard]')")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--trace", metavar="FILE",
                         help="pipeline layouts: write the last step's timeline as a Chrome "
@@ -79,14 +91,18 @@ def main(args: argparse.Namespace) -> int:
         return fail(e, world_rank())
     try:
         check_train_flags(args)
+        ckpt = checkpoint_plan(args)  # before the task: --resume sets the seed
         model, par, program = build_program(args, comm.size)
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
         check_memory(model, program, comm, args.optimizer, args.spec)
-        task = make_task(single_program(model, program), args.seed, args.data)
+        schedule = lr_schedule(args, args.lr if args.lr is not None else default_lr(args.optimizer))
+        check_tensorboard(args.tensorboard)
+        task = make_task(single_program(model, program), args.seed, args.data, args.val_data,
+                         args.data_dtype)
     except UserError as e:
         return fail(e, comm.rank)
-    return train(args, comm, par, program, task)
+    return train(args, comm, par, program, task, schedule, ckpt)
 
 
 def watch(args) -> None:
@@ -99,7 +115,23 @@ def watch(args) -> None:
         dog.exit_on_signals("soapstone run")
 
 
-def train(args, comm, par, program, task) -> int:
+def check_tensorboard(logdir: str | None) -> None:
+    """--tensorboard needs tensorboardX (found, not imported: a run without the flag never
+    loads it) and a directory it can create."""
+    import importlib.util
+
+    from ..errors import BadInput
+
+    if not logdir:
+        return
+    if importlib.util.find_spec("tensorboardX") is None:
+        raise BadInput(f"--tensorboard {logdir}: needs the tensorboardX package; "
+                      "pip install 'soapstone[tensorboard]'")
+    if Path(logdir).exists() and not Path(logdir).is_dir():
+        raise BadInput(f"--tensorboard {logdir}: exists and is not a directory")
+
+
+def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
     """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports."""
     from soapstone.comm import Mesh
     from soapstone.shard.train import Trainer
@@ -111,33 +143,55 @@ def train(args, comm, par, program, task) -> int:
     trainer = Trainer(program, mesh, task=task, seed=args.seed, custom=custom_layers(),
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      trace=bool(trace))
+                      trace=bool(trace), schedule=schedule, accumulate=args.accumulate)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
               f"{'s' if comm.size > 1 else ''}, {args.steps} steps, {args.optimizer} lr {lr:g}, "
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
-    bar = ProgressBar(args.steps) if rank == 0 and not args.quiet else None
+    start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    stopped = None
+    bar = progress_bar(args.steps - start) if rank == 0 and not args.quiet else None
     metrics = open(args.metrics, "w") if rank == 0 and args.metrics else None  # noqa: SIM115
+    board = tensorboard_writer(args.tensorboard) if rank == 0 and args.tensorboard else None
     first = last = None
     total_t = total_tok = 0.0
+    every = args.eval_every
     try:
-        for m in trainer.run(args.steps):
+        for m in trainer.run(args.steps - start, start):
             first = m if first is None else first
             last = m
             total_t += m.step_time_s
             total_tok += m.tokens_per_s * m.step_time_s
-            if metrics:
-                metrics.write(json.dumps(m.to_json()) + "\n")
-                metrics.flush()
+            rows = [m]
+            if every and ((m.step + 1) % every == 0 or m.step + 1 == args.steps):
+                e = trainer.evaluate(args.eval_steps, m.step)  # collective: every rank
+                rows.append(e)
+                if rank == 0:
+                    ppl = f", perplexity {e.perplexity:.3f}" if e.perplexity is not None else ""
+                    say(bar, f"step {m.step + 1}: eval loss {e.loss:.4f}{ppl} "
+                             f"({e.batches} held-out batches)")
+            for row in rows:
+                if metrics:
+                    metrics.write(json.dumps(row.to_json()) + "\n")
+                    metrics.flush()
+                if board:
+                    log_scalars(board, row)
             if bar:
-                bar.update(m)
+                bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
+                                    f"lr {m.lr:.3g}", refresh=False)
+                bar.update(1)
+            stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            if stopped:
+                break
     finally:
         if metrics:
             metrics.close()
         if bar:
             bar.close()
+        if board:
+            board.close()
     if rank == 0:
         print(f"done: {args.steps} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
               f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
@@ -168,31 +222,39 @@ def write_trace(pipe, path: str, rank: int) -> None:
           f"({g.schedule}, {formula})", flush=True)
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr (redrawn in place on a terminal; on a pipe, a line
-    every tenth of the run) showing the step, loss and tokens/s."""
+def progress_bar(total: int):
+    """tqdm on stderr (rank 0): steps, ETA, and the loss, tokens/s and lr of the last step;
+    redrawn in place on a terminal, a line every ~10 s on a pipe."""
+    from tqdm import tqdm
 
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.width = total, width
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.every = max(1, total // 10)
-        self.t0 = time.perf_counter()
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 10.0, ascii=not tty)
 
-    def update(self, m) -> None:
-        """Show step `m`, a StepMetrics (on a pipe: every tenth of the run and the last)."""
-        done = m.step + 1
-        if not self.tty and done % self.every and done != self.total:
-            return
-        fill = self.width * done // max(self.total, 1)
-        bar = "#" * fill + "." * (self.width - fill)
-        text = (f"[{bar}] {done}/{self.total}  loss {m.loss:.4f}  "
-                f"{m.tokens_per_s:,.0f} tok/s  {time.perf_counter() - self.t0:.1f}s")
-        self.stream.write(("\r" + text) if self.tty else text + "\n")
-        self.stream.flush()
 
-    def close(self) -> None:
-        """End the bar's line on a terminal."""
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+def say(bar, text: str) -> None:
+    """A line on stdout that does not tear the progress bar."""
+    if bar is not None:
+        bar.write(text, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(text, flush=True)
+
+
+def tensorboard_writer(logdir: str):
+    """A TensorBoard event-file writer (tensorboardX, imported only for --tensorboard)."""
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(logdir=logdir)
+
+
+def log_scalars(board, row) -> None:
+    """A step's (train/...) or an evaluation's (eval/...) figures as TensorBoard scalars,
+    at the step they follow (1-based, as printed)."""
+    step = row.step + 1
+    for key, value in row.to_json().items():
+        if key == "step" or value is None or not isinstance(value, float | int) \
+                or not math.isfinite(value):
+            continue
+        tag = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+        board.add_scalar(tag, value, step)
