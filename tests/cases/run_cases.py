@@ -7,6 +7,10 @@
   collective (calls and bytes; for pipelines bytes), ZeRO 2/3 layouts of
   tests/specs/zero_layouts.par included, and its param/grad/optimizer memory is within 10% of
   the measured tensors.
+- the expected sequence (shard/plan/sequence.py, what the static verifier proves): in the same
+  step, every communicator's flight recorder holds exactly the collectives and p2p messages
+  (op, shape, dtype) the plan lists for this rank, in its order (ZeRO-3 with another axis: the
+  same calls, in any order, since backward regathers buckets where autograd unpacks them).
 - golden: every example layout of this world size, pipelines included, reproduces its record
   (tests/golden/runs/<spec>.npz) through `soapstone.dsl.testing.assert_matches_golden`.
 """
@@ -23,6 +27,7 @@ from soapstone.dsl.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden
 from soapstone.shard.data import SyntheticTask
 from soapstone.shard.plan.explain import estimate
+from soapstone.shard.plan.sequence import expected_by_comm, rank_sequence
 from soapstone.shard.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +49,42 @@ def layouts(name: str, pipelines: bool = False) -> list[str]:
             if p.world_size == W.size and (pipelines or not p.operator)]
 
 
+P2P = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
+
+
+def _recorder_marks(mesh) -> dict:
+    """Each recording communicator of the mesh by its key, with its (collective, p2p) counts."""
+    comms = {c.recorder.key.split("#")[0]: c for c in (mesh._comms.values() if mesh else ())
+             if c.size > 1 and c.recorder is not None and c.recorder.recording}
+    return {k: (c, c.recorder.seq, c.recorder.p2p_seq) for k, c in comms.items()}
+
+
+def _assert_sequence(graph, marks: dict, layout: str) -> None:
+    """The calls each communicator recorded since `marks` are the plan's for this rank."""
+    want = expected_by_comm(rank_sequence(graph, W.rank))
+    assert set(want) <= set(marks) or not marks, f"{layout}: plan names {sorted(want)}"
+    exact = not (graph.stages[0].program.zero == 3 and
+                 sum(n > 1 for _, n in graph.mesh) > 1)
+    for key, (c, seq0, p2p0) in marks.items():
+        got = {"collective": [], "p2p": []}
+        for e in c.recorder.snapshot()["entries"]:
+            if e["seq"] > (seq0 if e["kind"] == "collective" else p2p0):
+                op = e["op"] if e["kind"] == "collective" else P2P[e["op"]]
+                got[e["kind"]].append((op, tuple(e["shape"]), e["dtype"]))
+        for what, rows in got.items():
+            plan = want.get(key, {}).get(what, [])
+            exp = [(o["op"], tuple(o["shape"]), o["dtype"]) for o in plan]
+            if (rows == exp) if exact else (sorted(rows) == sorted(exp)):
+                continue
+            j = next((i for i, (a, b) in enumerate(zip(rows, exp, strict=False)) if a != b),
+                     min(len(rows), len(exp)))
+            raise AssertionError(
+                f"{layout} rank {W.rank}: {what} calls on {key}: {len(rows)} recorded, "
+                f"{len(exp)} planned; call {j + 1}: recorded "
+                f"{rows[j] if j < len(rows) else None}, planned "
+                f"{plan[j]['what'] if j < len(plan) else None}")
+
+
 def _measure(spec: str, layout: str, optimizer: str) -> None:
     from soapstone.shard.memory import memory_report
 
@@ -59,7 +100,9 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
     comms = dict(mesh._comms) if mesh is not None else {}
     for c in comms.values():
         c.reset_stats()
+    marks = _recorder_marks(mesh)
     t.step(1)
+    _assert_sequence(graph, marks, f"{spec}/{layout}")
     measured: dict[tuple[str, str], tuple[int, int]] = {}
     for axes, c in comms.items():
         for op, st in c.stats.items():
@@ -104,7 +147,9 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     comms = dict(mesh._comms)
     for c in comms.values():
         c.reset_stats()
+    marks = _recorder_marks(mesh)
     t.step(1)
+    _assert_sequence(graph, marks, layout)
     measured: dict[tuple[str, str], int] = {}
     for axes, c in comms.items():
         for op, st in c.stats.items():

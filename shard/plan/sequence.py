@@ -1,0 +1,550 @@
+"""Every rank's expected communication, in order: what the runtime will call, before launch.
+
+`rank_sequences(graph)` walks a StageGraph the way the runtime runs it and lists, for every
+world rank, each collective and p2p call it makes in one training step: its kind, the
+communicator (mesh axes and world ranks), the tensor it passes (shape, dtype), the bytes it
+sends in the comm layer's `stats` convention (so the sums are explain's figures), the phase,
+virtual stage and microbatch, and the spec step that produced it. Order, per rank:
+
+- the schedule's actions (schedules.Schedule.with_comm): receives posted (RA/RG), forward (F:
+  the stage Program's redistributions and distributed statistics in step order; ZeRO-3's
+  bucket gathers at their first use), backward (B: the same in reverse order, each step's
+  transposed collective; a gradient bucket starts once its parameters' gradients have all
+  arrived, i.e. at the earliest step using one of them, strictly in bucket order, the rest at
+  the end of backward), sends (SA/SG); then the loss report (each microbatch's loss gathered
+  over the axes it is partial or split on, then summed over the pipe axis);
+- the optimizer step: weights tied across stages summed over the pipe axis, per stage the
+  buckets still pending and the ZeRO allreduces over the non-data axes, the grad-norm pieces,
+  the norm over the pipe axis, the ZeRO-1/2 parameter gathers.
+
+That is the order of shard/executor.py, shard/data_parallel.py and shard/ops.py for ZeRO 0
+and 1 (tests compare it with the flight recorder of a real step); under ZeRO-2/3 a bucket's
+collectives on the data axes sit where this model puts them, which may differ from the
+runtime by a few places within a microbatch (same ops, same communicator). Communicators of
+one rank are left out: nothing can diverge on them. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import attrs
+
+from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.buckets import plan_buckets
+from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
+from soapstone.shard.plan.fusions import find_fusions
+from soapstone.shard.plan.layout import P, Split
+from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.stage_graph import StageGraph
+
+F64 = "f64"
+
+
+@attrs.frozen
+class Op:
+    """One communication call of one rank (see the module doc)."""
+
+    kind: str  # allreduce | reduce_scatter | allgather | alltoall | broadcast | send | recv |
+    # wait (completing a posted send or receive, the same peer and tag; no call of its own)
+    axes: tuple[str, ...]  # the communicator's mesh axes
+    ranks: tuple[int, ...]  # its world ranks, in its own rank order
+    shape: tuple[int, ...]  # the tensor passed to the call
+    dtype: str
+    bytes: int  # what this rank sends, in the comm layer's stats convention
+    phase: str  # forward | backward | grad sync | grad norm | loss | tied sum | p2p
+    stage: int | None = None  # virtual stage (None: the whole rank's step)
+    mb: int | None = None  # microbatch
+    source: str = ""  # what made it: the spec's value, a bucket, the loss
+    peer: int = -1  # p2p: the other side's world rank
+    tag: tuple = ()  # p2p: (direction A|G, edge, microbatch, tensor index)
+    waits: str = ""  # a wait: the kind of the call it completes (send | recv)
+
+    @property
+    def key(self) -> str:
+        """The communicator as the flight recorder names it: `data+model[0,1,2,3]`."""
+        return f"{'+'.join(self.axes)}[{','.join(map(str, self.ranks))}]"
+
+    @property
+    def is_p2p(self) -> bool:
+        """A send, a receive, or a wait on one."""
+        return self.kind in ("send", "recv", "wait")
+
+    @property
+    def is_call(self) -> bool:
+        """A call the flight recorder numbers (a wait completes an earlier one)."""
+        return self.kind != "wait"
+
+    def signature(self) -> tuple:
+        """What every member of a collective must agree on: kind, shape, dtype."""
+        return (self.kind, self.shape, self.dtype)
+
+    def describe(self) -> str:
+        """One line: `allreduce (8, 16, 32) f32 on model[0,1] (forward, stage 0, mb 1, from x)`."""
+        shape = "(" + ", ".join(map(str, self.shape)) + ("," if len(self.shape) == 1 else "") + ")"
+        peer = ""
+        if self.is_p2p:
+            peer = (" to" if self.kind == "send" else " from" if self.kind == "recv" else
+                    " on the message with") + f" rank {self.peer}"
+        where = [self.phase]
+        if self.stage is not None:
+            where.append(f"stage {self.stage}")
+        if self.mb is not None:
+            where.append(f"microbatch {self.mb}")
+        src = f", from {self.source}" if self.source else ""
+        return f"{self.kind}{peer} {shape} {self.dtype} on {self.key} ({', '.join(where)}{src})"
+
+    def to_data(self) -> dict:
+        """JSON-ready: what the watchdog is handed (comm must not import the plan)."""
+        from soapstone.shard.plan.dtypes import DTYPES
+
+        dtype = DTYPES[self.dtype].torch_name if self.dtype in DTYPES else self.dtype
+        return {"op": self.kind, "key": self.key, "shape": list(self.shape),
+                "dtype": dtype, "bytes": self.bytes, "peer": self.peer,
+                "what": self.describe()}
+
+
+def _coords(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(sizes):
+        out.append(rank % n)
+        rank //= n
+    return tuple(reversed(out))
+
+
+def _rank_of(coords: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    r = 0
+    for c, n in zip(coords, sizes, strict=True):
+        r = r * n + c
+    return r
+
+
+class _Mesh:
+    """Row-major world ranks of a mesh, and the ranks of each communicator (as comm/mesh.py)."""
+
+    def __init__(self, mesh: tuple[tuple[str, int], ...]):
+        self.axes = tuple(a for a, _ in mesh)
+        self.sizes = tuple(n for _, n in mesh)
+        self.shape = dict(mesh)
+
+    def group(self, rank: int, axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(axes in mesh order, world ranks of the communicator over them holding `rank`)."""
+        axes = tuple(a for a in self.axes if a in set(axes))
+        mine = _coords(rank, self.sizes)
+        ranks = []
+        for i in range(math.prod(self.shape[a] for a in axes)):
+            c = list(mine)
+            for a in reversed(axes):
+                k = self.axes.index(a)
+                i, c[k] = divmod(i, self.shape[a])
+            ranks.append(_rank_of(tuple(c), self.sizes))
+        return axes, tuple(ranks)
+
+    def moved(self, rank: int, axis: str, coord: int) -> int:
+        """The world rank `rank` would be at coordinate `coord` of `axis`."""
+        c = list(_coords(rank, self.sizes))
+        c[self.axes.index(axis)] = coord
+        return _rank_of(tuple(c), self.sizes)
+
+
+def _shape(program: Program, name: str) -> tuple[tuple[int, ...], str]:
+    v = program.value(name)
+    return v.local_shape, v.dtype
+
+
+@functools.lru_cache(maxsize=256)
+def _consumers(program: Program) -> dict[int, str]:
+    """Step index -> the spec value a collective step serves (the Compute that reads its
+    result, through further redistributions), or the one it comes from."""
+    made = {s.out: i for i, s in enumerate(program.steps)}
+    reader: dict[str, int] = {}
+    for i, s in enumerate(program.steps):
+        for a in s.args if isinstance(s, Compute) else (s.src,):
+            reader.setdefault(a, i)
+    out = {}
+    for i, s in enumerate(program.steps):
+        if isinstance(s, Compute):
+            out[i] = s.source or s.out
+            continue
+        j, seen = i, 0
+        while j is not None and not isinstance(program.steps[j], Compute) and seen < 64:
+            j, seen = reader.get(program.steps[j].out), seen + 1
+        if j is not None and isinstance(program.steps[j], Compute):
+            out[i] = program.steps[j].source or program.steps[j].out
+        else:
+            k = made.get(s.src)
+            out[i] = (program.steps[k].source or s.src) if k is not None and isinstance(
+                program.steps[k], Compute) else s.src
+    return out
+
+
+class _StageOps:
+    """One virtual stage's per-microbatch collectives on one rank (forward, backward, buckets)."""
+
+    def __init__(self, graph: StageGraph, index: int, mesh: _Mesh, rank: int,
+                 locate=None):
+        st = graph.stages[index]
+        self.graph, self.index, self.mesh, self.rank = graph, index, mesh, rank
+        self.program = p = st.program
+        self.locate = locate or (lambda name: "")
+        self.zero = p.zero
+        shared = {n for n, _ in graph.shared}
+        self.buckets = plan_buckets(p, p.zero, p.data_axes,
+                                    tuple(n for n in shared if n in {x.name for x in p.params}))
+        self.sources = _consumers(p)
+        fused = find_fusions(p)
+        runs_at = {i: f.at for f in fused.values() for i in f.covered}
+        first: dict[str, int] = {}
+        params = {x.name for x in p.params}
+        for i, s in enumerate(p.steps):
+            for a in s.args if isinstance(s, Compute) else ():
+                if a in params:
+                    first.setdefault(a, runs_at.get(i, i))
+        self.first_use = first
+        # a bucket is complete once its earliest-used parameter has its gradient
+        self.fill_at = [min((first[n] for n in b.names if n in first), default=-1)
+                        for b in self.buckets]
+        self.arrive_at = [max((first[n] for n in b.names if n in first), default=-1)
+                          for b in self.buckets]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def op(self, kind, axes, shape, dtype, payload, phase, mb, source) -> Op | None:
+        """The op on this rank's communicator over `axes` (None when it has one rank)."""
+        axes, ranks = self.mesh.group(self.rank, axes)
+        if len(ranks) <= 1:
+            return None
+        where = self.locate(source)
+        src = f"{source} ({where})" if where else source
+        return Op(kind, axes, ranks, tuple(shape), dtype, bus_bytes(kind, payload, len(ranks)),
+                  phase, self.index, mb, src)
+
+    def _n(self, axes) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def _padded(self, b) -> int:
+        n = self._n(b.dp)
+        return -(-b.numel // n) * n
+
+    def _master(self) -> str:
+        floats = [x for x in self.program.params if x.dtype in ("f32", "f64", "bf16", "f16")]
+        return "f64" if floats and floats[0].dtype == "f64" else "f32"
+
+    def _item(self, b) -> tuple[str, int]:
+        from soapstone.shard.plan.dtypes import DTYPE_BYTES
+
+        dt = self.program.value(b.names[0]).dtype
+        return dt, DTYPE_BYTES[dt]
+
+    def sharded(self, b) -> bool:
+        """Whether bucket b is reduce-scattered (ZeRO >= 1 over more than one rank)."""
+        return self.zero >= 1 and self._n(b.dp) > 1
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, mb: int) -> list[Op]:
+        """The stage's forward collectives for one microbatch, in step order."""
+        p, out = self.program, []
+        gather_at: dict[int, list[int]] = {}
+        if self.zero == 3:
+            for k, at in enumerate(self.fill_at):
+                if self.sharded(self.buckets[k]):
+                    gather_at.setdefault(at, []).append(k)
+        for i, s in enumerate(p.steps):
+            for k in gather_at.get(i, ()):
+                out.append(self._zero3_gather(k, "forward", mb))
+            out.extend(self._forward_step(i, s, mb))
+        return [o for o in out if o is not None]
+
+    def _forward_step(self, i, s, mb) -> list[Op | None]:
+        p, src = self.program, self.sources[i]
+        if isinstance(s, Redistribute | CopyTo):
+            kind = forward_op(s)
+            if not kind:
+                return []
+            shape, dtype = _shape(p, s.src)
+            return [self.op(kind, (s.axis,), shape, dtype, forward_bytes(p, s), "forward",
+                            mb, src)]
+        if isinstance(s, Compute) and s.dist:
+            return [self.op("allreduce", (axis,), shape, dtype, nbytes, "forward", mb, src)
+                    for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist]
+        return []
+
+    def _stats(self, s: Compute) -> list[tuple[tuple[int, ...], str, int, bool]]:
+        """(shape, dtype, bytes, reduced back in backward) of each statistic a distributed op
+        allreduces (shard/ops.py: keepdim reductions; cross_entropy's sums drop the dim)."""
+        from soapstone.shard.plan.dtypes import DTYPE_BYTES
+
+        x = self.program.value(s.args[0])
+        over = str(s.attr("over"))
+        item = DTYPE_BYTES.get(x.dtype, 4)
+        keep = tuple(1 if d == over else n for d, n in zip(x.dims, x.local_shape, strict=True))
+        lead = tuple(n for d, n in zip(x.dims, x.local_shape, strict=True) if d != over)
+        out = []
+        for k, (_red, back) in enumerate(DIST_STATS.get(s.kind, ())):
+            shape = keep if s.kind != "cross_entropy" else lead + (1,) if k == 0 else lead
+            out.append((shape, x.dtype, math.prod(shape) * item, back))
+        return out
+
+    def _zero3_gather(self, k: int, phase: str, mb: int) -> Op | None:
+        b = self.buckets[k]
+        dt, item = self._item(b)
+        padded = self._padded(b)
+        return self.op("allgather", b.dp, (padded // self._n(b.dp),), dt, padded * item, phase,
+                       mb, f"bucket {k} ({b.names[0]}{', ...' if len(b.names) > 1 else ''})")
+
+    # -- backward --------------------------------------------------------------------------
+    def backward(self, mb: int, state: dict) -> list[Op]:
+        """Backward collectives of one microbatch in reverse step order, with the gradient
+        buckets' reductions where they start; `state` carries pending buckets across
+        microbatches (ZeRO-2's scatters complete at the next microbatch's first gradient)."""
+        p, out = self.program, []
+        last = mb == self.graph.microbatches - 1
+        nb = len(self.buckets)
+        arrive: dict[int, list[int]] = {}
+        fill: dict[int, list[int]] = {}
+        for k in range(nb):
+            arrive.setdefault(self.arrive_at[k], []).append(k)
+            fill.setdefault(self.fill_at[k], []).append(k)
+        full = [False] * nb
+        nxt = 0
+        for i in range(len(p.steps) - 1, -2, -1):
+            for k in arrive.get(i, ()):  # the bucket's first gradient of this backward
+                if k in state["pending"]:
+                    state["pending"].discard(k)
+                    out.append(self._rest(k, mb))
+                if self.zero == 3 and self.sharded(self.buckets[k]):
+                    out.append(self._zero3_gather(k, "backward", mb))
+            for k in fill.get(i, ()):
+                full[k] = True
+            while nxt < nb and full[nxt]:
+                out.extend(self._launch(nxt, mb, last, state))
+                nxt += 1
+            if i >= 0:
+                out.extend(self._backward_step(i, p.steps[i], mb))
+        for k in range(nxt, nb):  # the end-of-backward callback: what is left
+            out.extend(self._launch(k, mb, last, state))
+        return [o for o in out if o is not None]
+
+    def _backward_step(self, i, s, mb) -> list[Op | None]:
+        p, src = self.program, self.sources[i]
+        if isinstance(s, Redistribute | CopyTo):
+            kind = backward_op(s)
+            if not kind or not p.value(s.src).is_float:
+                return []
+            shape, dtype = _shape(p, s.out)
+            return [self.op(kind, (s.axis,), shape, dtype, backward_bytes(p, s), "backward",
+                            mb, src)]
+        if isinstance(s, Compute) and s.dist:
+            return [self.op("allreduce", (axis,), shape, dtype, nbytes, "backward", mb, src)
+                    for shape, dtype, nbytes, back in reversed(self._stats(s)) if back
+                    for axis in reversed(s.dist)]
+        return []
+
+    def _launch(self, k: int, mb: int, last: bool, state: dict) -> list[Op | None]:
+        b = self.buckets[k]
+        if b.deferred:
+            state["dirty"].add(k)
+            return []
+        sharded = self.sharded(b)
+        if (not sharded or self.zero == 1) and not last:
+            state["dirty"].add(k)  # no_sync: reduced with the last microbatch
+            return []
+        state["dirty"].discard(k)
+        return self._reduce(k, mb, state)
+
+    def _reduce(self, k: int, mb: int | None, state: dict) -> list[Op | None]:
+        b = self.buckets[k]
+        padded = self._padded(b)
+        what = f"bucket {k} ({b.names[0]}{', ...' if len(b.names) > 1 else ''})"
+        master = self._master()
+        width = 8 if master == "f64" else 4
+        if not self.sharded(b):
+            return [self.op("allreduce", b.sync, (padded,), master, padded * width,
+                            "grad sync", mb, what)] if b.sync else []
+        state["pending"].add(k)
+        return [self.op("reduce_scatter", b.dp, (padded,), master, padded * width, "grad sync",
+                        mb, what)]
+
+    def _rest(self, k: int, mb: int | None) -> Op | None:
+        b = self.buckets[k]
+        rest = tuple(a for a in b.sync if a not in b.dp)
+        if not rest:
+            return None
+        padded = self._padded(b)
+        master = self._master()
+        return self.op("allreduce", rest, (padded // self._n(b.dp),), master,
+                       padded // self._n(b.dp) * (8 if master == "f64" else 4), "grad sync",
+                       mb, f"bucket {k} ({b.names[0]}{', ...' if len(b.names) > 1 else ''})")
+
+    # -- optimizer step --------------------------------------------------------------------
+    def finish_and_norm(self, state: dict) -> list[Op]:
+        """The optimizer's finish() (pending launches, then completions) and the grad-norm
+        pieces, one float64 allreduce per set of axes the segments are pieces over."""
+        out: list[Op | None] = []
+        for k in sorted(state["dirty"]):
+            out.extend(self._reduce(k, None, state))
+        state["dirty"].clear()
+        for k in range(len(self.buckets)):
+            if k in state["pending"]:
+                state["pending"].discard(k)
+                out.append(self._rest(k, None))
+        keys = set()
+        for b in self.buckets:
+            axes = set(b.split) | (set(b.dp) if self.sharded(b) else set())
+            keys.add(tuple(sorted(axes)))
+        for key in sorted(keys):
+            if key:
+                out.append(self.op("allreduce", key, (1,), F64, 8, "grad norm", None,
+                                   "gradient norm"))
+        return [o for o in out if o is not None]
+
+    def publish(self) -> list[Op]:
+        """ZeRO-1/2: every sharded bucket's updated parameters gathered over the data axes."""
+        out = []
+        for k, b in enumerate(self.buckets):
+            if self.sharded(b) and self.zero <= 2:
+                dt, item = self._item(b)
+                padded = self._padded(b)
+                out.append(self.op("allgather", b.dp, (padded // self._n(b.dp),), dt,
+                                   padded * item, "grad sync", None,
+                                   f"bucket {k} ({b.names[0]}"
+                                   f"{', ...' if len(b.names) > 1 else ''})"))
+        return [o for o in out if o is not None]
+
+    def loss(self, mb: int) -> list[Op]:
+        """The microbatch's loss gathered over the axes it is partial or split on."""
+        p = self.program
+        lv = p.value(p.loss.value)
+        out = []
+        for axis, placement in lv.layout.placements:
+            kind = "allreduce" if placement == P else (
+                "allgather" if isinstance(placement, Split) else "broadcast")
+            payload = lv.nbytes * (self.mesh.shape[axis] if kind == "allgather" else 1)
+            out.append(self.op(kind, (axis,), lv.local_shape, lv.dtype, payload, "loss", mb,
+                               p.loss.value))
+        return [o for o in out if o is not None]
+
+
+def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | None = None,
+                  locate=None) -> tuple[Op, ...]:
+    """World rank `rank`'s calls in one training step (the module doc's order). `schedule`:
+    the pipeline schedule to play (default the graph's); `locate(name)`: a spec location for
+    a value name ("" when unknown)."""
+    mesh = _Mesh(graph.mesh)
+    sched = schedule or schedules.build(graph.schedule, graph.pipe, graph.microbatches,
+                                        graph.chunks)
+    axis = graph.axis
+    pipe_rank = _coords(rank, mesh.sizes)[mesh.axes.index(axis)] if axis else 0
+    stages = {s.index: _StageOps(graph, s.index, mesh, rank, locate)
+              for s in graph.stages_of(pipe_rank)}
+    states = {i: {"pending": set(), "dirty": set()} for i in stages}
+    out: list[Op] = []
+    last_stage = len(graph.stages) - 1
+    posted: dict[tuple, list[Op]] = {}  # (direction, stage, mb) -> receives to wait for
+    sends: list[Op] = []
+    for a in sched.with_comm(pipe_rank):
+        if a.kind in ("RA", "RG", "SA", "SG"):
+            ops = _p2p(graph, mesh, rank, a)
+            out.extend(ops)
+            if a.kind in ("SA", "SG"):
+                sends.extend(ops)
+            else:
+                posted[(a.kind[1], a.stage, a.mb)] = ops
+        elif a.kind in ("F", "B"):
+            # the compute waits for the receives it reads (executor._wait)
+            got = posted.pop(("A" if a.kind == "F" else "G", a.stage, a.mb), [])
+            out.extend(attrs.evolve(o, kind="wait", waits="recv") for o in got)
+            st = stages[a.stage]
+            out.extend(st.forward(a.mb) if a.kind == "F" else st.backward(a.mb, states[a.stage]))
+    # the step's end waits for its sends
+    out.extend(attrs.evolve(o, kind="wait", waits="send") for o in sends)
+    if last_stage in stages:
+        for mb in range(graph.microbatches):
+            out.extend(stages[last_stage].loss(mb))
+    pipe = _pipe_op(graph, mesh, rank)
+    if pipe:
+        out.append(pipe("loss", (1,), 8, "the loss"))
+        tied = sum(math.prod(graph.stages[w[0]].program.value(n).local_shape)
+                   for n, w in graph.shared)
+        if graph.shared:
+            out.append(pipe("tied sum", (tied,), 8 * tied,
+                            "tied weights " + ", ".join(n for n, _ in graph.shared)))
+    for i, st in stages.items():
+        out.extend(st.finish_and_norm(states[i]))
+    if pipe:
+        out.append(pipe("grad norm", (1,), 8, "gradient norm"))
+    for st in stages.values():
+        out.extend(st.publish())
+    return tuple(out)
+
+
+def _pipe_op(graph: StageGraph, mesh: _Mesh, rank: int):
+    """A maker of float64 allreduces over the pipe axis (None without one)."""
+    if graph.axis is None or graph.pipe <= 1:
+        return None
+    axes, ranks = mesh.group(rank, (graph.axis,))
+
+    def make(phase, shape, payload, source):
+        return Op("allreduce", axes, ranks, shape, F64, bus_bytes("allreduce", payload,
+                                                                  len(ranks)), phase,
+                  source=source)
+    return make
+
+
+def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list[Op]:
+    """The sends or receives of one communication action: one per boundary tensor, its shape
+    taken from this side's own stage Program (the other side's is checked against it)."""
+    axis = graph.axis
+    if a.kind in ("RA", "SA"):
+        edge = graph.edges[a.stage - 1 if a.kind == "RA" else a.stage]
+        tensors, direction = edge.tensors, "A"
+    else:
+        edge = graph.edges[a.stage if a.kind == "RG" else a.stage - 1]
+        tensors, direction = tuple(t for t in edge.tensors if t.is_float), "G"
+    sending = a.kind in ("SA", "SG")
+    # activations go src -> dst, gradients dst -> src
+    frm, to = (edge.src, edge.dst) if direction == "A" else (edge.dst, edge.src)
+    here, there = (frm, to) if sending else (to, frm)
+    program = graph.stages[here].program
+    peer = mesh.moved(rank, axis, graph.stages[there].rank)
+    axes, ranks = mesh.group(rank, (axis,))
+    out = []
+    # the edge's source stage sends (and gets gradients for) one of its outputs; the
+    # destination stage receives an input of that name
+    outputs = {o.name: o.value for o in program.outputs} if here == edge.src else {}
+    for i, t in enumerate(tensors):
+        try:
+            shape, dtype = _shape(program, outputs.get(t.name, t.name))
+        except KeyError:
+            shape, dtype = (), "missing"
+        nbytes = math.prod(shape) * _width(dtype) if sending else 0
+        what = "activation" if direction == "A" else "gradient"
+        out.append(Op("send" if sending else "recv", axes, ranks, shape, dtype, nbytes, "p2p",
+                      here, a.mb, f"{what} {t.name} of edge {edge.src} -> {edge.dst}", peer,
+                      (direction, edge.src, a.mb, i)))
+    return out
+
+
+def _width(dtype: str) -> int:
+    from soapstone.shard.plan.dtypes import DTYPE_BYTES
+
+    return DTYPE_BYTES.get(dtype, 0)
+
+
+def rank_sequences(graph: StageGraph, schedule: schedules.Schedule | None = None,
+                   locate=None) -> dict[int, tuple[Op, ...]]:
+    """Every world rank's sequence (rank_sequence for each)."""
+    return {r: rank_sequence(graph, r, schedule, locate) for r in range(graph.world_size)}
+
+
+def expected_by_comm(ops: tuple[Op, ...]) -> dict[str, dict[str, list[dict]]]:
+    """One rank's sequence as the watchdog takes it: communicator key -> {"collective": [...],
+    "p2p": [...]}, each op as plain data (Op.to_data), in call order."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for o in ops:
+        if not o.is_call:
+            continue
+        row = out.setdefault(o.key, {"collective": [], "p2p": []})
+        row["p2p" if o.is_p2p else "collective"].append(o.to_data())
+    return out

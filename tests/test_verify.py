@@ -1,0 +1,291 @@
+"""The static verifier (shard/plan/verify.py) and the per-rank sequences it proves
+(shard/plan/sequence.py): every example and test layout verifies; broken stage graphs and
+sequences are refused with the right ranks and positions. That the sequences are what a real
+step calls, in order, is checked under mpiexec with the explain cases (tests/cases/run_cases.py:
+every communicator's flight recorder during the step explain's counters measure)."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from soapstone import dsl
+from soapstone.comm.errors import UserError
+from soapstone.dsl.stages import lower_graph
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.schedules import Action, Schedule
+from soapstone.shard.plan.sequence import expected_by_comm, rank_sequence, rank_sequences
+from soapstone.shard.plan.verify import (
+    VerifyError,
+    check_bytes,
+    verify_layout,
+    verify_sequences,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted([*ROOT.glob("examples/*.par"), *ROOT.glob("tests/specs/*.par")])
+
+
+def _spec(path: Path):
+    dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
+    return dsl.load(path)
+
+
+def _graph(path: str, layout: str):
+    s = _spec(ROOT / path)
+    par = s.parallel(layout)
+    return lower_graph(s.model(par.model), par)
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    return _graph("tests/specs/pipe_layouts.par", "pp2f1b")
+
+
+@pytest.fixture(scope="module")
+def dp2tp2():
+    return _graph("examples/gpt.par", "dp2tp2")
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+def test_every_layout_verifies(path):
+    s = _spec(path)
+    for par in s.parallels.values():
+        got = verify_layout(lower_graph(s.model(par.model), par))
+        assert got.ranks == par.world_size
+
+
+def test_sequence_fields(dp2tp2):
+    seq = rank_sequence(dp2tp2, 0)
+    first = seq[0]
+    assert first.kind == "allreduce" and first.key == "model[0,1]" and first.phase == "forward"
+    assert first.shape == (4, 16, 32) and first.dtype == "f32"
+    assert "layer.0" in first.source
+    assert any(o.key == "data[0,2]" and o.phase == "grad sync" for o in seq)
+    plain = expected_by_comm(seq)
+    assert plain["model[0,1]"]["collective"][0]["dtype"] == "float32"
+    assert all(isinstance(v, (str, int, list)) for v in plain["model[0,1]"]["collective"][0]
+               .values())
+
+
+def test_locate_names_spec_lines(dp2tp2):
+    seq = rank_sequence(dp2tp2, 1, locate=lambda name: "gpt.par:9:5" if name else "")
+    assert "gpt.par:9:5" in seq[0].describe()
+
+
+# -- broken stage graphs and schedules ------------------------------------------------------
+def test_receive_of_another_shape(pp2):
+    """The receiving stage compiled the boundary tensor with another shape."""
+    st1 = pp2.stages[1]
+    name = pp2.edges[0].tensors[0].name
+    vals = tuple(attrs.evolve(v, local_shape=(v.local_shape[0] + 1,) + v.local_shape[1:])
+                 if v.name == name else v for v in st1.program.values)
+    broken = attrs.evolve(pp2, stages=(pp2.stages[0], attrs.evolve(
+        st1, program=attrs.evolve(st1.program, values=vals))))
+    with pytest.raises(VerifyError) as e:
+        verify_layout(broken)
+    text = str(e.value)
+    assert "another shape" in text and "rank 0 (its call" in text and "rank 1 (its call" in text
+    assert name in text and "microbatch 0" in text
+    assert isinstance(e.value, UserError)
+
+
+def test_swapped_microbatch_order(pp2):
+    """Pipe rank 1 runs microbatches 0 and 1 in the other order: NCCL would pair them wrong."""
+    s = schedules.build(pp2.schedule, 2, pp2.microbatches)
+    r1 = list(s.ranks[1])
+    i, j = r1.index(Action("F", 0, 1)), r1.index(Action("F", 1, 1))
+    r1[i], r1[j] = r1[j], r1[i]
+    swapped = Schedule(s.kind, s.pipe, s.microbatches, s.chunks, (s.ranks[0], tuple(r1)))
+    with pytest.raises(VerifyError) as e:
+        verify_layout(pp2, schedule=swapped)
+    text = str(e.value)
+    assert "message 1 from rank 0 to rank 1" in text
+    assert "microbatch 0" in text and "microbatch 1" in text and "order" in text
+
+
+def _without(seqs, rank, pick):
+    seq = list(seqs[rank])
+    k = next(i for i, o in enumerate(seq) if pick(o))
+    gone = seq.pop(k)
+    return {**seqs, rank: tuple(seq)}, gone, k + 1
+
+
+def test_collective_issued_by_part_of_a_group(dp2tp2):
+    seqs = rank_sequences(dp2tp2)
+    # rank 1 leaves out a collective on model[0,1] unlike the one after it (the 9th: the
+    # last forward allreduce before the loss's statistics)
+    seq = list(seqs[1])
+    on_model = [i for i, o in enumerate(seq) if o.key == "model[0,1]"]
+    k = next(n for n in range(len(on_model) - 1)
+             if seq[on_model[n]].signature() != seq[on_model[n + 1]].signature())
+    assert k == 8
+    del seq[on_model[k]]
+    with pytest.raises(VerifyError) as e:
+        verify_sequences({**seqs, 1: tuple(seq)})
+    text = str(e.value)
+    assert text.startswith("collective 9 on model[0,1] differs between rank 0 and rank 1")
+    assert "rank 0 (its call 9): allreduce (4, 16, 32)" in text
+    assert "rank 1 (its call 9): allreduce (4, 16, 1)" in text
+
+
+def test_collective_missing_at_the_end(dp2tp2):
+    seqs = rank_sequences(dp2tp2)
+    seq = list(seqs[3])
+    last = max(i for i, o in enumerate(seq) if o.key == "data[1,3]")
+    del seq[last]
+    with pytest.raises(VerifyError) as e:
+        verify_sequences({**seqs, 3: tuple(seq)})
+    assert "rank 3 issues none" in str(e.value) and "data[1,3]" in str(e.value)
+
+
+def test_missing_receive(pp2):
+    seqs = rank_sequences(pp2)
+    broken, gone, _ = _without(seqs, 1, lambda o: o.kind == "recv" and o.mb == 2)
+    with pytest.raises(VerifyError) as e:
+        verify_sequences(broken)
+    text = str(e.value)
+    assert "rank 0 sends a message rank 1 never receives" in text
+    assert "microbatch 2" in text and gone.source in text
+
+
+def test_missing_send(pp2):
+    seqs = rank_sequences(pp2)
+    broken, _, _ = _without(seqs, 0, lambda o: o.kind == "send")
+    with pytest.raises(VerifyError) as e:
+        verify_sequences(broken)
+    assert "rank 1 waits for a message rank 0 never sends" in str(e.value)
+
+
+def test_cycle_of_waits(pp2):
+    """Rank 0 waits for microbatch 0's gradient before sending its activation: a deadlock."""
+    seqs = rank_sequences(pp2)
+    seq = list(seqs[0])
+    send = next(i for i, o in enumerate(seq) if o.kind == "send" and o.mb == 0)
+    wait = next(i for i, o in enumerate(seq) if o.kind == "wait" and o.waits == "recv"
+                and o.mb == 0)
+    seq.insert(send, seq.pop(wait))
+    with pytest.raises(VerifyError) as e:
+        verify_sequences({**seqs, 0: tuple(seq)})
+    text = str(e.value)
+    assert "cycle" in text and "rank 0 (its call" in text and "waits for rank 1" in text
+    assert "rank 1 (its call" in text and "waits for rank 0" in text
+
+
+def test_bytes_differ_from_explain(dp2tp2):
+    seqs = rank_sequences(dp2tp2)
+    seq = list(seqs[0])
+    seq[0] = attrs.evolve(seq[0], bytes=seq[0].bytes + 4)
+    with pytest.raises(VerifyError) as e:
+        check_bytes(dp2tp2, {**seqs, 0: tuple(seq)})
+    assert "rank 0" in str(e.value) and "[model] allreduce" in str(e.value)
+
+
+# -- properties -----------------------------------------------------------------------------
+LAYOUT = """
+parallel rnd for gpt on mesh(pipe = {pipe}, data = {data}, model = {model}) {{
+  sample batch -> data
+  {params}
+  {attr}
+  {operator}
+  {schedule}
+  zero {zero}
+}}
+"""
+
+
+@st.composite
+def gpt_layouts(draw):
+    pipe = draw(st.sampled_from([1, 2, 4]))
+    data = draw(st.sampled_from([1, 2]))
+    model = draw(st.sampled_from([1, 2, 4]))
+    params = draw(st.sampled_from(["", "parameter heads, ffn, vocab -> model",
+                                   "parameter ffn -> model"]))
+    attr = draw(st.sampled_from(["", "attribute seq -> model"])) if model > 1 else ""
+    operator = ""
+    schedule = ""
+    if pipe > 1:
+        per = 4 // pipe
+        operator = "operator " + ", ".join(
+            f"layer[{i * per}..{i * per + per - 1}] -> pipe {i}" for i in range(pipe))
+        kind = draw(st.sampled_from(["gpipe", "1f1b"]))
+        schedule = f"schedule {kind}, microbatches = {draw(st.sampled_from([1, 2, 4]))}"
+    elif draw(st.booleans()):
+        schedule = "schedule 1f1b, microbatches = 2"
+    zero = draw(st.sampled_from([0, 1, 2, 3])) if data > 1 else 0
+    return LAYOUT.format(pipe=pipe, data=data, model=model, params=params, attr=attr,
+                         operator=operator, schedule=schedule, zero=zero)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gpt_layouts())
+def test_random_valid_layouts_verify(block):
+    text = (ROOT / "examples/gpt.par").read_text() + block
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, "rnd.par")
+        path.write_text(text)
+        try:
+            s = dsl.load(path)
+        except UserError:  # an invalid combination: the checker's business, not ours
+            return
+        par = s.parallel("rnd")
+        verify_layout(lower_graph(s.model(par.model), par))
+
+
+MUTATIONS = ("drop", "shape", "dtype", "duplicate", "swap")
+
+
+@functools.cache
+def verified():
+    """Verified sequences of three layouts (tensor x pipeline, data x tensor, interleaved)."""
+    out = {}
+    for path, layout in (("tests/specs/pipe_layouts.par", "pp2tp2"),
+                         ("examples/gpt.par", "dp2tp2"),
+                         ("tests/specs/pipe_layouts.par", "pp2inter")):
+        seqs = rank_sequences(_graph(path, layout))
+        verify_sequences(seqs)
+        out[layout] = seqs
+    return out
+
+
+def _mutate(seqs, data):
+    """One random single mutation of one rank's calls (never of a wait, which only orders)."""
+    layout = data.draw(st.sampled_from(sorted(seqs)))
+    ranks = seqs[layout]
+    rank = data.draw(st.sampled_from(sorted(ranks)))
+    seq = list(ranks[rank])
+    calls = [i for i, o in enumerate(seq) if o.is_call]
+    i = data.draw(st.sampled_from(calls))
+    how = data.draw(st.sampled_from(MUTATIONS))
+    o = seq[i]
+    if how == "drop":
+        del seq[i]
+    elif how == "shape":
+        seq[i] = attrs.evolve(o, shape=o.shape + (2,))
+    elif how == "dtype":
+        seq[i] = attrs.evolve(o, dtype="f64" if o.dtype != "f64" else "f32")
+    elif how == "duplicate":
+        seq.insert(i, o)
+    else:  # swap with a later, different call of the same kind on the same channel
+        later = [j for j in calls if j > i and seq[j].key == o.key and seq[j].kind == o.kind
+                 and seq[j].peer == o.peer and (seq[j].signature(), seq[j].tag) !=
+                 (o.signature(), o.tag)]
+        if not later:
+            del seq[i]
+        else:
+            j = data.draw(st.sampled_from(later[:8]))
+            seq[i], seq[j] = seq[j], seq[i]
+    return {**ranks, rank: tuple(seq)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_single_mutations_never_verify(data):
+    with pytest.raises(VerifyError):
+        verify_sequences(_mutate(verified(), data))
