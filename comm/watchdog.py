@@ -54,6 +54,7 @@ import time
 import traceback
 from pathlib import Path
 
+from . import expected
 from .diagnose import comm_views, divergences, doing, missing_ranks, stack_tail
 from .errors import UserError
 from .flight_recorder import (
@@ -206,7 +207,8 @@ def status(reason: str, entries: bool = True) -> dict:
             "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
             "time": time.time(), "active": active,
             "idle_s": round(now - last_end, 3) if last_end else None,
-            "comms": comms, "main_stack": main_stack()}
+            "comms": comms, "main_stack": main_stack(),
+            "expected": expected.positions(comms, active)}  # the layout's plan, if handed one
 
 
 def drain_stdio(deadline_s: float = DRAIN_S) -> None:
@@ -362,6 +364,8 @@ class Watchdog:
         self._sends: list = []
         self._stop = False
         self._signal_exit: str | None = None  # exit_on_signals(): what to call the program
+        self._deferred = False  # defer_signals(): the first SIGTERM/SIGINT only sets stop_signal
+        self.stop_signal = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -398,6 +402,12 @@ class Watchdog:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore)  # handled by the watchdog thread, via the wakeup fd
 
+    def defer_signals(self) -> None:
+        """After exit_on_signals: the first SIGTERM/SIGINT only sets `stop_signal`, so the
+        program can stop at a point of its choosing (run saves a checkpoint); a second one
+        exits at once, as before."""
+        self._deferred = True
+
     def _on_signals(self, data: bytes) -> None:
         for signum in data:
             if signum == signal.SIGUSR1:
@@ -406,6 +416,12 @@ class Watchdog:
                 _say(self.rank, dump_lines(st) + ([f"  dump: {path}"] if path else []))
             elif signum in (signal.SIGTERM, signal.SIGINT) and self._signal_exit:
                 name = signal.Signals(signum).name
+                if self._deferred and not self.stop_signal:
+                    self.stop_signal = signum
+                    if self.rank == 0:
+                        print(f"{self._signal_exit}: {name}: stopping after this step (a "
+                              "second signal stops at once)", file=sys.stderr, flush=True)
+                    continue
                 if self.rank == 0:
                     print(f"{self._signal_exit}: stopped by {name}; every rank exits",
                           file=sys.stderr, flush=True)
@@ -600,6 +616,11 @@ def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: di
         lines.append(f"  arrived in another op: rank {r} called {entry_text(e, key)}")
     for r in silent:
         lines.append(f"  no status from rank {r}: {doing(None)}")
+    plan = [line for r in sorted(statuses) for line in expected.position_lines(
+        r, statuses[r].get("expected") or {}, key)]
+    if plan:
+        lines.append("  where the layout's plan puts each rank (calls of one step):")
+        lines.extend("    " + line for line in plan)
     if not (behind or other or silent):
         lines.append("  every rank of the communicator arrived (a hang inside the backend?)")
     found = divergences(statuses, skip=key if entry.get("kind") != "p2p" else None)

@@ -1,0 +1,55 @@
+"""Where `run --init SOURCE` (and `generate`) takes a model's initial weights from.
+
+SOURCE is a safetensors file of full, unsharded parameters (`soapstone ckpt export` writes
+one; key = parameter name), a checkpoint directory (its latest complete checkpoint's
+parameters), or `SCHEME:REST` for a scheme registered in SCHEMES (Hugging Face import, `hf:DIR`,
+registers there). This is the one place the prefix is dispatched on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import BadInput
+
+# scheme -> (check(rest) before launch: raises UserError, load(executor, rest) -> summary line)
+SCHEMES: dict[str, tuple[Callable[[str], None], Callable[[object, str], str]]] = {}
+
+
+def _scheme(text: str):
+    prefix, sep, rest = text.partition(":")
+    return (SCHEMES[prefix], rest) if sep and prefix in SCHEMES else (None, text)
+
+
+def check_init(text: str) -> None:
+    """--init's source exists and is a kind it can read (torch-free; BadInput otherwise)."""
+    scheme, rest = _scheme(text)
+    if scheme is not None:
+        scheme[0](rest)
+        return
+    p = Path(text)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise BadInput(f"--init {text}: not a .safetensors file; give full parameters as "
+                           "safetensors (`soapstone ckpt export DIR -o FILE.safetensors`) or a "
+                           "checkpoint directory")
+        return
+    if p.is_dir():
+        from soapstone.shard.checkpoint.index import find
+
+        find(p)  # CheckpointError (a UserError) when it holds no complete checkpoint
+        return
+    raise BadInput(f"--init {text}: no such file or directory; give a .safetensors file of "
+                   "full parameters or a checkpoint directory")
+
+
+def load_init(executor, text: str) -> str:
+    """Load --init's weights into `executor` (any layout; each rank reads its slices);
+    a line saying what was loaded. Collective."""
+    scheme, rest = _scheme(text)
+    if scheme is not None:
+        return scheme[1](executor, rest)
+    from soapstone.shard.checkpoint import load_params
+
+    return load_params(executor, text)

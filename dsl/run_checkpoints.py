@@ -1,0 +1,146 @@
+"""`run`'s checkpoint flags: --save/--save-every/--keep, --resume, --init, save on a signal.
+
+    plan = checkpoint_plan(args)                # every rank, before launch (UserError)
+    start = begin(trainer, plan, args, rank)    # resume or --init; the first step to train
+    for m in trainer.run(args.steps - start, start):
+        if after_step(trainer, plan, args, m.step, rank): break   # saved; stopped by a signal
+
+--resume DIR takes the latest complete checkpoint in DIR (or DIR is one step-NNNNNNNN dir) and
+continues at its step with its seed (data and dropout follow from seed and step); --steps is
+the total. With --save, SIGTERM/SIGINT no longer end the ranks at once: every rank finishes the
+step it is in, they agree (one allreduce per step), save, and exit 128+signal; a second signal
+ends them at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import attrs
+
+from .errors import BadInput
+
+
+@attrs.frozen
+class CheckpointPlan:
+    """What the checkpoint flags ask for, checked."""
+
+    save: str | None = None
+    every: int | None = None
+    keep: int | None = None
+    resume: str | None = None  # the step dir to resume from
+    start: int = 0
+    skipped: tuple[str, ...] = ()  # partial saves passed over
+    init: str | None = None
+
+
+def checkpoint_plan(args: argparse.Namespace) -> CheckpointPlan:
+    """Check the checkpoint flags (torch-free, the same verdict on every rank); with
+    --resume, args.seed becomes the checkpoint's."""
+    from soapstone.shard.checkpoint import index as ix
+
+    save, every, keep = args.save, args.save_every, args.keep
+    if (every is not None or keep is not None) and not save:
+        raise BadInput("--save-every/--keep need --save DIR")
+    for flag, value in (("--save-every", every), ("--keep", keep)):
+        if value is not None and value < 1:
+            raise BadInput(f"{flag} {value}: give at least 1")
+    if args.resume and args.init:
+        raise BadInput("--resume and --init together: --resume restores the weights and the "
+                       "optimizer; --init only the weights of a fresh run; give one")
+    if args.init:
+        from .init_weights import check_init
+
+        check_init(args.init)
+    if not args.resume:
+        return CheckpointPlan(save, every, keep, init=args.init)
+    d, partial = ix.find(args.resume)
+    index = ix.read(d)
+    if index["step"] >= args.steps:
+        raise BadInput(f"--resume {args.resume}: the checkpoint is at step {index['step']}, "
+                       f"--steps {args.steps} is the total; give more steps")
+    args.seed = index["seed"]
+    return CheckpointPlan(save, every, keep, str(d), index["step"],
+                          tuple(str(p) for p in partial))
+
+
+def settings(args: argparse.Namespace, graph) -> dict:
+    """The run's settings as the index records them."""
+    dims = dict(graph.stages[0].program.dims)
+    return {"spec": args.spec, "parallel": args.parallel, "dims": dims,
+            "optimizer": args.optimizer, "lr": args.lr, "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip, "precision": args.precision, "steps": args.steps,
+            "accumulate": getattr(args, "accumulate", 1), "data": args.data,
+            "lr_schedule": getattr(args, "lr_schedule", None),
+            "warmup": getattr(args, "warmup", None), "min_lr": getattr(args, "min_lr", None)}
+
+
+def begin(trainer, plan: CheckpointPlan, args: argparse.Namespace, rank: int) -> int:
+    """Resume or load --init into the trainer's executor (collective); the first step."""
+    ex = trainer.executor
+    if plan.resume:
+        from soapstone.shard.checkpoint import resume
+
+        resume(ex, plan.resume)
+        if rank == 0:
+            for p in plan.skipped:
+                print(f"checkpoint: ignoring partial save {p} (no index.json: it did not "
+                      "finish)", file=sys.stderr, flush=True)
+            print(f"checkpoint: resumed from {plan.resume} at step {plan.start}, seed "
+                  f"{args.seed}", file=sys.stderr, flush=True)
+    elif plan.init:
+        from .init_weights import load_init
+
+        what = load_init(ex, plan.init)
+        if rank == 0:
+            print(f"init: {what}", file=sys.stderr, flush=True)
+    if plan.save:
+        _defer_signals()
+    return plan.start
+
+
+def after_step(trainer, plan: CheckpointPlan, args: argparse.Namespace, step: int,
+               rank: int) -> int | None:
+    """Save when due (every K steps, the last step, or a signal every rank agreed on);
+    the signal number when the run must stop now (collective)."""
+    if not plan.save:
+        return None
+    done = step + 1
+    signum = _agreed_signal(trainer.executor)
+    due = done == args.steps or (plan.every and done % plan.every == 0) or signum
+    if due:
+        from soapstone.shard.checkpoint import save
+
+        d = save(trainer.executor, plan.save, done, args.seed,
+                 settings(args, trainer.graph), plan.keep)
+        if rank == 0:
+            why = f" (stopping: {signal.Signals(signum).name})" if signum else ""
+            print(f"checkpoint: saved step {done} to {d}{why}", file=sys.stderr, flush=True)
+    return signum or None
+
+
+def _defer_signals() -> None:
+    from soapstone.comm import watchdog
+
+    dog = watchdog.get()
+    if dog is not None:
+        dog.defer_signals()
+
+
+def _agreed_signal(executor) -> int:
+    """The signal any rank has received (0: none); an allreduce over the world, so every
+    rank stops after the same step."""
+    from soapstone.comm import watchdog
+
+    dog = watchdog.get()
+    got = dog.stop_signal if dog is not None else 0
+    mesh = executor.mesh
+    if mesh is None or mesh.world.size == 1:
+        return got
+    import torch
+
+    t = torch.tensor([got], dtype=torch.float64)
+    mesh.world.allreduce(t, op="max")
+    return int(t)
