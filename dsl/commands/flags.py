@@ -69,3 +69,20 @@ def add_schedule_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dtype", choices=("uint16", "uint32", "uint8", "int32", "int64"),
                         default=None, help="the id type of a .bin token file (default uint16, "
                                            "as nanoGPT writes them)")
+
+
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """--save, --save-every, --keep, --resume, --init (what they do: dsl/run_checkpoints.py)."""
+    parser.add_argument("--save", metavar="DIR",
+                        help="save checkpoints under DIR (DIR/step-NNNNNNNN) after the last step, "
+                             "every --save-every steps, and on SIGTERM/SIGINT")
+    parser.add_argument("--save-every", type=int, default=None, metavar="K",
+                        help="also save every K steps")
+    parser.add_argument("--keep", type=int, default=None, metavar="N",
+                        help="keep only the newest N checkpoints (default: all)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from the latest complete checkpoint in DIR (or from one "
+                             "DIR/step-NNNNNNNN), in this run's layout; --steps is the total")
+    parser.add_argument("--init", metavar="SOURCE",
+                        help="initial weights: a .safetensors file of full parameters (`soapstone "
+                             "ckpt export`) or a checkpoint directory")
