@@ -193,11 +193,11 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
         if board:
             board.close()
     if rank == 0:
-        print(f"done: {args.steps} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
+        print(f"done: {last.step + 1} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
               f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
     if trace:
         write_trace(trainer.executor, trace, rank)
-    return 0
+    return 128 + stopped if stopped else 0
 
 
 def write_trace(pipe, path: str, rank: int) -> None:
