@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpirun import case_params
 
 from soapstone import dsl
 from soapstone.dsl.stages import lower_graph
@@ -91,3 +92,11 @@ def test_index_is_plain_json_naming_layout_shape_dtype(tmp_path):
     assert entry["dtype"] == "float32" and entry["kind"] == "param"
     assert entry["pieces"][0]["file"] == "rank00000.safetensors"
     assert {"exp_avg/linear0.bias", "exp_avg_sq/linear0.bias"} <= set(index["tensors"])
+
+
+CASES = "tests/cases/ckpt_cases.py"
+
+
+@pytest.mark.parametrize("case,n", case_params(CASES))
+def test_checkpoint_case(comm_runs, case, n):
+    comm_runs(n, CASES).check(case)
