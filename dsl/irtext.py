@@ -84,10 +84,9 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
     for i, item in enumerate(placed):
         comma = "," if source and i < len(placed) - 1 else ""
         lines.append(("  operator  " if i == 0 else "            ") + item + comma)
-    # The IR keeps no trace of an unwritten schedule: the default one differs from none only
-    # when there are stages, which always run one.
+    # Stages always run a schedule, so it is printed for them even when unwritten.
     s = par.schedule
-    if par.operator or s != Schedule():
+    if par.operator or par.schedule_written or s != Schedule():
         chunks = f", chunks = {s.chunks}" if s.kind == "interleaved" else ""
         lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}{chunks}")
     if par.zero:

@@ -551,7 +551,7 @@ def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
     soap = facts.soap
     return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
-                    sched, facts.zero, p.loc, tuple(facts.branches))
+                    sched, facts.zero, p.loc, tuple(facts.branches), s is not None)
 
 
 def check_parallel(p: ast.ParallelDef, model: Model,

@@ -88,6 +88,18 @@ def test_a_written_schedule_and_zero_are_printed():
     """)
 
 
+def test_a_written_default_schedule_is_printed_and_runs_as_none():
+    written = """
+        parallel dp2 for towers on mesh(data = 2) {
+          sample   batch -> data
+          schedule 1f1b, microbatches = 1
+        }
+    """
+    assert shown(written).endswith("  schedule  1f1b, microbatches = 1\n")
+    plain = load(MODEL + "parallel dp2 for towers on mesh(data = 2) { sample batch -> data }")
+    assert load(MODEL + textwrap.dedent(written)).parallel("dp2") == plain.parallel("dp2")
+
+
 def test_chunks_are_printed_for_the_interleaved_schedule():
     assert shown("""
         parallel inter for towers on mesh(pipe = 2) {
