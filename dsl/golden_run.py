@@ -110,6 +110,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     from soapstone.comm import Mesh
     from soapstone.shard import golden
 
+    from .layout_proof import prove_layout
     from .spec import load
 
     comm = world()
@@ -134,6 +135,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     if names != set(header["params"]):
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
+    prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
     check_memory(model, graph, comm, header["optimizer"], spec_path)
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     return GoldenCheck(record, _trainer(graph, mesh, header, model=model))

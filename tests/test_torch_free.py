@@ -27,7 +27,7 @@ else:
     sys.exit("the torch blocker did not block")
 import soapstone.dsl, soapstone.shard.plan  # noqa: E401
 from soapstone.shard.plan import buckets, explain, layout, program, program_text  # noqa: F401
-from soapstone.shard.plan import schedules, stage_graph  # noqa: F401
+from soapstone.shard.plan import schedules, sequence, stage_graph, verify  # noqa: F401
 from soapstone.dsl.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -40,6 +40,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args", [
     ("check", "examples/gpt.par"),
+    ("check", "examples/gpt.par", "--verify"),
     ("show", "examples/gpt.par", "--parallel", "dp2tp2"),
     ("show", "examples/gpt.par", "--parallel", "gpt8", "--json"),
     ("explain", "examples/gpt.par", "--parallel", "dp2tp2"),

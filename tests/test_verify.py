@@ -66,7 +66,8 @@ def test_sequence_fields(dp2tp2):
     first = seq[0]
     assert first.kind == "allreduce" and first.key == "model[0,1]" and first.phase == "forward"
     assert first.shape == (4, 16, 32) and first.dtype == "f32"
-    assert "layer.0" in first.source
+    assert first.source == "x"  # the embedding's partial sum over the split vocab
+    assert seq[1].source == "layer.0.attention0.y"  # the attention's output projection
     assert any(o.key == "data[0,2]" and o.phase == "grad sync" for o in seq)
     plain = expected_by_comm(seq)
     assert plain["model[0,1]"]["collective"][0]["dtype"] == "float32"
@@ -289,3 +290,23 @@ def _mutate(seqs, data):
 def test_single_mutations_never_verify(data):
     with pytest.raises(VerifyError):
         verify_sequences(_mutate(verified(), data))
+
+
+# -- the command ----------------------------------------------------------------------------
+def test_check_verify_prints_each_layout(capsys):
+    from soapstone.dsl.cli import main
+
+    assert main(["check", "examples/gpt.par", "--parallel", "gpt8", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verified: gpt / gpt8: 8 ranks: 744 collective calls on 14 communicators and 32 " \
+           "p2p messages per step match and complete" in out
+    assert main(["check", "examples/mlp.par", "--verify"]) == 0
+    assert "verified: mlp / single: 1 rank" in capsys.readouterr().out
+
+
+def test_check_verify_of_an_unknown_layout_is_exit_2(capsys):
+    from soapstone.dsl.cli import main
+
+    assert main(["check", "examples/gpt.par", "--parallel", "gpt9", "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "no parallel block named 'gpt9'" in err and "Traceback" not in err

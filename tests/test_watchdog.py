@@ -84,6 +84,12 @@ def test_a_rank_stuck_in_a_custom_layer_is_named_with_its_stack(tmp_path, capsys
     assert " in allreduce #" in report.split("\n")[0] and "on model[0,1]" in report, report
     assert "[rank 0]   did not arrive: rank 1\n" in report, report
     assert "in swiglu" in report and "time.sleep(600)" in report, report  # rank 1's stack
+    # where the layout's plan (comm/expected.py, handed down by run) puts each rank
+    assert "[rank 0]   where the layout's plan puts each rank (calls of one step):" in report
+    at = report[report.index("[rank 0]     rank 0 on model[0,1]: in call "):]
+    assert "of the step's 14 collectives, which the plan says is allreduce (8, 16, 32) f32 " \
+        "on model[0,1] (forward, stage 0, microbatch 0" in at.split("\n")[0], report
+    assert "[rank 0]     rank 1 on model[0,1]: has made " in report, report
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json", "rank1.json",
                                                           "report.txt"]
     # `soapstone debug hang DIR` reads the dumps (no MPI, no torch needed: in-process)
@@ -94,6 +100,7 @@ def test_a_rank_stuck_in_a_custom_layer_is_named_with_its_stack(tmp_path, capsys
     assert text.startswith("2 of 2 ranks dumped")
     assert "first divergence: rank 1 behind on model[0,1]: rank 0 reached allreduce #" in text
     assert "time.sleep(600)" in text
+    assert "  plan: rank 1 on model[0,1]: has made " in text and "the plan's next" in text
 
 
 def test_a_pipeline_stage_that_never_sends_is_found(tmp_path):

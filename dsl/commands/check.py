@@ -1,4 +1,6 @@
-"""`soapstone check SPEC... [--dim name=value] [--plugin P]`: parse and validate, no torch."""
+"""`soapstone check SPEC... [--parallel P] [--verify] [--dim name=value] [--plugin P]`: parse and
+validate, no torch. --verify also proves each layout (or --parallel's) before any launch: every
+rank's collectives and p2p messages match and complete (dsl/layout_proof.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from .flags import add_spec_options
 def configure(parser: argparse.ArgumentParser) -> None:
     """SPEC... and the spec options."""
     parser.add_argument("specs", nargs="+", metavar="SPEC", help=".par files to check")
+    parser.add_argument("--parallel", help="the layout to check (default: every layout)")
+    parser.add_argument("--verify", action="store_true",
+                        help="prove every rank's collectives and p2p messages match and "
+                             "complete, as launched (no ranks needed)")
     add_spec_options(parser)
 
 
@@ -35,5 +41,23 @@ def main(args: argparse.Namespace) -> int:
             continue
         models = ", ".join(spec.models) or "none"
         pars = ", ".join(spec.parallels) or "none"
-        print(f"ok: {path} (models: {models}, parallels: {pars})")
+        try:
+            chosen = [spec.parallel(args.parallel)] if args.parallel else \
+                list(spec.parallels.values())
+            print(f"ok: {path} (models: {models}, parallels: {pars})")
+            if args.verify:
+                verify(spec, chosen)
+        except UserError as e:
+            status = fail(e)
     return status
+
+
+def verify(spec, layouts) -> None:
+    """Prove each layout, one line each (VerifyError, a UserError, at the first that fails)."""
+    from ..layout_proof import prove_layout
+    from ..stages import lower_graph
+
+    for par in layouts:
+        model = spec.model(par.model)
+        proof = prove_layout(model, lower_graph(model, par))
+        print(f"verified: {model.name} / {par.name}: {proof.summary()}")

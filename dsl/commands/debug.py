@@ -4,7 +4,9 @@ The dumps are the `rank<R>.json` files the watchdog writes on a collective timeo
 exception or SIGUSR1 (`SOAPSTONE_TRACE_DIR=DIR` or `run --debug-dir DIR`; soapstone.comm's
 watchdog.py). Printed: the first divergence (a rank behind in a communicator, ranks calling
 different collectives, a message waited for and never sent), then each rank: what it is doing,
-its newest operations and where its Python stack is. No MPI, no torch: run it anywhere.
+where the layout's plan puts it (which call of the step it is in or makes next, when the run
+handed the watchdog its plan: comm/expected.py), its newest operations and where its Python
+stack is. No MPI, no torch: run it anywhere.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def load_dumps(folder: str) -> dict[int, dict]:
 def hang_report(dumps: dict[int, dict], ops: int = 4) -> list[str]:
     """The text of `soapstone debug hang` for these dumps."""
     from soapstone.comm.diagnose import divergences, doing, stack_tail
+    from soapstone.comm.expected import position_lines
     from soapstone.comm.flight_recorder import entry_text
 
     size = max([d.get("size", 0) for d in dumps.values()] + [max(dumps) + 1])
@@ -77,6 +80,7 @@ def hang_report(dumps: dict[int, dict], ops: int = 4) -> list[str]:
         lines.append(f"rank {rank} ({d.get('host', '?')} pid {d.get('pid', '?')}): {doing(d)}")
         if d.get("failure"):
             lines.append(f"  failed: {d['failure']}")
+        lines.extend(f"  plan: {text}" for text in position_lines(rank, d.get("expected") or {}))
         newest = sorted(((e["started_s_ago"], snap["key"], e) for snap in d.get("comms", [])
                          for e in snap.get("entries", [])), key=lambda x: -x[0])[-ops:]
         lines.extend(f"  {entry_text(e, key)}" for _, key, e in newest)

@@ -82,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.shard.data import make_task
 
+    from ..layout_proof import prove_layout
+
     try:
         comm = world()  # a bad SOAPSTONE_* watchdog setting is bad input too
         watch(args)
@@ -95,6 +97,7 @@ def main(args: argparse.Namespace) -> int:
         model, par, program = build_program(args, comm.size)
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
+        prove_layout(model, program, args.optimizer)  # every rank's calls match, statically
         check_memory(model, program, comm, args.optimizer, args.spec)
         schedule = lr_schedule(args, args.lr if args.lr is not None else default_lr(args.optimizer))
         check_tensorboard(args.tensorboard)
@@ -133,8 +136,10 @@ def check_tensorboard(logdir: str | None) -> None:
 
 def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
     """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports."""
-    from soapstone.comm import Mesh
+    from soapstone.comm import Mesh, expected
     from soapstone.shard.train import Trainer
+
+    from ..layout_proof import expected_calls
 
     rank = comm.rank
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and program.world_size > 1 else None
@@ -151,6 +156,8 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
     start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    if mesh is not None and args.accumulate == 1:  # the plan is one step of the layout
+        expected.expect(expected_calls(program, comm.rank))
     stopped = None
     bar = progress_bar(args.steps - start) if rank == 0 and not args.quiet else None
     metrics = open(args.metrics, "w") if rank == 0 and args.metrics else None  # noqa: SIM115
@@ -183,6 +190,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                                     f"lr {m.lr:.3g}", refresh=False)
                 bar.update(1)
             stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            expected.step_began()  # evaluation and checkpoints are not in the plan's step
             if stopped:
                 break
     finally:

@@ -156,8 +156,9 @@ def _shape(program: Program, name: str) -> tuple[tuple[int, ...], str]:
 
 @functools.lru_cache(maxsize=256)
 def _consumers(program: Program) -> dict[int, str]:
-    """Step index -> the spec value a collective step serves (the Compute that reads its
-    result, through further redistributions), or the one it comes from."""
+    """Step index -> the spec value a collective step is for: the contraction that made a
+    partial sum it reduces, else the Compute that reads its result (through further
+    redistributions), else the one its input comes from."""
     made = {s.out: i for i, s in enumerate(program.steps)}
     reader: dict[str, int] = {}
     for i, s in enumerate(program.steps):
@@ -167,6 +168,11 @@ def _consumers(program: Program) -> dict[int, str]:
     for i, s in enumerate(program.steps):
         if isinstance(s, Compute):
             out[i] = s.source or s.out
+            continue
+        k = made.get(s.src)
+        if isinstance(s, Redistribute) and s.frm == P and k is not None and isinstance(
+                program.steps[k], Compute):
+            out[i] = program.steps[k].source or s.src
             continue
         j, seen = i, 0
         while j is not None and not isinstance(program.steps[j], Compute) and seen < 64:

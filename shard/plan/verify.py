@@ -37,8 +37,11 @@ class Verified:
 
     def summary(self) -> str:
         """One line for `check --verify`."""
-        return (f"{self.ranks} ranks, {self.communicators} communicators, {self.collectives} "
-                f"collective calls and {self.messages} p2p messages per step match")
+        if self.ranks == 1:
+            return "1 rank, no communication to match"
+        return (f"{self.ranks} ranks: {self.collectives} collective calls on "
+                f"{self.communicators} communicators and {self.messages} p2p messages per "
+                "step match and complete")
 
 
 def _at(seq: tuple[Op, ...], op: Op) -> int:
