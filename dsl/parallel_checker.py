@@ -155,11 +155,33 @@ def _map_dim(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc, axis: str,
     if size % n:
         facts.failed.add(kind)
         return [ctx.diag(loc, f"{d} = {size} does not divide over {axis} = {n}",
-                         f"{nearest_divisible(size, n)} (--dim {d}=...)")]
+                         _divide_hint(ctx, facts, kind, d, axis))]
     facts.mapped[d] = (kind, axis)
     facts.map_loc[d] = loc
     facts.soap[kind].append((d, axis))
     return []
+
+
+def _divide_hint(ctx: _Ctx, facts: _Facts, kind: str, d: str, axis: str) -> str:
+    """The valid choices for `kind d -> axis` when d does not divide: the axis sizes that
+    divide d, the dims that could go to the axis instead, and (a weight dim) leaving d
+    replicated; then the nearest dim sizes that would divide."""
+    size, n = ctx.dims[d], facts.mesh[axis]
+    sizes = [k for k in range(2, min(size, 4096) + 1) if size % k == 0][:8]
+    parts = [f"{axis} sizes that divide {d} = {size}: "
+             + (", ".join(map(str, sizes)) if sizes else f"none but 1 ({size} is prime)")]
+    named = {o for st in ctx.p.body if isinstance(st, ast.Soap)
+             for dims, _, _ in st.groups for o, _ in dims}  # mapped by this block already
+    others = [o for o in ctx.dims if o not in named and ctx.dims[o] % n == 0
+              and _SOAP_RULES[kind](ctx, facts, o, None, axis) is None]
+    if others:
+        parts.append(f"dims that divide over {axis} = {n} instead: "
+                     + ", ".join(f"{o} = {ctx.dims[o]}" for o in others[:6]))
+    if kind == "parameter":
+        # a weight dim left unmapped is replicated on the axis (e.g. key/value heads fewer
+        # than the tensor-parallel ranks: each rank keeps them all)
+        parts.append(f"or leave {d} out of the statement: replicated on every {axis} rank")
+    return "; ".join(parts) + f"; or {nearest_divisible(size, n)} (--dim {d}=...)"
 
 
 def _soap(ctx: _Ctx, facts: _Facts, s: ast.Soap) -> Diags:

@@ -310,3 +310,29 @@ def test_check_verify_of_an_unknown_layout_is_exit_2(capsys):
     assert main(["check", "examples/gpt.par", "--parallel", "gpt9", "--verify"]) == 2
     err = capsys.readouterr().err
     assert "no parallel block named 'gpt9'" in err and "Traceback" not in err
+
+
+# -- errors that list the valid choices -----------------------------------------------------
+def _check_error(block: str) -> str:
+    text = (ROOT / "examples/gpt.par").read_text() + block
+    with pytest.raises(UserError) as e:
+        dsl.load(text, filename="gpt.par")
+    return str(e.value)
+
+
+def test_an_indivisible_weight_dim_lists_sizes_dims_and_replication():
+    err = _check_error("parallel m8 for gpt on mesh(model = 8) {\n"
+                       "  parameter heads -> model\n}\n")
+    assert "heads = 4 does not divide over model = 8" in err
+    assert "model sizes that divide heads = 4: 2, 4" in err
+    assert "dims that divide over model = 8 instead: hidden = 32, ffn = 64, vocab = 64" in err
+    # e.g. key/value heads fewer than the tensor-parallel ranks: keep them whole on each rank
+    assert "or leave heads out of the statement: replicated on every model rank" in err
+    assert "--dim heads=" in err
+
+
+def test_an_indivisible_batch_lists_the_data_sizes():
+    err = _check_error("parallel d3 for gpt on mesh(data = 3) {\n  sample batch -> data\n}\n")
+    assert "batch = 8 does not divide over data = 3" in err
+    assert "data sizes that divide batch = 8: 2, 4, 8" in err
+    assert "instead" not in err and "replicated" not in err  # only the batch may be sampled
