@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "per-rank memory, communication and bubble estimates before launch"),
     "debug": ("soapstone.dsl.commands.debug",
               "debug hang DIR: who diverged, from every rank's flight-recorder dump"),
+    "ckpt": ("soapstone.dsl.commands.ckpt",
+             "inspect DIR | export DIR -o FILE: what a checkpoint holds; its full parameters"),
     "plan": ("soapstone.dsl.commands.plan",
              "choose a layout for N devices of a hardware profile (no torch)"),
 }

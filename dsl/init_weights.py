@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .errors import BadInput
 
-# scheme -> (check(rest) before launch: raises UserError, load(executor, rest) -> summary line)
-SCHEMES: dict[str, tuple[Callable[[str], None], Callable[[object, str], str]]] = {}
+# scheme -> (check(rest, graph) before launch: raises UserError, load(executor, rest) -> a line)
+SCHEMES: dict[str, tuple[Callable[[str, object], None], Callable[[object, str], str]]] = {}
 
 
 def _scheme(text: str):
@@ -22,26 +22,24 @@ def _scheme(text: str):
     return (SCHEMES[prefix], rest) if sep and prefix in SCHEMES else (None, text)
 
 
-def check_init(text: str) -> None:
-    """--init's source exists and is a kind it can read (torch-free; BadInput otherwise)."""
+def check_init(text: str, graph) -> None:
+    """--init's source exists, is a kind it can read and holds exactly the parameters of
+    `graph`'s model with their shapes (UserError otherwise; reads no tensor data)."""
     scheme, rest = _scheme(text)
     if scheme is not None:
-        scheme[0](rest)
+        scheme[0](rest, graph)
         return
     p = Path(text)
-    if p.is_file():
-        if p.suffix != ".safetensors":
-            raise BadInput(f"--init {text}: not a .safetensors file; give full parameters as "
-                           "safetensors (`soapstone ckpt export DIR -o FILE.safetensors`) or a "
-                           "checkpoint directory")
-        return
-    if p.is_dir():
-        from soapstone.shard.checkpoint.index import find
+    if p.is_file() and p.suffix != ".safetensors":
+        raise BadInput(f"--init {text}: not a .safetensors file; give full parameters as "
+                       "safetensors (`soapstone ckpt export DIR -o FILE.safetensors`) or a "
+                       "checkpoint directory")
+    if not p.exists():
+        raise BadInput(f"--init {text}: no such file or directory; give a .safetensors file of "
+                       "full parameters or a checkpoint directory")
+    from soapstone.shard.checkpoint.load import open_params
 
-        find(p)  # CheckpointError (a UserError) when it holds no complete checkpoint
-        return
-    raise BadInput(f"--init {text}: no such file or directory; give a .safetensors file of "
-                   "full parameters or a checkpoint directory")
+    open_params(p, graph)
 
 
 def load_init(executor, text: str) -> str:

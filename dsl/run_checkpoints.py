@@ -1,6 +1,6 @@
 """`run`'s checkpoint flags: --save/--save-every/--keep, --resume, --init, save on a signal.
 
-    plan = checkpoint_plan(args)                # every rank, before launch (UserError)
+    plan = checkpoint_plan(args, graph)         # every rank, before launch (UserError)
     start = begin(trainer, plan, args, rank)    # resume or --init; the first step to train
     for m in trainer.run(args.steps - start, start):
         if after_step(trainer, plan, args, m.step, rank): break   # saved; stopped by a signal
@@ -36,11 +36,10 @@ class CheckpointPlan:
     init: str | None = None
 
 
-def checkpoint_plan(args: argparse.Namespace) -> CheckpointPlan:
-    """Check the checkpoint flags (torch-free, the same verdict on every rank); with
-    --resume, args.seed becomes the checkpoint's."""
-    from soapstone.shard.checkpoint import index as ix
-
+def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
+    """Check the checkpoint flags against the model of `graph` before launch (the same
+    verdict on every rank; no tensor data read); with --resume, args.seed becomes the
+    checkpoint's."""
     save, every, keep = args.save, args.save_every, args.keep
     if (every is not None or keep is not None) and not save:
         raise BadInput("--save-every/--keep need --save DIR")
@@ -53,11 +52,12 @@ def checkpoint_plan(args: argparse.Namespace) -> CheckpointPlan:
     if args.init:
         from .init_weights import check_init
 
-        check_init(args.init)
+        check_init(args.init, graph)
     if not args.resume:
         return CheckpointPlan(save, every, keep, init=args.init)
-    d, partial = ix.find(args.resume)
-    index = ix.read(d)
+    from soapstone.shard.checkpoint.load import open_resume
+
+    d, index, partial = open_resume(args.resume, graph, args.optimizer)
     if index["step"] >= args.steps:
         raise BadInput(f"--resume {args.resume}: the checkpoint is at step {index['step']}, "
                        f"--steps {args.steps} is the total; give more steps")

@@ -100,3 +100,98 @@ CASES = "tests/cases/ckpt_cases.py"
 @pytest.mark.parametrize("case,n", case_params(CASES))
 def test_checkpoint_case(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
+
+
+# --- the command line: one process runs every command in turn (one torch import) -------------
+CLI_SCRIPT = r"""
+import contextlib, io, json, sys
+from soapstone.dsl.cli import main
+
+out = []
+for argv in json.loads(sys.argv[1]):
+    err, std = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        rc = main(argv)
+    out.append({"argv": argv, "rc": rc, "text": std.getvalue() + err.getvalue()})
+print(json.dumps(out))
+"""
+
+
+def cli(*argvs: list[str]) -> list[dict]:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", CLI_SCRIPT, json.dumps(argvs)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def _damaged(src: Path, dst: Path, how) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    how(dst)
+    return str(dst)
+
+
+def _edit_index(d: Path, change) -> None:
+    index = json.loads((d / "index.json").read_text())
+    change(index["tensors"]["param/linear0.bias"])
+    (d / "index.json").write_text(json.dumps(index))
+
+
+def _reshape(t: dict) -> None:
+    t["shape"] = [32]
+    t["pieces"][0]["shape"] = [32]
+
+
+def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
+    """run --save/--save-every/--keep, ckpt inspect/export, run --init; then every bad
+    checkpoint input exits 2 with a message naming the problem and no traceback."""
+    d, f, good = tmp_path / "ck", tmp_path / "model.safetensors", tmp_path / "good"
+    t = _trainer()
+    list(t.run(2))
+    step = save(t.executor, good, 2, 0, {"accumulate": 1})
+    (tmp_path / "empty").mkdir()
+    partial = tmp_path / "partial"
+    missing = _damaged(step, tmp_path / "missing",
+                       lambda d: (d / "rank00000.safetensors").unlink())
+    truncated = _damaged(step, tmp_path / "truncated", lambda d: (
+        d / "rank00000.safetensors").write_bytes((d / "rank00000.safetensors").read_bytes()[:999]))
+    shaped = _damaged(step, tmp_path / "shape", lambda d: _edit_index(d, _reshape))
+    typed = _damaged(step, tmp_path / "dtype", lambda d: _edit_index(
+        d, lambda t: t.update(dtype="bfloat16")))
+    _damaged(step, partial / "step-00000004", lambda d: (d / "index.json").unlink())
+    gpt = ["run", "examples/gpt.par", "--quiet", "--steps", "3"]
+    bad = [
+        ([*gpt, "--resume", str(tmp_path / "empty")], "no complete checkpoint in it (nothing)"),
+        ([*gpt, "--resume", missing], "rank00000.safetensors: missing"),
+        ([*gpt, "--resume", truncated], "a truncated or replaced file"),
+        ([*gpt, "--resume", shaped], "holds F32 [64], the index says F32 [32] for "
+                                     "param/linear0.bias"),
+        ([*gpt, "--resume", typed], "holds F32 [64], the index says BF16 [64]"),
+        ([*gpt, "--resume", str(good), "--dim", "hidden=16"],
+         "dims that differ: head_dim (checkpoint 8, model 4), hidden (checkpoint 32, model 16)"),
+        ([*gpt, "--resume", str(good), "--optimizer", "sgd"], "saved with optimizer adamw"),
+        ([*gpt[:-1], "2", "--resume", str(good)], "give more steps"),
+        ([*gpt, "--init", str(tmp_path / "nothing.safetensors")], "no such file or directory"),
+        (["ckpt", "inspect", str(partial)], "only partial saves without index.json "
+                                            "(step-00000004)"),
+    ]
+    saved, inspected, exported, init, *rest = cli(
+        [*gpt, "--save", str(d), "--save-every", "1", "--keep", "2"],
+        ["ckpt", "inspect", str(d)], ["ckpt", "export", str(d), "-o", str(f)],
+        [*gpt[:-1], "1", "--init", str(f)], *[a for a, _ in bad])
+    assert saved["rc"] == 0, saved["text"]
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000002", "step-00000003"]
+    assert inspected["rc"] == 0 and "step 3  seed 0  optimizer adamw" in inspected["text"]
+    assert "param/linear0.weight" in inspected["text"]
+    assert exported["rc"] == 0 and f.is_file(), exported["text"]
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(f))) == {p.name for p in t.graph.program.params}
+    assert init["rc"] == 0 and f"init: {f}: 57 parameters" in init["text"], init["text"]
+    for (argv, text), got in zip(bad, rest, strict=True):
+        assert got["rc"] == 2 and text in got["text"], (argv, got)
+        assert "Traceback" not in got["text"], got["text"]

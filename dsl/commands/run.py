@@ -93,8 +93,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(e, world_rank())
     try:
         check_train_flags(args)
-        ckpt = checkpoint_plan(args)  # before the task: --resume sets the seed
         model, par, program = build_program(args, comm.size)
+        ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
         prove_layout(model, program, args.optimizer)  # every rank's calls match, statically

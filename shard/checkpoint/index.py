@@ -153,6 +153,11 @@ def params(index: dict) -> dict[str, dict]:
     return {t["param"]: t for t in index["tensors"].values() if t["kind"] == "param"}
 
 
+def graph_params(graph) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Every parameter of a StageGraph's model: name -> (dims, global shape)."""
+    return {p.name: (p.dims, p.shape) for s in graph.stages for p in s.program.params}
+
+
 def check_model(index: dict, where: str, model: str, want: dict[str, tuple[tuple[str, ...],
                 tuple[int, ...]]]) -> None:
     """CheckpointError unless the checkpoint holds exactly the parameters `want` (name ->
@@ -160,23 +165,36 @@ def check_model(index: dict, where: str, model: str, want: dict[str, tuple[tuple
     have = params(index)
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
-    differ = []
+    differ, sizes = [], {}
     for n in sorted(set(want) & set(have)):
         dims, shape = want[n]
         if tuple(have[n]["shape"]) != tuple(shape):
             differ.append(f"{n}: checkpoint {_dims(have[n]['dims'], have[n]['shape'])}, "
                           f"model {_dims(dims, shape)}")
+            for d, a, b in zip(dims, have[n]["shape"], shape, strict=False):
+                if a != b:
+                    sizes[d] = (a, b)
     if not (missing or extra or differ):
         return
     lines = [f"checkpoint {where} (model {index['model']}) does not fit model {model}:"]
     if missing:
-        lines.append(f"  not in the checkpoint ({len(missing)}): " + ", ".join(missing))
+        lines.append(f"  not in the checkpoint ({len(missing)}): " + _some(missing))
     if extra:
-        lines.append(f"  not in the model ({len(extra)}): " + ", ".join(extra))
-    lines += ["  " + d for d in differ]
+        lines.append(f"  not in the model ({len(extra)}): " + _some(extra))
+    if sizes:
+        lines.append("  dims that differ: " + ", ".join(
+            f"{d} (checkpoint {a}, model {b})" for d, (a, b) in sorted(sizes.items())))
+    lines += ["  " + d for d in differ[:6]]
+    if len(differ) > 6:
+        lines.append(f"  ... and {len(differ) - 6} more tensors shaped differently")
     lines.append("hint: resume with the spec and --dim values the checkpoint was saved with "
                  f"(it records: {_fmt_dims(index)})")
     raise CheckpointError("\n".join(lines))
+
+
+def _some(names: list[str], most: int = 12) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)"
+                                      if len(names) > most else "")
 
 
 def _dims(dims, shape) -> str:

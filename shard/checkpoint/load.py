@@ -16,30 +16,49 @@ from pathlib import Path
 
 from soapstone.shard.checkpoint import index as ix
 from soapstone.shard.checkpoint.holdings import holdings
-from soapstone.shard.checkpoint.tensorfile import CODE_OF_NAME, Reader
+from soapstone.shard.checkpoint.tensorfile import Reader
+from soapstone.shard.checkpoint.verify import verify
 
 
-def model_params(executor) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
-    """Every parameter of the executor's model: name -> (dims, global shape)."""
-    return {p.name: (p.dims, p.shape) for s in executor.graph.stages
-            for p in s.program.params}
+def open_resume(path: str | Path, graph, optimizer: str | None) -> tuple[Path, dict, list]:
+    """The checkpoint `path` names (a step dir, or the latest complete one under a --save
+    DIR), checked against the model of `graph` and the optimizer without reading tensor data:
+    (its dir, its index, the partial saves passed over). Torch-free; CheckpointError."""
+    d, partial = ix.find(path)
+    index = ix.read(d)
+    verify(d, index)
+    ix.check_model(index, str(d), graph.model, ix.graph_params(graph))
+    saved = index["optimizer"]["name"]
+    if optimizer is not None and saved != optimizer:
+        raise ix.CheckpointError(f"checkpoint {d}: saved with optimizer {saved}, this run uses "
+                                 f"{optimizer}; resume with --optimizer {saved}, or start from "
+                                 f"its weights alone with --init {d}")
+    return d, index, partial
+
+
+def open_params(source: str | Path, graph) -> tuple[Path, dict, str]:
+    """The parameters a checkpoint dir (latest complete) or a full safetensors file offers,
+    checked against the model of `graph`: (dir, index, what to call it). CheckpointError."""
+    p = Path(source)
+    if p.is_file():
+        d, index, where = p.parent, file_index(p), str(p)
+    else:
+        d, _ = ix.find(p)
+        index = ix.read(d)
+        where = str(d)
+    verify(d, index)
+    ix.check_model(index, where, graph.model, ix.graph_params(graph))
+    return d, index, where
 
 
 def resume(executor, path: str | Path) -> dict:
     """Load parameters, masters, optimizer state and step count from the checkpoint `path`
     names (a step dir, or the latest complete one under a --save DIR); its index, with
     "dir" and "skipped" (partial saves passed over) added. Collective."""
-    d, partial = ix.find(path)
-    index = ix.read(d)
-    ix.check_model(index, str(d), executor.graph.model, model_params(executor))
     from soapstone.shard.checkpoint.save import optimizer_name
 
     name = optimizer_name(executor)
-    saved = index["optimizer"]["name"]
-    if name is not None and saved != name:
-        raise ix.CheckpointError(f"checkpoint {d}: saved with optimizer {saved}, this run uses "
-                                 f"{name}; resume with --optimizer {saved}, or start from its "
-                                 f"weights alone with --init {d}")
+    d, index, partial = open_resume(path, executor.graph, name)
     kinds = ("param", *ix.OPTIMIZER_KINDS.get(name, ())) if name else ("param",)
     _fill(executor, Reader(d, index), kinds)
     for opt in executor.optimizers.values():
@@ -50,40 +69,29 @@ def resume(executor, path: str | Path) -> dict:
 def load_params(executor, source: str | Path) -> str:
     """The parameters from a checkpoint dir (latest complete) or a full safetensors file,
     into any layout (optimizer state untouched); a line saying what was loaded. Collective."""
-    p = Path(source)
-    if p.is_file():
-        d, index = p.parent, file_index(p)
-        where = str(p)
-    else:
-        d, _ = ix.find(p)
-        index = ix.read(d)
-        where = str(d)
-    ix.check_model(index, where, executor.graph.model, model_params(executor))
+    d, index, where = open_params(source, executor.graph)
     _fill(executor, Reader(d, index), ("param",))
     return f"{where}: {len(ix.params(index))} parameters"
 
 
 def file_index(path: Path) -> dict:
     """An index for one full safetensors file (key = parameter name, each one piece)."""
-    from safetensors import SafetensorError, safe_open
+    from soapstone.shard.checkpoint.verify import CODES, read_header
 
-    names = {c: n for n, c in CODE_OF_NAME.items()}
+    names = {c: n for n, c in CODES.items()}
     if not path.is_file():
         raise ix.CheckpointError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {}
-            for k in f.keys():
-                sl = f.get_slice(k)
-                shape = list(sl.get_shape())
-                tensors[f"param/{k}"] = {
-                    "kind": "param", "param": k, "dtype": names.get(sl.get_dtype(), "?"),
-                    "shape": shape, "dims": [f"d{i}" for i in range(len(shape))],
-                    "pieces": [{"file": path.name, "key": k, "offset": [0] * len(shape),
-                                "shape": shape}]}
-    except (SafetensorError, OSError) as e:
-        raise ix.CheckpointError(f"{path}: not a readable safetensors file ({e}); give one "
-                                 "`soapstone ckpt export` wrote, or a checkpoint dir") from None
+    header, _ = read_header(path)
+    tensors = {}
+    for k, h in header.items():
+        if k == "__metadata__":
+            continue
+        shape = list(h["shape"])
+        tensors[f"param/{k}"] = {
+            "kind": "param", "param": k, "dtype": names.get(h["dtype"], h["dtype"]),
+            "shape": shape, "dims": [f"d{i}" for i in range(len(shape))],
+            "pieces": [{"file": path.name, "key": k, "offset": [0] * len(shape),
+                        "shape": shape}]}
     return {"format": ix.FORMAT, "model": path.name, "tensors": tensors, "settings": {},
             "files": {path.name: {"bytes": path.stat().st_size}}}
 

@@ -79,6 +79,7 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
         opt = next(iter(executor.optimizers.values()), None)
         header = {
             "model": executor.graph.model, "parallel": executor.graph.parallel,
+            "zero": executor.graph.stages[0].program.zero,
             "mesh": dict(executor.graph.mesh), "world_size": size, "step": step,
             "seed": seed, "settings": settings,
             "optimizer": {"name": optimizer_name(executor),
