@@ -195,3 +195,84 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
     for (argv, text), got in zip(bad, rest, strict=True):
         assert got["rc"] == 2 and text in got["text"], (argv, got)
         assert "Traceback" not in got["text"], got["text"]
+
+
+# --- crash safety and signals under real mpiexec ---------------------------------------------
+def _launch(n: int, argv: list[str], env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import mpiexec
+
+    return subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-m", "soapstone.dsl.cli",
+                             *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def _wait_for(check, proc, what: str, timeout: float = 120) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"{what}: never happened (exit {proc.returncode})\n{out}\n{err}")
+        time.sleep(0.1)
+
+
+def _losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """A rank killed (SIGKILL) while writing the step-6 checkpoint: step 3 still resumes (the
+    partial save is reported and ignored), steps 4-6 repeat the first run's losses bitwise, and
+    the next save of step 6 is whole."""
+    import os
+    import signal
+
+    d, pids = tmp_path / "ck", tmp_path / "pids"
+    args = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet", "--steps", "6",
+            "--save", str(d), "--save-every", "3"]
+    first = _launch(2, [*args, "--metrics", str(tmp_path / "a.jsonl")],
+                    {"SOAPSTONE_CKPT_TEST_SLOW": f"6:30:{pids}"})
+    _wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, first,
+              "both ranks inside the slowed save of step 6")
+    victim = dict(line.split() for line in pids.read_text().splitlines())["1"]
+    os.kill(int(victim), signal.SIGKILL)
+    first.communicate(timeout=120)
+    assert first.returncode != 0
+    assert (d / "step-00000003" / "index.json").is_file()
+    assert not (d / "step-00000006" / "index.json").exists()
+    again = _launch(2, [*args, "--resume", str(d), "--metrics", str(tmp_path / "b.jsonl")])
+    out, err = again.communicate(timeout=180)
+    assert again.returncode == 0, out + err
+    assert f"ignoring partial save {d / 'step-00000006'}" in err
+    assert "resumed from" in err and "at step 3" in err
+    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert sorted(b) == [3, 4, 5] and all(a[i] == b[i] for i in b), (a, b)
+    from soapstone.shard.checkpoint import read
+
+    assert read(d / "step-00000006")["step"] == 6
+
+
+def test_sigterm_with_save_saves_then_stops(tmp_path):
+    """SIGTERM to mpiexec during `run --save`: every rank finishes its step, they save, exit;
+    the run resumes from that step."""
+    import signal
+
+    d, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    args = ["run", "examples/gpt.par", "--parallel", "tp2", "--quiet", "--save", str(d)]
+    proc = _launch(2, [*args, "--steps", "100000", "--metrics", str(m)])
+    _wait_for(lambda: m.is_file() and len(m.read_text().splitlines()) >= 2, proc,
+              "two steps of training")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "stopping after this step" in err, out + err
+    assert "(stopping: SIGTERM)" in err and "Traceback" not in err, err
+    from soapstone.shard.checkpoint import find, read
+
+    step = read(find(d)[0])["step"]
+    assert step >= 2 and step == len(m.read_text().splitlines())
