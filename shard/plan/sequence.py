@@ -61,11 +61,12 @@ class Op:
     peer: int = -1  # p2p: the other side's world rank
     tag: tuple = ()  # p2p: (direction A|G, edge, microbatch, tensor index)
     waits: str = ""  # a wait: the kind of the call it completes (send | recv)
+    # the communicator as the flight recorder names it: `data+model[0,1,2,3]`
+    key: str = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def key(self) -> str:
-        """The communicator as the flight recorder names it: `data+model[0,1,2,3]`."""
-        return f"{'+'.join(self.axes)}[{','.join(map(str, self.ranks))}]"
+    @key.default
+    def _key(self) -> str:
+        return _comm_key(self.axes, self.ranks)
 
     @property
     def is_p2p(self) -> bool:
@@ -106,6 +107,11 @@ class Op:
                 "what": self.describe()}
 
 
+@functools.lru_cache(maxsize=4096)
+def _comm_key(axes: tuple[str, ...], ranks: tuple[int, ...]) -> str:
+    return f"{'+'.join(axes)}[{','.join(map(str, ranks))}]"
+
+
 def _coords(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
     out = []
     for n in reversed(sizes):
@@ -128,9 +134,17 @@ class _Mesh:
         self.axes = tuple(a for a, _ in mesh)
         self.sizes = tuple(n for _, n in mesh)
         self.shape = dict(mesh)
+        self._groups: dict[tuple, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 
     def group(self, rank: int, axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """(axes in mesh order, world ranks of the communicator over them holding `rank`)."""
+        axes = tuple(axes)
+        got = self._groups.get((rank, axes))
+        if got is None:
+            got = self._groups[(rank, axes)] = self._group(rank, axes)
+        return got
+
+    def _group(self, rank: int, axes: tuple[str, ...]):
         axes = tuple(a for a in self.axes if a in set(axes))
         mine = _coords(rank, self.sizes)
         ranks = []
@@ -144,6 +158,13 @@ class _Mesh:
 
     def moved(self, rank: int, axis: str, coord: int) -> int:
         """The world rank `rank` would be at coordinate `coord` of `axis`."""
+        key = (rank, axis, coord)
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = self._moved(rank, axis, coord)
+        return got
+
+    def _moved(self, rank: int, axis: str, coord: int) -> int:
         c = list(_coords(rank, self.sizes))
         c[self.axes.index(axis)] = coord
         return _rank_of(tuple(c), self.sizes)
@@ -214,6 +235,9 @@ class _StageOps:
                         for b in self.buckets]
         self.arrive_at = [max((first[n] for n in b.names if n in first), default=-1)
                           for b in self.buckets]
+        # the steps that communicate, so each microbatch walks only them
+        self.fwd_steps = [i for i, s in enumerate(p.steps) if _forward_comm(p, s)]
+        self.bwd_steps = [i for i, s in enumerate(p.steps) if _backward_comm(p, s)]
 
     # -- helpers ---------------------------------------------------------------------------
     def op(self, kind, axes, shape, dtype, payload, phase, mb, source) -> Op | None:
@@ -256,10 +280,10 @@ class _StageOps:
             for k, at in enumerate(self.fill_at):
                 if self.sharded(self.buckets[k]):
                     gather_at.setdefault(at, []).append(k)
-        for i, s in enumerate(p.steps):
+        for i in sorted(set(self.fwd_steps) | set(gather_at)):
             for k in gather_at.get(i, ()):
                 out.append(self._zero3_gather(k, "forward", mb))
-            out.extend(self._forward_step(i, s, mb))
+            out.extend(self._forward_step(i, p.steps[i], mb))
         return [o for o in out if o is not None]
 
     def _forward_step(self, i, s, mb) -> list[Op | None]:
@@ -314,7 +338,7 @@ class _StageOps:
             fill.setdefault(self.fill_at[k], []).append(k)
         full = [False] * nb
         nxt = 0
-        for i in range(len(p.steps) - 1, -2, -1):
+        for i in sorted(set(self.bwd_steps) | set(arrive) | set(fill) | {-1}, reverse=True):
             for k in arrive.get(i, ()):  # the bucket's first gradient of this backward
                 if k in state["pending"]:
                     state["pending"].discard(k)
@@ -432,12 +456,29 @@ class _StageOps:
         return [o for o in out if o is not None]
 
 
+def _wait(o: Op) -> Op:
+    """The wait completing posted send or receive `o` (attrs.evolve, without its cost)."""
+    return Op("wait", o.axes, o.ranks, o.shape, o.dtype, o.bytes, o.phase, o.stage, o.mb,
+              o.source, o.peer, o.tag, o.kind)
+
+
+def _forward_comm(p: Program, s) -> bool:
+    return bool(forward_op(s)) if isinstance(s, Redistribute | CopyTo) else bool(
+        isinstance(s, Compute) and s.dist)
+
+
+def _backward_comm(p: Program, s) -> bool:
+    if isinstance(s, Redistribute | CopyTo):
+        return bool(backward_op(s)) and p.value(s.src).is_float
+    return isinstance(s, Compute) and bool(s.dist)
+
+
 def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | None = None,
-                  locate=None) -> tuple[Op, ...]:
+                  locate=None, mesh: _Mesh | None = None) -> tuple[Op, ...]:
     """World rank `rank`'s calls in one training step (the module doc's order). `schedule`:
     the pipeline schedule to play (default the graph's); `locate(name)`: a spec location for
-    a value name ("" when unknown)."""
-    mesh = _Mesh(graph.mesh)
+    a value name ("" when unknown); `mesh`: shared by the calls for every rank."""
+    mesh = mesh or _Mesh(graph.mesh)
     sched = schedule or schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
     axis = graph.axis
@@ -447,11 +488,12 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
     states = {i: {"pending": set(), "dirty": set()} for i in stages}
     out: list[Op] = []
     last_stage = len(graph.stages) - 1
+    rows: dict = {}  # (action kind, stage) -> its p2p ops but for the microbatch
     posted: dict[tuple, list[Op]] = {}  # (direction, stage, mb) -> receives to wait for
     sends: list[Op] = []
     for a in sched.with_comm(pipe_rank):
         if a.kind in ("RA", "RG", "SA", "SG"):
-            ops = _p2p(graph, mesh, rank, a)
+            ops = _p2p(graph, mesh, rank, a, rows)
             out.extend(ops)
             if a.kind in ("SA", "SG"):
                 sends.extend(ops)
@@ -460,11 +502,11 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
         elif a.kind in ("F", "B"):
             # the compute waits for the receives it reads (executor._wait)
             got = posted.pop(("A" if a.kind == "F" else "G", a.stage, a.mb), [])
-            out.extend(attrs.evolve(o, kind="wait", waits="recv") for o in got)
+            out.extend(_wait(o) for o in got)
             st = stages[a.stage]
             out.extend(st.forward(a.mb) if a.kind == "F" else st.backward(a.mb, states[a.stage]))
     # the step's end waits for its sends
-    out.extend(attrs.evolve(o, kind="wait", waits="send") for o in sends)
+    out.extend(_wait(o) for o in sends)
     if last_stage in stages:
         for mb in range(graph.microbatches):
             out.extend(stages[last_stage].loss(mb))
@@ -498,9 +540,21 @@ def _pipe_op(graph: StageGraph, mesh: _Mesh, rank: int):
     return make
 
 
-def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list[Op]:
+def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action,
+         cache: dict) -> list[Op]:
     """The sends or receives of one communication action: one per boundary tensor, its shape
     taken from this side's own stage Program (the other side's is checked against it)."""
+    rows = cache.get((a.kind, a.stage))
+    if rows is None:
+        rows = cache[(a.kind, a.stage)] = _p2p_rows(graph, mesh, rank, a)
+    return [Op(kind, axes, ranks, shape, dtype, nbytes, "p2p", here, a.mb, what, peer,
+               (direction, src, a.mb, i))
+            for kind, axes, ranks, shape, dtype, nbytes, here, what, peer, direction, src, i
+            in rows]
+
+
+def _p2p_rows(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list[tuple]:
+    """What _p2p's ops share across microbatches (all but the microbatch)."""
     axis = graph.axis
     if a.kind in ("RA", "SA"):
         edge = graph.edges[a.stage - 1 if a.kind == "RA" else a.stage]
@@ -515,10 +569,10 @@ def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list
     program = graph.stages[here].program
     peer = mesh.moved(rank, axis, graph.stages[there].rank)
     axes, ranks = mesh.group(rank, (axis,))
-    out = []
     # the edge's source stage sends (and gets gradients for) one of its outputs; the
     # destination stage receives an input of that name
     outputs = {o.name: o.value for o in program.outputs} if here == edge.src else {}
+    rows = []
     for i, t in enumerate(tensors):
         try:
             shape, dtype = _shape(program, outputs.get(t.name, t.name))
@@ -526,10 +580,10 @@ def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list
             shape, dtype = (), "missing"
         nbytes = math.prod(shape) * _width(dtype) if sending else 0
         what = "activation" if direction == "A" else "gradient"
-        out.append(Op("send" if sending else "recv", axes, ranks, shape, dtype, nbytes, "p2p",
-                      here, a.mb, f"{what} {t.name} of edge {edge.src} -> {edge.dst}", peer,
-                      (direction, edge.src, a.mb, i)))
-    return out
+        rows.append(("send" if sending else "recv", axes, ranks, shape, dtype, nbytes, here,
+                     f"{what} {t.name} of edge {edge.src} -> {edge.dst}", peer, direction,
+                     edge.src, i))
+    return rows
 
 
 def _width(dtype: str) -> int:
@@ -541,7 +595,8 @@ def _width(dtype: str) -> int:
 def rank_sequences(graph: StageGraph, schedule: schedules.Schedule | None = None,
                    locate=None) -> dict[int, tuple[Op, ...]]:
     """Every world rank's sequence (rank_sequence for each)."""
-    return {r: rank_sequence(graph, r, schedule, locate) for r in range(graph.world_size)}
+    mesh = _Mesh(graph.mesh)
+    return {r: rank_sequence(graph, r, schedule, locate, mesh) for r in range(graph.world_size)}
 
 
 def expected_by_comm(ops: tuple[Op, ...]) -> dict[str, dict[str, list[dict]]]:

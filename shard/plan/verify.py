@@ -262,40 +262,43 @@ def _cycle(stuck: dict[int, list[int]]) -> list[int] | None:
 
 
 def check_bytes(graph, seqs: dict[int, tuple[Op, ...]], optimizer: str = "adamw") -> None:
-    """Each rank's bytes per (mesh axes, collective) equal explain's figures for it."""
+    """Each rank's bytes per (mesh axes, collective) equal explain's figures for its pipe rank
+    (estimate_pipeline's rows per pipe rank; estimate's for one stage of whole batches)."""
     from soapstone.shard.plan.explain import estimate, estimate_pipeline
 
     zero = graph.stages[0].program.zero
-    axis = graph.axis
-    sizes = [n for _, n in graph.mesh]
-    names = [a for a, _ in graph.mesh]
-    cache: dict[int, dict] = {}
+    if graph.axis is not None or graph.microbatches > 1:
+        rows = estimate_pipeline(graph, zero, optimizer).rank_traffic
+    else:
+        rows = [estimate(graph.program, zero, optimizer).traffic]
+    want = []
+    for traffic in rows:
+        per: dict[tuple[str, str], int] = {}
+        for t in traffic:
+            if t.bytes:
+                per[(t.axis, t.kind)] = per.get((t.axis, t.kind), 0) + t.bytes
+        want.append(per)
+    names, sizes = [a for a, _ in graph.mesh], [n for _, n in graph.mesh]
     for r, seq in seqs.items():
         pipe_rank = 0
-        if axis is not None:
-            k, rr = names.index(axis), r
+        if graph.axis is not None:
+            k, rr = names.index(graph.axis), r
             for i in range(len(sizes) - 1, k, -1):
                 rr //= sizes[i]
             pipe_rank = rr % sizes[k]
-        if pipe_rank not in cache:
-            est = estimate_pipeline(graph, zero, optimizer, rank=pipe_rank) \
-                if axis is not None or graph.microbatches > 1 else \
-                estimate(graph.program, zero, optimizer)
-            cache[pipe_rank] = {k: b for k, (_, b) in est.comm_by().items() if b}
         mine: dict[tuple[str, str], int] = {}
         for o in seq:
             if o.kind in ("recv", "wait") or not o.bytes:
                 continue
-            k = (",".join(o.axes), o.kind)
-            mine[k] = mine.get(k, 0) + o.bytes
-        if mine != cache[pipe_rank]:
-            diff = sorted(k for k in set(mine) | set(cache[pipe_rank])
-                          if mine.get(k) != cache[pipe_rank].get(k))
-            rows = "\n".join(f"  [{a}] {kind}: the sequence sends {mine.get((a, kind), 0)} B, "
-                             f"explain says {cache[pipe_rank].get((a, kind), 0)} B"
-                             for a, kind in diff)
+            key = (",".join(o.axes), o.kind)
+            mine[key] = mine.get(key, 0) + o.bytes
+        theirs = want[pipe_rank]
+        if mine != theirs:
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            text = "\n".join(f"  [{a}] {kind}: the sequence sends {mine.get((a, kind), 0)} B, "
+                             f"explain says {theirs.get((a, kind), 0)} B" for a, kind in diff)
             raise VerifyError(f"rank {r}: its calls' bytes differ from explain's figures:\n"
-                              f"{rows}")
+                              f"{text}")
 
 
 def verify_sequences(seqs: dict[int, tuple[Op, ...]]) -> Verified:
