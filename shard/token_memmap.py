@@ -141,7 +141,9 @@ class TokenMemmap(SyntheticTask):
             self._check(win[rows], picked, name)
         self.last_read = rows
         win_t = torch.from_numpy(win)
-        out = {n: v for n, v in super().batch(step).items() if n not in (ids, targets)}
+        others = [n for n in self.roles if n not in (ids, targets)]
+        # other inputs (rare) from the synthetic task; never its Markov chain for these two
+        out = {n: v for n, v in super().batch(step).items() if n in others} if others else {}
         out[ids] = win_t[:, :-1].reshape(shape).to(_dtype(self.program, ids))
         out[targets] = win_t[:, 1:].reshape(shape).to(_dtype(self.program, targets))
         return out

@@ -112,12 +112,13 @@ def read_event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_run_without_tensorboard_never_imports_it(tmp_path):
-    code = ("import sys; from soapstone.dsl.cli import main; "
-            "rc = main(['run', 'examples/mlp.par', '--steps', '2', '--quiet']); "
-            "assert 'tensorboardX' not in sys.modules; sys.exit(rc)")
+def test_tensorboard_is_imported_only_for_the_flag():
+    """`run`'s module and the progress path import no tensorboardX (only --tensorboard's
+    writer does, inside the function)."""
+    code = ("import sys, soapstone.dsl.commands.run as r; bar = r.progress_bar(3); bar.close(); "
+            "assert 'tensorboardX' not in sys.modules and 'torch' not in sys.modules")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=60)
     assert p.returncode == 0, p.stderr
 
 
@@ -146,16 +147,7 @@ def test_memmap_formats(tmp_path):
         open_tokens(tmp_path / "e.bin", "uint32")
 
 
-def one_line_error(r, *needles: str) -> None:
-    assert r.returncode == 2, r.report()
-    out = r.stdout + r.stderr
-    assert "Traceback" not in out, out
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    for n in needles:
-        assert n in out, out
-
-
-@pytest.mark.parametrize("args,needles", [
+BAD = [
     (["--data", "{odd}"], ["odd.bin: 4001 bytes is not a whole number of uint16 ids",
                            "--data-dtype"]),
     (["--data", "{big}"], ["token id 300 at token offset 7 does not fit the vocab of 64",
@@ -168,14 +160,23 @@ def one_line_error(r, *needles: str) -> None:
     (["--accumulate", "0"], ["--accumulate 0: give at least 1"]),
     (["--eval-steps", "0"], ["--eval-steps 0: give at least 1"]),
     (["--tensorboard", "{odd}"], ["exists and is not a directory"]),
-])
-def test_bad_input_exit_2(tmp_path, args, needles):
+]
+
+
+def test_bad_input_exit_2(tmp_path):
+    """Every bad flag or file: exit 2, one line naming it, no traceback (one process runs
+    them all: tests/test_checkpoint.py's cli)."""
+    from test_checkpoint import cli
+
     (tmp_path / "odd.bin").write_bytes(b"\1" * 4001)
     big = np.zeros(200, dtype="<u2")
     big[7] = 300
     big.tofile(tmp_path / "big.bin")
     (np.arange(100) % 60).astype("<u2").tofile(tmp_path / "small.bin")
     files = {k: str(tmp_path / f"{k}.bin") for k in ("odd", "big", "small")}
-    args = [a.format(**files) for a in args]
-    r = run_mpi(1, [*CLI, "run", "examples/gpt.par", "--steps", "3", *args], timeout=60)
-    one_line_error(r, *needles)
+    runs = cli(*[["run", "examples/gpt.par", "--steps", "3", "--quiet",
+                  *[a.format(**files) for a in args]] for args, _ in BAD])
+    for (_, needles), r in zip(BAD, runs, strict=True):
+        assert r["rc"] == 2, r
+        assert "Traceback" not in r["text"] and len(r["text"].strip().splitlines()) == 1, r
+        assert all(n in r["text"] for n in needles), (needles, r)

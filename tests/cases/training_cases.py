@@ -4,10 +4,10 @@
   on their concatenation on one rank: data parallel, ZeRO-2, a 1F1B pipeline;
 - evaluation: the eval loss equals the loss a single-rank model loaded with the trained
   parameters computes on the same held-out batches, and evaluating changes nothing;
-- memory-mapped token files: each rank reads exactly its rows (data parallel, pipeline,
-  pipeline x data), those rows equal the single-rank batch's, training on them reproduces the
-  single-rank losses, and a file larger than the process's memory limit trains without being
-  read whole.
+- memory-mapped token files: each rank reads exactly its rows (data parallel, pipeline, data
+  parallel x microbatches), those rows equal the single-rank batch's, training on them
+  reproduces the single-rank losses, and a file larger than the process's memory limit trains
+  without being read whole.
 """
 
 from __future__ import annotations
@@ -169,13 +169,11 @@ def case_memmap_rows_pipeline():
           {"tokens": list(range(8))} if W.rank == 0 else {"targets": list(range(8))})
 
 
-@ranks(4)
-def case_memmap_rows_pipeline_data():
-    # mesh(pipe=2, data=2), 4 microbatches of 2 rows: data coordinate d reads row d of each
-    pipe, data = divmod(W.rank, 2)
-    rows = [2 * mb + data for mb in range(4)]
-    _rows("tests/specs/pipe_layouts.par", "pp2dp2",
-          {"tokens": rows} if pipe == 0 else {"targets": rows})
+@ranks(2)
+def case_memmap_rows_data_microbatches():
+    # mesh(data=2), 2 microbatches of 4 rows: data coordinate d reads 2 rows of each
+    rows = [4 * mb + 2 * W.rank + i for mb in range(2) for i in range(2)]
+    _rows("tests/specs/training_layouts.par", "dp2mb2", {"tokens": rows, "targets": rows})
 
 
 def _vm_data() -> int:
