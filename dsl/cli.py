@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "debug hang DIR: who diverged, from every rank's flight-recorder dump"),
     "generate": ("soapstone.dsl.commands.generate",
                  "sample text from a trained language model (--init CKPT_OR_FILE)"),
+    "plot": ("soapstone.dsl.commands.plot",
+             "draw loss, eval loss and tokens/s from run --metrics files (matplotlib)"),
     "tokenize": ("soapstone.dsl.commands.tokenize",
                  "text files to a token file for run --data (bytes or a tokenizer.json)"),
     "ckpt": ("soapstone.dsl.commands.ckpt",

@@ -1,0 +1,85 @@
+"""`soapstone plot METRICS.jsonl... -o loss.png`: training curves from `run --metrics` files.
+
+Two panels per image: the training loss and the eval loss (when the run evaluated) against the
+step, and tokens/s. Several files are drawn over each other, labelled by file name. Needs
+matplotlib (imported only here); a file that is not run's metrics is bad input (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from soapstone.comm.errors import UserError
+
+from ..errors import BadInput
+from . import fail
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """METRICS..., -o."""
+    parser.add_argument("metrics", nargs="+", metavar="METRICS.jsonl",
+                        help="files `run --metrics` wrote")
+    parser.add_argument("-o", "--output", required=True, metavar="PNG", help="the image")
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """(step rows, eval rows) of a --metrics file; BadInput naming the line if malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"{path}: no such file")
+    steps, evals = [], []
+    for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{path}:{n}: not a JSON line ({e.msg}); give the file "
+                           "`run --metrics` wrote") from None
+        if not isinstance(row, dict) or "step" not in row or \
+                not ("loss" in row or "eval_loss" in row):
+            raise BadInput(f"{path}:{n}: not a metrics line (no step and loss/eval_loss); "
+                           "give the file `run --metrics` wrote")
+        (evals if "eval_loss" in row else steps).append(row)
+    if not steps:
+        raise BadInput(f"{path}: no training steps in it")
+    return steps, evals
+
+
+def main(args: argparse.Namespace) -> int:
+    """Read every file, draw, write the image."""
+    try:
+        runs = [(Path(m).stem, *read_metrics(m)) for m in args.metrics]
+        if not Path(args.output).resolve().parent.is_dir():
+            raise BadInput(f"-o {args.output}: the directory {Path(args.output).parent} "
+                           "does not exist")
+        try:
+            import matplotlib
+        except ImportError:
+            raise BadInput("plot needs matplotlib: pip install matplotlib") from None
+    except UserError as e:
+        return fail(e)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for name, steps, evals in runs:
+        x = [r["step"] + 1 for r in steps]
+        line, = ax_loss.plot(x, [r["loss"] for r in steps], lw=1, label=f"{name} train")
+        if evals:
+            ax_loss.plot([r["step"] + 1 for r in evals], [r["eval_loss"] for r in evals], "o-",
+                         color=line.get_color(), mfc="white", label=f"{name} eval")
+        ax_speed.plot(x, [r.get("tokens_per_s", 0) for r in steps], lw=1,
+                      color=line.get_color(), label=name)
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_speed.set_ylabel("tokens/s")
+    ax_speed.set_xlabel("step")
+    ax_speed.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=110)
+    print(f"plot: {args.output}")
+    return 0
