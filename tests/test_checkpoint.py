@@ -276,3 +276,19 @@ def test_sigterm_with_save_saves_then_stops(tmp_path):
 
     step = read(find(d)[0])["step"]
     assert step >= 2 and step == len(m.read_text().splitlines())
+
+
+def test_explain_reports_checkpoint_bytes_per_rank():
+    """explain's figure (checked against the files ranks write in ckpt_cases.py): every
+    element once, fp32 master + two AdamW moments, spread over dp2 x tp2's four ranks."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "soapstone.dsl.cli", "explain", "examples/gpt.par",
+                        "--parallel", "dp2tp2", "--json"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    per_rank = json.loads(p.stdout)["checkpoint_bytes_per_rank"]
+    graph = lower_graph(dsl.load(ROOT / "examples/gpt.par").model("gpt"), None)
+    params = sum(torch.Size(q.shape).numel() for q in graph.program.params)
+    assert len(per_rank) == 4 and all(per_rank) and sum(per_rank) == params * 12

@@ -48,11 +48,16 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
+    from soapstone.shard.plan.checkpoint_size import checkpoint_bytes, format_checkpoint
+
+    ckpt = checkpoint_bytes(graph, args.optimizer)
     if args.json:
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
-                                          "memory_limit": where}, indent=1))
+                                          "memory_limit": where,
+                                          "checkpoint_bytes_per_rank": ckpt}, indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        print(format_checkpoint(ckpt))
     if not fits:
         from soapstone.shard.plan.explain import format_bytes
 

@@ -4,9 +4,9 @@ A holding is one parameter's share on this rank: the boxes of the global tensor 
 tensor-parallel shard, or under ZeRO the flat range of that shard its optimizer updates, cut
 into boxes) and the flat views they live in: the fp32 master values and each optimizer state
 buffer. Save writes the views; load fills them. Several ranks hold the same box (replicas over
-an axis the parameter is not split on); `writer` marks the one that writes it: coordinate 0 of
-every such axis (the owner's coordinate for a branch's parameter), the first virtual stage of
-a weight tied across pipeline stages.
+an axis the parameter is not split on); `writer` marks the one that writes it (the rule of
+shard/plan/checkpoint_size.py, which explain counts with: replicated parameters spread over
+their replicas), the first virtual stage of a weight tied across pipeline stages.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import attrs
 import torch
 
 from soapstone.shard.checkpoint.boxes import Box, flat_boxes
-from soapstone.shard.plan.layout import Owned, Split
+from soapstone.shard.plan.checkpoint_size import writes
+from soapstone.shard.plan.layout import Split
 
 
 @attrs.define
@@ -62,15 +63,10 @@ def _writes(model, name: str, sharded_over: tuple[str, ...]) -> bool:
     mesh = model.mesh
     if mesh is None:
         return True
-    layout = model.program.value(name).layout
-    for axis in mesh.axes:
-        p = layout.get(axis)
-        if isinstance(p, Split) or axis in sharded_over:
-            continue
-        want = p.coord if isinstance(p, Owned) else 0
-        if mesh.coord(axis) != want:
-            return False
-    return True
+    index = next(i for i, p in enumerate(model.program.params) if p.name == name)
+    sizes = {a: mesh.size(a) for a in mesh.axes}
+    coords = {a: mesh.coord(a) for a in mesh.axes}
+    return writes(model.program.value(name).layout, coords, sizes, sharded_over, index)
 
 
 def _spec(model, name: str):

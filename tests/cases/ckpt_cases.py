@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from soapstone.dsl.stages import lower_graph  # noqa: E402
 from soapstone.shard.checkpoint import resume, save  # noqa: E402
 from soapstone.shard.checkpoint.holdings import holdings  # noqa: E402
 from soapstone.shard.data import SyntheticTask  # noqa: E402
+from soapstone.shard.plan.checkpoint_size import checkpoint_bytes  # noqa: E402
 from soapstone.shard.train import Trainer  # noqa: E402
 
 W = init("mpi")
@@ -44,6 +47,16 @@ def trainer(layout: str | None, world=W, precision: str = "fp32") -> Trainer:
                    precision=precision, lr=LR)
 
 
+def written_as_explain_says(t: Trainer, d: Path) -> None:
+    """The tensor bytes each rank's file holds are what explain's checkpoint_bytes says."""
+    index = json.loads((d / "index.json").read_text())
+    got = [0] * W.size
+    for meta in index["tensors"].values():
+        for p in meta["pieces"]:
+            got[int(p["file"][4:9])] += 4 * math.prod(p["shape"])
+    assert got == checkpoint_bytes(t.graph, "adamw"), (got, checkpoint_bytes(t.graph))
+
+
 def bitwise(layout: str, precision: str = "fp32") -> None:
     d = OUT / f"bitwise-{layout}-{precision}"
     straight = trainer(layout, precision=precision)
@@ -51,6 +64,7 @@ def bitwise(layout: str, precision: str = "fp32") -> None:
     first = trainer(layout, precision=precision)
     list(first.run(3))
     save(first.executor, d, 3, 0, {"accumulate": 1})
+    written_as_explain_says(first, d / "step-00000003")
     again = trainer(layout, precision=precision)
     resume(again.executor, d)
     got = [m.loss for m in again.run(3, 3)]
@@ -101,7 +115,7 @@ def case_reshard_save_under_tp2_zero1():
     for m in t.run(6):
         losses.append(m.loss)
         if m.step == 2:
-            save(t.executor, RESHARD, 3, 0, {"accumulate": 1})
+            written_as_explain_says(t, save(t.executor, RESHARD, 3, 0, {"accumulate": 1}))
     STRAIGHT["loss"], STRAIGHT["params"] = losses, t.full_state_dict()
 
 
