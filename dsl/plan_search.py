@@ -2,9 +2,11 @@
 
 The space (`candidates`): data x tensor x pipeline degrees whose product is N, tensor parallel
 inside a node (at most `devices_per_node`), with or without sequence parallelism on the tensor
-axis, pipeline schedules (1f1b and interleaved with 2 or 4 virtual stages per rank;
+axis, context parallelism (the sequence dims over their own axis `cp`, inside the node beside
+the tensor axis, only where the batch does not divide over as many data ranks: otherwise data
+parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and interleaved with 2 or 4 virtual stages per rank;
 gpipe keeps every microbatch in flight for the same bubble, so 1f1b always beats it), the
-microbatch count, and ZeRO 0-3. The mesh is `mesh(pipe, data, model)`: the tensor axis
+microbatch count, and ZeRO 0-3. The mesh is `mesh(pipe, data, cp, model)`: the tensor axis
 innermost (inside a node), data next, the pipeline outermost (seed 004: the chattiest
 parallelism on the fastest links). Which dims each statement maps (`layout_dims`): `sample`
 the batch (the inputs' leading dim); `parameter` the parameter dims that are neither input
@@ -118,7 +120,8 @@ def _stream_dims(model: ir.Model) -> set[str]:
 
 @attrs.frozen
 class Candidate:
-    """One point of the space: degrees, schedule, microbatches, ZeRO, sequence parallelism."""
+    """One point of the space: degrees, schedule, microbatches, ZeRO, sequence parallelism
+    (Megatron's, on the tensor axis), context parallelism (the sequence over its own axis)."""
 
     data: int
     tensor: int
@@ -128,12 +131,15 @@ class Candidate:
     schedule: str = "1f1b"
     microbatches: int = 1
     chunks: int = 1
+    context: int = 1
 
     @property
     def label(self) -> str:
-        """A short name: d8 t8 p64 1f1b m96 z1 sp."""
+        """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2)."""
         parts = [f"d{self.data}", f"t{self.tensor}" + ("+sp" if self.sequence else ""),
                  f"p{self.pipe}"]
+        if self.context > 1:
+            parts.insert(2, f"c{self.context}")
         if self.pipe > 1:
             parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
         if self.microbatches > 1:
@@ -164,12 +170,14 @@ def stage_blocks(blocks: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
 def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                 name: str = "planned") -> ir.Parallel:
     """The candidate as a parallel block of `model`."""
-    mesh = tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("model", c.tensor))
-                 if n > 1) or (("data", 1),)
+    mesh = tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("cp", c.context),
+                                     ("model", c.tensor)) if n > 1) or (("data", 1),)
     sizes = dict(model.dims)
     tensor = tuple((d, "model") for d in dims.tensor if sizes[d] % c.tensor == 0) \
         if c.tensor > 1 else ()
     seq = tuple((d, "model") for d in dims.sequence) if c.sequence else ()
+    if c.context > 1:
+        seq = tuple((d, "cp") for d in dims.sequence)
     operator: tuple[ir.StageAssignment, ...] = ()
     schedule = ir.Schedule()
     if c.pipe > 1:
@@ -230,8 +238,10 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                     "the model has no parameter dim to split"))
                 continue
         seq_ok = t > 1 and bool(dims.sequence) and all(sizes[d] % t == 0 for d in dims.sequence)
-        for p in _divisors(world // t):
-            d = world // (t * p)
+        for cp, p in _context_pipe(dims, sizes, world, t, profile, rejected):
+            d = world // (t * cp * p)
+            if cp > 1 and batch % (d * cp) == 0:
+                continue  # dominated: see _context_pipe
             if p > 1 and nblocks < p:
                 rejected.append(Rejection(f"pipeline {p}", f"the model has {nblocks} repeat "
                                           "blocks" if nblocks else "the model has no repeat "
@@ -245,9 +255,28 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                 for sched, v in (SCHEDULES if p > 1 else (("1f1b", 1),)):
                     if v > 1 and (m % p or nblocks < p * v):
                         continue
-                    for sp in ((False, True) if seq_ok else (False,)):
+                    for sp in ((False, True) if seq_ok and cp == 1 else (False,)):
                         for z in (range(4) if d > 1 else (0,)):
-                            yield Candidate(d, t, p, sp, z, sched, m, v)
+                            yield Candidate(d, t, p, sp, z, sched, m, v, cp)
+
+
+def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: int,
+                  profile: Profile, rejected: list[Rejection]) -> Iterator[tuple[int, int]]:
+    """(context, pipeline) degrees beside tensor parallel `tensor`. Context parallelism c
+    holds the tokens, computes and reduces gradients as data parallelism c over the same
+    devices would, and gathers keys and values every layer on top: the caller keeps it only
+    where the batch does not divide over that many data ranks. It stays inside a node with the
+    tensor axis (both innermost there), and only for sequence dims it divides."""
+    for cp in _divisors(world // tensor):
+        if cp > 1:
+            if not dims.sequence or tensor * cp > profile.devices_per_node:
+                continue
+            if any(sizes[d] % cp for d in dims.sequence):
+                rejected.append(Rejection(f"context {cp}", "divides none of " + ", ".join(
+                    f"{d} = {sizes[d]}" for d in dims.sequence)))
+                continue
+        for p in _divisors(world // (tensor * cp)):
+            yield cp, p
 
 
 # ---- figures of a candidate --------------------------------------------------------------
@@ -350,7 +379,7 @@ class Probes:
     """One (tensor, sequence) setting's probe compiles and their re-estimates (module doc)."""
 
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
-                 optimizer: str):
+                 optimizer: str, context: int = 1):
         self.optimizer = optimizer
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
@@ -361,10 +390,12 @@ class Probes:
             for b in (1, 2):
                 base = attrs.evolve(model, dims=tuple(
                     (d, 2 * b if d == dims.batch else s) for d, s in model.dims))
-                par = to_parallel(base, dims, Candidate(2, tensor, 1, sequence))
+                par = to_parallel(base, dims, Candidate(2, tensor, 1, sequence,
+                                                        context=context))
                 self.programs["only", n, b] = lower_graph(truncate(base, n), par).program
                 three = truncate(base, 3 * n)
-                pipe = to_parallel(three, dims, Candidate(2, tensor, 3, sequence))
+                pipe = to_parallel(three, dims, Candidate(2, tensor, 3, sequence,
+                                                          context=context))
                 graph = lower_graph(three, pipe)
                 for st, kind in zip(graph.stages, ("first", "middle", "last"), strict=True):
                     self.programs[kind, n, b] = st.program
@@ -454,14 +485,15 @@ class Planner:
         self.precision, self.optimizer = precision, optimizer
         self.dims = layout_dims(model)
         self.exact = not uniform(model) if exact is None else exact
-        self._probes: dict[tuple[int, bool], Probes] = {}
+        self._probes: dict[tuple[int, bool, int], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
 
-    def probes(self, tensor: int, sequence: bool) -> Probes:
-        """The probes of one tensor-parallel setting (compiled on first use)."""
-        key = (tensor, sequence)
+    def probes(self, tensor: int, sequence: bool, context: int = 1) -> Probes:
+        """The probes of one tensor / sequence / context setting (compiled on first use)."""
+        key = (tensor, sequence, context)
         if key not in self._probes:
-            self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer)
+            self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
+                                       context)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -485,14 +517,14 @@ class Planner:
         return est, work
 
     def _probed(self, c: Candidate) -> tuple[Estimate, list[Work]]:
-        probes = self.probes(c.tensor, c.sequence)
+        probes = self.probes(c.tensor, c.sequence, c.context)
         b = dict(self.model.dims)[self.dims.batch] // (c.data * c.microbatches)
         runs = stage_blocks(self.model.blocks, c.stages)
         s = len(runs)
         kinds = ["only"] if s == 1 else \
             ["first"] + ["middle"] * (s - 2) + ["last"]
         per_stage, stages, work = {}, [], [Work()] * c.pipe
-        inner = {"data": c.data, "model": c.tensor}
+        inner = {"data": c.data, "cp": c.context, "model": c.tensor}
         inner = {a: n for a, n in inner.items() if a in dict(probes.programs["only", 1, 1].mesh)}
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
             key = (kind, len(run), b, c.data, c.zero)
@@ -613,7 +645,7 @@ def search(planner: Planner, world: int) -> Plan:
     n = 0
     done: set[tuple] = set()
     for c in candidates(planner.model, planner.dims, world, planner.profile, rejected):
-        group = (c.data, c.tensor, c.pipe, c.sequence, c.schedule, c.chunks) + \
+        group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
@@ -709,7 +741,14 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
     else:
         out.append(f"tensor parallel 1: one block's state is {format_bytes(layer)}; "
                    + _versus(plan, "tensor > 1", lambda x: x.tensor > 1))
-    where = "across nodes" if c.tensor * c.pipe > prof.devices_per_node else "inside a node"
+    if c.context > 1:
+        seqs = ", ".join(plan.dims.sequence)
+        out.append(f"context parallel {c.context} ({seqs} over its own axis, beside the tensor "
+                   f"axis inside a node): each device holds 1/{c.context} of every activation "
+                   "and gathers keys and values per layer; "
+                   + _versus(plan, "no context parallelism", lambda x: x.context == 1))
+    where = "across nodes" if c.tensor * c.context * c.pipe > prof.devices_per_node \
+        else "inside a node"
     if c.pipe > 1:
         chunks = f", {c.chunks} virtual stages per rank" if c.chunks > 1 else ""
         out.append(f"pipeline {c.pipe} ({c.schedule}{chunks}, {c.microbatches} microbatches, "
@@ -730,7 +769,8 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
         below = max(lower, key=lambda r: r.candidate.zero) if lower else None
         need = (f" (with ZeRO-{below.candidate.zero} it needs "
                 f"{format_bytes(below.memory)})") if below else ""
-        out.append(f"data parallel {c.data}: the remaining {plan.world} / ({c.tensor} x "
+        cp = f" x {c.context}" if c.context > 1 else ""
+        out.append(f"data parallel {c.data}: the remaining {plan.world} / ({c.tensor}{cp} x "
                    f"{c.pipe}) devices replicate the {'pipeline' if c.pipe > 1 else 'model'}; "
                    f"{z}{need}")
     t = best.time

@@ -226,6 +226,33 @@ def test_every_candidate_prints_as_a_block_that_loads_back_equal():
         assert again == par, c.label
 
 
+def test_context_parallel_is_searched_only_where_the_batch_does_not_divide():
+    """Context parallel c holds the tokens and reduces gradients as data parallel c would,
+    and gathers keys and values on top: with a batch of 8 on 8 devices it is never costed;
+    with a batch of 2 it is, its probes extrapolate exactly, and it prints as a block that
+    loads back equal."""
+    from soapstone.dsl import format_parallel
+    from soapstone.dsl.plan_search import Planner, candidates, to_parallel
+
+    profile = load_profile("a100-40gb")
+    model = load(gpt(12)).model()
+    planner = Planner(model, profile)
+    assert not any(c.context > 1 for c in candidates(model, planner.dims, 8, profile, []))
+    text = gpt(12).replace("batch = 8,", "batch = 2,")
+    model = load(text).model()
+    planner = Planner(model, profile)
+    ctx = [c for c in candidates(model, planner.dims, 8, profile, []) if c.context > 1]
+    assert {c.context for c in ctx} == {2, 4, 8} and all(c.data * c.context > 2 for c in ctx)
+    for c in ctx[::7]:
+        par = to_parallel(model, planner.dims, c)
+        assert ("seq", "cp") in par.attribute and dict(par.mesh)["cp"] == c.context
+        assert load(text + format_parallel(par, source=True)).parallel("planned") == par
+        probed, full = planner.cost(c, exact=False), planner.cost(c, exact=True)
+        assert sorted(map(str, probed.estimate.traffic)) == \
+            sorted(map(str, full.estimate.traffic)), c.label
+        assert probed.time.total == pytest.approx(full.time.total, rel=1e-6), c.label
+
+
 def test_explains_activations_match_a_measured_step(tmp_path):
     """explain's activations (what autograd saves) and its peak (with the working set) against
     one real training step (bench/bench_memory.py: saved-tensor hooks and the resident-memory
