@@ -60,16 +60,18 @@ def step_began() -> None:
         _base.update(marks)
 
 
-def _where(made: int, ops: list[dict], blocked: dict | None) -> dict:
+def _where(made: int, ops: list[dict], blocked: dict | None, zero: int) -> dict:
     """Position of a rank that has started `made` calls of a step of `ops` (blocked: the call
-    it is in, if any, as the recorder describes it)."""
+    it is in, if any, as the recorder describes it: its number, less the step's `zero`, is its
+    place, which for a wait on a call posted earlier is not the newest)."""
     n = len(ops)
     out = {"made": made, "of": n}
     if not n:
         return out
-    if blocked is not None and made:
-        want = ops[(made - 1) % n]
-        out["at"] = (made - 1) % n + 1
+    at = blocked["seq"] - zero if blocked is not None else 0
+    if at > 0:
+        want = ops[(at - 1) % n]
+        out["at"] = (at - 1) % n + 1
         out["planned"] = want["what"]
         same = (want["op"] == blocked.get("op") or
                 want["op"] == "send" and blocked.get("op") in ("send", "isend") or
@@ -100,21 +102,23 @@ def positions(snapshots: list[dict], active: dict | None) -> dict[str, dict]:
         for kind, done, zero in (("collective", snap["seq"], seq0), ("p2p", snap["p2p_seq"],
                                                                       p2p0)):
             blocked = mine if mine and (mine.get("kind") == kind) else None
-            row[kind] = _where(done - zero, plan[k].get(kind, []), blocked)
+            row[kind] = _where(done - zero, plan[k].get(kind, []), blocked, zero)
         out[snap["key"]] = row
     return out
 
 
-def position_lines(rank: int, where: dict[str, dict], key: str | None = None) -> list[str]:
-    """A rank's positions as report lines (only communicator `key`'s when given)."""
+def position_lines(rank: int, where: dict[str, dict], key: str | None = None,
+                   kind: str | None = None) -> list[str]:
+    """A rank's positions as report lines (only communicator `key`'s, and only its calls of
+    `kind` (collective | p2p), when given)."""
     lines = []
     for k, row in where.items():
         if key is not None and _key(k) != _key(key):
             continue
-        for kind, w in row.items():
-            if not w.get("of"):
+        for which, w in row.items():
+            if not w.get("of") or kind not in (None, which):
                 continue
-            calls = "collectives" if kind == "collective" else "p2p calls"
+            calls = "collectives" if which == "collective" else "p2p calls"
             if "at" in w:
                 state = (f"in call {w['at']} of the step's {w['of']} {calls}, which the plan "
                          f"says is {w['planned']}")

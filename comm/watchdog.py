@@ -617,7 +617,7 @@ def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: di
     for r in silent:
         lines.append(f"  no status from rank {r}: {doing(None)}")
     plan = [line for r in sorted(statuses) for line in expected.position_lines(
-        r, statuses[r].get("expected") or {}, key)]
+        r, statuses[r].get("expected") or {}, key, entry.get("kind"))]
     if plan:
         lines.append("  where the layout's plan puts each rank (calls of one step):")
         lines.extend("    " + line for line in plan)

@@ -336,3 +336,32 @@ def test_an_indivisible_batch_lists_the_data_sizes():
     assert "batch = 8 does not divide over data = 3" in err
     assert "data sizes that divide batch = 8: 2, 4, 8" in err
     assert "instead" not in err and "replicated" not in err  # only the batch may be sampled
+
+
+# -- what the watchdog is handed --------------------------------------------------------------
+def test_positions_in_the_plan(dp2tp2):
+    from soapstone.comm import expected
+
+    plan = expected_by_comm(rank_sequence(dp2tp2, 0))
+    ops = plan["model[0,1]"]["collective"]
+    expected.expect(plan)  # no live communicator here: every step counts from 0
+    try:
+        def snap(seq):
+            return [{"key": "model[0,1]", "seq": seq, "p2p_seq": 0}]
+
+        blocked = {"key": "model[0,1]", "kind": "collective", "seq": 10, "op": "allreduce",
+                   "shape": [4, 16, 1], "dtype": "float32"}
+        where = expected.positions(snap(10), blocked)["model[0,1]"]["collective"]
+        assert where == {"made": 10, "of": len(ops), "at": 10, "planned": ops[9]["what"]}
+        wrong = dict(blocked, shape=[4, 16, 32])
+        (line,) = expected.position_lines(0, expected.positions(snap(10), wrong), "model[0,1]",
+                                          "collective")
+        assert line.startswith(f"rank 0 on model[0,1]: in call 10 of the step's {len(ops)} "
+                               "collectives, which the plan says is allreduce (4, 16, 1) f32")
+        assert line.endswith("it left the plan")
+        # not in a call: the next one, wrapping into the next step
+        nxt = expected.positions(snap(len(ops) + 2), None)["model[0,1]"]["collective"]
+        assert nxt["next"] == 3 and nxt["planned"] == ops[2]["what"]
+    finally:
+        expected.clear()
+    assert expected.positions([{"key": "model[0,1]", "seq": 1, "p2p_seq": 0}], None) == {}

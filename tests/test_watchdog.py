@@ -109,6 +109,10 @@ def test_a_pipeline_stage_that_never_sends_is_found(tmp_path):
     assert "soapstone watchdog: collective timeout: rank " in out, res.report()
     assert ("rank 1 is blocked in irecv from rank 0 (p2p #1) on pipe[0,1]: it waits for "
             "message 1 from rank 0 on pipe[0,1], which has sent 0") in out, res.report()
+    # the plan: rank 0's first p2p call should have been its send; it made a receive instead
+    assert ("rank 0 on pipe[0,1]: in call 1 of the step's 16 p2p calls, which the plan says "
+            "is send to rank 1 (1, 16, 32) f32 on pipe[0,1] (p2p, stage 0, microbatch 0, from "
+            "activation") in out and "it left the plan" in out, res.report()
 
 
 def test_debug_hang_without_dumps_is_bad_input(tmp_path, capsys):
