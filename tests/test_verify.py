@@ -211,7 +211,11 @@ def gpt_layouts(draw):
     attr = draw(st.sampled_from(["", "attribute seq -> model"])) if model > 1 else ""
     operator = ""
     schedule = ""
-    if pipe > 1:
+    if pipe == 2 and draw(st.booleans()):  # interleaved: two chunks per pipe rank
+        operator = "operator " + ", ".join(f"layer[{i}] -> pipe {i % 2}" for i in range(4))
+        schedule = (f"schedule interleaved, microbatches = {draw(st.sampled_from([2, 4]))}, "
+                    "chunks = 2")
+    elif pipe > 1:
         per = 4 // pipe
         operator = "operator " + ", ".join(
             f"layer[{i * per}..{i * per + per - 1}] -> pipe {i}" for i in range(pipe))
@@ -224,10 +228,28 @@ def gpt_layouts(draw):
                          operator=operator, schedule=schedule, zero=zero)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gpt_layouts())
-def test_random_valid_layouts_verify(block):
-    text = (ROOT / "examples/gpt.par").read_text() + block
+TOWERS = """
+parallel rnd for towers on mesh(data = {data}, branch = 2, model = {model}) {{
+  sample batch -> data
+  {params}
+  operator a -> branch 0, b -> branch 1
+}}
+"""
+
+
+@st.composite
+def towers_layouts(draw):
+    """examples/towers.par's branches, with data and tensor parallelism around them."""
+    model = draw(st.sampled_from([1, 2]))
+    return "towers", TOWERS.format(data=draw(st.sampled_from([1, 2])), model=model, params=(
+        "parameter ffn -> model" if model > 1 else ""))
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(gpt_layouts().map(lambda b: ("gpt", b)), towers_layouts()))
+def test_random_valid_layouts_verify(example):
+    name, block = example
+    text = (ROOT / f"examples/{name}.par").read_text() + block
     with tempfile.TemporaryDirectory() as d:
         path = Path(d, "rnd.par")
         path.write_text(text)
