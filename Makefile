@@ -19,11 +19,25 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# What runs where and what it costs, then 100 steps of data x tensor parallel GPT on 4 ranks.
+# The whole story in under two minutes on 2 cores: a byte-level GPT on this Python's own
+# standard library source (every machine with Python has it). What runs where and what it
+# costs, the text to a token file, 600 steps of data parallel training on 2 ranks with a
+# cosine schedule and held-out evaluation (loss and eval loss fall), a few lines generated from
+# the saved checkpoint, and the curves as a picture.
+DEMO      := demo-out
+DEMO_DIMS := --dim vocab=256 --dim seq=64 --dim hidden=64 --dim ffn=256 --dim batch=16
+STDLIB     = $(shell $(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 demo: $(STAMP)
-	$(BIN)/soapstone explain examples/gpt.par --parallel dp2tp2
-	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n 4 $(BIN)/soapstone run examples/gpt.par \
-		--parallel dp2tp2 --steps 100 --metrics demo-metrics.jsonl
+	$(BIN)/soapstone explain examples/gpt.par --parallel dp2 $(DEMO_DIMS)
+	mkdir -p $(DEMO) && rm -rf $(DEMO)/ckpt
+	$(BIN)/soapstone tokenize $(STDLIB)/*.py -o $(DEMO)/python.bin
+	OMP_NUM_THREADS=1 $(BIN)/mpiexec -n 2 $(BIN)/soapstone run examples/gpt.par --parallel dp2 \
+		$(DEMO_DIMS) --data $(DEMO)/python.bin --steps 600 --lr 3e-3 --lr-schedule cosine \
+		--warmup 30 --eval-every 150 --eval-steps 4 --metrics $(DEMO)/metrics.jsonl \
+		--save $(DEMO)/ckpt
+	OMP_NUM_THREADS=2 $(BIN)/soapstone generate examples/gpt.par $(DEMO_DIMS) \
+		--init $(DEMO)/ckpt --prompt "def " --tokens 150 --temperature 0.8 --top-k 40
+	$(BIN)/soapstone plot $(DEMO)/metrics.jsonl -o $(DEMO)/loss.png
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q
@@ -37,4 +51,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(DEMO)
