@@ -10,7 +10,9 @@ Torch-free.
 
 from __future__ import annotations
 
-from soapstone.shard.plan.verify import Verified, verify_layout
+from soapstone.shard.plan.verify import Verified, representatives, verify_layout
+
+EVERY_RANK_UP_TO = 64  # worlds this large derive every rank; larger, one pipe column
 
 
 def locations(model) -> dict[str, str]:
@@ -20,9 +22,13 @@ def locations(model) -> dict[str, str]:
 
 def prove_layout(model, graph, optimizer: str = "adamw") -> Verified:
     """Prove `graph` (a StageGraph of `model`): VerifyError (exit 2) naming both ranks, the
-    communicator, the position and each side's call with its spec location, else a summary."""
+    communicator, the position and each side's call with its spec location, else a summary.
+    Above EVERY_RANK_UP_TO ranks, from one rank per pipe coordinate (verify_layout says why
+    that proves the rest), so the cost grows with the pipeline, not the world."""
     where = locations(model)
-    return verify_layout(graph, locate=lambda name: where.get(name, ""), optimizer=optimizer)
+    ranks = representatives(graph) if graph.world_size > EVERY_RANK_UP_TO else None
+    return verify_layout(graph, locate=lambda name: where.get(name, ""), optimizer=optimizer,
+                         ranks=ranks)
 
 
 def expected_calls(graph, rank: int, model=None) -> dict:

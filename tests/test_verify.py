@@ -24,6 +24,7 @@ from soapstone.shard.plan.sequence import expected_by_comm, rank_sequence, rank_
 from soapstone.shard.plan.verify import (
     VerifyError,
     check_bytes,
+    representatives,
     verify_layout,
     verify_sequences,
 )
@@ -109,6 +110,36 @@ def test_swapped_microbatch_order(pp2):
     text = str(e.value)
     assert "message 1 from rank 0 to rank 1" in text
     assert "microbatch 0" in text and "microbatch 1" in text and "order" in text
+
+
+def test_one_pipe_column_proves_the_rest(pp2):
+    gpt8 = _graph("examples/gpt.par", "gpt8")
+    assert representatives(gpt8) == (0, 4) and representatives(_graph(
+        "examples/gpt.par", "dp2tp2")) == (0,)
+    column = verify_layout(gpt8, ranks=representatives(gpt8))
+    assert column.derived == 2 and column.ranks == 8 and "one pipe column of 2" in \
+        column.summary()
+    # what only p2p between pipe ranks can get wrong is still found from one column
+    s = schedules.build(pp2.schedule, 2, pp2.microbatches)
+    swapped = Schedule(s.kind, 2, s.microbatches, 1, (s.ranks[0], tuple(reversed(s.ranks[1]))))
+    with pytest.raises(VerifyError):
+        verify_layout(pp2, schedule=swapped, ranks=representatives(pp2))
+
+
+def test_a_large_world_is_proved_from_one_pipe_column():
+    from soapstone.dsl.layout_proof import EVERY_RANK_UP_TO, prove_layout
+
+    s = dsl.load((ROOT / "examples/gpt.par").read_text() + """
+parallel big for gpt on mesh(pipe = 2, data = 64) {
+  sample batch -> data
+  operator layer[0..1] -> pipe 0, layer[2..3] -> pipe 1
+  schedule 1f1b, microbatches = 2
+}
+""", dims={"batch": 128})
+    par = s.parallel("big")
+    assert par.world_size > EVERY_RANK_UP_TO
+    proof = prove_layout(s.model("gpt"), lower_graph(s.model("gpt"), par))
+    assert proof.ranks == 128 and proof.derived == 2
 
 
 def _without(seqs, rank, pick):

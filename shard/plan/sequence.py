@@ -593,10 +593,11 @@ def _width(dtype: str) -> int:
 
 
 def rank_sequences(graph: StageGraph, schedule: schedules.Schedule | None = None,
-                   locate=None) -> dict[int, tuple[Op, ...]]:
-    """Every world rank's sequence (rank_sequence for each)."""
+                   locate=None, ranks=None) -> dict[int, tuple[Op, ...]]:
+    """Every world rank's sequence (rank_sequence for each; `ranks`: only those)."""
     mesh = _Mesh(graph.mesh)
-    return {r: rank_sequence(graph, r, schedule, locate, mesh) for r in range(graph.world_size)}
+    return {r: rank_sequence(graph, r, schedule, locate, mesh)
+            for r in (range(graph.world_size) if ranks is None else ranks)}
 
 
 def expected_by_comm(ops: tuple[Op, ...]) -> dict[str, dict[str, list[dict]]]:
