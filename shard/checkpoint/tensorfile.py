@@ -48,7 +48,7 @@ def write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[st
         f.write(text)
         for i, (_, t) in enumerate(tensors):
             if t.numel():
-                f.write(t.detach().reshape(-1).view(torch.uint8).numpy().data)
+                f.write(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().data)
             if slow is not None:
                 slow(i)
         if slow is not None and not tensors:
