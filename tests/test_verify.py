@@ -98,6 +98,23 @@ def test_receive_of_another_shape(pp2):
     assert isinstance(e.value, UserError)
 
 
+def test_a_failure_names_the_spec_location_of_each_side(pp2):
+    from soapstone.dsl.layout_proof import prove_layout
+
+    st1 = pp2.stages[1]
+    name = pp2.edges[0].tensors[0].name
+    vals = tuple(attrs.evolve(v, dtype="f64") if v.name == name else v
+                 for v in st1.program.values)
+    broken = attrs.evolve(pp2, stages=(pp2.stages[0], attrs.evolve(
+        st1, program=attrs.evolve(st1.program, values=vals))))
+    model = _spec(ROOT / "tests/specs/pipe_layouts.par").model(pp2.model)
+    with pytest.raises(VerifyError) as e:
+        prove_layout(model, broken)
+    sides = [line for line in str(e.value).splitlines() if line.startswith("  rank ")]
+    assert len(sides) == 2 and " f32 " in sides[0] and " f64 " in sides[1]
+    assert all(f"{name} (" in line and ".par:" in line for line in sides), sides
+
+
 def test_swapped_microbatch_order(pp2):
     """Pipe rank 1 runs microbatches 0 and 1 in the other order: NCCL would pair them wrong."""
     s = schedules.build(pp2.schedule, 2, pp2.microbatches)

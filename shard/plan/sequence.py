@@ -493,7 +493,7 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
     sends: list[Op] = []
     for a in sched.with_comm(pipe_rank):
         if a.kind in ("RA", "RG", "SA", "SG"):
-            ops = _p2p(graph, mesh, rank, a, rows)
+            ops = _p2p(graph, mesh, rank, a, rows, locate)
             out.extend(ops)
             if a.kind in ("SA", "SG"):
                 sends.extend(ops)
@@ -541,19 +541,20 @@ def _pipe_op(graph: StageGraph, mesh: _Mesh, rank: int):
 
 
 def _p2p(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action,
-         cache: dict) -> list[Op]:
+         cache: dict, locate) -> list[Op]:
     """The sends or receives of one communication action: one per boundary tensor, its shape
     taken from this side's own stage Program (the other side's is checked against it)."""
     rows = cache.get((a.kind, a.stage))
     if rows is None:
-        rows = cache[(a.kind, a.stage)] = _p2p_rows(graph, mesh, rank, a)
+        rows = cache[(a.kind, a.stage)] = _p2p_rows(graph, mesh, rank, a, locate)
     return [Op(kind, axes, ranks, shape, dtype, nbytes, "p2p", here, a.mb, what, peer,
                (direction, src, a.mb, i))
             for kind, axes, ranks, shape, dtype, nbytes, here, what, peer, direction, src, i
             in rows]
 
 
-def _p2p_rows(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) -> list[tuple]:
+def _p2p_rows(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action,
+              locate) -> list[tuple]:
     """What _p2p's ops share across microbatches (all but the microbatch)."""
     axis = graph.axis
     if a.kind in ("RA", "SA"):
@@ -580,9 +581,10 @@ def _p2p_rows(graph: StageGraph, mesh: _Mesh, rank: int, a: schedules.Action) ->
             shape, dtype = (), "missing"
         nbytes = math.prod(shape) * _width(dtype) if sending else 0
         what = "activation" if direction == "A" else "gradient"
+        where = locate(t.name) if locate else ""
         rows.append(("send" if sending else "recv", axes, ranks, shape, dtype, nbytes, here,
-                     f"{what} {t.name} of edge {edge.src} -> {edge.dst}", peer, direction,
-                     edge.src, i))
+                     f"{what} {t.name}" + (f" ({where})" if where else "")
+                     + f" of edge {edge.src} -> {edge.dst}", peer, direction, edge.src, i))
     return rows
 
 
