@@ -18,6 +18,7 @@ import math
 import sys
 from pathlib import Path
 
+import attrs
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ from mpirun import ranks  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
-from soapstone.dsl.stages import lower_graph  # noqa: E402
+from soapstone.dsl.stages import lower_graph, lower_pipeline  # noqa: E402
 from soapstone.shard.checkpoint import resume, save  # noqa: E402
 from soapstone.shard.checkpoint.holdings import holdings  # noqa: E402
 from soapstone.shard.data import SyntheticTask  # noqa: E402
@@ -35,39 +36,52 @@ from soapstone.shard.plan.checkpoint_size import checkpoint_bytes  # noqa: E402
 from soapstone.shard.train import Trainer  # noqa: E402
 
 W = init("mpi")
+
+
+def tied(model):
+    """The output projection tied to the embedding table (as in pipe_optim_cases.py)."""
+    table = next(p for p in model.params if p.name == "embedding0.table")
+    head = attrs.evolve(table, name="head.table", tied_to=table.name)
+    params = tuple(p for p in model.params if p.name != "linear0.weight") + (head,)
+    ops = tuple(attrs.evolve(op, args=tuple("head.table" if a == "linear0.weight" else a
+                                            for a in op.args)) for op in model.ops)
+    return attrs.evolve(model, params=params, ops=ops)
+
 SPEC = dsl.load(ROOT / "tests/specs/ckpt_layouts.par")
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp")  # the launch's shared dir
 LR, RTOL = 1e-2, 1e-5
 FULL = lower_graph(SPEC.model("gpt"), None).program  # the data: full batches
 
 
-def trainer(layout: str | None, world=W, precision: str = "fp32") -> Trainer:
+def trainer(layout: str | None, world=W, precision: str = "fp32", tie: bool = False,
+            optimizer: str = "adamw") -> Trainer:
     par = SPEC.parallel(layout) if layout else None
-    graph = lower_graph(SPEC.model("gpt"), par)
+    graph = lower_pipeline(tied(SPEC.model("gpt")), par) if tie else \
+        lower_graph(SPEC.model("gpt"), par)
     mesh = Mesh(world, **dict(par.mesh)) if par is not None else None
     return Trainer(graph, mesh, task=SyntheticTask(FULL, seed=0), seed=0,
-                   precision=precision, lr=LR)
+                   precision=precision, lr=LR, optimizer=optimizer)
 
 
-def written_as_explain_says(t: Trainer, d: Path) -> None:
+def written_as_explain_says(t: Trainer, d: Path, optimizer: str = "adamw") -> None:
     """The tensor bytes each rank's file holds are what explain's checkpoint_bytes says."""
     index = json.loads((d / "index.json").read_text())
     got = [0] * W.size
     for meta in index["tensors"].values():
         for p in meta["pieces"]:
             got[int(p["file"][4:9])] += 4 * math.prod(p["shape"])
-    assert got == checkpoint_bytes(t.graph, "adamw"), (got, checkpoint_bytes(t.graph))
+    assert got == checkpoint_bytes(t.graph, optimizer), (got, checkpoint_bytes(t.graph))
 
 
-def bitwise(layout: str, precision: str = "fp32") -> None:
-    d = OUT / f"bitwise-{layout}-{precision}"
-    straight = trainer(layout, precision=precision)
+def bitwise(layout: str, precision: str = "fp32", **how) -> None:
+    d = OUT / f"bitwise-{layout}-{precision}-{sorted(how.items())}"
+    straight = trainer(layout, precision=precision, **how)
     want = [m.loss for m in straight.run(6)]
-    first = trainer(layout, precision=precision)
+    first = trainer(layout, precision=precision, **how)
     list(first.run(3))
     save(first.executor, d, 3, 0, {"accumulate": 1})
-    written_as_explain_says(first, d / "step-00000003")
-    again = trainer(layout, precision=precision)
+    written_as_explain_says(first, d / "step-00000003", how.get("optimizer", "adamw"))
+    again = trainer(layout, precision=precision, **how)
     resume(again.executor, d)
     got = [m.loss for m in again.run(3, 3)]
     assert got == want[3:], (layout, got, want[3:])
@@ -103,6 +117,13 @@ def case_resume_bitwise_pipeline():
 @ranks(2)
 def case_resume_bitwise_tp2_bf16():
     bitwise("tp2", "bf16")
+
+
+@ranks(2)
+def case_resume_bitwise_pipeline_tied_weights_sgd():
+    """The output projection tied to the embedding across the two stages (saved by the first
+    stage, loaded into both copies), SGD momentum."""
+    bitwise("pp2f1b", tie=True, optimizer="sgd")
 
 
 # --- reshard: one save under dp2tp2z1, resumed under other layouts ----------------------------
