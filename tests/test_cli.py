@@ -82,15 +82,17 @@ def test_each_layer_user_error_exits_2_without_traceback(layer, argv, needle):
 
 def test_progress_bar_on_a_pipe_prints_a_line_every_tenth_of_the_run():
     import io
-    from types import SimpleNamespace
 
-    from soapstone.dsl.commands.run import ProgressBar
+    from soapstone.dsl.commands.run import progress_bar
 
     out = io.StringIO()  # not a terminal
-    bar = ProgressBar(100, stream=out)
-    for i in range(100):
-        bar.update(SimpleNamespace(step=i, loss=1.0, tokens_per_s=10.0))
+    bar = progress_bar(100, stream=out)  # tqdm, one line per redraw
+    for _ in range(100):
+        bar.set_postfix_str("loss 1.0000", refresh=False)
+        bar.update(1)
     bar.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 10 and "\r" not in out.getvalue(), lines
-    assert lines[-1].startswith("[" + "#" * 24 + "] 100/100")
+    assert lines[0].startswith("10%|") and " 10/100 [" in lines[0], lines
+    assert lines[-1].startswith("100%|") and " 100/100 [" in lines[-1] and "loss 1.0000" in \
+        lines[-1], lines

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -230,19 +231,47 @@ def write_trace(pipe, path: str, rank: int) -> None:
           f"({g.schedule}, {formula})", flush=True)
 
 
-def progress_bar(total: int):
-    """tqdm on stderr (rank 0): steps, ETA, and the loss, tokens/s and lr of the last step;
-    redrawn in place on a terminal, a line every ~10 s on a pipe."""
+def progress_bar(total: int, stream=None):
+    """tqdm on stderr (rank 0): steps, ETA, and the loss, tokens/s and lr of the last step.
+    On a terminal it is redrawn in place; on a pipe (a log file) it is a whole line every
+    tenth of the run, never a carriage return."""
     from tqdm import tqdm
 
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=tty,
-                mininterval=0.1 if tty else 10.0, ascii=not tty)
+    stream = stream or sys.stderr
+    if stream.isatty():
+        bar = tqdm(total=total, unit="step", file=stream, dynamic_ncols=True)
+    else:  # delay: no 0/N line before the first step
+        bar = tqdm(total=total, unit="step", file=LinePipe(stream), ascii=True, ncols=110,
+                   miniters=max(1, total // 10), mininterval=0, maxinterval=float("inf"),
+                   delay=1e-9)
+    bar.on_pipe = not stream.isatty()
+    return bar
+
+
+class LinePipe:
+    """tqdm's output as lines: each redraw of a new step count becomes one line (close()
+    redraws the last count: skipped)."""
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, None
+
+    def write(self, text: str) -> None:
+        """One redraw: the text between carriage returns, as a line."""
+        line = text.replace("\r", "").strip()
+        count = re.search(r"\d+/\d+", line)
+        key = count.group() if count else line
+        if line and key != self.last:
+            self.stream.write(line + "\n")
+            self.last = key
+
+    def flush(self) -> None:
+        """Flush the underlying stream."""
+        self.stream.flush()
 
 
 def say(bar, text: str) -> None:
-    """A line on stdout that does not tear the progress bar."""
-    if bar is not None:
+    """A line on stdout that does not tear a terminal's progress bar."""
+    if bar is not None and not bar.on_pipe:
         bar.write(text, file=sys.stdout)
         sys.stdout.flush()
     else:
