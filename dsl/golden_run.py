@@ -138,4 +138,11 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
     check_memory(model, graph, comm, header["optimizer"], spec_path)
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
-    return GoldenCheck(record, _trainer(graph, mesh, header, model=model))
+    trainer = _trainer(graph, mesh, header, model=model)
+    if mesh is not None:  # the watchdog's reports say where each rank should be
+        from soapstone.comm import expected
+
+        from .layout_proof import expected_calls
+
+        expected.expect(expected_calls(graph, comm.rank, model))
+    return GoldenCheck(record, trainer)
