@@ -30,14 +30,10 @@ import zlib
 import numpy as np
 import torch
 
-from soapstone.comm.errors import UserError
+from soapstone.shard.data_error import DataError  # noqa: F401 - where callers find it
 from soapstone.shard.plan.program import Program
 
 MARKOV_P = 0.9
-
-
-class DataError(UserError, ValueError):
-    """Bad data input (a missing or unreadable file, ids out of range): one line, exit 2."""
 
 
 def _generator(seed: int, *parts: object) -> torch.Generator:

@@ -15,7 +15,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from soapstone.shard.data import DataError
+from soapstone.shard.data_error import DataError
 
 CHUNK_BYTES = 1 << 20
 

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from mpirun import run_mpi
 
+ROOT = Path(__file__).resolve().parents[1]
 CLI = ["-m", "soapstone.dsl.cli"]
 BYTES = ["--dim", "vocab=256"]
 
@@ -119,4 +122,13 @@ def test_tokenize_with_a_tokenizer_json(tmp_path):
     n, dtype = write_token_file([str(tmp_path / "t.txt")], str(tmp_path / "t.bin"), mine)
     ids = np.fromfile(tmp_path / "t.bin", dtype="<u2")
     assert dtype == "uint16" and n == ids.size and ids.tolist() == tok.encode(text).ids
-    assert mine.vocab_size == tok.get_vocab_size() and mine.decode(ids[:6]) == "the cat sat on the mat"
+    assert mine.vocab_size == tok.get_vocab_size()
+    assert mine.decode(ids[:6]) == "the cat sat on the mat"
+
+
+def test_tokenize_needs_no_torch(tmp_path):
+    from test_torch_free import _run
+
+    r = _run("tokenize", "README.md", "-o", str(tmp_path / "t.bin"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "t.bin").stat().st_size == 2 * (ROOT / "README.md").stat().st_size
