@@ -227,35 +227,35 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    """A rank killed (SIGKILL) while writing the step-6 checkpoint: step 3 still resumes (the
-    partial save is reported and ignored), steps 4-6 repeat the first run's losses bitwise, and
-    the next save of step 6 is whole."""
+    """A rank killed (SIGKILL) while writing the step-4 checkpoint: step 2 still resumes (the
+    partial save is reported and ignored), steps 3-4 repeat the first run's losses bitwise, and
+    the next save of step 4 is whole."""
     import os
     import signal
 
     d, pids = tmp_path / "ck", tmp_path / "pids"
-    args = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet", "--steps", "6",
-            "--save", str(d), "--save-every", "3"]
+    args = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet", "--steps", "4",
+            "--save", str(d), "--save-every", "2"]
     first = _launch(2, [*args, "--metrics", str(tmp_path / "a.jsonl")],
-                    {"SOAPSTONE_CKPT_TEST_SLOW": f"6:30:{pids}"})
+                    {"SOAPSTONE_CKPT_TEST_SLOW": f"4:30:{pids}"})
     _wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, first,
-              "both ranks inside the slowed save of step 6")
+              "both ranks inside the slowed save of step 4")
     victim = dict(line.split() for line in pids.read_text().splitlines())["1"]
     os.kill(int(victim), signal.SIGKILL)
     first.communicate(timeout=120)
     assert first.returncode != 0
-    assert (d / "step-00000003" / "index.json").is_file()
-    assert not (d / "step-00000006" / "index.json").exists()
+    assert (d / "step-00000002" / "index.json").is_file()
+    assert not (d / "step-00000004" / "index.json").exists()
     again = _launch(2, [*args, "--resume", str(d), "--metrics", str(tmp_path / "b.jsonl")])
     out, err = again.communicate(timeout=180)
     assert again.returncode == 0, out + err
-    assert f"ignoring partial save {d / 'step-00000006'}" in err
-    assert "resumed from" in err and "at step 3" in err
+    assert f"ignoring partial save {d / 'step-00000004'}" in err
+    assert "resumed from" in err and "at step 2" in err
     a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
-    assert sorted(b) == [3, 4, 5] and all(a[i] == b[i] for i in b), (a, b)
+    assert sorted(b) == [2, 3] and all(a[i] == b[i] for i in b), (a, b)
     from soapstone.shard.checkpoint import read
 
-    assert read(d / "step-00000006")["step"] == 6
+    assert read(d / "step-00000004")["step"] == 4
 
 
 def test_sigterm_with_save_saves_then_stops(tmp_path):

@@ -4,9 +4,9 @@
   resumed from the files, 3 more: the losses of steps 4-6, the fp32 master weights and the
   optimizer state (moments, step count) on every rank are bitwise equal.
 - reshard (4 ranks): saved under data x tensor parallel with ZeRO-1 after 3 of 6 steps, then
-  resumed on each half of the world under dp2 ZeRO-3, two pipelines, sequence and context
-  parallel, on the whole world under pipe x data (ZeRO-2) and pipe x tensor x sequence
-  (interleaved), and on each rank alone:
+  resumed on each half of the world under dp2 ZeRO-3 and two pipelines, on the whole world
+  under pipe x data (ZeRO-2) and pipe x tensor x sequence (interleaved), and on each rank
+  alone:
   steps 4-6 match the uninterrupted run within the golden tolerances (losses rtol 1e-5;
   parameters 1e-5 of their scale plus 1% of an AdamW update per step).
 """
@@ -174,16 +174,6 @@ def case_reshard_to_pipeline():
 @ranks(4)
 def case_reshard_to_interleaved_pipeline():
     resumed_matches("pp2inter", half())
-
-
-@ranks(4)
-def case_reshard_to_sequence_parallel():
-    resumed_matches("sp2", half())
-
-
-@ranks(4)
-def case_reshard_to_context_parallel():
-    resumed_matches("cp2", half())
 
 
 @ranks(4)
