@@ -11,17 +11,21 @@ virtual stage and microbatch, and the spec step that produced it. Order, per ran
   bucket gathers at their first use), backward (B: the same in reverse order, each step's
   transposed collective; a gradient bucket starts once its parameters' gradients have all
   arrived, i.e. at the earliest step using one of them, strictly in bucket order, the rest at
-  the end of backward), sends (SA/SG); then the loss report (each microbatch's loss gathered
-  over the axes it is partial or split on, then summed over the pipe axis);
+  the end of backward; ZeRO-3 regathers a bucket where backward unpacks a weight a kernel
+  saved, prefetching the bucket before it in forward order), sends (SA/SG); then the loss
+  report (each microbatch's loss gathered over the axes it is partial or split on, then
+  summed over the pipe axis);
 - the optimizer step: weights tied across stages summed over the pipe axis, per stage the
   buckets still pending and the ZeRO allreduces over the non-data axes, the grad-norm pieces,
   the norm over the pipe axis, the ZeRO-1/2 parameter gathers.
 
-That is the order of shard/executor.py, shard/data_parallel.py and shard/ops.py for ZeRO 0
-and 1 (tests compare it with the flight recorder of a real step); under ZeRO-2/3 a bucket's
-collectives on the data axes sit where this model puts them, which may differ from the
-runtime by a few places within a microbatch (same ops, same communicator). Communicators of
-one rank are left out: nothing can diverge on them. Pure data: no torch.
+That is the order of shard/executor.py, shard/data_parallel.py, shard/zero.py and
+shard/ops.py: the explain cases (tests/cases/run_cases.py) compare it call by call with the
+flight recorder of a real step for every example and test layout they run (ZeRO 0-3,
+pipelines, branches, accumulation). It rests on autograd running backward in reverse creation
+order and on which weights each kernel keeps, so a new kernel that keeps other tensors needs
+its rule here. Communicators of one rank are left out: nothing can diverge on them. Pure
+data: no torch.
 """
 
 from __future__ import annotations
@@ -238,6 +242,38 @@ class _StageOps:
         # the steps that communicate, so each microbatch walks only them
         self.fwd_steps = [i for i, s in enumerate(p.steps) if _forward_comm(p, s)]
         self.bwd_steps = [i for i, s in enumerate(p.steps) if _backward_comm(p, s)]
+        self.order, self.unpacks = self._zero3_plan(fused, runs_at) if self.zero == 3 \
+            else ([], {})
+
+    def _zero3_plan(self, fused: dict, runs_at: dict) -> tuple[list[int], dict]:
+        """ZeRO-3 (shard/zero.py): the sharded buckets in forward order, and per run index the
+        buckets whose parameters that step's kernel saves for backward, in the order its
+        backward unpacks them (each unpack gathers the bucket again and prefetches the one
+        before it in forward order)."""
+        p = self.program
+        owner = {n: k for k, b in enumerate(self.buckets) if self.sharded(b) for n in b.names}
+        first: dict[int, int] = {}
+        for i, s in enumerate(p.steps):
+            at = runs_at.get(i, i)
+            for a in s.args if isinstance(s, Compute) else (s.src,):
+                if a in owner:
+                    first[owner[a]] = min(first.get(owner[a], at), at)
+        unpacks: dict[int, list[int]] = {}
+        for i, s in enumerate(p.steps):
+            if i in runs_at or not isinstance(s, Compute):
+                continue
+            f = fused.get(i)
+            if f is not None:  # a fused linear keeps its weight (addmm), attention none
+                args = (f.w,) if hasattr(f, "w") else ()
+            elif s.kind in ("einsum", "mul", "layernorm", "rmsnorm") or \
+                    s.kind.startswith("custom:"):
+                args = s.args  # the kernels keep their weights (an embedding keeps ids)
+            else:
+                args = ()
+            for a in args:
+                if a in owner and owner[a] not in unpacks.get(i, []):
+                    unpacks.setdefault(i, []).append(owner[a])
+        return sorted(first, key=first.get), unpacks
 
     # -- helpers ---------------------------------------------------------------------------
     def op(self, kind, axes, shape, dtype, payload, phase, mb, source) -> Op | None:
@@ -338,15 +374,22 @@ class _StageOps:
             fill.setdefault(self.fill_at[k], []).append(k)
         full = [False] * nb
         nxt = 0
-        for i in sorted(set(self.bwd_steps) | set(arrive) | set(fill) | {-1}, reverse=True):
+        gathered: set[int] = set()  # ZeRO-3: buckets gathered (or prefetched) in backward
+        for i in sorted(set(self.bwd_steps) | set(arrive) | set(fill) | set(self.unpacks)
+                        | {-1}, reverse=True):
+            for k in self.unpacks.get(i, ()):  # saved weights unpacked: gather, prefetch
+                prev = self.order.index(k) - 1
+                for g in (k, self.order[prev]) if prev >= 0 else (k,):
+                    if g not in gathered:
+                        gathered.add(g)
+                        out.append(self._zero3_gather(g, "backward", mb))
             for k in arrive.get(i, ()):  # the bucket's first gradient of this backward
                 if k in state["pending"]:
                     state["pending"].discard(k)
                     out.append(self._rest(k, mb))
-                if self.zero == 3 and self.sharded(self.buckets[k]):
-                    out.append(self._zero3_gather(k, "backward", mb))
             for k in fill.get(i, ()):
                 full[k] = True
+                gathered.discard(k)  # all its gradients are in: freed (zero.py grad_done)
             while nxt < nb and full[nxt]:
                 out.extend(self._launch(nxt, mb, last, state))
                 nxt += 1

@@ -9,8 +9,7 @@
   the measured tensors.
 - the expected sequence (shard/plan/sequence.py, what the static verifier proves): in the same
   step, every communicator's flight recorder holds exactly the collectives and p2p messages
-  (op, shape, dtype) the plan lists for this rank, in its order (ZeRO-3 with another axis: the
-  same calls, in any order, since backward regathers buckets where autograd unpacks them).
+  (op, shape, dtype) the plan lists for this rank, in its order.
 - golden: every example layout of this world size, pipelines included, reproduces its record
   (tests/golden/runs/<spec>.npz) through `soapstone.dsl.testing.assert_matches_golden`.
 """
@@ -63,8 +62,6 @@ def _assert_sequence(graph, marks: dict, layout: str) -> None:
     """The calls each communicator recorded since `marks` are the plan's for this rank."""
     want = expected_by_comm(rank_sequence(graph, W.rank))
     assert set(want) <= set(marks) or not marks, f"{layout}: plan names {sorted(want)}"
-    exact = not (graph.stages[0].program.zero == 3 and
-                 sum(n > 1 for _, n in graph.mesh) > 1)
     for key, (c, seq0, p2p0) in marks.items():
         got = {"collective": [], "p2p": []}
         for e in c.recorder.snapshot()["entries"]:
@@ -74,7 +71,7 @@ def _assert_sequence(graph, marks: dict, layout: str) -> None:
         for what, rows in got.items():
             plan = want.get(key, {}).get(what, [])
             exp = [(o["op"], tuple(o["shape"]), o["dtype"]) for o in plan]
-            if (rows == exp) if exact else (sorted(rows) == sorted(exp)):
+            if rows == exp:
                 continue
             j = next((i for i, (a, b) in enumerate(zip(rows, exp, strict=False)) if a != b),
                      min(len(rows), len(exp)))
