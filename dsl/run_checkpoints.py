@@ -20,6 +20,7 @@ import sys
 
 import attrs
 
+from .build import default_lr
 from .errors import BadInput
 
 
@@ -34,6 +35,7 @@ class CheckpointPlan:
     start: int = 0
     skipped: tuple[str, ...] = ()  # partial saves passed over
     init: str | None = None
+    saved: tuple[tuple[str, object], ...] = ()  # the resumed checkpoint's run settings
 
 
 def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
@@ -63,14 +65,23 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
                        f"--steps {args.steps} is the total; give more steps")
     args.seed = index["seed"]
     return CheckpointPlan(save, every, keep, str(d), index["step"],
-                          tuple(str(p) for p in partial))
+                          tuple(str(p) for p in partial),
+                          saved=tuple(sorted(index["settings"].items())))
+
+
+# settings a resumed run may change on purpose (each change is noted); the model's dims and
+# the optimizer are checked before launch, the layout may change freely
+CHANGEABLE = ("lr", "weight_decay", "grad_clip", "precision", "accumulate", "data",
+              "lr_schedule", "warmup", "min_lr")
 
 
 def settings(args: argparse.Namespace, graph) -> dict:
     """The run's settings as the index records them."""
     dims = dict(graph.stages[0].program.dims)
     return {"spec": args.spec, "parallel": args.parallel, "dims": dims,
-            "optimizer": args.optimizer, "lr": args.lr, "weight_decay": args.weight_decay,
+            "optimizer": args.optimizer,
+            "lr": args.lr if args.lr is not None else default_lr(args.optimizer),
+            "weight_decay": args.weight_decay,
             "grad_clip": args.grad_clip, "precision": args.precision, "steps": args.steps,
             "accumulate": getattr(args, "accumulate", 1), "data": args.data,
             "lr_schedule": getattr(args, "lr_schedule", None),
@@ -90,6 +101,11 @@ def begin(trainer, plan: CheckpointPlan, args: argparse.Namespace, rank: int) ->
                       "finish)", file=sys.stderr, flush=True)
             print(f"checkpoint: resumed from {plan.resume} at step {plan.start}, seed "
                   f"{args.seed}", file=sys.stderr, flush=True)
+            now = settings(args, trainer.graph)
+            for key, was in plan.saved:
+                if key in CHANGEABLE and key in now and now[key] != was:
+                    print(f"checkpoint: note: {key} is {now[key]!r} now, {was!r} when saved",
+                          file=sys.stderr, flush=True)
     elif plan.init:
         from .init_weights import load_init
 

@@ -179,10 +179,13 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
         (["ckpt", "inspect", str(partial)], "only partial saves without index.json "
                                             "(step-00000004)"),
     ]
-    saved, inspected, exported, init, *rest = cli(
+    saved, inspected, exported, init, resumed, *rest = cli(
         [*gpt, "--save", str(d), "--save-every", "1", "--keep", "2"],
         ["ckpt", "inspect", str(d)], ["ckpt", "export", str(d), "-o", str(f)],
-        [*gpt[:-1], "1", "--init", str(f)], *[a for a, _ in bad])
+        [*gpt[:-1], "1", "--init", str(f)], [*gpt[:-1], "4", "--resume", str(d), "--lr", "1e-3"],
+        *[a for a, _ in bad])
+    assert resumed["rc"] == 0 and "at step 3, seed 0" in resumed["text"], resumed["text"]
+    assert "note: lr is 0.001 now, 0.01 when saved" in resumed["text"]
     assert saved["rc"] == 0, saved["text"]
     assert sorted(p.name for p in d.iterdir()) == ["step-00000002", "step-00000003"]
     assert inspected["rc"] == 0 and "step 3  seed 0  optimizer adamw" in inspected["text"]
