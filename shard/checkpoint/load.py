@@ -54,16 +54,17 @@ def open_params(source: str | Path, graph) -> tuple[Path, dict, str]:
 def resume(executor, path: str | Path) -> dict:
     """Load parameters, masters, optimizer state and step count from the checkpoint `path`
     names (a step dir, or the latest complete one under a --save DIR); its index, with
-    "dir" and "skipped" (partial saves passed over) added. Collective."""
+    "dir", "skipped" (partial saves passed over) and "bytes_read" (tensor data this rank
+    read) added. Collective."""
     from soapstone.shard.checkpoint.save import optimizer_name
 
     name = optimizer_name(executor)
     d, index, partial = open_resume(path, executor.graph, name)
     kinds = ("param", *ix.OPTIMIZER_KINDS.get(name, ())) if name else ("param",)
-    _fill(executor, Reader(d, index), kinds)
+    read = _fill(executor, Reader(d, index), kinds)
     for opt in executor.optimizers.values():
         opt.steps = index["optimizer"]["steps"]
-    return index | {"dir": str(d), "skipped": [str(p) for p in partial]}
+    return index | {"dir": str(d), "skipped": [str(p) for p in partial], "bytes_read": read}
 
 
 def load_params(executor, source: str | Path) -> str:
@@ -96,8 +97,9 @@ def file_index(path: Path) -> dict:
             "files": {path.name: {"bytes": path.stat().st_size}}}
 
 
-def _fill(executor, reader: Reader, kinds: tuple[str, ...]) -> None:
-    """Read every share this rank holds of the given kinds, then republish parameters."""
+def _fill(executor, reader: Reader, kinds: tuple[str, ...]) -> int:
+    """Read every share this rank holds of the given kinds, then republish parameters; the
+    bytes of tensor data read."""
     import torch
 
     with torch.no_grad():
@@ -112,3 +114,4 @@ def _fill(executor, reader: Reader, kinds: tuple[str, ...]) -> None:
                     at += box.numel
         for opt in executor.optimizers.values():
             opt.reducer.publish_params()  # masters -> the parameters every rank computes with
+    return reader.bytes_read

@@ -6,7 +6,7 @@
 - reshard (4 ranks): saved under data x tensor parallel with ZeRO-1 after 3 of 6 steps, then
   resumed on each half of the world under dp2 ZeRO-3 and two pipelines, on the whole world
   under pipe x data (ZeRO-2) and pipe x tensor x sequence (interleaved), and on each rank
-  alone:
+  alone, each rank reading exactly the bytes of the boxes it holds:
   steps 4-6 match the uninterrupted run within the golden tolerances (losses rtol 1e-5;
   parameters 1e-5 of their scale plus 1% of an AdamW update per step).
 """
@@ -146,6 +146,9 @@ def resumed_matches(layout: str | None, world) -> None:
     t = trainer(layout, world)
     index = resume(t.executor, RESHARD)
     assert index["parallel"] == "dp2tp2z1" and index["step"] == 3
+    # only what this rank holds: its boxes of each master and both moments, nothing more
+    held = sum(b.numel for h in holdings(t.executor) for b in h.boxes) * 4 * 3
+    assert index["bytes_read"] == held, (index["bytes_read"], held)
     got = [m.loss for m in t.run(3, 3)]
     for i, (g, w) in enumerate(zip(got, STRAIGHT["loss"][3:], strict=True)):
         assert abs(g - w) <= RTOL * abs(w), f"{layout}: step {4 + i} loss {g!r} vs {w!r}"
