@@ -39,21 +39,25 @@ def test_box_intersection():
     assert a.intersect(Box((4, 0), (2, 2))) is None
 
 
-def _trainer(precision="fp32", optimizer="adamw"):
-    spec = dsl.load(ROOT / "examples/gpt.par")
-    graph = lower_graph(spec.model("gpt"), None)
+def _trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model="gpt"):
+    spec = dsl.load(ROOT / spec)
+    graph = lower_graph(spec.model(model), None)
     return Trainer(graph, None, task=SyntheticTask(graph.program, seed=0), precision=precision,
                    optimizer=optimizer, lr=1e-2)
 
 
-def test_resume_on_one_rank_is_bitwise(tmp_path, precision="bf16", optimizer="sgd"):
-    """bf16 compute over fp32 masters, SGD momentum (the mpiexec cases do AdamW layouts)."""
-    straight = _trainer(precision, optimizer)
+@pytest.mark.parametrize("precision,optimizer,spec,model", [
+    ("bf16", "sgd", "examples/gpt.par", "gpt"),
+    ("fp32", "adamw", "tests/specs/ops_layouts.par", "ops")])  # dropout: masks from (seed, step)
+def test_resume_on_one_rank_is_bitwise(tmp_path, precision, optimizer, spec, model):
+    """bf16 compute over fp32 masters with SGD momentum; a model with dropout, whose masks
+    follow from (seed, step) alone (the mpiexec cases do AdamW layouts)."""
+    straight = _trainer(precision, optimizer, spec, model)
     want = [m.loss for m in straight.run(4)]
-    first = _trainer(precision, optimizer)
+    first = _trainer(precision, optimizer, spec, model)
     list(first.run(2))
     d = save(first.executor, tmp_path, 2, 0, {"accumulate": 1})
-    again = _trainer(precision, optimizer)
+    again = _trainer(precision, optimizer, spec, model)
     index = resume(again.executor, tmp_path)
     assert index["dir"] == str(d) and index["optimizer"]["steps"] == 2
     assert [m.loss for m in again.run(2, 2)] == want[2:]
