@@ -89,8 +89,9 @@ def describe(d: Path, index: dict) -> list[str]:
 
 
 def _bytes(t: dict) -> int:
-    size = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
-    n = size.get(t["dtype"], 1)
+    from soapstone.shard.checkpoint.index import DTYPES
+
+    n = DTYPES.get(t["dtype"], ("?", 1))[1]
     for s in t["shape"]:
         n *= s
     return n

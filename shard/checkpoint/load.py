@@ -77,9 +77,9 @@ def load_params(executor, source: str | Path) -> str:
 
 def file_index(path: Path) -> dict:
     """An index for one full safetensors file (key = parameter name, each one piece)."""
-    from soapstone.shard.checkpoint.verify import CODES, read_header
+    from soapstone.shard.checkpoint.verify import read_header
 
-    names = {c: n for n, c in CODES.items()}
+    names = {c: n for n, (c, _) in ix.DTYPES.items()}
     if not path.is_file():
         raise ix.CheckpointError(f"{path}: no such file")
     header, _ = read_header(path)

@@ -17,16 +17,11 @@ from pathlib import Path
 import torch
 
 from soapstone.shard.checkpoint.boxes import Box
-from soapstone.shard.checkpoint.index import CheckpointError
+from soapstone.shard.checkpoint.index import DTYPES, CheckpointError
 
-# torch dtype <-> the safetensors dtype code, and the index's dtype names
-ST_CODES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16",
-            torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
-NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-         torch.float16: "float16", torch.int64: "int64", torch.int32: "int32",
-         torch.uint8: "uint8"}
-BY_NAME = {v: k for k, v in NAMES.items()}
-CODE_OF_NAME = {NAMES[t]: c for t, c in ST_CODES.items()}
+# torch dtype <-> the index's dtype name (index.DTYPES gives its safetensors code)
+NAMES = {getattr(torch, name): name for name in DTYPES}
+BY_NAME = {name: t for t, name in NAMES.items()}
 
 
 def write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str],
@@ -37,7 +32,7 @@ def write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[st
     offset = 0
     for key, t in tensors:
         n = t.numel() * t.element_size()
-        header[key] = {"dtype": ST_CODES[t.dtype], "shape": list(t.shape),
+        header[key] = {"dtype": DTYPES[NAMES[t.dtype]][0], "shape": list(t.shape),
                        "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -111,9 +106,10 @@ class Reader:
             raise CheckpointError(f"{where}: not in the file, but the index lists it for "
                                   f"{tensor}; the checkpoint is damaged") from None
         shape, code = list(sl.get_shape()), sl.get_dtype()
-        if shape != list(p["shape"]) or code != CODE_OF_NAME.get(meta["dtype"]):
+        want = DTYPES.get(meta["dtype"], ("?",))[0]
+        if shape != list(p["shape"]) or code != want:
             raise CheckpointError(f"{where}: holds {code} {shape}, the index says "
-                                  f"{CODE_OF_NAME.get(meta['dtype'])} {list(p['shape'])} for "
+                                  f"{want} {list(p['shape'])} for "
                                   f"{tensor}; the file and its index disagree")
         return _Sliced(sl)
 

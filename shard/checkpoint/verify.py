@@ -11,10 +11,7 @@ import json
 import struct
 from pathlib import Path
 
-from soapstone.shard.checkpoint.index import CheckpointError
-
-CODES = {"float32": "F32", "float64": "F64", "bfloat16": "BF16", "float16": "F16",
-         "int64": "I64", "int32": "I32", "uint8": "U8"}
+from soapstone.shard.checkpoint.index import DTYPES, CheckpointError
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -45,7 +42,7 @@ def verify(directory: Path, index: dict) -> None:
             if h is None:
                 raise CheckpointError(f"{where}: not in the file, but the index lists it for "
                                       f"{tensor}; the checkpoint is damaged")
-            want = CODES.get(meta["dtype"])
+            want = DTYPES.get(meta["dtype"], ("?",))[0]
             if h["dtype"] != want or list(h["shape"]) != list(p["shape"]):
                 raise CheckpointError(f"{where}: holds {h['dtype']} {h['shape']}, the index "
                                       f"says {want} {list(p['shape'])} for {tensor}; the file "
