@@ -48,6 +48,8 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
     for flag, value in (("--save-every", every), ("--keep", keep)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} {value}: give at least 1")
+    if save:
+        check_save_dir(save)
     if args.resume and args.init:
         raise BadInput("--resume and --init together: --resume restores the weights and the "
                        "optimizer; --init only the weights of a fresh run; give one")
@@ -73,6 +75,22 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
 # the optimizer are checked before launch, the layout may change freely
 CHANGEABLE = ("lr", "weight_decay", "grad_clip", "precision", "accumulate", "data",
               "lr_schedule", "warmup", "min_lr")
+
+
+def check_save_dir(path: str) -> None:
+    """--save DIR must be a directory this process can create and write (BadInput)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise BadInput(f"--save {path}: exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"--save {path}: cannot create it ({e.strerror})") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise BadInput(f"--save {path}: not writable; give a directory you can write")
 
 
 def settings(args: argparse.Namespace, graph) -> dict:

@@ -182,6 +182,9 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
         ([*gpt, "--init", str(tmp_path / "nothing.safetensors")], "no such file or directory"),
         (["ckpt", "inspect", str(partial)], "only partial saves without index.json "
                                             "(step-00000004)"),
+        ([*gpt, "--save", str(f)], "exists and is not a directory"),
+        ([*gpt, "--save-every", "2"], "--save-every/--keep need --save DIR"),
+        ([*gpt, "--resume", str(good), "--init", str(f)], "--resume and --init together"),
     ]
     saved, inspected, exported, init, resumed, *rest = cli(
         [*gpt, "--save", str(d), "--save-every", "1", "--keep", "2"],
