@@ -107,6 +107,16 @@ class OutputStmt:
 
 
 @dataclass(slots=True)
+class Tie:
+    """`tie a.weight = b.table`: param `name` is param `target` (one storage)."""
+
+    name: str
+    target: str
+    loc: Loc  # the tied (left) name
+    target_loc: Loc
+
+
+@dataclass(slots=True)
 class ModelDef:
     name: str
     body: list

@@ -29,6 +29,8 @@ from .ir import (
 from .layers import DTYPES, FLOATS, PARAM_DTYPE, REQUIRED, Operand, broadcast
 from .parser import Sources
 
+NAMED_OPS = ("einsum", "add", "mul")  # ops that read their args by dim name, not position
+
 
 class _Abort(Exception):
     """Stops checking one statement; its diagnostic (if any) is already recorded."""
@@ -58,6 +60,10 @@ class Ctx:
 
     def derive(self, dim: str, size: int, alias_of: str | None = None, why: str = "") -> str:
         return self.b.derive(dim, size, alias_of, why, self.loc)
+
+    def producer(self, value: str) -> Op | None:
+        """The op that made `value` (None for inputs and params)."""
+        return next((op for op in reversed(self.b.ops) if op.out == value), None)
 
     def param(self, local: str, dims: tuple[str, ...], init: str) -> Operand:
         b = self.b
@@ -121,6 +127,7 @@ class ModelBuilder:
         self.block: str | None = None
         self.counters: dict[str, int] = {}
         self.in_repeat = False
+        self.ties: list[ast.Tie] = []
 
     # ---- errors and names
     def fail(self, loc: Loc | None, message: str, hint: str | None = None):
@@ -400,6 +407,11 @@ class ModelBuilder:
             self.repeat(s)
         elif isinstance(s, ast.OutputStmt):
             self.output(s)
+        elif isinstance(s, ast.Tie):
+            if self.in_repeat:
+                self.fail(s.loc, "tie statements go outside repeat blocks",
+                          "name the params in full: tie layer.0.linear0.weight = ...")
+            self.ties.append(s)
         else:  # pragma: no cover
             raise AssertionError(type(s))
 
@@ -475,9 +487,54 @@ class ModelBuilder:
                       f"[{', '.join(v.dims)}]", "reduce it, e.g. with cross_entropy")
         self.outputs.append(Output(s.name, v.name, is_loss))
 
+    def tie_params(self) -> None:
+        """Apply the tie statements (after every param exists): the tied param names its target;
+        lowering then uses the target's storage wherever the tied one is read."""
+        by_name = {p.name: i for i, p in enumerate(self.params)}
+        tied: dict[str, str] = {}
+        for t in self.ties:
+            try:
+                for name, loc in ((t.name, t.loc), (t.target, t.target_loc)):
+                    if name not in by_name:
+                        self.fail(loc, f"unknown param '{name}'",
+                                  did_you_mean(name, by_name) or "`soapstone show` lists them")
+                if t.name == t.target:
+                    self.fail(t.loc, f"param {t.name} is tied to itself")
+                if t.name in tied:
+                    self.fail(t.loc, f"param {t.name} is already tied to {tied[t.name]}")
+                if t.target in tied or t.name in tied.values():
+                    self.fail(t.loc, "ties do not chain: tie every param to the one that keeps "
+                              "the storage")
+                a, b = self.params[by_name[t.name]], self.params[by_name[t.target]]
+                self.check_tie(t, a, b)
+                tied[t.name] = t.target
+            except _Abort:
+                pass
+        for name, target in tied.items():
+            i = by_name[name]
+            p = self.params[i]
+            self.params[i] = Param(p.name, p.type, p.init, p.block, target, p.loc)
+
+    def check_tie(self, t: ast.Tie, a: Param, b: Param) -> None:
+        """Tied params hold the same dims; another order only where every reader of the tied
+        one contracts or broadcasts by dim name (einsum, add, mul), never by position."""
+        shape = lambda p: "[" + ", ".join(p.type.dims) + "]"  # noqa: E731
+        if sorted(a.type.dims) != sorted(b.type.dims) or a.type.dtype != b.type.dtype:
+            self.fail(t.loc, f"tie {t.name} {shape(a)} = {t.target} {shape(b)}: tied params "
+                      "need the same dims")
+        if a.type.dims != b.type.dims:
+            readers = [op for op in self.ops if t.name in op.args]
+            bad = next((op for op in readers if op.kind not in NAMED_OPS), None)
+            if bad is not None:
+                self.fail(t.loc, f"tie {t.name} {shape(a)} = {t.target} {shape(b)}: {bad.kind} "
+                          f"reads {t.name} by position, so the dims must be in the same order",
+                          f"tie them the other way round: tie {t.target} = {t.name}")
+
     def build(self) -> Model | None:
         m = self.mdef
         self.stmts(m.body)
+        if not self.diags:  # a failed statement leaves params out: no cascade of unknown ones
+            self.tie_params()
         if not self.outputs and not self.diags:
             self.diags.append(self.sources.diag(m.loc, f"model '{m.name}' has no output",
                                                 "add: output loss = ..."))

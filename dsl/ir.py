@@ -169,7 +169,7 @@ PRIMITIVES: dict[str, str] = {
     "embedding": "args (ids[...], table[vocab, hidden]) -> [..., hidden]. attrs: vocab, hidden",
     "add": "args (a, b), broadcast by dim name; output dims = type.dims",
     "mul": "args (a, b), broadcast by dim name",
-    "gelu": "args (x,)",
+    "gelu": "args (x,). attrs: approximate=tanh (optional: GPT-2's tanh form)",
     "relu": "args (x,)",
     "silu": "args (x,)",
     "dropout": "args (x,). attrs: p (float)",
@@ -180,4 +180,10 @@ PRIMITIVES: dict[str, str] = {
     "rename": "args (x,). attrs: src=d, dst=d2 (same size): relabel one dim, no data change",
     "cross_entropy": "args (logits[..., C], targets[...] int). attrs: over=C. "
     "-> f32[] mean over all target positions",
+    "positions": "no args -> i64[d]: the global index along d (a rank's own slice where d "
+    "is split). attrs: over=d",
+    "rope": "args (x[..., pos, ..., d]). attrs: pos, over=d, theta: rotary embedding, x's "
+    "halves along d rotated by the global position along pos times theta^(-2i/|d|)",
+    "repeat_dim": "args (x[..., src, ...]) -> the same with dst for src (|dst| a multiple g of "
+    "|src|): index i of dst reads index i // g of src (grouped-query heads). attrs: src, dst",
 }

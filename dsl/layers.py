@@ -114,8 +114,54 @@ def _unary(kind: str) -> None:
         return ctx.op(kind, (x,), x.dims, x.dtype)
 
 
-for _kind in ("gelu", "relu", "silu"):
+for _kind in ("relu", "silu"):
     _unary(_kind)
+
+
+@builtin("gelu", Arg("x", "tensor"), Arg("approximate", "choice", "none", ("none", "tanh")))
+def _gelu(ctx, x, approximate):
+    """Elementwise GELU; approximate = tanh is GPT-2's form."""
+    _float(ctx, x, "gelu's input")
+    return ctx.op("gelu", (x,), x.dims, x.dtype, _gelu_attrs(approximate))
+
+
+def _gelu_attrs(approximate: str) -> dict | None:
+    return {"approximate": approximate} if approximate != "none" else None
+
+
+def _activation(ctx, kind: str, y: Operand, name: str) -> Operand:
+    """An mlp's activation by its choice name (gelu_tanh: gelu, approximate = tanh)."""
+    if kind == "gelu_tanh":
+        return ctx.op("gelu", (y,), y.dims, y.dtype, _gelu_attrs("tanh"), name=name)
+    return ctx.op(kind, (y,), y.dims, y.dtype, name=name)
+
+
+@builtin("positions", Arg("dim", "dim"))
+def _positions(ctx, dim):
+    """positions(seq) -> i64[seq]: 0, 1, ... along a dim; where the dim is split, each rank
+    holds its own slice's global positions (learned position embeddings index with it)."""
+    return ctx.op("positions", (), (dim,), "i64", {"over": dim})
+
+
+def _rope_op(ctx, x: Operand, pos: str, over: str, theta: float, name: str | None = None):
+    if theta <= 0:
+        ctx.error(f"rope theta = {theta} must be positive", "LLaMA uses 10000.0")
+    if ctx.size(over) % 2:
+        ctx.error(f"rope rotates pairs: {over} = {ctx.size(over)} must be even")
+    return ctx.op("rope", (x,), x.dims, x.dtype,
+                  {"over": over, "pos": pos, "theta": float(theta)}, name=name)
+
+
+@builtin("rope", Arg("x", "tensor"), Arg("pos", "dim"), Arg("theta", "float", 10000.0))
+def _rope(ctx, x, pos, theta):
+    """Rotary position embedding of x's last dim by the global position along `pos`
+    (LLaMA's half-split rotation; exact where pos is split: each rank uses its own positions)."""
+    _float(ctx, x, "rope's input")
+    over = _last(ctx, x, "rope")
+    if pos not in x.dims or pos == over:
+        ctx.error(f"rope's position dim {pos} must be a dim of x {_dims(x.dims)} other than "
+                  f"the rotated {over}")
+    return _rope_op(ctx, x, pos, over, theta)
 
 
 @builtin("dropout", Arg("x", "tensor"), Arg("p", "float", 0.1))
@@ -162,6 +208,12 @@ def _embedding(ctx, ids, dims):
                   "declare the input as i64[...]")
     if vocab in ids.dims or hidden in ids.dims:
         ctx.error(f"embedding {vocab} -> {hidden}: ids {_dims(ids.dims)} already has that dim")
+    src = ctx.producer(ids.name)
+    if src is not None and src.kind == "positions" and ctx.size(ids.dims[0]) > ctx.size(vocab):
+        d = ids.dims[0]
+        ctx.error(f"positions({d}) reach {ctx.size(d) - 1}, but the table has only "
+                  f"{vocab} = {ctx.size(vocab)} rows",
+                  f"--dim {vocab}={ctx.size(d)}, or a shorter {d}")
     table = ctx.param("table", (vocab, hidden), "normal(0.02)")
     return ctx.op("embedding", (ids, table), ids.dims + (hidden,), PARAM_DTYPE,
                   {"hidden": hidden, "vocab": vocab})
@@ -189,22 +241,33 @@ def _linear(ctx, x, dims, bias):
 
 
 @builtin("mlp", Arg("x", "tensor"), Arg("ffn", "dim"),
-         Arg("activation", "choice", "gelu", ("gelu", "relu", "silu")))
-def _mlp(ctx, x, ffn, activation):
-    """mlp(x, ffn, activation = gelu): linear(h -> ffn), activation, linear(ffn -> h)."""
+         Arg("activation", "choice", "gelu", ("gelu", "gelu_tanh", "relu", "silu")),
+         Arg("bias", "bool", True), Arg("gated", "bool", False))
+def _mlp(ctx, x, ffn, activation, bias, gated):
+    """mlp(x, ffn, activation = gelu, bias = true, gated = false): linear(h -> ffn),
+    activation, linear(ffn -> h); gated (LLaMA's SwiGLU with silu): act(linear0(x)) *
+    linear1(x), then linear2(ffn -> h)."""
     h = _last(ctx, x, "mlp")
     if ffn in x.dims:
         ctx.error(f"mlp's ffn dim {ffn} is already a dim of the input {_dims(x.dims)}")
-    y = ctx.call("linear", x, (h, ffn))
-    y = ctx.op(activation, (y,), y.dims, y.dtype, name="act")
-    return ctx.call("linear", y, (ffn, h), final=True)
+    y = ctx.call("linear", x, (h, ffn), bias=bias)
+    y = _activation(ctx, activation, y, "act")
+    if gated:
+        up = ctx.call("linear", x, (h, ffn), bias=bias)
+        y = ctx.op("mul", (y, up), y.dims, y.dtype, name="gate")
+    return ctx.call("linear", y, (ffn, h), final=True, bias=bias)
 
 
-@builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True))
-def _attention(ctx, x, heads, causal):
+@builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
+         Arg("kv_heads", "dim", None), Arg("rope", "float", 0.0), Arg("bias", "bool", True),
+         Arg("qkv_bias", "bool", False))
+def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
+    kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
+    heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
+    global positions along S; bias = false drops bo; qkv_bias = true adds bq, bk, bv.
     The primitives it emits are listed in ir.PRIMITIVES."""
     _float(ctx, x, "attention's input")
     if len(x.dims) < 2:
@@ -223,19 +286,31 @@ def _attention(ctx, x, heads, causal):
     Sk = ctx.derive(f"{S}_k", ctx.size(S), alias_of=S, why=f"the key positions of {S}")
     if hd in x.dims or Sk in x.dims:
         ctx.error(f"attention's derived dims {hd}, {Sk} clash with the input {_dims(x.dims)}")
+    KV = _kv_heads(ctx, x, H, kv_heads)
     wq = ctx.param("wq", (h, H, hd), "normal(0.02)")
-    wk = ctx.param("wk", (h, H, hd), "normal(0.02)")
-    wv = ctx.param("wv", (h, H, hd), "normal(0.02)")
+    wk = ctx.param("wk", (h, KV, hd), "normal(0.02)")
+    wv = ctx.param("wv", (h, KV, hd), "normal(0.02)")
     wo = ctx.param("wo", (H, hd, h), "normal(0.02)")
-    bo = ctx.param("bo", (h,), "zeros")
     dt = x.dtype
     heads_dims = lead + (S, H, hd)
-    q = ctx.op("einsum", (x, wq), heads_dims, dt, name="q")
-    k = ctx.op("einsum", (x, wk), heads_dims, dt, name="k")
-    v = ctx.op("einsum", (x, wv), heads_dims, dt, name="v")
-    kdims = lead + (Sk, H, hd)
-    k2 = ctx.op("rename", (k,), kdims, dt, {"dst": Sk, "src": S}, name="k2")
-    v2 = ctx.op("rename", (v,), kdims, dt, {"dst": Sk, "src": S}, name="v2")
+
+    def project(w: Operand, nh: str, name: str) -> Operand:
+        if not qkv_bias:
+            return ctx.op("einsum", (x, w), lead + (S, nh, hd), dt, name=name)
+        y = ctx.op("einsum", (x, w), lead + (S, nh, hd), dt, name=f"{name}_mm")
+        b = ctx.param(f"b{name}", (nh, hd), "zeros")
+        return ctx.op("add", (y, b), y.dims, dt, name=name)
+
+    q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
+    if rope:
+        q = _rope_op(ctx, q, S, hd, rope, name="q_rot")
+        k = _rope_op(ctx, k, S, hd, rope, name="k_rot")
+    k2 = ctx.op("rename", (k,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="k2")
+    v2 = ctx.op("rename", (v,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="v2")
+    if KV != H:  # each kv head serves heads / kv_heads query heads
+        kdims = lead + (Sk, H, hd)
+        k2 = ctx.op("repeat_dim", (k2,), kdims, dt, {"dst": H, "src": KV}, name="k_rep")
+        v2 = ctx.op("repeat_dim", (v2,), kdims, dt, {"dst": H, "src": KV}, name="v_rep")
     sdims = lead + (H, S, Sk)
     s = ctx.op("einsum", (q, k2), sdims, dt, {"scale": 1.0 / math.sqrt(ctx.size(hd))},
                name="scores")
@@ -243,8 +318,25 @@ def _attention(ctx, x, heads, causal):
         s = ctx.op("causal_mask", (s,), sdims, dt, {"key": Sk, "query": S}, name="masked")
     p = ctx.op("softmax", (s,), sdims, dt, {"over": Sk}, name="probs")
     o = ctx.op("einsum", (p, v2), heads_dims, dt, name="o")
+    if not bias:
+        return ctx.op("einsum", (o, wo), lead + (S, h), dt)
     y = ctx.op("einsum", (o, wo), lead + (S, h), dt, name="y")
+    bo = ctx.param("bo", (h,), "zeros")
     return ctx.op("add", (y, bo), lead + (S, h), dt)
+
+
+def _kv_heads(ctx, x: Operand, H: str, kv: str | None) -> str:
+    """The key/value heads dim: heads itself, or a dim whose size divides heads."""
+    if kv is None or kv == H:
+        return H
+    if kv in x.dims:
+        ctx.error(f"attention kv_heads dim {kv} is already a dim of the input {_dims(x.dims)}")
+    hs, ks = ctx.size(H), ctx.size(kv)
+    if hs % ks:
+        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ctx.error(f"{kv} = {ks} does not divide {H} = {hs}: each kv head serves a whole group "
+                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok))}")
+    return kv
 
 
 @builtin("cross_entropy", Arg("logits", "tensor"), Arg("targets", "tensor"))

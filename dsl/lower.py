@@ -71,13 +71,16 @@ class _Candidate:
 
 
 def lower(model: ir.Model, parallel: ir.Parallel | None = None,
-          grad_inputs: frozenset[str] = frozenset()) -> Program:
+          grad_inputs: frozenset[str] = frozenset(),
+          send: frozenset[str] = frozenset()) -> Program:
     """Compile a model under a parallel block (None: one rank) into a Program.
 
     Tied params are resolved first (`resolve_ties`). `grad_inputs` names the inputs whose
     gradients leave the program (a pipeline stage's received boundary tensors): backward
     treats them like any other value, so a replicated one feeding rank-varying work gets its
-    `CopyTo`. Other inputs (data) carry no gradient.
+    `CopyTo`. Other inputs (data) carry no gradient. `send` names the outputs the next
+    pipeline stage receives: each leaves in the layout that stage gives its inputs (a partial
+    sum is reduced first, so a bias-free residual stream crosses as the next stage reads it).
     """
     if parallel is not None and parallel.operator:
         # A pipeline layout is one Program per stage: soapstone.dsl.stages.lower_pipeline.
@@ -86,11 +89,11 @@ def lower(model: ir.Model, parallel: ir.Parallel | None = None,
             "to a stage graph (one Program per stage), not one Program",
             parallel.loc, hint="call soapstone.dsl.stages.lower_graph(model, parallel) "
             "and run it with soapstone.shard.executor.Executor")
-    return _Lowering(resolve_ties(model), parallel, grad_inputs).run()
+    return _Lowering(resolve_ties(model), parallel, grad_inputs, send).run()
 
 
 def resolve_ties(model: ir.Model) -> ir.Model:
-    """The model with every `tied_to` param replaced by its target (same type required)."""
+    """The model with every `tied_to` param replaced by its target (the same dims required)."""
     ties = {p.name: p.tied_to for p in model.params if p.tied_to}
     if not ties:
         return model
@@ -99,11 +102,12 @@ def resolve_ties(model: ir.Model) -> ir.Model:
         if target not in by_name:
             raise LoweringError.at(f"param {name} is tied to unknown param {target}",
                                    by_name[name].loc)
-        if by_name[target].type != by_name[name].type:
+        a, b = by_name[name].type, by_name[target].type
+        # another dim order is fine: the `tie` statement checked that readers go by name
+        if a.dtype != b.dtype or sorted(a.dims) != sorted(b.dims):
             raise LoweringError.at(
-                f"param {name} {by_name[name].type.dims} is tied to {target} "
-                f"{by_name[target].type.dims}: tied params need the same type",
-                by_name[name].loc)
+                f"param {name} {a.dims} is tied to {target} {b.dims}: tied params need the "
+                "same dims", by_name[name].loc)
     ops = tuple(attrs.evolve(op, args=tuple(ties.get(a, a) for a in op.args))
                 for op in model.ops)
     params = tuple(p for p in model.params if p.name not in ties)
@@ -112,9 +116,10 @@ def resolve_ties(model: ir.Model) -> ir.Model:
 
 class _Lowering:
     def __init__(self, model: ir.Model, parallel: ir.Parallel | None,
-                 grad_inputs: frozenset[str] = frozenset()):
+                 grad_inputs: frozenset[str] = frozenset(), send: frozenset[str] = frozenset()):
         self.model = model
         self.grad_inputs = frozenset(grad_inputs)
+        self.send = frozenset(send)
         self.par = parallel
         self.sizes = dict(model.dims)
         self.mesh = dict(parallel.mesh) if parallel else {}
@@ -167,6 +172,8 @@ class _Lowering:
                             self._leaf_layout(p.type.dims, par.parameter if par else ()))
         for op in self.model.ops:
             self._lower_op(op)
+        outputs = tuple(self._sent(o) if o.name in self.send else o
+                        for o in self.model.outputs)
         grad_sync = self._backward()
         params = tuple(
             ParamSpec(
@@ -187,7 +194,7 @@ class _Lowering:
             params=params,
             values=tuple(self.values.values()),
             steps=tuple(self.steps),
-            outputs=self.model.outputs,
+            outputs=outputs,
             batch_dim=batch_dim(self.model, par),
             # the sample axes that split something: gradients are summed and ZeRO shards there
             data_axes=tuple(dict.fromkeys(a for _, a in (par.sample if par else ())
@@ -195,6 +202,16 @@ class _Lowering:
             zero=par.zero if par else 0,
             roles=input_roles(self.model),
         )
+
+    def _sent(self, out: ir.Output) -> ir.Output:
+        """A boundary output redistributed to the layout the next stage reads it in."""
+        v = self.values[out.value]
+        mapping = (*self.par.sample, *self.par.attribute) if self.par else ()
+        want = self._leaf_layout(v.dims, mapping)
+        if v.layout == want:
+            return out
+        return attrs.evolve(out, value=self._redistribute(
+            v.name, {a: want.get(a) for a in self.active}))
 
     def _lower_op(self, op: ir.Op) -> None:
         args = [self.values[a] for a in op.args]
@@ -239,9 +256,12 @@ class _Lowering:
         for d in order:
             if d in used or d not in self.allowed[axis] or self.sizes[d] % self.mesh[axis]:
                 continue
+            splits = tuple(self._arg_split(op, axis, _split_of(dims, v.dims, d))
+                           for dims, v in zip(iter_dims, args, strict=True))
+            if None in splits:
+                continue
             found.append(_Candidate(
-                args=tuple(_split_of(dims, v.dims, d)
-                           for dims, v in zip(iter_dims, args, strict=True)),
+                args=splits,
                 out=Split(d) if d in out_dims else (P if roles[d] == rules.SUM else R),
                 dim=d, stat=roles[d] == rules.STAT,
             ))
@@ -254,6 +274,14 @@ class _Lowering:
             found.append(_Candidate((P,) * len(args), P, None))
         found.append(_Candidate((R,) * len(args), R, None))
         return found
+
+    def _arg_split(self, op: ir.Op, axis: str, want: Placement) -> Placement | None:
+        """An arg's placement for a split of the op: None where its own dim does not divide
+        over the axis (a repeat_dim's src: fewer kv heads than ranks), unless the op reads
+        that arg whole by global index (rules.WHOLE_ARG)."""
+        if isinstance(want, Split) and self.sizes[want.dim] % self.mesh[axis]:
+            return R if op.kind in rules.WHOLE_ARG else None
+        return want
 
     def _choose(self, op, axis, args, iter_dims, roles, used) -> _Candidate:
         best, best_cost = None, float("inf")

@@ -20,6 +20,7 @@ _TERMINAL_NAMES = {
     "INT": "an integer",
     "FLOAT": "a number",
     "STRING": 'a string ("...")',
+    "PARAM_REF": "a parameter name (e.g. linear0.weight, as `show` prints it)",
     "$END": "end of file",
 }
 
@@ -101,6 +102,9 @@ class _Build(Transformer):
 
     def repeat(self, meta, c):
         return ast.Repeat(c[0], str(c[1]), list(c[2:]), self._l(c[1]))
+
+    def tie(self, meta, c):
+        return ast.Tie(str(c[0]), str(c[1]), self._l(c[0]), self._l(c[1]))
 
     def output(self, meta, c):
         name, expr, mark = c

@@ -22,12 +22,18 @@ from soapstone.dsl import ir
 FREE, SUM, STAT = "free", "sum", "stat"
 
 # "one": exactly one arg partial, the rest replicated; "all": every arg partial.
-PARTIAL_PASS = {"einsum": "one", "mul": "one", "add": "all", "rename": "one", "dropout": "one"}
+PARTIAL_PASS = {"einsum": "one", "mul": "one", "add": "all", "rename": "one", "dropout": "one",
+                "rope": "one", "repeat_dim": "one"}
+
+# Ops that read an arg by global index (repeat_dim: output index i reads i // group), so they
+# can take it whole where splitting it with the output does not divide (one kv head, 2 ranks).
+WHOLE_ARG = ("repeat_dim",)
 
 
 def arg_dims(op: ir.Op, arg: int, dims: tuple[str, ...]) -> tuple[str, ...]:
-    """An arg's dims named in the op's iteration space (rename maps src to dst)."""
-    if op.kind == "rename":
+    """An arg's dims named in the op's iteration space (rename and repeat_dim map src to dst:
+    splitting dst splits the arg along src)."""
+    if op.kind in ("rename", "repeat_dim"):
         src, dst = op.attr("src"), op.attr("dst")
         return tuple(dst if d == src else d for d in dims)
     return dims
@@ -48,7 +54,9 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
     if kind == "cross_entropy":
         over = op.attr("over")
         return {d: (STAT if d == over else SUM) for d in arg_dim_lists[0]}
-    # elementwise (add, mul, activations, dropout, causal_mask) and rename
+    if kind == "rope":  # rotates pairs across the whole `over` dim: it never splits
+        return {d: FREE for d in out if d != op.attr("over")}
+    # elementwise (add, mul, activations, dropout, causal_mask), rename, repeat_dim, positions
     return dict.fromkeys(out, FREE)
 
 

@@ -173,15 +173,18 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
     for sm in split(model, parallel):
         # received tensors send their gradients back: lowering keeps them replicated too
         program = lower(attrs.evolve(sm.model, dims=dims), inner,
-                        grad_inputs=frozenset(sm.recv))
+                        grad_inputs=frozenset(sm.recv), send=frozenset(sm.send))
         program = attrs.evolve(program, model=model.name, parallel=parallel.name)
         stages.append(Stage(sm.index, sm.rank, sm.chunk, sm.blocks, program, sm.data_inputs,
                             sm.recv, sm.send))
     edges = []
     for a, b in zip(stages, stages[1:], strict=False):
         tensors = []
+        sent = {o.name: o.value for o in a.program.outputs}
         for name in a.send:
-            out, into = a.program.value(name), b.program.value(name)
+            # the value that leaves (redistributed to the receiver's layout), under its name
+            out = attrs.evolve(a.program.value(sent[name]), name=name)
+            into = b.program.value(name)
             if out.layout != into.layout or out.local_shape != into.local_shape:
                 raise LoweringError.at(
                     f"{name} leaves stage {a.index} laid out as {{{out.layout}}} "

@@ -152,10 +152,51 @@ def mul(step, args, ctx):
     return _binary(step, args, ctx, torch.mul)
 
 
-REGISTRY["gelu"] = lambda step, args, ctx: F.gelu(args[0])
+REGISTRY["gelu"] = lambda step, args, ctx: F.gelu(args[0], approximate=str(
+    step.attr("approximate", "none")))
 REGISTRY["relu"] = lambda step, args, ctx: F.relu(args[0])
 REGISTRY["silu"] = lambda step, args, ctx: F.silu(args[0])
 REGISTRY["rename"] = lambda step, args, ctx: args[0]
+
+
+@op("positions")
+def positions(step, args, ctx):
+    """0, 1, ... along `over`, shifted to this rank's slice where it is split."""
+    v = ctx.out(step)
+    return torch.arange(v.local_shape[0], dtype=torch.int64) + ctx.offset(v, step.attr("over"))
+
+
+@op("rope")
+def rope(step, args, ctx):
+    """x * cos + rotate_half(x) * sin at the global positions of this rank's slice, the angles
+    pos * theta^(-2i/d) in fp32 (fp64 for fp64 x) as Hugging Face's LLaMA computes them."""
+    x = args[0]
+    v = ctx.arg(step, 0)
+    pos, over, theta = step.attr("pos"), step.attr("over"), float(step.attr("theta"))
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n = ctx.sizes[over]
+    inv = 1.0 / theta ** (torch.arange(0, n, 2, dtype=torch.int64).to(wide) / n)
+    p = torch.arange(v.local_shape[v.dims.index(pos)]) + ctx.offset(v, pos)
+    angles = torch.outer(p.to(wide), inv)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos = align(angles.cos().to(x.dtype), (pos, over), v.dims)
+    sin = align(angles.sin().to(x.dtype), (pos, over), v.dims)
+    d = v.dims.index(over)
+    x1, x2 = x.chunk(2, dim=d)
+    return x * cos + torch.cat((-x2, x1), dim=d) * sin
+
+
+@op("repeat_dim")
+def repeat_dim(step, args, ctx):
+    """Index i of dst (this rank's slice of it) reads index i // group of src (its own slice
+    of src, or the whole of it)."""
+    x = args[0]
+    v, o = ctx.arg(step, 0), ctx.out(step)
+    src, dst = step.attr("src"), step.attr("dst")
+    group = ctx.sizes[dst] // ctx.sizes[src]
+    d = o.dims.index(dst)
+    idx = (torch.arange(o.local_shape[d]) + ctx.offset(o, dst)) // group - ctx.offset(v, src)
+    return x.index_select(d, idx)
 
 
 @op("dropout")

@@ -246,7 +246,7 @@ def _last_uses(program: Program, runs_at: dict[int, int]) -> dict[int, list[str]
     keep |= {program.steps[i].out for i in runs_at}  # never materialised: fused away
     last: dict[str, int] = {}
     for i, step in enumerate(program.steps):
-        for a in getattr(step, "args", None) or (step.src,):
+        for a in step.args if isinstance(step, Compute) else (step.src,):
             last[a] = runs_at.get(i, i)
     frees: dict[int, list[str]] = {}
     for name, i in last.items():

@@ -199,8 +199,14 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     gathered = 0
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
+    # elements no data axis shards: a param whose gradient arrives summed over the data axes
+    # already (through an activation's copy_to: a position table) has no data-axis sync,
+    # so ZeRO leaves it, its gradient and its optimizer state whole
+    whole = 0
     for plan in plan_buckets(program, zero, program.data_axes, deferred):
         n_dp = math.prod(mesh[a] for a in plan.dp)
+        if n_dp == 1:
+            whole += plan.numel
         padded = -(-plan.numel // n_dp) * n_dp
         item = FLOAT_BYTES[program.value(plan.names[0]).dtype]
         if zero == 0 or n_dp == 1:
@@ -227,10 +233,20 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                 add("loss", "allreduce", axis, lv.nbytes)
             else:
                 add("loss", "allgather", axis, lv.nbytes * mesh[axis])
-    grad_bytes = elems * 4 // (d if zero >= 2 else 1)
-    opt_bytes = elems * OPTIMIZER_STATE.get(optimizer, 8) // (d if zero >= 1 else 1)
+    def held(total: int, item: float, from_stage: int) -> int:
+        """The bytes of `total` (item bytes an element) a rank holds where ZeRO >= from_stage
+        shards all but the `whole` elements over the data axes."""
+        if zero < from_stage:
+            return total
+        kept = int(whole * item)
+        return kept + (total - kept) // d
+
+    grad_bytes = held(elems * 4, 4, 2)
+    state = OPTIMIZER_STATE.get(optimizer, 8)
+    opt_bytes = held(elems * state, state, 1)
     return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
-                    param_bytes // (d if zero >= 3 else 1), grad_bytes, opt_bytes, activations,
+                    held(param_bytes, param_bytes / elems if elems else 0, 3),
+                    grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
                         elems * 4 - grad_bytes if zero >= 2 else 0))
