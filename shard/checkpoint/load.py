@@ -23,7 +23,7 @@ from soapstone.shard.checkpoint.verify import verify
 def open_resume(path: str | Path, graph, optimizer: str | None) -> tuple[Path, dict, list]:
     """The checkpoint `path` names (a step dir, or the latest complete one under a --save
     DIR), checked against the model of `graph` and the optimizer without reading tensor data:
-    (its dir, its index, the partial saves passed over). Torch-free; CheckpointError."""
+    (its dir, its index, the partial saves passed over); CheckpointError."""
     d, partial = ix.find(path)
     index = ix.read(d)
     verify(d, index)
