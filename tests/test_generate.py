@@ -14,28 +14,43 @@ CLI = ["-m", "soapstone.dsl.cli"]
 BYTES = ["--dim", "vocab=256"]
 
 
+def corpus() -> str:
+    """Sentences of a tiny grammar: spelling to learn, and a free choice of words."""
+    import random
+
+    r = random.Random(0)
+    nouns, verbs = ("cat", "dog", "bird", "fish", "fox"), ("sees", "likes", "chases", "finds")
+    return "".join(f"the {r.choice(nouns)} {r.choice(verbs)} the {r.choice(nouns)}.\n"
+                   for _ in range(3000))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """gpt.par trained 80 steps on README.md's bytes, saved."""
+    """gpt.par trained 150 steps on the corpus's bytes, saved."""
     d = tmp_path_factory.mktemp("ckpt")
-    r = run_mpi(1, [*CLI, "run", "examples/gpt.par", *BYTES, "--data", "README.md",
-                    "--steps", "80", "--quiet", "--save", str(d / "run")], timeout=300)
+    (d / "corpus.txt").write_text(corpus())
+    r = run_mpi(1, [*CLI, "run", "examples/gpt.par", *BYTES, "--data", str(d / "corpus.txt"),
+                    "--steps", "150", "--quiet", "--save", str(d / "run")], timeout=300)
     assert r.ok, r.report()
     return str(d / "run")
 
 
-def generate(n: int, checkpoint: str, *args: str):
-    r = run_mpi(n, [*CLI, "generate", "examples/gpt.par" if n == 1 or "tp2" in args else
-                    "tests/specs/pipe_layouts.par", *BYTES, "--init", checkpoint,
-                    "--prompt", "The command", "--tokens", "24", *args], timeout=180)
+def generate(n: int, checkpoint: str, *args: str) -> str:
+    spec = "tests/specs/pipe_layouts.par" if "pp2f1b" in args else "examples/gpt.par"
+    r = run_mpi(n, [*CLI, "generate", spec, *BYTES, "--init", checkpoint, "--prompt", "the cat",
+                    "--tokens", "32", *args], timeout=180)
     assert r.ok, r.report()
-    assert r.stdout.count("The command") == 1  # rank 0 alone prints
-    return r.stdout.rstrip("\n")
+    text = r.stdout.removesuffix("\n")
+    # rank 0 alone prints: the prompt and 32 new bytes (the corpus is ASCII), once
+    assert text.startswith("the cat") and len(text.encode()) == len("the cat") + 32, r.stdout
+    return text
 
 
 def test_greedy_generation_is_identical_under_layouts(checkpoint):
     one = generate(1, checkpoint, "--temperature", "0")
-    assert one.startswith("The command") and len(one.encode()) >= len("The command") + 20
+    new = one.removeprefix("the cat")
+    # the model learned the corpus: its letters only, and more than one of them
+    assert set(new) <= set(corpus()) and len(set(new)) >= 5, one
     assert generate(2, checkpoint, "--parallel", "tp2", "--temperature", "0") == one
     assert generate(2, checkpoint, "--parallel", "pp2f1b", "--temperature", "0") == one
 
@@ -45,6 +60,7 @@ def test_sampled_generation_is_identical_under_tp2(checkpoint):
     sampled = ["--temperature", "0.8", "--top-k", "20", "--seed", "3"]
     one = generate(1, checkpoint, *sampled)
     assert generate(2, checkpoint, "--parallel", "tp2", *sampled) == one
+    assert one != generate(1, checkpoint, "--temperature", "0")
 
 
 def test_next_id():
