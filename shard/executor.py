@@ -24,7 +24,9 @@ Gradients take one path: each stage's optimizer (build_optimizer: buckets, ZeRO,
 reduces them; weights tied across stages are its deferred parameters, summed over the pipe axis
 first; clipping uses the norm over every stage and axis. The loss of a microbatch is a mean
 over it; the last stage backpropagates loss / microbatches, so the accumulated gradients are
-those of the mean over the whole batch, as on one rank.
+those of the mean over the whole batch, as on one rank. `train_step([b0, b1, ...])` goes on
+accumulating over several full batches before one update (`run --accumulate`). `infer` runs
+the schedule's forward actions only (evaluation, generation).
 """
 
 from __future__ import annotations
