@@ -186,9 +186,11 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
         ([*gpt, "--save-every", "2"], "--save-every/--keep need --save DIR"),
         ([*gpt, "--resume", str(good), "--init", str(f)], "--resume and --init together"),
     ]
-    saved, inspected, exported, init, resumed, *rest = cli(
+    half = tmp_path / "bf16.safetensors"
+    saved, inspected, exported, halved, init, resumed, *rest = cli(
         [*gpt, "--save", str(d), "--save-every", "1", "--keep", "2"],
         ["ckpt", "inspect", str(d)], ["ckpt", "export", str(d), "-o", str(f)],
+        ["ckpt", "export", str(d / "step-00000002"), "-o", str(half), "--dtype", "bfloat16"],
         [*gpt[:-1], "1", "--init", str(f)], [*gpt[:-1], "4", "--resume", str(d), "--lr", "1e-3"],
         *[a for a, _ in bad])
     assert resumed["rc"] == 0 and "at step 3, seed 0" in resumed["text"], resumed["text"]
@@ -201,6 +203,8 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
     from safetensors.torch import load_file
 
     assert set(load_file(str(f))) == {p.name for p in t.graph.program.params}
+    assert halved["rc"] == 0 and "at step 2" in halved["text"], halved["text"]
+    assert {v.dtype for v in load_file(str(half)).values()} == {torch.bfloat16}
     assert init["rc"] == 0 and f"init: {f}: 57 parameters" in init["text"], init["text"]
     for (argv, text), got in zip(bad, rest, strict=True):
         assert got["rc"] == 2 and text in got["text"], (argv, got)
