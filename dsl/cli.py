@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "text files to a token file for run --data (bytes or a tokenizer.json)"),
     "ckpt": ("soapstone.dsl.commands.ckpt",
              "inspect DIR | export DIR -o FILE: what a checkpoint holds; its full parameters"),
+    "export": ("soapstone.dsl.commands.export",
+               "write a GPT-2 / LLaMA model's weights as a Hugging Face directory (--hf DIR)"),
     "plan": ("soapstone.dsl.commands.plan",
              "choose a layout for N devices of a hardware profile (no torch)"),
 }

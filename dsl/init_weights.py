@@ -51,3 +51,18 @@ def load_init(executor, text: str) -> str:
     from soapstone.shard.checkpoint import load_params
 
     return load_params(executor, text)
+
+
+def _hf_check(rest: str, graph) -> None:
+    from . import hf
+
+    hf.check_graph(rest, graph)
+
+
+def _hf_load(executor, rest: str) -> str:
+    from . import hf
+
+    return hf.load_init(executor, rest)
+
+
+SCHEMES["hf"] = (_hf_check, _hf_load)  # a Hugging Face GPT-2 / LLaMA directory (dsl/hf.py)

@@ -1,0 +1,44 @@
+"""Small random Hugging Face GPT-2 and LLaMA models (transformers, tests only), shaped like
+examples/gpt2.par and examples/llama.par, saved with save_pretrained: what `hf:DIR` imports.
+
+Every parameter is drawn at random (biases and norm weights too, which Hugging Face would
+start at 0 and 1), so a tensor mapped to the wrong place cannot go unnoticed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+GPT2 = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_head": 4, "n_layer": 2,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}  # grouped-query: 2 per kv head
+
+
+def build(kind: str, seed: int = 0):
+    """A random-init GPT2LMHeadModel or LlamaForCausalLM (eval mode, fp32)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def save(kind: str, directory: Path, seed: int = 0) -> Path:
+    """build(kind, seed) written with save_pretrained to `directory`."""
+    build(kind, seed).save_pretrained(directory)
+    return Path(directory)
+
+
+def load(directory: Path):
+    """A save_pretrained directory back as a transformers model (eval mode)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
