@@ -183,12 +183,11 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
             f"  dim batch = {batch}, seq = {seq}, max_seq = {d['max_seq']}, "
             f"hidden = {d['hidden']}, heads = {d['heads']}, ffn = {d['ffn']}, "
             f"vocab = {d['vocab']}\n"
-            f"  dim layers = {d['layers']}\n"
             "  input tokens  : i64[batch, seq]\n"
             "  input targets : i64[batch, seq]\n"
             "  x = embedding(tokens, vocab -> hidden) + embedding(positions(seq), "
             "max_seq -> hidden)\n"
-            "  repeat layers as layer {\n"
+            f"  repeat {d['layers']} as layer {{\n"
             f"    x = x + attention(layernorm(x{eps}), heads = heads, causal = true, "
             "qkv_bias = true)\n"
             f"    x = x + mlp(layernorm(x{eps}), ffn, activation = {cfg.activation})\n"
@@ -203,11 +202,10 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         f"model {name} {{\n"
         f"  dim batch = {batch}, seq = {seq}, hidden = {d['hidden']}, heads = {d['heads']}, "
         f"kv_heads = {d['kv_heads']}, ffn = {d['ffn']}, vocab = {d['vocab']}\n"
-        f"  dim layers = {d['layers']}\n"
         "  input tokens  : i64[batch, seq]\n"
         "  input targets : i64[batch, seq]\n"
         "  x = embedding(tokens, vocab -> hidden)\n"
-        "  repeat layers as layer {\n"
+        f"  repeat {d['layers']} as layer {{\n"
         f"    x = x + attention(rmsnorm(x{eps}), heads = heads, kv_heads = kv_heads, "
         f"rope = {_num(cfg.rope_theta)}, bias = {ab}, qkv_bias = {ab})\n"
         f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
@@ -232,7 +230,7 @@ def check_model(model: ir.Model, cfg: HFConfig, spec: str = "the spec") -> None:
     that fix them), then its params and ops, compared with `spec_text(cfg)`'s."""
     from .lower import resolve_ties
 
-    _check_dims(dict(model.dims), cfg, spec, model.name)
+    _check_dims(dict(model.dims), cfg, spec, model.name, len(model.blocks))
     ref = resolve_ties(reference_model(cfg, model))
     _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec)
     for a, b in zip(model.ops, ref.ops, strict=False):
@@ -245,13 +243,18 @@ def check_model(model: ir.Model, cfg: HFConfig, spec: str = "the spec") -> None:
                       f"{cfg.path} {len(ref.ops)}")
 
 
-def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str) -> None:
-    missing = [d for d, _ in cfg.dims if d not in have]
+def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
+                blocks: int) -> None:
+    if blocks != cfg.size("layers"):
+        raise HFError(f"{spec}: model {name} repeats {blocks} blocks, but {cfg.path} has "
+                      f"{cfg.size('layers')} layers", f"write repeat {cfg.size('layers')} "
+                      "as layer (and place the blocks of pipeline layouts)")
+    missing = [d for d, _ in cfg.dims if d not in have and d != "layers"]
     if missing:
         raise HFError(f"{spec}: model {name} has no dim {', '.join(missing)}, which "
                       f"{cfg.path} sets; write the model as `soapstone.dsl.hf.spec_text` does "
                       f"(examples/{cfg.kind}.par)")
-    wrong = [(d, n) for d, n in cfg.dims if have[d] != n]
+    wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n]
     if wrong:
         said = ", ".join(f"{d} = {have[d]} (config: {n})" for d, n in wrong)
         raise HFError(f"{spec}: model {name}'s dims differ from {cfg.path}: {said}",
@@ -284,7 +287,8 @@ def check_graph(directory: str | Path, graph) -> HFConfig:
     cfg = read_config(directory)
     prog = graph.stages[0].program
     spec = f"--init hf:{directory}"
-    _check_dims(dict(prog.dims), cfg, spec, graph.model)
+    _check_dims(dict(prog.dims), cfg, spec, graph.model,
+                sum(len(s.blocks) for s in graph.stages))
     sizes = dict(prog.dims)
     like = ir.Model(graph.model, tuple({**sizes, "batch": graph.batch or 8}.items()), (), (),
                     (), (), ())
@@ -308,7 +312,7 @@ def config_of(model: ir.Model) -> HFConfig:
     sizes = dict(model.dims)
     kinds = {op.kind for op in model.ops}
     tied = any(p.tied_to for p in model.params)
-    layers = sizes.get("layers", len(model.blocks))
+    layers = len(model.blocks)
     norm = next((op for op in model.ops if op.kind in ("layernorm", "rmsnorm")), None)
     eps = float(norm.attr("eps")) if norm is not None else 1e-5
     try:

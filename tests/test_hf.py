@@ -188,6 +188,14 @@ def test_dims_that_differ_name_the_flags(hf_dirs):
     assert e.value.hint == "run with --dim hidden=32 --dim ffn=128"
 
 
+def test_another_layer_count_names_the_repeat(hf_dirs, tmp_path):
+    bad = _copy(hf_dirs["llama"], tmp_path / "bad", num_hidden_layers=3)
+    model = dsl.load(ROOT / "examples/llama.par").model("llama")
+    with pytest.raises(hf.HFError, match="repeats 2 blocks, but .* has 3 layers") as e:
+        hf.load(bad, model)
+    assert e.value.hint.startswith("write repeat 3 as layer")
+
+
 def test_a_model_computing_something_else_is_refused(hf_dirs):
     text = (ROOT / "examples/gpt2.par").read_text().replace("gelu_tanh", "gelu")
     model = dsl.load(text, filename="gelu.par").model("gpt2")
