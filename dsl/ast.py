@@ -181,6 +181,14 @@ class Zero:
 
 
 @dataclass(slots=True)
+class Recompute:
+    KEYWORD = "recompute"
+
+    repeat: str  # the repeat whose blocks run their forward again in backward
+    loc: Loc
+
+
+@dataclass(slots=True)
 class ParallelDef:
     name: str
     model: str

@@ -153,6 +153,8 @@ class Parallel:
     # a `schedule` statement was written: show prints it even where it is the default (which
     # runs exactly as no statement, so two blocks that differ only here are equal)
     schedule_written: bool = attrs.field(default=False, eq=False)
+    # `recompute R`: the blocks of repeat R keep only their inputs for backward
+    recompute: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -91,6 +91,8 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
         lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}{chunks}")
     if par.zero:
         lines.append(f"  zero      {par.zero}")
+    if par.recompute:
+        lines.append(f"  recompute {par.recompute}")
     return "\n".join(lines + (["}"] if source else [])) + "\n"
 
 

@@ -142,6 +142,8 @@ class _Lowering:
         self.steps: list[Step] = []
         self.producer: dict[str, int] = {}
         self.cache: dict[tuple[str, str, Placement], str] = {}
+        self.block: str | None = None  # the repeat block of the op being lowered
+        self.step_block: list[str | None] = []  # each step's block
 
     # --- layouts of the leaves -------------------------------------------------------------
 
@@ -171,7 +173,9 @@ class _Lowering:
             self._add_value(p.name, p.type.dtype, p.type.dims,
                             self._leaf_layout(p.type.dims, par.parameter if par else ()))
         for op in self.model.ops:
+            self.block = op.block
             self._lower_op(op)
+        self.block = None
         outputs = tuple(self._sent(o) if o.name in self.send else o
                         for o in self.model.outputs)
         grad_sync = self._backward()
@@ -201,7 +205,21 @@ class _Lowering:
                                           if a in self.active)),
             zero=par.zero if par else 0,
             roles=input_roles(self.model),
+            recompute=self._recompute_ranges(),
         )
+
+    def _recompute_ranges(self) -> tuple[tuple[int, int], ...]:
+        """`recompute R`: each maximal run of steps lowered from one block of repeat R."""
+        target = self.par.recompute if self.par else None
+        out: list[tuple[int, int]] = []
+        for i, b in enumerate(self.step_block):
+            if b is None or b.rsplit(".", 1)[0] != target:
+                continue
+            if out and out[-1][1] == i and self.step_block[i - 1] == b:
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
+        return tuple(out)
 
     def _sent(self, out: ir.Output) -> ir.Output:
         """A boundary output redistributed to the layout the next stage reads it in."""
@@ -339,6 +357,7 @@ class _Lowering:
     def _emit(self, step: Step) -> None:
         self.producer[step.out] = len(self.steps)
         self.steps.append(step)
+        self.step_block.append(self.block)
 
     # --- backward --------------------------------------------------------------------------
 
@@ -384,10 +403,12 @@ class _Lowering:
                         for i in group:
                             rewire[(i, name)] = copy.out
         steps: list[Step] = []
+        blocks: list[str | None] = []
         for i, step in enumerate(self.steps):
             steps.extend(copies.get(i, []))
             steps.append(_with_args(step, [rewire.get((i, a), a) for a in _step_args(step)]))
-        self.steps = steps
+            blocks += [self.step_block[i]] * (len(copies.get(i, [])) + 1)  # a copy: its reader's
+        self.steps, self.step_block = steps, blocks
         return {k: tuple(a for a in self.axes if a in v) for k, v in grad_sync.items()}
 
     def _rank_varying(self, step: Step, axis: str) -> bool:

@@ -71,6 +71,7 @@ class _Facts:
     branches: list[Branch] = attrs.Factory(list)
     schedule: ast.ScheduleStmt | None = None
     zero: int = 0
+    recompute: str | None = None
 
 
 def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
@@ -362,9 +363,24 @@ def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
     return []
 
 
+def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
+    """`recompute R`: R names a repeat of the model."""
+    repeats = _repeats(ctx.model)
+    if s.repeat not in repeats:
+        hint = did_you_mean(s.repeat, repeats) or (
+            f"repeats: {', '.join(repeats)}" if repeats
+            else "wrap the layers to recompute in `repeat N as NAME { ... }`")
+        return [ctx.diag(s.loc, f"recompute {s.repeat}: model {ctx.model.name} has no repeat "
+                         f"'{s.repeat}'", hint)]
+    facts.recompute = s.repeat
+    return []
+
+
 _STATEMENTS: dict[type, Callable[..., Diags]] = {
-    ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero}
-_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero)  # statements a block has at most one of
+    ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero,
+    ast.Recompute: _recompute}
+# statements a block has at most one of
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute)
 
 
 def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
@@ -573,7 +589,8 @@ def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
     soap = facts.soap
     return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
-                    sched, facts.zero, p.loc, tuple(facts.branches), s is not None)
+                    sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
+                    recompute=facts.recompute)
 
 
 def check_parallel(p: ast.ParallelDef, model: Model,

@@ -19,6 +19,7 @@ from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Value
+from soapstone.shard.recompute import Segment
 
 TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 
@@ -70,6 +71,9 @@ class ShardedModel:
         self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
         self.covered = set(self.run_index)
         self.frees = _last_uses(program, self.run_index)
+        # `recompute`: the step ranges run as checkpointed segments, by first step
+        self.recompute = {a: Segment.of(program, a, b, self.run_index)
+                          for a, b in program.recompute}
         # dtype: the parameters' and activations' float dtype instead of the spec's (float64
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
@@ -155,20 +159,30 @@ class ShardedModel:
         if provider is None:
             env.update(self.params)
         with provider.forward_context() if provider else contextlib.nullcontext():
-            for i, step in enumerate(self.program.steps):
-                if provider:
-                    provider.before_step(i, env)
-                if i in self.fused:
-                    f = self.fused[i]
-                    out = run_fused(f, env, self.program, self.ctx.offset)
-                    env[f.out] = self._checked(step, out, f.out)
-                elif i not in self.covered:
-                    env[step.out] = self._run(step, env)
-                for name in self.frees.get(i, ()):
-                    del env[name]  # last use: autograd keeps what backward needs, no more
-                if provider:
-                    provider.after_step(i)
+            i = 0
+            while i < len(self.program.steps):
+                if i in self.recompute:
+                    i = self.recompute[i].run(self, env, provider)
+                    continue
+                self._step(i, env, provider)
+                i += 1
         return {o.name: env[o.value] for o in self.program.outputs}
+
+    def _step(self, i: int, env: dict[str, torch.Tensor], provider) -> None:
+        """Run Program step i on `env` (with ZeRO-3's gathers and frees around it)."""
+        step = self.program.steps[i]
+        if provider:
+            provider.before_step(i, env)
+        if i in self.fused:
+            f = self.fused[i]
+            out = run_fused(f, env, self.program, self.ctx.offset)
+            env[f.out] = self._checked(step, out, f.out)
+        elif i not in self.covered:
+            env[step.out] = self._run(step, env)
+        for name in self.frees.get(i, ()):
+            env.pop(name, None)  # last use: autograd keeps what backward needs, no more
+        if provider:
+            provider.after_step(i)
 
     __call__ = forward
 

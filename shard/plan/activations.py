@@ -23,6 +23,10 @@ bucket. `activation_figures` walks the Program forward then backward, freeing ea
 after its last use (the runtime does) and each saved tensor after the backward of the step
 that saved it, and returns the saved bytes and the peak above them (`transient`).
 tests/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
+
+Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
+backward its own saves come back for as long as backward runs through it. `recompute_flops`
+is the forward work run again.
 """
 
 from __future__ import annotations
@@ -107,6 +111,26 @@ def activation_figures(program: Program) -> tuple[int, int]:
         if i not in covered:
             names, extra = _saved(program, i, fused, params)
             saves[i] = ({r(n) for n in names if n not in params and val(n).is_float}, extra)
+    # recompute: a range keeps its float inputs (saved by its first step) instead of what its
+    # steps keep; backward holds the range's own saves again while it runs through it
+    again: dict[int, tuple[int, int]] = {}  # the range's last step -> (its first, bytes)
+    release: dict[int, int] = {}  # step -> recomputed bytes its backward frees
+    for a, b in program.recompute:
+        mine = [i for i in range(a, b) if i in saves]
+        made = {r(steps[i].out) for i in range(a, b)}
+        inputs = {r(x) for i in range(a, b) for x in (steps[i].args if isinstance(
+            steps[i], Compute) else (steps[i].src,)) if x not in params and val(x).is_float}
+        kept = set().union(*(saves[i][0] for i in mine)) - (inputs - made)
+        again[mine[-1]] = (mine[0], sum(val(n).nbytes for n in kept) +
+                           sum(saves[i][1] for i in mine))
+        seen: set[str] = set()
+        for i in mine:  # each recomputed save is freed at its first saver's backward
+            new = (saves[i][0] & kept) - seen
+            seen |= new
+            release[i] = sum(val(n).nbytes for n in new) + saves[i][1]
+        for i in mine:
+            saves[i] = (set(), 0)
+        saves[mine[0]] = (inputs - made, 0)
     first_saver: dict[str, int] = {}  # a saved tensor lives until its earliest saver's backward
     for i, (names, _) in saves.items():
         for n in names:
@@ -157,6 +181,8 @@ def activation_figures(program: Program) -> tuple[int, int]:
             grads[r(o.value)] = val(o.value).nbytes
     for i in reversed(list(saves)):
         names, extra = saves[i]
+        if i in again:
+            held += again[i][1]
         new = 0
         pgrad = 0
         for a in reads(i):
@@ -167,7 +193,22 @@ def activation_figures(program: Program) -> tuple[int, int]:
                 new += val(a).nbytes
         peak = max(peak, held + sum(grads.values()) + pgrad)
         held -= sum(val(n).nbytes for n in names if first_saver[n] == i) + extra
+        held -= release.get(i, 0)
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
     return saved_total, max(0, peak - saved_total)
+
+
+def recompute_flops(program: Program) -> float:
+    """The matmul FLOPs backward runs again under `recompute` (one microbatch, this rank)."""
+    total = 0.0
+    for a, b in program.recompute:
+        for step in program.steps[a:b]:
+            if isinstance(step, Compute) and step.kind == "einsum":
+                sizes: dict[str, int] = {}
+                for name in step.args:
+                    v = program.value(name)
+                    sizes.update(zip(v.dims, v.local_shape, strict=True))
+                total += 2 * math.prod(sizes.values())
+    return total

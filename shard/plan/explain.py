@@ -73,7 +73,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.plan.activations import activation_figures
+from soapstone.shard.plan.activations import activation_figures, recompute_flops
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -118,6 +118,10 @@ class Estimate:
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
     transient_bytes: int = 0  # the working set above the saved activations at the peak
+    # `recompute`: (saved, working set) without it, and the matmul FLOPs backward runs again
+    # (one microbatch)
+    without_recompute: tuple[int, int] | None = None
+    recompute_flops: float = 0.0
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
     rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
@@ -172,10 +176,13 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     elems = sum(math.prod(p.local_shape) for p in float_params)
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
     activations, transient = activations or activation_figures(program)
-    for step in program.steps:
+    again = {i for a, b in program.recompute for i in range(a, b)}
+    for i, step in enumerate(program.steps):
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             if forward_op(step):
                 add("forward", forward_op(step), step.axis, forward_bytes(program, step))
+                if i in again:  # recompute: backward runs the forward's collectives again
+                    add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
         if isinstance(step, Compute) and step.dist:
@@ -187,6 +194,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
             for axis in step.dist:
                 for _, backward in DIST_STATS.get(step.kind, ()):
                     add("forward", "allreduce", axis, stat)
+                    if i in again:
+                        add("recompute", "allreduce", axis, stat)
                     if backward:
                         add("backward", "allreduce", axis, stat)
     # gradient sync, as shard/data_parallel.py does it: its own bucket plan (plan_buckets),
@@ -249,7 +258,10 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
-                        elems * 4 - grad_bytes if zero >= 2 else 0))
+                        elems * 4 - grad_bytes if zero >= 2 else 0),
+                    without_recompute=activation_figures(attrs.evolve(program, recompute=()))
+                    if program.recompute else None,
+                    recompute_flops=recompute_flops(program))
 
 
 def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
@@ -363,7 +375,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
 
         for st in mine:
             for t in per_stage[st.index].traffic:
-                times = m if t.phase in ("forward", "backward", "loss") or (
+                times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
                     zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
                 add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
         if pipe > 1:
@@ -411,7 +423,21 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                     pipe_ranks=[{k: v for k, v in x.items() if k != "traffic"}
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
-                    edges=edge_data, rank_traffic=[x["traffic"] for x in ranks])
+                    edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
+                    **_recompute_figures(sched, pick, per_stage))
+
+
+def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dict:
+    """A pipe rank's figures without `recompute` (activations in flight, working set) and
+    the FLOPs it runs again per microbatch, as Estimate's fields; {} without recompute."""
+    mine = pick["stages"]
+    if all(per_stage[i].without_recompute is None for i in mine):
+        return {}
+    plain = {i: (e.without_recompute or (e.activation_bytes, e.transient_bytes))
+             for i, e in per_stage.items()}
+    peak, _ = _in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()})
+    return {"without_recompute": (peak, max(plain[i][1] for i in mine)),
+            "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
 
 
 def format_bytes(n: float) -> str:
@@ -453,8 +479,14 @@ def format_estimate(e: Estimate) -> str:
              + (", x microbatches in flight)" if e.pipe_rank is not None else ")"),
              f"  working set   {format_bytes(e.transient_bytes):>12}   (above them at the peak: "
              "values to read, gradients in flight)",
-             f"  total         {format_bytes(e.total_bytes):>12}",
-             "communication per training step (bytes this rank sends, ring convention):"]
+             f"  total         {format_bytes(e.total_bytes):>12}"]
+    if e.without_recompute is not None:
+        saved, work = e.without_recompute
+        lines.append(f"  (recompute: without it activations {format_bytes(saved)}, working set "
+                     f"{format_bytes(work)};")
+        lines.append(f"   backward runs {e.recompute_flops / 1e9:.3g} GFLOP of forward matmuls "
+                     "again per microbatch)")
+    lines.append("communication per training step (bytes this rank sends, ring convention):")
     lines.extend(format_traffic(e.traffic))
     if e.pipe_rank is None:
         lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "

@@ -152,6 +152,9 @@ class Program:
     data_axes: tuple[str, ...] = ()  # the sample axes: gradient sync and ZeRO shard over them
     zero: int = 0  # the ZeRO stage the spec asks for
     roles: tuple[InputRole, ...] = ()  # one per input
+    # `recompute R`: [start, stop) step ranges, one per block of repeat R, each run so that
+    # backward keeps only the values it reads from before it and runs its forward again
+    recompute: tuple[tuple[int, int], ...] = ()
 
     @property
     def world_size(self) -> int:

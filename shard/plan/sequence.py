@@ -37,6 +37,7 @@ import attrs
 
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.plan import schedules
+from soapstone.shard.plan.activations import _saved
 from soapstone.shard.plan.buckets import plan_buckets
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.fusions import find_fusions
@@ -244,6 +245,14 @@ class _StageOps:
         self.bwd_steps = [i for i, s in enumerate(p.steps) if _backward_comm(p, s)]
         self.order, self.unpacks = self._zero3_plan(fused, runs_at) if self.zero == 3 \
             else ([], {})
+        # recompute: a range's forward collectives run again where backward first unpacks a
+        # tensor the range saved (the backward of its last step that keeps one)
+        params_set = {x.name for x in p.params}
+        self.again: dict[int, tuple[int, int]] = {}
+        for a, b in p.recompute:
+            keeps = [i for i in range(a, b) if i not in runs_at
+                     and any(_saved(p, i, fused, params_set))]
+            self.again[keeps[-1] if keeps else b - 1] = (a, b)
 
     def _zero3_plan(self, fused: dict, runs_at: dict) -> tuple[list[int], dict]:
         """ZeRO-3 (shard/zero.py): the sharded buckets in forward order, and per run index the
@@ -376,7 +385,11 @@ class _StageOps:
         nxt = 0
         gathered: set[int] = set()  # ZeRO-3: buckets gathered (or prefetched) in backward
         for i in sorted(set(self.bwd_steps) | set(arrive) | set(fill) | set(self.unpacks)
-                        | {-1}, reverse=True):
+                        | set(self.again) | {-1}, reverse=True):
+            if i in self.again:
+                a, b = self.again[i]
+                out.extend(o for j in range(a, b) for o in self._forward_step(j, p.steps[j], mb)
+                           if o is not None)
             for k in self.unpacks.get(i, ()):  # saved weights unpacked: gather, prefetch
                 prev = self.order.index(k) - 1
                 for g in (k, self.order[prev]) if prev >= 0 else (k,):

@@ -1,0 +1,69 @@
+"""Activation recompute under mpiexec (tests/test_recompute.py).
+
+- golden: gpt.par's model under `recompute layer` in tests/specs/recompute_layouts.par (data,
+  tensor, sequence parallel, a 2-stage 1F1B pipeline, ZeRO-3) reproduces gpt.par's single-rank
+  record, as the same layouts without recompute do;
+- explain vs counters (run_cases._measure): under tensor and sequence parallel, the bytes each
+  communicator's `stats` record over one step equal explain's figures, its "recompute" rows
+  (the forward's collectives that backward runs again) included, and each flight recorder holds
+  the calls of the plan (shard/plan/sequence.py) in its order.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mpirun import ranks
+
+from soapstone import dsl
+from soapstone.comm import Mesh, init
+from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.testing import assert_matches_golden
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_cases import _measure  # noqa: E402  (the explain cases' step measurement)
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = str(ROOT / "tests/specs/recompute_layouts.par")
+RECORD = str(ROOT / "tests/golden/runs/gpt.npz")
+W = init("mpi")
+
+
+@ranks(2)
+def case_recompute_reproduces_the_single_rank_run():
+    for layout in ("rc_dp2", "rc_tp2", "rc_sp2", "rc_pp2", "rc_zero3"):
+        assert_matches_golden(SPEC, layout, RECORD)
+
+
+@ranks(2)
+def case_recompute_explain_matches_counters():
+    for layout in ("rc_tp2", "rc_sp2"):
+        _measure(SPEC, layout, "adamw")
+
+
+def train_twice(layout: str, mesh=None) -> tuple[list[float], dict]:
+    """Two SGD steps of `layout` of the drop model (dropout in every block): the losses and
+    the full parameters after them."""
+    from soapstone.shard.data import make_task
+    from soapstone.shard.executor import Executor
+
+    spec = dsl.load(SPEC)
+    par = spec.parallel(layout)
+    model = spec.model(par.model)
+    ex = Executor(lower_graph(model, par), mesh, seed=3)
+    ex.use_optimizer(name="sgd", lr=0.5)
+    task = make_task(lower_graph(model, None).program, 0)
+    losses = [ex.train_step(task.batch(k), step=k) for k in range(2)]
+    return losses, ex.full_state_dict()
+
+
+@ranks(2)
+def case_recompute_redraws_the_same_dropout_masks_in_a_pipeline():
+    """1F1B runs other microbatches' forwards before a block's backward: its second forward
+    still draws the masks of its first (bitwise the same training)."""
+    want = train_twice("drop_pp2", Mesh(W, pipe=2))
+    got = train_twice("drop_pp2_rc", Mesh(W, pipe=2))
+    assert got[0] == want[0], (got[0], want[0])
+    for name, t in want[1].items():
+        assert got[1][name].equal(t), name
