@@ -156,8 +156,7 @@ class ShardedModel:
                 env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
             else:
                 raise KeyError(f"missing input {name!r}")
-        if provider is None:
-            env.update(self.params)
+        env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
         with provider.forward_context() if provider else contextlib.nullcontext():
             i = 0
             while i < len(self.program.steps):

@@ -17,6 +17,7 @@ from soapstone import dsl
 from soapstone.dsl.stages import lower_graph
 from soapstone.shard.plan.explain import estimate
 from soapstone.shard.plan.program import Compute
+from soapstone.shard.plan.program_text import format_program
 
 CASES = "tests/cases/recompute_cases.py"
 SPEC = "tests/specs/recompute_layouts.par"
@@ -56,7 +57,9 @@ def test_compiler_marks_each_block_of_the_repeat():
     est = estimate(p)
     saved, _ = est.without_recompute
     assert est.activation_bytes < saved / 3 and est.recompute_flops > 0
+    assert format_program(p).count("# recompute: steps") == 4  # show prints each range
     plain = lower_graph(spec.model("gpt"), spec.parallel("tp2")).program
+    assert "# recompute" not in format_program(plain)
     assert plain.recompute == () and estimate(plain).without_recompute is None
     assert saved == estimate(plain).activation_bytes
 

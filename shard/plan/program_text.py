@@ -70,7 +70,12 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
         lines.append(f"  {name} : {_shape(program, name)} "
                      f"{_layout(program.value(name).layout)}")
     lines.append("steps:")
-    lines.extend(format_step(program, s) for s in program.steps)
+    starts = {a: b for a, b in program.recompute}
+    for i, s in enumerate(program.steps):
+        if i in starts:  # what backward runs again: the range's steps, from its inputs
+            lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
+                         "backward runs them again")
+        lines.append(format_step(program, s))
     lines.append("outputs:")
     for o in program.outputs:
         tag = " (loss)" if o.is_loss else ""
