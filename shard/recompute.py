@@ -14,7 +14,8 @@ the masks are the same. The collectives inside the range run again too, on every
 their communicators in the same order, so torch's early stop (ending the second run once it
 has made what backward needs) is off: it could stop ranks holding different tensors at
 different calls. Under ZeRO-3 the provider's before/after hooks run again, gathering each
-block's parameters for the second run and freeing them after.
+block's parameters for the second run (without prefetching the next block's: its backward
+is done) and freeing them after.
 """
 
 from __future__ import annotations
@@ -62,14 +63,18 @@ class Segment:
         ctx = model.ctx
         mine = (ctx.rng_step, dict(ctx.window), ctx.training)
         inputs = {n: env[n] for n in self.inputs}
+        again = _Again(provider) if provider is not None else None
+        first = [True]
 
         def steps() -> tuple[torch.Tensor, ...]:
             then = (ctx.rng_step, ctx.window, ctx.training)
             ctx.rng_step, ctx.window, ctx.training = mine[0], dict(mine[1]), mine[2]
+            hooks = provider if first[0] else again
+            first[0] = False  # any later run is backward's
             try:
                 local = dict(inputs)
                 for i in range(self.start, self.stop):
-                    model._step(i, local, provider)
+                    model._step(i, local, hooks)
                 return tuple(local[n] for n in self.outputs)
             finally:
                 ctx.rng_step, ctx.window, ctx.training = then
@@ -84,3 +89,19 @@ class Segment:
             for name in model.frees.get(i, ()):
                 env.pop(name, None)
         return self.stop
+
+
+@attrs.frozen
+class _Again:
+    """ZeRO-3's hooks for backward's second run of a range: gather and free as in forward,
+    without prefetching the bucket forward would use next (its backward is done)."""
+
+    provider: object
+
+    def before_step(self, i: int, env: dict) -> None:
+        """Gather the buckets first used at step i."""
+        self.provider.before_step(i, env, prefetch=False)
+
+    def after_step(self, i: int) -> None:
+        """Free the buckets last used at step i."""
+        self.provider.after_step(i)

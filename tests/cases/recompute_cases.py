@@ -67,3 +67,29 @@ def case_recompute_redraws_the_same_dropout_masks_in_a_pipeline():
     assert got[0] == want[0], (got[0], want[0])
     for name, t in want[1].items():
         assert got[1][name].equal(t), name
+
+
+@ranks(2)
+def case_recompute_under_zero3_gathers_no_more():
+    """Backward regathers each ZeRO-3 bucket once either way: with recompute, where the range
+    runs again (no prefetch of the bucket forward uses next); without, where a kernel's saved
+    weight is unpacked."""
+    import attrs
+
+    from soapstone.shard.data import make_task
+    from soapstone.shard.executor import Executor
+
+    spec = dsl.load(SPEC)
+    par = spec.parallel("rc_zero3")
+    model = spec.model(par.model)
+    task = make_task(lower_graph(model, None).program, 0)
+    counts = []
+    for rc in (None, "layer"):
+        ex = Executor(lower_graph(model, attrs.evolve(par, recompute=rc)), Mesh(W, data=2))
+        ex.use_optimizer(name="adamw", lr=1e-3, zero=3)
+        ex.train_step(task.batch(0))
+        provider = ex.optimizers[0].param_provider
+        before = provider.gathers
+        ex.train_step(task.batch(1), step=1)
+        counts.append(provider.gathers - before)
+    assert counts[1] == counts[0] > 0, counts
