@@ -14,8 +14,8 @@ the masks are the same. The collectives inside the range run again too, on every
 their communicators in the same order, so torch's early stop (ending the second run once it
 has made what backward needs) is off: it could stop ranks holding different tensors at
 different calls. Under ZeRO-3 the provider's before/after hooks run again, gathering each
-block's parameters for the second run (without prefetching the next block's: its backward
-is done) and freeing them after.
+block's parameters for the second run (prefetching the previous block's, which backward
+needs next) and freeing them after.
 """
 
 from __future__ import annotations
@@ -94,13 +94,14 @@ class Segment:
 @attrs.frozen
 class _Again:
     """ZeRO-3's hooks for backward's second run of a range: gather and free as in forward,
-    without prefetching the bucket forward would use next (its backward is done)."""
+    prefetching the bucket before each (backward's next) instead of the one after it (its
+    backward is done), as unpacking a saved weight does."""
 
     provider: object
 
     def before_step(self, i: int, env: dict) -> None:
-        """Gather the buckets first used at step i."""
-        self.provider.before_step(i, env, prefetch=False)
+        """Gather the buckets first used at step i; prefetch the one before each."""
+        self.provider.before_step(i, env, ahead=-1)
 
     def after_step(self, i: int) -> None:
         """Free the buckets last used at step i."""

@@ -124,15 +124,16 @@ class Zero3Provider:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def before_step(self, i: int, env: dict, prefetch: bool = True) -> None:
-        """Before Program step i: gather the buckets first used there, prefetch the next
-        (not when recompute runs the step again in backward: the next is done by then)."""
+    def before_step(self, i: int, env: dict, ahead: int = +1) -> None:
+        """Before Program step i: gather the buckets first used there, prefetch the one
+        `ahead` of each in forward order (the next; the one before when recompute runs the
+        step again in backward, as an unpack does)."""
         if i == 0:
             env.update(self.model.params)
         for idx in self.gather_at.get(i, ()):
             self.gather(idx)
-            nxt = self._next_of(idx, +1)
-            if nxt is not None and prefetch:
+            nxt = self._next_of(idx, ahead)
+            if nxt is not None:
                 self.prefetch(nxt)
 
     def after_step(self, i: int) -> None:

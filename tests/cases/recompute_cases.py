@@ -3,7 +3,8 @@
 - golden: gpt.par's model under `recompute layer` in tests/specs/recompute_layouts.par (data,
   tensor, sequence parallel, a 2-stage 1F1B pipeline, ZeRO-3) reproduces gpt.par's single-rank
   record, as the same layouts without recompute do;
-- explain vs counters (run_cases._measure): under tensor and sequence parallel, the bytes each
+- explain vs counters (run_cases._measure): under tensor and sequence parallel and ZeRO-3
+  (whose buckets the second run of a range gathers again), the bytes each
   communicator's `stats` record over one step equal explain's figures, its "recompute" rows
   (the forward's collectives that backward runs again) included, and each flight recorder holds
   the calls of the plan (shard/plan/sequence.py) in its order.
@@ -38,7 +39,7 @@ def case_recompute_reproduces_the_single_rank_run():
 
 @ranks(2)
 def case_recompute_explain_matches_counters():
-    for layout in ("rc_tp2", "rc_sp2"):
+    for layout in ("rc_tp2", "rc_sp2", "rc_zero3"):
         _measure(SPEC, layout, "adamw")
 
 
@@ -72,8 +73,8 @@ def case_recompute_redraws_the_same_dropout_masks_in_a_pipeline():
 @ranks(2)
 def case_recompute_under_zero3_gathers_no_more():
     """Backward regathers each ZeRO-3 bucket once either way: with recompute, where the range
-    runs again (no prefetch of the bucket forward uses next); without, where a kernel's saved
-    weight is unpacked."""
+    runs again (prefetching the bucket before it, not the one forward uses next); without,
+    where a kernel's saved weight is unpacked."""
     import attrs
 
     from soapstone.shard.data import make_task
