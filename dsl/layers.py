@@ -351,3 +351,6 @@ def _cross_entropy(ctx, logits, targets):
         ctx.error(f"cross_entropy targets {_dims(targets.dims)} must have the logits' leading "
                   f"dims {_dims(logits.dims[:-1])}")
     return ctx.op("cross_entropy", (logits, targets), (), "f32", {"over": C})
+
+
+from . import moe_layer  # noqa: E402, F401 - registers `moe` (its own module: dsl/moe_layer.py)

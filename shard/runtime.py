@@ -14,6 +14,7 @@ import torch
 
 from soapstone.comm import autograd as ag
 from soapstone.comm.errors import UserError
+from soapstone.shard import moe as _moe  # noqa: F401 - registers the moe kernel
 from soapstone.shard.fusion import find_fusions, run_fused
 from soapstone.shard.ops import Shards, run_op
 from soapstone.shard.plan.dtypes import DTYPES

@@ -1,0 +1,44 @@
+"""The `moe` layer: a top-k softmax router over `experts`, one MLP per expert, a capacity.
+
+    y = moe(x, experts, ffn, top_k = 2, capacity = 1.25, aux = 0.01, activation = gelu)
+
+params: router[hidden, experts], w1[experts, hidden, ffn], w2[experts, ffn, hidden]. It expands
+into one primitive op `moe` (its semantics: ir.PRIMITIVES, its kernel: shard/moe.py), because
+the capacity and the balance loss see every token of the batch at once.
+"""
+
+from __future__ import annotations
+
+from .layers import PARAM_DTYPE, Arg, _dims, _float, _last, builtin
+
+
+@builtin("moe", Arg("x", "tensor"), Arg("experts", "dim"), Arg("ffn", "dim"),
+         Arg("top_k", "int", 1), Arg("capacity", "float", 1.25), Arg("aux", "float", 0.01),
+         Arg("activation", "choice", "gelu", ("gelu", "relu", "silu")))
+def _moe(ctx, x, experts, ffn, top_k, capacity, aux, activation):
+    """moe(x, experts, ffn, top_k = 1, capacity = 1.25, aux = 0.01, activation = gelu):
+    each token goes to its top_k experts by router softmax, weighted by those probabilities;
+    an expert takes at most ceil(capacity * tokens * top_k / experts) token choices (first
+    choices first, then in token order), the rest are dropped; aux * experts * sum_e(f_e * p_e)
+    (Switch's balance loss) is added to the training loss's gradient."""
+    _float(ctx, x, "moe's input")
+    h = _last(ctx, x, "moe")
+    for d in (experts, ffn):
+        if d in x.dims or d == h:
+            ctx.error(f"moe's {d} dim is already a dim of the input {_dims(x.dims)}",
+                      "declare a new dim for it")
+    n = ctx.size(experts)
+    if not 1 <= top_k <= n:
+        ctx.error(f"moe top_k = {top_k} must be between 1 and {experts} = {n}",
+                  f"write top_k = {min(max(top_k, 1), n)}, or more experts")
+    if capacity <= 0:
+        ctx.error(f"moe capacity = {capacity} must be positive",
+                  "1.0 fits a perfectly balanced load; larger drops fewer tokens")
+    if aux < 0:
+        ctx.error(f"moe aux = {aux} must not be negative", "0 turns the balance loss off")
+    router = ctx.param("router", (h, experts), "normal(0.02)")
+    w1 = ctx.param("w1", (experts, h, ffn), "normal(0.02)")
+    w2 = ctx.param("w2", (experts, ffn, h), "normal(0.02)")
+    return ctx.op("moe", (x, router, w1, w2), x.dims, PARAM_DTYPE,
+                  {"hidden": h, "experts": experts, "ffn": ffn, "top_k": top_k,
+                   "capacity": float(capacity), "aux": float(aux), "activation": activation})

@@ -1,0 +1,85 @@
+"""The local kernel of the `moe` primitive: route, cap, run each expert, combine.
+
+Every token of this rank's tensor is routed here; the layer's rule keeps its dims whole, so
+the capacity and the balance loss see the same tokens on any layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from soapstone.shard.ops import align, op
+
+_ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class _AddAux(torch.autograd.Function):
+    """Pass y through; in backward give the balance loss a gradient of one, so it is added
+    to the training loss's gradient without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, capacity: float):
+    """Routing of tokens x[T, h]: (probs[T, E], experts[T, k], gates[T, k], kept[T, k] bool).
+
+    Choices take expert slots rank by rank (every token's first choice, then the seconds),
+    in token order within a rank; past ceil(capacity * T * k / E) slots an expert drops them."""
+    probs = torch.softmax((x @ router).float(), dim=-1)
+    gates, experts = probs.topk(top_k, dim=-1)
+    n_tok, n_exp = probs.shape
+    slots = math.ceil(capacity * n_tok * top_k / n_exp)
+    onehot = F.one_hot(experts.t().reshape(-1), n_exp)  # [k*T, E], choice-major order
+    position = (onehot.cumsum(0) - 1)[torch.arange(onehot.shape[0]), experts.t().reshape(-1)]
+    kept = (position < slots).reshape(top_k, n_tok).t()
+    return probs, experts, gates, kept
+
+
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch's load-balancing loss: E * sum_e(share of choices to e * mean prob of e)."""
+    n_exp = probs.shape[-1]
+    share = F.one_hot(experts.reshape(-1), n_exp).float().mean(0)
+    return n_exp * (share * probs.mean(0)).sum()
+
+
+@op("moe")
+def moe(step, args, ctx):
+    """y[..., h] = sum over kept choices of gate * expert(x); records aux and drops in
+    ctx.moe[step.out]."""
+    x, router, w1, w2 = args
+    xv = ctx.arg(step, 0)
+    h, e, f = step.attr("hidden"), step.attr("experts"), step.attr("ffn")
+    router = align(router, ctx.arg(step, 1).dims, (h, e))
+    w1 = align(w1, ctx.arg(step, 2).dims, (e, h, f))
+    w2 = align(w2, ctx.arg(step, 3).dims, (e, f, h))
+    lead = tuple(d for d in xv.dims if d != h)
+    xt = align(x, xv.dims, (*lead, h))
+    shape = xt.shape
+    tokens = xt.reshape(-1, shape[-1])
+    probs, experts, gates, kept = route(tokens, router, int(step.attr("top_k")),
+                                        float(step.attr("capacity")))
+    act = _ACT[str(step.attr("activation"))]
+    y = torch.zeros_like(tokens)
+    for j in range(w1.shape[0]):
+        tok, choice = ((experts == j) & kept).nonzero(as_tuple=True)
+        if tok.numel():
+            out = act(tokens[tok] @ w1[j]) @ w2[j]
+            y = y.index_add(0, tok, out * gates[tok, choice].unsqueeze(-1).to(out.dtype))
+    aux = float(step.attr("aux")) * balance_loss(probs, experts)
+    stats = ctx.__dict__.setdefault("moe", {})
+    stats[step.out] = {"aux": float(aux.detach()), "dropped": int((~kept).sum()),
+                       "choices": kept.numel()}
+    if torch.is_grad_enabled() and aux.requires_grad:
+        y = _AddAux.apply(y, aux)
+    y = y.reshape(shape)
+    order = [(*lead, h).index(d) for d in xv.dims]
+    return y.permute(order) if order != list(range(len(order))) else y

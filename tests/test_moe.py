@@ -1,0 +1,87 @@
+"""The `moe` layer on one rank equals a plain-torch mixture of experts written here: output
+loss, gradients (the balance loss included), the balance loss and the dropped choices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from soapstone import dsl
+from soapstone.dsl.errors import SpecError
+from soapstone.dsl.lower import lower
+from soapstone.shard.runtime import ShardedModel
+
+SPEC = """
+model m {{
+  dim batch = 4, seq = 6, hidden = 8, experts = {experts}, ffn = 16, classes = 5
+  input x : f32[batch, seq, hidden]
+  input y : i64[batch, seq]
+  h = moe(x, experts, ffn, top_k = {top_k}, capacity = {capacity}, aux = 0.1)
+  output loss = cross_entropy(linear(h, hidden -> classes), y)
+}}
+"""
+
+
+def reference(x, y, router, w1, w2, wo, bo, top_k, capacity):
+    """A mixture of experts with a Switch balance loss and GShard-style slot order."""
+    t = x.reshape(-1, x.shape[-1])
+    n, e = t.shape[0], router.shape[1]
+    probs = torch.softmax(t @ router, dim=-1)
+    gate, pick = torch.topk(probs, top_k, dim=-1)
+    slots = math.ceil(capacity * n * top_k / e)
+    used = [0] * e
+    out = torch.zeros_like(t)
+    dropped = 0
+    for k in range(top_k):  # every token's first choice takes a slot before any second one
+        for i in range(n):
+            j = int(pick[i, k])
+            if used[j] >= slots:
+                dropped += 1
+                continue
+            used[j] += 1
+            out[i] = out[i] + gate[i, k] * (F.gelu(t[i] @ w1[j]) @ w2[j])
+    share = torch.zeros(e)
+    for j in pick.reshape(-1).tolist():
+        share[j] += 1 / pick.numel()
+    aux = 0.1 * e * (share * probs.mean(0)).sum()
+    logits = out.reshape(*x.shape[:-1], -1) @ wo + bo
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)), aux, dropped
+
+
+@pytest.mark.parametrize("experts,top_k,capacity", [(4, 1, 4.0), (4, 2, 0.55), (3, 2, 1.0)],
+                         ids=["no-drops", "drops-top2", "top2-e3"])
+def test_moe_matches_plain_torch(experts, top_k, capacity):
+    spec = dsl.load(SPEC.format(experts=experts, top_k=top_k, capacity=capacity))
+    ours = ShardedModel(lower(spec.model(), None), None, seed=5)
+    g = torch.Generator().manual_seed(2)
+    inputs = {"x": torch.randn(4, 6, 8, generator=g),
+              "y": torch.randint(0, 5, (4, 6), generator=g)}
+    loss = ours(inputs)["loss"]
+    loss.backward()
+    p = {k: v.detach().clone().requires_grad_() for k, v in ours.params.items()}
+    names = sorted(p)
+    moe = {n.rsplit(".", 1)[1]: p[n] for n in names if ".moe0." in n or n.startswith("moe0.")}
+    lin = {n.rsplit(".", 1)[1]: p[n] for n in names if "linear" in n}
+    assert set(moe) == {"router", "w1", "w2"} and set(lin) == {"weight", "bias"}, names
+    ce, aux, dropped = reference(inputs["x"], inputs["y"], moe["router"], moe["w1"], moe["w2"],
+                                 lin["weight"], lin["bias"], top_k, capacity)
+    (ce + aux).backward()
+    stats = next(iter(ours.ctx.moe.values()))
+    assert torch.allclose(loss, ce, rtol=1e-5), (float(loss), float(ce))
+    assert math.isclose(stats["aux"], aux.item(), rel_tol=1e-5), (stats, aux.item())
+    assert stats["dropped"] == dropped, (stats, dropped)
+    assert (dropped > 0) == (capacity < 1.5)  # the cases cover both drops and none
+    for n in names:
+        got, want = ours.params[n].grad, p[n].grad
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), n
+
+
+@pytest.mark.parametrize("top_k,capacity,needle", [(5, 1.0, "top_k = 5 must be between 1"),
+                                                   (1, 0.0, "capacity = 0.0 must be positive")])
+def test_moe_bad_arguments_are_located(top_k, capacity, needle):
+    with pytest.raises(SpecError) as err:
+        dsl.load(SPEC.format(experts=4, top_k=top_k, capacity=capacity))
+    assert needle in str(err.value) and ":6:" in str(err.value), str(err.value)
