@@ -36,9 +36,12 @@ def _moe(ctx, x, experts, ffn, top_k, capacity, aux, activation):
                   "1.0 fits a perfectly balanced load; larger drops fewer tokens")
     if aux < 0:
         ctx.error(f"moe aux = {aux} must not be negative", "0 turns the balance loss off")
-    router = ctx.param("router", (h, experts), "normal(0.02)")
+    # the router scores every expert on every rank: its own name for the dim keeps
+    # `parameter experts -> axis` from splitting it
+    scores = ctx.derive(f"{experts}_r", n, alias_of=experts, why=f"the router's {experts}")
+    router = ctx.param("router", (h, scores), "normal(0.02)")
     w1 = ctx.param("w1", (experts, h, ffn), "normal(0.02)")
     w2 = ctx.param("w2", (experts, ffn, h), "normal(0.02)")
     return ctx.op("moe", (x, router, w1, w2), x.dims, PARAM_DTYPE,
-                  {"hidden": h, "experts": experts, "ffn": ffn, "top_k": top_k,
+                  {"hidden": h, "experts": experts, "scores": scores, "ffn": ffn, "top_k": top_k,
                    "capacity": float(capacity), "aux": float(aux), "activation": activation})

@@ -54,8 +54,8 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
     if kind == "cross_entropy":
         over = op.attr("over")
         return {d: (STAT if d == over else SUM) for d in arg_dim_lists[0]}
-    if kind == "moe":  # capacity and balance loss see every token: nothing splits yet
-        return {}
+    if kind == "moe":  # every token is routed whole; split experts give partial outputs
+        return {op.attr("experts"): SUM}
     if kind == "rope":  # rotates pairs across the whole `over` dim: it never splits
         return {d: FREE for d in out if d != op.attr("over")}
     # elementwise (add, mul, activations, dropout, causal_mask), rename, repeat_dim, positions

@@ -58,7 +58,7 @@ def moe(step, args, ctx):
     x, router, w1, w2 = args
     xv = ctx.arg(step, 0)
     h, e, f = step.attr("hidden"), step.attr("experts"), step.attr("ffn")
-    router = align(router, ctx.arg(step, 1).dims, (h, e))
+    router = align(router, ctx.arg(step, 1).dims, (h, step.attr("scores")))
     w1 = align(w1, ctx.arg(step, 2).dims, (e, h, f))
     w2 = align(w2, ctx.arg(step, 3).dims, (e, f, h))
     lead = tuple(d for d in xv.dims if d != h)
@@ -69,12 +69,16 @@ def moe(step, args, ctx):
                                         float(step.attr("capacity")))
     act = _ACT[str(step.attr("activation"))]
     y = torch.zeros_like(tokens)
+    first = ctx.offset(ctx.arg(step, 2), e)  # this rank's experts, where they are split
     for j in range(w1.shape[0]):
-        tok, choice = ((experts == j) & kept).nonzero(as_tuple=True)
+        tok, choice = ((experts == first + j) & kept).nonzero(as_tuple=True)
         if tok.numel():
             out = act(tokens[tok] @ w1[j]) @ w2[j]
             y = y.index_add(0, tok, out * gates[tok, choice].unsqueeze(-1).to(out.dtype))
-    aux = float(step.attr("aux")) * balance_loss(probs, experts)
+    # the output is a partial sum over a split experts dim: one rank of it adds the aux term
+    split = ctx.arg(step, 2).layout.split_axis(e)
+    once = split is None or ctx.mesh.coord(split) == 0
+    aux = float(step.attr("aux")) * balance_loss(probs, experts) * (1.0 if once else 0.0)
     stats = ctx.__dict__.setdefault("moe", {})
     stats[step.out] = {"aux": float(aux.detach()), "dropped": int((~kept).sum()),
                        "choices": kept.numel()}
