@@ -1,7 +1,7 @@
 """The local kernel of the `moe` primitive: route, cap, run each expert, combine.
 
-Every token of this rank's tensor is routed here; the layer's rule keeps its dims whole, so
-the capacity and the balance loss see the same tokens on any layout.
+Every token is routed on every rank (the rule keeps token dims whole: the capacity and the
+balance loss count the whole batch); a split experts dim runs only this rank's experts.
 """
 
 from __future__ import annotations
