@@ -27,6 +27,9 @@ def _moe(ctx, x, experts, ffn, top_k, capacity, aux, activation):
         if d in x.dims or d == h:
             ctx.error(f"moe's {d} dim is already a dim of the input {_dims(x.dims)}",
                       "declare a new dim for it")
+    if experts == ffn:
+        ctx.error(f"moe's experts and ffn dims are both {experts}",
+                  "give the experts' hidden width its own dim")
     n = ctx.size(experts)
     if not 1 <= top_k <= n:
         ctx.error(f"moe top_k = {top_k} must be between 1 and {experts} = {n}",
