@@ -4,15 +4,15 @@ The space (`candidates`): data x tensor x pipeline degrees whose product is N, t
 inside a node (at most `devices_per_node`), with or without sequence parallelism on the tensor
 axis, context parallelism (the sequence dims over their own axis `cp`, inside the node beside
 the tensor axis, only where the batch does not divide over as many data ranks: otherwise data
-parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and interleaved with 2 or 4 virtual stages per rank;
-gpipe keeps every microbatch in flight for the same bubble, so 1f1b always beats it), the
-microbatch count, and ZeRO 0-3. The mesh is `mesh(pipe, data, cp, model)`: the tensor axis
-innermost (inside a node), data next, the pipeline outermost (seed 004: the chattiest
-parallelism on the fastest links). Which dims each statement maps (`layout_dims`): `sample`
-the batch (the inputs' leading dim); `parameter` the parameter dims that are neither input
-dims nor dims of the residual stream between blocks, largest first, never two of one
-parameter (for a GPT: ffn, heads, vocab: Megatron's split); `attribute` the other input dims
-on the tensor axis (sequence parallelism).
+parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and
+interleaved with 2 or 4 virtual stages per rank; gpipe keeps every microbatch in flight for the
+same bubble, so 1f1b always beats it), the microbatch count, and ZeRO 0-3. The mesh is
+`mesh(pipe, data, cp, model)`: the tensor axis innermost (inside a node), data next, the
+pipeline outermost (seed 004: the chattiest parallelism on the fastest links). Which dims each
+statement maps (`layout_dims`): `sample` the batch (the inputs' leading dim); `parameter` the
+parameter dims that are neither input dims nor dims of the residual stream between blocks,
+largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split);
+`attribute` the other input dims on the tensor axis (sequence parallelism).
 
 Every candidate is costed from explain's Estimate (memory, communication) and the cost model
 (shard/plan/cost.py). Compiling a 100-block model takes seconds, so a model whose repeat

@@ -102,6 +102,24 @@ def test_step_time_of_one_rank_is_its_compute_and_its_update():
     assert t.compute == pytest.approx(work.seconds(prof, "fp32"))
 
 
+def test_recompute_costs_the_blocks_forward_once_more():
+    from soapstone.dsl.stages import lower_graph
+    from soapstone.shard.plan.cost import program_work
+
+    text = gpt(4)
+    plain = lower_graph(load(text).model(), None).program
+    spec = load(text + "parallel rc for gpt on mesh(data = 1) { recompute layer }")
+    again = lower_graph(spec.model(), spec.parallel("rc")).program
+    base, work = program_work(plain), program_work(again)
+    assert base.again is None and work.again is not None
+    # the four blocks' matmuls: everything but the head's
+    head = 2 * 8 * 16 * 32 * 64  # batch x seq x hidden x vocab
+    assert work.again.matmul_flops == base.matmul_flops - head
+    prof = load_profile("a100-40gb")
+    assert work.seconds(prof, "fp32") == pytest.approx(
+        base.seconds(prof, "fp32") + work.again.forward_seconds(prof, "fp32"))
+
+
 # ---- the search --------------------------------------------------------------------------
 
 def gpt(layers: int) -> str:

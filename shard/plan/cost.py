@@ -49,33 +49,54 @@ FREE_OPS = ("rename",)  # views: no work
 
 @attrs.frozen
 class Work:
-    """Forward work of one microbatch: matmul FLOPs and bytes of memory-bound ops."""
+    """Forward work of one microbatch: matmul FLOPs and bytes of memory-bound ops; `again`:
+    the forward work that `recompute` runs a second time in backward."""
 
     matmul_flops: float = 0.0
     other_bytes: float = 0.0
     ops: float = 0.0  # kernels run (a fused chain is one)
+    again: Work | None = None
 
     def __add__(self, other: Work) -> Work:
+        again = (self.again or Work()) + other.again if other.again else self.again
         return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes,
-                    self.ops + other.ops)
+                    self.ops + other.ops, again)
+
+    def forward_seconds(self, profile: Profile, precision: str) -> float:
+        """The forward pass's time at the profile's rates, with each op's fixed cost."""
+        width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
+        return self.matmul_flops / profile.matmul_flops(precision) + \
+            self.other_bytes * width / profile.memory_bandwidth + self.ops * profile.op_overhead_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
-        """Forward + backward time at the profile's rates, and each op's fixed cost."""
+        """Forward + backward time at the profile's rates, each op's fixed cost, and the
+        forward that recompute runs again."""
         width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
         fwd = self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth
-        return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s
+        again = self.again.forward_seconds(profile, precision) if self.again else 0.0
+        return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again
 
 
 def program_work(program: Program) -> Work:
-    """The forward work of one microbatch of `program` on one rank (module doc)."""
+    """The forward work of one microbatch of `program` on one rank (module doc); under
+    `recompute`, the recomputed ranges' forward again as `again`."""
+    if program.recompute:
+        ranges = {i for a, b in program.recompute for i in range(a, b)}
+        again = _work(program, ranges)
+        return attrs.evolve(_work(program, range(len(program.steps))), again=again)
+    return _work(program, range(len(program.steps)))
+
+
+def _work(program: Program, indices) -> Work:
     flops = 0.0
     moved = 0.0
+    indices = set(indices)
     covered = {i for f in find_fusions(program).values() for i in f.covered}
-    ops = sum(1 for i, s in enumerate(program.steps) if i not in covered and not (
-        isinstance(s, Compute) and s.kind in FREE_OPS))
-    for step in program.steps:
-        if not isinstance(step, Compute) or step.kind in FREE_OPS:
+    ops = sum(1 for i, s in enumerate(program.steps) if i in indices and i not in covered and
+              not (isinstance(s, Compute) and s.kind in FREE_OPS))
+    for i, step in enumerate(program.steps):
+        if i not in indices or not isinstance(step, Compute) or step.kind in FREE_OPS:
             continue
         if step.kind == "einsum":
             sizes: dict[str, int] = {}
@@ -139,7 +160,7 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
         on_data = set(t.axis.split(",")) <= set(data_axes)
-        if t.phase in ("forward", "backward"):
+        if t.phase in ("forward", "backward", "recompute"):
             out["zero3" if t.kind == "allgather" and on_data else "blocking"] += s
         elif t.phase == "p2p":
             out["p2p"] += s
