@@ -50,6 +50,7 @@ from soapstone.shard.plan.hardware import Profile
 
 from . import ir
 from .irtext import format_parallel
+from .lower import LoweringError
 from .stages import lower_graph
 
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
@@ -649,7 +650,11 @@ def search(planner: Planner, world: int) -> Plan:
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
-        r = planner.cost(c)
+        try:
+            r = planner.cost(c)
+        except LoweringError as e:  # a layout the compiler refuses (an op with no sharding)
+            rejected.append(Rejection(c.label, e.diagnostics[0].message))
+            continue
         n += 1
         if r.fits:
             fits.append(r)

@@ -385,3 +385,15 @@ def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
     assert prof.peak_flops["fp32"] > 1e8 and prof.intra_node.bandwidth > 1e6
     r = run_mpi(1, ["-m", "soapstone.dsl.cli", "bench", "calibrate"])
     assert r.returncode == 2 and "needs -o PROFILE.json" in r.stderr
+
+
+def test_a_layout_the_compiler_refuses_is_skipped_with_its_reason():
+    """examples/moe.par: splitting `hidden` leaves the moe op no sharding, so those
+    candidates are rejected with the compiler's message; the rest is planned."""
+    from soapstone.dsl.plan_search import Planner, search
+
+    model = load("examples/moe.par").model()
+    plan = search(Planner(model, load_profile("cpu-2core")), 4)
+    assert plan.best.candidate.tensor == 1
+    refused = [r for r in plan.rejected if "no valid sharding of moe" in r.why]
+    assert refused and all(" t1 " not in r.what for r in refused)
