@@ -218,13 +218,16 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
             whole += plan.numel
         padded = -(-plan.numel // n_dp) * n_dp
         item = FLOAT_BYTES[program.value(plan.names[0]).dtype]
+        # a weight tied across pipeline stages is reduced once, at the step, after its sum
+        # over the pipe axis; every other bucket in backward (each microbatch's at ZeRO >= 2)
+        sync = "tied sum" if plan.deferred else "grad sync"
         if zero == 0 or n_dp == 1:
-            add("grad sync", "allreduce", plan.sync, padded * master)
+            add(sync, "allreduce", plan.sync, padded * master)
             norm_keys.add(tuple(a for a in mesh if a in plan.split))
             continue
         rest = tuple(a for a in plan.sync if a not in plan.dp)
-        add("grad sync", "reduce_scatter", plan.dp, padded * master)
-        add("grad sync", "allreduce", rest, padded // n_dp * master)
+        add(sync, "reduce_scatter", plan.dp, padded * master)
+        add(sync, "allreduce", rest, padded // n_dp * master)
         if zero <= 2:  # the updated shards, gathered after the optimizer step
             add("grad sync", "allgather", plan.dp, padded * item)
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
