@@ -38,6 +38,9 @@ class Shards:
         # (pipeline, gradient accumulation): dim -> (offset, global size). Random draws are
         # made at the global size and this window is sliced, as data-parallel ranks do.
         self.window: dict[str, tuple[int, int]] = {}
+        # tensors fixed by the program and this rank's place in it (rope's cos/sin tables),
+        # made once instead of every layer of every step
+        self.constants: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def comm(self, axis: str):
         """The communicator along one mesh axis."""
@@ -173,14 +176,18 @@ def rope(step, args, ctx):
     x = args[0]
     v = ctx.arg(step, 0)
     pos, over, theta = step.attr("pos"), step.attr("over"), float(step.attr("theta"))
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    n = ctx.sizes[over]
-    inv = 1.0 / theta ** (torch.arange(0, n, 2, dtype=torch.int64).to(wide) / n)
-    p = torch.arange(v.local_shape[v.dims.index(pos)]) + ctx.offset(v, pos)
-    angles = torch.outer(p.to(wide), inv)
-    angles = torch.cat((angles, angles), dim=-1)
-    cos = align(angles.cos().to(x.dtype), (pos, over), v.dims)
-    sin = align(angles.sin().to(x.dtype), (pos, over), v.dims)
+    first, count = ctx.offset(v, pos), v.local_shape[v.dims.index(pos)]
+    key = ("rope", pos, over, theta, first, count, v.dims, x.dtype, x.device)
+    if key not in ctx.constants:
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        n = ctx.sizes[over]
+        inv = 1.0 / theta ** (torch.arange(0, n, 2, dtype=torch.int64).to(wide) / n)
+        p = torch.arange(count) + first
+        angles = torch.outer(p.to(wide), inv)
+        angles = torch.cat((angles, angles), dim=-1).to(x.device)
+        ctx.constants[key] = (align(angles.cos().to(x.dtype), (pos, over), v.dims),
+                              align(angles.sin().to(x.dtype), (pos, over), v.dims))
+    cos, sin = ctx.constants[key]
     d = v.dims.index(over)
     x1, x2 = x.chunk(2, dim=d)
     return x * cos + torch.cat((-x2, x1), dim=d) * sin
