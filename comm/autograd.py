@@ -101,6 +101,19 @@ class _AllToAll(torch.autograd.Function):
         return ctx.comm.alltoall(_dense(g), concat_dim, split_dim), None, None, None
 
 
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, send_sizes, recv_sizes):
+        ctx.comm, ctx.sizes = comm, (send_sizes, recv_sizes)
+        return comm.alltoallv(_dense(x), send_sizes, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        send_sizes, recv_sizes = ctx.sizes
+        # the reverse exchange: each row's gradient goes back to the rank it came from
+        return ctx.comm.alltoallv(_dense(g), recv_sizes, send_sizes), None, None, None
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, src):
@@ -184,6 +197,12 @@ def split(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, comm: Communicator, split_dim: int, concat_dim: int):
     """Forward alltoall(split_dim -> concat_dim); backward the inverse all-to-all."""
     return _AllToAll.apply(x, comm, split_dim, concat_dim)
+
+
+def all_to_all_v(x: torch.Tensor, comm: Communicator, send_sizes, recv_sizes) -> torch.Tensor:
+    """Forward alltoallv along dim 0 (send_sizes[j] rows to rank j, recv_sizes[j] from it);
+    backward the reverse alltoallv, sizes swapped."""
+    return _AllToAllV.apply(x, comm, [int(s) for s in send_sizes], [int(s) for s in recv_sizes])
 
 
 def broadcast(x: torch.Tensor, comm: Communicator, src: int) -> torch.Tensor:

@@ -656,6 +656,20 @@ def case_autograd_reduce_scatter_split_all_to_all():
     close(xd.grad, xs[R].grad, "all_to_all backward")
 
 
+@ranks(1, 2, 4)
+def case_autograd_all_to_all_v():
+    """Rows of varying counts to each rank; backward sends each row's gradient home."""
+    xs = [rnd(r, (sum(_vsizes(r)), 3), 18).requires_grad_() for r in range(N)]
+    ys = [torch.cat([xs[j].split(_vsizes(j), 0)[r] for j in range(N)], 0) for r in range(N)]
+    Gs = [rnd(r, tuple(ys[r].shape), 19) for r in range(N)]
+    sum((y * g).sum() for y, g in zip(ys, Gs, strict=True)).backward()
+    xd = rnd(R, (sum(_vsizes(R)), 3), 18).requires_grad_()
+    yd = ag.all_to_all_v(xd, W, _vsizes(R), [_vsizes(j)[R] for j in range(N)])
+    (yd * Gs[R]).sum().backward()
+    close(yd.detach(), ys[R].detach(), "all_to_all_v forward")
+    close(xd.grad, xs[R].grad, "all_to_all_v backward")
+
+
 @ranks(2, 4)
 def case_autograd_send_recv_pipeline():
     X = rnd(R // 2, (3, 2), 16)
