@@ -44,6 +44,16 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, capacity: float):
     return probs, experts, gates, kept
 
 
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
+               w3: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's FFN on its tokens x[n, h]: act(x @ w1) @ w2, or with a gate w3 (SwiGLU,
+    as Mixtral and LLaMA) act(x @ w1) * (x @ w3) @ w2."""
+    y = act(x @ w1)
+    if w3 is not None:
+        y = y * (x @ w3)
+    return y @ w2
+
+
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Switch's load-balancing loss: E * sum_e(share of choices to e * mean prob of e)."""
     n_exp = probs.shape[-1]
@@ -73,7 +83,7 @@ def moe(step, args, ctx):
     for j in range(w1.shape[0]):
         tok, choice = ((experts == first + j) & kept).nonzero(as_tuple=True)
         if tok.numel():
-            out = act(tokens[tok] @ w1[j]) @ w2[j]
+            out = expert_ffn(tokens[tok], w1[j], w2[j], act)
             y = y.index_add(0, tok, out * gates[tok, choice].unsqueeze(-1).to(out.dtype))
     # the output is a partial sum over a split experts dim: one rank of it adds the aux term
     split = ctx.arg(step, 2).layout.split_axis(e)
