@@ -186,9 +186,9 @@ PRIMITIVES: dict[str, str] = {
     "is split). attrs: over=d",
     "rope": "args (x[..., pos, ..., d]). attrs: pos, over=d, theta: rotary embedding, x's "
     "halves along d rotated by the global position along pos times theta^(-2i/|d|)",
-    "moe": "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h]) -> [..., h]: top_k "
-    "softmax routing with a capacity; attrs: hidden, experts, ffn, top_k, capacity, aux, "
-    "activation (dsl/moe_layer.py, shard/moe.py)",
+    "moe": "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h], w3[E, h, f] with "
+    "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity; attrs: hidden, "
+    "experts, ffn, top_k, capacity, aux, activation (dsl/moe_layer.py, shard/moe.py)",
     "repeat_dim": "args (x[..., src, ...]) -> the same with dst for src (|dst| a multiple g of "
     "|src|): index i of dst reads index i // g of src (grouped-query heads). attrs: src, dst",
 }

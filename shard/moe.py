@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from soapstone.shard.ops import align, op
 
-_ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+_ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}
 
 
 class _AddAux(torch.autograd.Function):
@@ -65,12 +65,13 @@ def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
 def moe(step, args, ctx):
     """y[..., h] = sum over kept choices of gate * expert(x); records aux and drops in
     ctx.moe[step.out]."""
-    x, router, w1, w2 = args
+    x, router, w1, w2 = args[:4]
     xv = ctx.arg(step, 0)
     h, e, f = step.attr("hidden"), step.attr("experts"), step.attr("ffn")
     router = align(router, ctx.arg(step, 1).dims, (h, step.attr("scores")))
     w1 = align(w1, ctx.arg(step, 2).dims, (e, h, f))
     w2 = align(w2, ctx.arg(step, 3).dims, (e, f, h))
+    w3 = align(args[4], ctx.arg(step, 4).dims, (e, h, f)) if len(args) > 4 else None
     lead = tuple(d for d in xv.dims if d != h)
     xt = align(x, xv.dims, (*lead, h))
     shape = xt.shape
@@ -83,7 +84,7 @@ def moe(step, args, ctx):
     for j in range(w1.shape[0]):
         tok, choice = ((experts == first + j) & kept).nonzero(as_tuple=True)
         if tok.numel():
-            out = expert_ffn(tokens[tok], w1[j], w2[j], act)
+            out = expert_ffn(tokens[tok], w1[j], w2[j], act, None if w3 is None else w3[j])
             y = y.index_add(0, tok, out * gates[tok, choice].unsqueeze(-1).to(out.dtype))
     # the output is a partial sum over a split experts dim: one rank of it adds the aux term
     split = ctx.arg(step, 2).layout.split_axis(e)

@@ -16,17 +16,25 @@ from soapstone.shard.runtime import ShardedModel
 
 SPEC = """
 model m {{
-  dim batch = 4, seq = 6, hidden = 8, experts = {experts}, ffn = 16, classes = 5
+  dim batch = 4, seq = 6, hidden = 8, experts = {experts}, ffn = 16, classes = 5, wide = 20
   input x : f32[batch, seq, hidden]
   input y : i64[batch, seq]
-  h = moe(x, experts, ffn, top_k = {top_k}, capacity = {capacity}, aux = 0.1)
+  h = moe(x, experts, ffn, top_k = {top_k}, capacity = {capacity}, aux = 0.1{extra})
   output loss = cross_entropy(linear(h, hidden -> classes), y)
 }}
 """
 
 
-def reference(x, y, router, w1, w2, wo, bo, top_k, capacity):
-    """A mixture of experts with a Switch balance loss and GShard-style slot order."""
+def ffn(t, w1, w2, w3):
+    """One FFN on tokens t: gelu MLP, or SwiGLU (silu(t w1) * (t w3)) w2 where w3 is given."""
+    if w3 is None:
+        return F.gelu(t @ w1) @ w2
+    return (F.silu(t @ w1) * (t @ w3)) @ w2
+
+
+def reference(x, y, router, w1, w2, wo, bo, top_k, capacity, w3=None, shared=None):
+    """A mixture of experts with a Switch balance loss and GShard-style slot order; w3: SwiGLU
+    experts; shared: (s1, s2, s3) of a dense expert every token goes through."""
     t = x.reshape(-1, x.shape[-1])
     n, e = t.shape[0], router.shape[1]
     probs = torch.softmax(t @ router, dim=-1)
@@ -42,7 +50,10 @@ def reference(x, y, router, w1, w2, wo, bo, top_k, capacity):
                 dropped += 1
                 continue
             used[j] += 1
-            out[i] = out[i] + gate[i, k] * (F.gelu(t[i] @ w1[j]) @ w2[j])
+            out[i] = out[i] + gate[i, k] * ffn(t[i], w1[j], w2[j],
+                                               None if w3 is None else w3[j])
+    if shared is not None:
+        out = out + ffn(t, *shared)
     share = torch.zeros(e)
     for j in pick.reshape(-1).tolist():
         share[j] += 1 / pick.numel()
@@ -51,10 +62,14 @@ def reference(x, y, router, w1, w2, wo, bo, top_k, capacity):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)), aux, dropped
 
 
-@pytest.mark.parametrize("experts,top_k,capacity", [(4, 1, 4.0), (4, 2, 0.55), (3, 2, 1.0)],
-                         ids=["no-drops", "drops-top2", "top2-e3"])
-def test_moe_matches_plain_torch(experts, top_k, capacity):
-    spec = dsl.load(SPEC.format(experts=experts, top_k=top_k, capacity=capacity))
+@pytest.mark.parametrize("experts,top_k,capacity,extra", [
+    (4, 1, 4.0, ""), (4, 2, 0.55, ""), (3, 2, 1.0, ""),
+    (4, 2, 0.55, ", activation = swiglu"), (4, 2, 4.0, ", activation = swiglu, shared = ffn"),
+    (4, 1, 0.55, ", shared = 12"), (4, 2, 0.55, ", activation = swiglu, shared = wide")],
+    ids=["no-drops", "drops-top2", "top2-e3", "swiglu-drops", "swiglu-shared",
+         "gelu-shared12", "swiglu-shared-dim"])
+def test_moe_matches_plain_torch(experts, top_k, capacity, extra):
+    spec = dsl.load(SPEC.format(experts=experts, top_k=top_k, capacity=capacity, extra=extra))
     ours = ShardedModel(lower(spec.model(), None), None, seed=5)
     g = torch.Generator().manual_seed(2)
     inputs = {"x": torch.randn(4, 6, 8, generator=g),
@@ -63,25 +78,45 @@ def test_moe_matches_plain_torch(experts, top_k, capacity):
     loss.backward()
     p = {k: v.detach().clone().requires_grad_() for k, v in ours.params.items()}
     names = sorted(p)
-    moe = {n.rsplit(".", 1)[1]: p[n] for n in names if ".moe0." in n or n.startswith("moe0.")}
-    lin = {n.rsplit(".", 1)[1]: p[n] for n in names if "linear" in n}
-    assert set(moe) == {"router", "w1", "w2"} and set(lin) == {"weight", "bias"}, names
+    moe = {n.split(".", 1)[1]: p[n] for n in names if n.startswith("moe0.")}
+    lin = {n.rsplit(".", 1)[1]: p[n] for n in names if n.startswith("linear")}
+    swiglu, has_shared = "swiglu" in extra, "shared" in extra
+    want = {"router", "w1", "w2"} | ({"w3"} if swiglu else set())
+    if has_shared:  # mlp's linears: w1, the gate's up projection (swiglu), w2
+        want |= {f"mlp0.linear{i}.weight" for i in range(3 if swiglu else 2)}
+    assert set(moe) == want and set(lin) == {"weight", "bias"}, names
+    shared = None
+    if has_shared:
+        s1, s2 = moe["mlp0.linear0.weight"], moe[f"mlp0.linear{2 if swiglu else 1}.weight"]
+        shared = (s1, s2, moe["mlp0.linear1.weight"] if swiglu else None)
     ce, aux, dropped = reference(inputs["x"], inputs["y"], moe["router"], moe["w1"], moe["w2"],
-                                 lin["weight"], lin["bias"], top_k, capacity)
+                                 lin["weight"], lin["bias"], top_k, capacity,
+                                 w3=moe.get("w3"), shared=shared)
     (ce + aux).backward()
     stats = next(iter(ours.ctx.moe.values()))
     assert torch.allclose(loss, ce, rtol=1e-5), (float(loss), float(ce))
     assert math.isclose(stats["aux"], aux.item(), rel_tol=1e-5), (stats, aux.item())
     assert stats["dropped"] == dropped, (stats, dropped)
     assert (dropped > 0) == (capacity < 1.5)  # the cases cover both drops and none
+    if has_shared:  # the shared expert's width is the dim it names (or a literal's)
+        width = {"ffn": 16, "12": 12, "wide": 20}[extra.rsplit("= ", 1)[1]]
+        assert shared[0].shape == (8, width), shared[0].shape
     for n in names:
         got, want = ours.params[n].grad, p[n].grad
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), n
 
 
-@pytest.mark.parametrize("top_k,capacity,needle", [(5, 1.0, "top_k = 5 must be between 1"),
-                                                   (1, 0.0, "capacity = 0.0 must be positive")])
-def test_moe_bad_arguments_are_located(top_k, capacity, needle):
+@pytest.mark.parametrize("top_k,capacity,extra,needle", [
+    (5, 1.0, "", "top_k = 5 must be between 1"),
+    (1, 0.0, "", "capacity = 0.0 must be positive"),
+    (1, 1.0, ", activation = swiglue", "must be one of gelu, relu, silu, swiglu, not 'swiglue'"),
+    (1, 1.0, ", shared = 1.5", "argument 'shared' must name a dim"),
+    (1, 1.0, ", shared = width", "unknown dim 'width'"),
+    (1, 1.0, ", shared = hidden", "moe's shared dim hidden is already a dim of the input"),
+    (1, 1.0, ", shared = experts", "moe's shared expert width is the experts dim experts")],
+    ids=["top_k", "capacity", "swiglu-typo", "shared-float", "shared-unknown",
+         "shared-hidden", "shared-experts"])
+def test_moe_bad_arguments_are_located(top_k, capacity, extra, needle):
     with pytest.raises(SpecError) as err:
-        dsl.load(SPEC.format(experts=4, top_k=top_k, capacity=capacity))
+        dsl.load(SPEC.format(experts=4, top_k=top_k, capacity=capacity, extra=extra))
     assert needle in str(err.value) and ":6:" in str(err.value), str(err.value)
