@@ -76,8 +76,11 @@ def _where(made: int, ops: list[dict], blocked: dict | None, zero: int) -> dict:
         same = (want["op"] == blocked.get("op") or
                 want["op"] == "send" and blocked.get("op") in ("send", "isend") or
                 want["op"] == "recv" and blocked.get("op") in ("recv", "irecv"))
-        if not (same and list(want["shape"]) == list(blocked.get("shape", [])) and
-                want["dtype"] == blocked.get("dtype")):
+        got = list(blocked.get("shape", []))
+        # -1 in a plan's shape: a size decided at run time (moe's alltoallv rows)
+        fits = len(got) == len(want["shape"]) and all(
+            w in (-1, g) for w, g in zip(want["shape"], got, strict=True))
+        if not (same and fits and want["dtype"] == blocked.get("dtype")):
             out["differs"] = True
     else:
         out["next"] = made % n + 1

@@ -68,6 +68,7 @@ class _Candidate:
     out: Placement  # the output's placement
     dim: str | None  # the iteration dim split over the axis, if any
     stat: bool = False  # the op combines partial statistics over the axis
+    exchange: str | None = None  # a second dim split over the axis, rows moved to it (rules)
 
 
 def lower(model: ir.Model, parallel: ir.Parallel | None = None,
@@ -238,6 +239,7 @@ class _Lowering:
         wanted: list[dict[str, Placement]] = [{} for _ in args]
         out: dict[str, Placement] = {}
         dist: list[str] = []
+        exchange: list[str] = []
         used: set[str] = set()
         own = self.owner.get(op.out)
         for axis in self.active:
@@ -256,13 +258,16 @@ class _Lowering:
                 used.add(best.dim)
             if best.stat:
                 dist.append(axis)
+            if best.exchange:
+                used.add(best.exchange)
+                exchange.append(axis)
         names = tuple(self._redistribute(v.name, w) for v, w in zip(args, wanted, strict=True))
         layout = Layout.of(self.axes, out)
         self._add_value(op.out, op.type.dtype, op.type.dims, layout)
         self._emit(Compute(
             out=op.out, kind=op.kind, args=names, attrs=op.attrs,
             arg_layouts=tuple(self.values[n].layout for n in names),
-            dist=tuple(dist), source=op.out, owner=own,
+            dist=tuple(dist), source=op.out, owner=own, exchange=tuple(exchange),
         ))
 
     def _candidates(self, op: ir.Op, axis: str, args: list[Value],
@@ -283,6 +288,15 @@ class _Lowering:
                 out=Split(d) if d in out_dims else (P if roles[d] == rules.SUM else R),
                 dim=d, stat=roles[d] == rules.STAT,
             ))
+        pair = rules.exchange(op, iter_dims)
+        if pair and all(d not in used and d in self.allowed[axis]
+                        and not self.sizes[d] % self.mesh[axis] for d in pair):
+            rows, owners = pair
+            found.append(_Candidate(
+                args=tuple(_split_of(dims, v.dims, rows) if rows in dims
+                           else _split_of(dims, v.dims, owners)
+                           for dims, v in zip(iter_dims, args, strict=True)),
+                out=Split(rows), dim=rows, stat=True, exchange=owners))
         mode = rules.PARTIAL_PASS.get(op.kind)
         if mode == "one":
             for i in range(len(args)):

@@ -1,16 +1,18 @@
 """The local kernel of the `moe` primitive: route, cap, run each expert, combine.
 
-Every token is routed on every rank (the rule keeps token dims whole: the capacity and the
-balance loss count the whole batch); a split experts dim runs only this rank's experts.
+Where the batch is split (`step.dist`), each rank routes its own tokens, with slots and the
+balance loss counted over the whole batch (shard/moe_dispatch.py). Split experts run only
+this rank's experts: on the tokens it holds (the output is a partial sum over the experts'
+axis), or, where tokens and experts share the axis (`step.exchange`), on the tokens that the
+all-to-all brings from every rank.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from soapstone.shard.moe_dispatch import balance_term, exchange, route
 from soapstone.shard.ops import align, op
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}
@@ -29,21 +31,6 @@ class _AddAux(torch.autograd.Function):
         return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, capacity: float):
-    """Routing of tokens x[T, h]: (probs[T, E], experts[T, k], gates[T, k], kept[T, k] bool).
-
-    Choices take expert slots rank by rank (every token's first choice, then the seconds),
-    in token order within a rank; past ceil(capacity * T * k / E) slots an expert drops them."""
-    probs = torch.softmax((x @ router).float(), dim=-1)
-    gates, experts = probs.topk(top_k, dim=-1)
-    n_tok, n_exp = probs.shape
-    slots = math.ceil(capacity * n_tok * top_k / n_exp)
-    onehot = F.one_hot(experts.t().reshape(-1), n_exp)  # [k*T, E], choice-major order
-    position = (onehot.cumsum(0) - 1)[torch.arange(onehot.shape[0]), experts.t().reshape(-1)]
-    kept = (position < slots).reshape(top_k, n_tok).t()
-    return probs, experts, gates, kept
-
-
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
                w3: torch.Tensor | None = None) -> torch.Tensor:
     """One expert's FFN on its tokens x[n, h]: act(x @ w1) @ w2, or with a gate w3 (SwiGLU,
@@ -52,13 +39,6 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
     if w3 is not None:
         y = y * (x @ w3)
     return y @ w2
-
-
-def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Switch's load-balancing loss: E * sum_e(share of choices to e * mean prob of e)."""
-    n_exp = probs.shape[-1]
-    share = F.one_hot(experts.reshape(-1), n_exp).float().mean(0)
-    return n_exp * (share * probs.mean(0)).sum()
 
 
 @op("moe")
@@ -76,23 +56,38 @@ def moe(step, args, ctx):
     xt = align(x, xv.dims, (*lead, h))
     shape = xt.shape
     tokens = xt.reshape(-1, shape[-1])
-    probs, experts, gates, kept = route(tokens, router, int(step.attr("top_k")),
-                                        float(step.attr("capacity")))
+    token_axis = step.dist[0] if step.dist else None
+    comm = ctx.comm(token_axis) if token_axis else None
+    r = route(tokens, router, int(step.attr("top_k")), float(step.attr("capacity")), comm)
     act = _ACT[str(step.attr("activation"))]
-    y = torch.zeros_like(tokens)
     first = ctx.offset(ctx.arg(step, 2), e)  # this rank's experts, where they are split
-    for j in range(w1.shape[0]):
-        tok, choice = ((experts == first + j) & kept).nonzero(as_tuple=True)
-        if tok.numel():
-            out = expert_ffn(tokens[tok], w1[j], w2[j], act, None if w3 is None else w3[j])
-            y = y.index_add(0, tok, out * gates[tok, choice].unsqueeze(-1).to(out.dtype))
-    # the output is a partial sum over a split experts dim: one rank of it adds the aux term
+
+    def expert(rows: torch.Tensor, j: int) -> torch.Tensor:
+        """This rank's expert j on its rows."""
+        return expert_ffn(rows, w1[j], w2[j], act, None if w3 is None else w3[j])
+
+    off = (0, 0)
+    if step.exchange:
+        y, off = exchange(tokens, r, ctx.comm(step.exchange[0]), w1.shape[0], expert)
+    else:
+        y = torch.zeros_like(tokens)
+        for j in range(w1.shape[0]):
+            tok, choice = ((r.experts == first + j) & r.kept).nonzero(as_tuple=True)
+            if tok.numel():
+                out = expert(tokens[tok], j)
+                y = y.index_add(0, tok, out * r.gates[tok, choice].unsqueeze(-1).to(out.dtype))
+    # a partial sum over an experts axis the tokens are not split on: one rank of it adds
+    # the balance term; where the batch is split each rank adds its own tokens' term
     split = ctx.arg(step, 2).layout.split_axis(e)
-    once = split is None or ctx.mesh.coord(split) == 0
-    aux = float(step.attr("aux")) * balance_loss(probs, experts) * (1.0 if once else 0.0)
+    once = split is None or split in step.exchange or ctx.mesh.coord(split) == 0
+    aux = float(step.attr("aux")) * balance_term(r) * (1.0 if once else 0.0)
     stats = ctx.__dict__.setdefault("moe", {})
-    stats[step.out] = {"aux": float(aux.detach()), "dropped": int((~kept).sum()),
-                       "choices": kept.numel()}
+    choices = r.tokens * r.experts.shape[1]
+    # aux: this rank's term (the whole loss when the batch is not split); drops: the batch's;
+    # sent, returned: rows the all-to-all moved off this rank (dispatch, combine)
+    stats[step.out] = {"aux": float(aux.detach()),
+                       "dropped": choices - int(r.kept_per_rank().sum()), "choices": choices,
+                       "sent": off[0], "returned": off[1]}
     if torch.is_grad_enabled() and aux.requires_grad:
         y = _AddAux.apply(y, aux)
     y = y.reshape(shape)

@@ -24,7 +24,11 @@ the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allred
 the figures equal what the communicators' `stats` counters record during one step of
 `soapstone run` (tests/test_explain.py checks it):
 - forward: the Program's redistributions, and the statistics allreduces of distributed ops
-  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums).
+  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
+  op's own calls (shard/plan/dispatch.py: the counts allgather; where tokens and experts
+  share an axis, the dispatch and combine alltoallv, counted as their expected bytes at the
+  capacity bound, so these rows alone are estimates: the counters record what the routing
+  sent).
 - backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
   partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
   alltoall, and the backward allreduce of each statistics sum).
@@ -75,6 +79,7 @@ import attrs
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.plan.activations import activation_figures, recompute_flops
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
+from soapstone.shard.plan.dispatch import expert_figures, kernel_calls
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
@@ -122,6 +127,8 @@ class Estimate:
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
     recompute_flops: float = 0.0
+    # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
+    experts: list[dict] = attrs.field(factory=list)
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
     rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
@@ -185,7 +192,12 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-        if isinstance(step, Compute) and step.dist:
+        if isinstance(step, Compute):  # a routing kernel's own calls (plan/dispatch.py)
+            for c in kernel_calls(program, step):
+                add(c.phase, c.kind, c.axis, c.payload)
+                if i in again and c.phase == "forward":
+                    add("recompute", c.kind, c.axis, c.payload)
+        if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
             over = str(step.attr("over"))
@@ -264,7 +276,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                         elems * 4 - grad_bytes if zero >= 2 else 0),
                     without_recompute=activation_figures(attrs.evolve(program, recompute=()))
                     if program.recompute else None,
-                    recompute_flops=recompute_flops(program))
+                    recompute_flops=recompute_flops(program),
+                    experts=expert_figures(program))
 
 
 def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
@@ -491,6 +504,11 @@ def format_estimate(e: Estimate) -> str:
                      "again per microbatch)")
     lines.append("communication per training step (bytes this rank sends, ring convention):")
     lines.extend(format_traffic(e.traffic))
+    for m in e.experts:
+        lines.append(f"  {m['op']}: {m['per_rank']} of {m['experts']} experts per rank "
+                     f"({format_bytes(m['param_bytes'])} of expert params); alltoallv bytes "
+                     f"are expected at the capacity bound ({m['bound']} of {m['choices']} "
+                     "choices kept, spread evenly over the ranks)")
     if e.pipe_rank is None:
         lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")

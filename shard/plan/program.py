@@ -68,6 +68,8 @@ class Compute:
     dist: tuple[str, ...] = ()
     source: str = ""  # the IR value this computes, for messages
     owner: tuple[str, int] | None = None  # (axis, coord): only that coordinate computes it
+    # axes over which the op moves rows to their owners and back by all-to-all (rules.exchange)
+    exchange: tuple[str, ...] = ()
 
     def attr(self, key: str, default: object = None) -> object:
         """One option of the primitive."""

@@ -14,6 +14,7 @@ import json
 import attrs
 
 from soapstone.shard.plan.collectives import backward_op
+from soapstone.shard.plan.dispatch import VARIES, Call, kernel_calls
 from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
@@ -40,9 +41,12 @@ def format_step(program: Program, step: Step) -> str:
         dist = f"  dist@{','.join(step.dist)}" if step.dist else ""
         if step.owner:
             dist += f"  only {step.owner[0]}={step.owner[1]}"
+        if step.exchange:
+            dist += f"  exchange@{','.join(step.exchange)}"
         call = f"{step.kind}({', '.join(step.args)})"
         return (f"  {step.out} = {call}\n      -> {_shape(program, step.out)} "
-                f"{_layout(program.value(step.out).layout)}{dist}")
+                f"{_layout(program.value(step.out).layout)}{dist}"
+                + "".join(f"\n      {_kernel_call(c)}" for c in kernel_calls(program, step)))
     if isinstance(step, CopyTo):
         return (f"  copy_to[{step.axis}] {step.src} -> {step.out}   "
                 f"(backward allreduce {format_bytes(step.nbytes)})")
@@ -51,6 +55,14 @@ def format_step(program: Program, step: Step) -> str:
     back = f", backward {bwd}" if bwd else ""
     return (f"  {step.kind}[{step.axis}]{dims} {step.src} -> {step.out}   "
             f"({format_bytes(step.nbytes)}{back})")
+
+
+def _kernel_call(c: Call) -> str:
+    """One collective an op's kernel makes, under its step (alltoallv: expected bytes)."""
+    shape = ",".join("?" if n == VARIES else str(n) for n in c.shape)
+    est = " expected at the capacity bound" if VARIES in c.shape else ""
+    return f"{c.phase} {c.kind}[{c.axis}] {c.dtype}[{shape}] {c.what}   " \
+        f"({format_bytes(c.payload)}{est})"
 
 
 def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = (),

@@ -40,6 +40,7 @@ from soapstone.shard.plan import schedules
 from soapstone.shard.plan.activations import _saved
 from soapstone.shard.plan.buckets import plan_buckets
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
+from soapstone.shard.plan.dispatch import kernel_calls
 from soapstone.shard.plan.fusions import find_fusions
 from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
@@ -56,7 +57,7 @@ class Op:
     # wait (completing a posted send or receive, the same peer and tag; no call of its own)
     axes: tuple[str, ...]  # the communicator's mesh axes
     ranks: tuple[int, ...]  # its world ranks, in its own rank order
-    shape: tuple[int, ...]  # the tensor passed to the call
+    shape: tuple[int, ...]  # the tensor passed to the call (-1: rows the routing decides)
     dtype: str
     bytes: int  # what this rank sends, in the comm layer's stats convention
     phase: str  # forward | backward | grad sync | grad norm | loss | tied sum | p2p
@@ -342,7 +343,9 @@ class _StageOps:
                             mb, src)]
         if isinstance(s, Compute) and s.dist:
             return [self.op("allreduce", (axis,), shape, dtype, nbytes, "forward", mb, src)
-                    for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist]
+                    for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist] + [
+                self.op(c.kind, (c.axis,), c.shape, c.dtype, c.payload, "forward", mb, src)
+                for c in kernel_calls(p, s) if c.phase == "forward"]
         return []
 
     def _stats(self, s: Compute) -> list[tuple[tuple[int, ...], str, int, bool]]:
@@ -422,9 +425,11 @@ class _StageOps:
             return [self.op(kind, (s.axis,), shape, dtype, backward_bytes(p, s), "backward",
                             mb, src)]
         if isinstance(s, Compute) and s.dist:
-            return [self.op("allreduce", (axis,), shape, dtype, nbytes, "backward", mb, src)
-                    for shape, dtype, nbytes, back in reversed(self._stats(s)) if back
-                    for axis in reversed(s.dist)]
+            return [self.op(c.kind, (c.axis,), c.shape, c.dtype, c.payload, "backward", mb, src)
+                    for c in kernel_calls(p, s) if c.phase == "backward"] + [
+                self.op("allreduce", (axis,), shape, dtype, nbytes, "backward", mb, src)
+                for shape, dtype, nbytes, back in reversed(self._stats(s)) if back
+                for axis in reversed(s.dist)]
         return []
 
     def _launch(self, k: int, mb: int, last: bool, state: dict) -> list[Op | None]:

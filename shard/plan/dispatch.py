@@ -1,0 +1,114 @@
+"""The collectives a routing op makes inside its kernel: moe's counts and token exchange.
+
+A `moe` Compute whose tokens are split over an axis (`step.dist`: rules.py gives the leading
+token dim a STAT role) routes only this rank's tokens. So that every choice takes the slot it
+takes on one rank, the kernel gathers each rank's per-expert choice counts over that axis:
+one allgather of an int64 [1, top_k, experts] tensor (shard/moe_dispatch.py). Where the experts
+are split over the same axis (`step.exchange`: rules.exchange), each kept choice's token goes to
+the rank holding its expert and the expert's output comes back: two alltoallv forward
+(dispatch, combine), and their reverses in backward (combine's first).
+
+The alltoallv row counts depend on the routing, so they are not known before a step runs. The
+figure here is the expected value at the capacity bound: every expert gets its full capacity
+(or every choice is kept, if the slots exceed them), spread evenly over the source ranks, of
+which (n-1)/n of the rows leave each rank. A plan's alltoallv shape has -1 rows (varies).
+explain, the expected sequence (sequence.py) and `show` all read this list. Pure data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from soapstone.shard.plan.dtypes import DTYPE_BYTES
+from soapstone.shard.plan.program import Compute, Program
+
+VARIES = -1  # a dim whose size the routing decides at run time
+
+
+@attrs.frozen
+class Call:
+    """One collective of an op's kernel on this rank: phase, comm op, axis, the tensor it
+    passes (shape, dtype), its payload in the comm convention (allgather: the output's bytes;
+    alltoallv: the bytes that leave the rank) and what it moves."""
+
+    phase: str  # forward | backward
+    kind: str  # allgather | alltoallv
+    axis: str
+    shape: tuple[int, ...]
+    dtype: str
+    payload: int
+    what: str
+
+
+def slots(step: Compute, program: Program) -> int:
+    """An expert's capacity over the whole batch: ceil(capacity * tokens * top_k / experts)."""
+    x = program.value(step.args[0])
+    sizes = dict(program.dims)
+    tokens = math.prod(sizes[d] for d in x.dims if d != step.attr("hidden"))
+    n_exp = sizes[str(step.attr("experts"))]
+    return math.ceil(float(step.attr("capacity")) * tokens * int(step.attr("top_k")) / n_exp)
+
+
+def expected_rows(step: Compute, program: Program, axis: str) -> int:
+    """Rows one rank sends off-rank per exchange, expected at the capacity bound (module doc)."""
+    sizes = dict(program.dims)
+    x = program.value(step.args[0])
+    tokens = math.prod(sizes[d] for d in x.dims if d != step.attr("hidden"))
+    n_exp = sizes[str(step.attr("experts"))]
+    kept = min(tokens * int(step.attr("top_k")), n_exp * slots(step, program))
+    n = dict(program.mesh)[axis]
+    return kept * (n - 1) // (n * n)
+
+
+def kernel_calls(program: Program, step: Compute) -> list[Call]:
+    """The collectives `step`'s kernel makes, forward in call order then backward in call
+    order ([] for ops without any besides DIST_STATS's statistics)."""
+    if step.kind != "moe" or not step.dist:
+        return []
+    x = program.value(step.args[0])
+    mesh = dict(program.mesh)
+    n_exp = dict(program.dims)[str(step.attr("experts"))]
+    k = int(step.attr("top_k"))
+    out: list[Call] = []
+    for axis in step.dist:
+        out.append(Call("forward", "allgather", axis, (1, k, n_exp), "i64",
+                        mesh[axis] * k * n_exp * DTYPE_BYTES["i64"],
+                        "each rank's choice counts per expert"))
+    back: list[Call] = []
+    h = x.local_shape[x.dims.index(str(step.attr("hidden")))]
+    for axis in step.exchange:
+        payload = expected_rows(step, program, axis) * h * DTYPE_BYTES[x.dtype]
+        shape = (VARIES, h)
+        out.append(Call("forward", "alltoallv", axis, shape, x.dtype, payload,
+                        "tokens to their experts' ranks"))
+        out.append(Call("forward", "alltoallv", axis, shape, x.dtype, payload,
+                        "expert outputs back"))
+        back.append(Call("backward", "alltoallv", axis, shape, x.dtype, payload,
+                         "expert outputs' gradients to the experts"))
+        back.append(Call("backward", "alltoallv", axis, shape, x.dtype, payload,
+                         "tokens' gradients back"))
+    return out + back
+
+
+def expert_figures(program: Program) -> list[dict]:
+    """Per moe op: its experts, how many each rank holds, their parameter bytes on a rank,
+    and the choices its capacity bound keeps (what the expected alltoallv bytes assume)."""
+    out = []
+    sizes = dict(program.dims)
+    for s in program.steps:
+        if not isinstance(s, Compute) or s.kind != "moe":
+            continue
+        dim = str(s.attr("experts"))
+        w1 = program.value(s.args[2])
+        x = program.value(s.args[0])
+        tokens = math.prod(sizes[d] for d in x.dims if d != s.attr("hidden"))
+        choices = tokens * int(s.attr("top_k"))
+        out.append({"op": s.out, "experts": sizes[dim],
+                    "per_rank": w1.local_shape[w1.dims.index(dim)],
+                    "param_bytes": sum(program.value(a).nbytes for a in s.args[2:]
+                                       if dim in program.value(a).dims),
+                    "choices": choices,
+                    "bound": min(choices, sizes[dim] * slots(s, program))})
+    return out
