@@ -66,9 +66,10 @@ def moe(step, args, ctx):
         """This rank's expert j on its rows."""
         return expert_ffn(rows, w1[j], w2[j], act, None if w3 is None else w3[j])
 
-    off = (0, 0)
+    send: list[int] = []
+    recv: list[int] = []
     if step.exchange:
-        y, off = exchange(tokens, r, ctx.comm(step.exchange[0]), w1.shape[0], expert)
+        y, send, recv = exchange(tokens, r, ctx.comm(step.exchange[0]), w1.shape[0], expert)
     else:
         y = torch.zeros_like(tokens)
         for j in range(w1.shape[0]):
@@ -84,10 +85,13 @@ def moe(step, args, ctx):
     stats = ctx.__dict__.setdefault("moe", {})
     choices = r.tokens * r.experts.shape[1]
     # aux: this rank's term (the whole loss when the batch is not split); drops: the batch's;
-    # sent, returned: rows the all-to-all moved off this rank (dispatch, combine)
+    # sizes: rows the dispatch sends to and gets from each rank (the combine sends them
+    # back); sent, returned: those that leave this rank
+    me = ctx.mesh.coord(step.exchange[0]) if step.exchange else 0
     stats[step.out] = {"aux": float(aux.detach()),
                        "dropped": choices - int(r.kept_per_rank().sum()), "choices": choices,
-                       "sent": off[0], "returned": off[1]}
+                       "sizes": (send, recv), "sent": sum(send[:me] + send[me + 1:]),
+                       "returned": sum(recv[:me] + recv[me + 1:])}
     if torch.is_grad_enabled() and aux.requires_grad:
         y = _AddAux.apply(y, aux)
     y = y.reshape(shape)

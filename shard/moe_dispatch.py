@@ -84,11 +84,11 @@ def balance_term(r: Routing) -> torch.Tensor:
 
 
 def exchange(tokens: torch.Tensor, r: Routing, comm, local: int, expert
-             ) -> tuple[torch.Tensor, tuple[int, int]]:
+             ) -> tuple[torch.Tensor, list[int], list[int]]:
     """y[T, h]: each kept choice's token sent to the rank holding its expert (`local` experts a
     rank, in rank order), run there by `expert(rows, j)` (j: the local expert), and its output
     sent back and added, times its gate, in expert order (as one rank adds them); and the rows
-    this rank sent off-rank in the dispatch and in the combine."""
+    the dispatch sends to and gets from each rank (the combine sends them back)."""
     tok, choice = r.kept.nonzero(as_tuple=True)
     target = r.experts[tok, choice]
     order = torch.argsort(target, stable=True)  # by expert: by destination rank, then expert
@@ -108,5 +108,4 @@ def exchange(tokens: torch.Tensor, r: Routing, comm, local: int, expert
             out = out.index_add(0, at, expert(rows[at], j))
     back = ag.all_to_all_v(out, comm, recv, send)
     gate = r.gates[tok, choice].unsqueeze(-1).to(back.dtype)
-    off = (sum(send) - send[me], sum(recv) - recv[me])
-    return torch.zeros_like(tokens).index_add(0, tok, back * gate), off
+    return torch.zeros_like(tokens).index_add(0, tok, back * gate), send, recv
