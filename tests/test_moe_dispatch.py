@@ -66,5 +66,8 @@ def test_show_and_explain_count_the_dispatch():
     assert rows[("backward", "alltoallv")] == (2, 2 * 12 * 16 * 4)
     assert rows[("forward", "allgather")] == (1, 2 * 4 * 8 // 2 * 2)  # (n-1)/n of [2, 2, 4] i64
     assert est.experts == [{"op": "moe0", "experts": 4, "per_rank": 2, "param_bytes": 8192,
-                            "choices": 64, "bound": 48}]
-    assert "moe0: 2 of 4 experts per rank (8.0 KiB of expert params)" in format_estimate(est)
+                            "exchange": ["data"], "choices": 64, "bound": 48}]
+    assert "moe0: 2 of 4 experts per rank (8.0 KiB of expert params); alltoallv bytes are " \
+        "expected at the capacity bound (48 of 64" in format_estimate(est)
+    ep2 = format_estimate(estimate(_program("ep2")))
+    assert "moe0: 2 of 4 experts per rank (8.0 KiB of expert params)\n" in ep2

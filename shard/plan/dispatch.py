@@ -94,7 +94,8 @@ def kernel_calls(program: Program, step: Compute) -> list[Call]:
 
 def expert_figures(program: Program) -> list[dict]:
     """Per moe op: its experts, how many each rank holds, their parameter bytes on a rank,
-    and the choices its capacity bound keeps (what the expected alltoallv bytes assume)."""
+    the axes it exchanges tokens over and the choices its capacity bound keeps (what the
+    expected alltoallv bytes assume)."""
     out = []
     sizes = dict(program.dims)
     for s in program.steps:
@@ -109,6 +110,6 @@ def expert_figures(program: Program) -> list[dict]:
                     "per_rank": w1.local_shape[w1.dims.index(dim)],
                     "param_bytes": sum(program.value(a).nbytes for a in s.args[2:]
                                        if dim in program.value(a).dims),
-                    "choices": choices,
+                    "exchange": list(s.exchange), "choices": choices,
                     "bound": min(choices, sizes[dim] * slots(s, program))})
     return out
