@@ -1,14 +1,14 @@
 """The small runtime that executes a Program on one rank.
 
-`ShardedModel` holds this rank's parameter shards (cut from exactly the tensors the single-rank
-model draws for the same seed), runs the steps in order with torch autograd recording them,
-and sums parameter gradients over the axes the Program says they are partial on.
+`ShardedModel` holds this rank's parameter shards (drawn directly, equal to the same slices of
+the tensors the single-rank model draws for the same seed), runs the steps in order with torch
+autograd recording them, and sums parameter gradients over the axes the Program says they are
+partial on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
 
 import torch
 
@@ -17,33 +17,14 @@ from soapstone.comm.errors import UserError
 from soapstone.shard import moe as _moe  # noqa: F401 - registers the moe kernel
 from soapstone.shard.fusion import find_fusions, run_fused
 from soapstone.shard.ops import Shards, run_op
-from soapstone.shard.plan.dtypes import DTYPES
+from soapstone.shard.param_init import TORCH_DTYPES, init_full, init_shard  # noqa: F401
 from soapstone.shard.plan.layout import P, Split
-from soapstone.shard.plan.program import Compute, CopyTo, ParamSpec, Program, Value
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.recompute import Segment
-
-TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 
 
 class ShapeMismatch(UserError, RuntimeError):
     """A tensor's shape differs from the one the Program was compiled with."""
-
-
-def init_full(p: ParamSpec, seed: int) -> torch.Tensor:
-    """The full (unsharded) initial value of a parameter: a function of (seed, name) only."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{p.name}".encode()))
-    dtype = TORCH_DTYPES[p.dtype]
-    if p.init == "zeros":
-        return torch.zeros(p.shape, dtype=dtype)
-    if p.init == "ones":
-        return torch.ones(p.shape, dtype=dtype)
-    kind, _, arg = p.init.partition("(")
-    scale = float(arg.rstrip(")"))
-    if kind == "normal":
-        return (torch.randn(p.shape, generator=g) * scale).to(dtype)
-    if kind == "uniform":
-        return ((torch.rand(p.shape, generator=g) * 2 - 1) * scale).to(dtype)
-    raise ValueError(f"parameter {p.name}: unknown init {p.init!r}")
 
 
 def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
@@ -79,9 +60,10 @@ class ShardedModel:
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
         self.compute_dtype = compute_dtype or dtype
+        # each rank draws only its own slice of every parameter (shard/param_init.py)
         self.params: dict[str, torch.nn.Parameter] = {
-            p.name: torch.nn.Parameter(_cast(self.local(init_full(p, seed),
-                                                        program.value(p.name)), dtype))
+            p.name: torch.nn.Parameter(_cast(init_shard(
+                p, seed, self.ctx.local_slices(program.value(p.name))), dtype))
             for p in program.params
         }
 
