@@ -6,7 +6,9 @@ axis, context parallelism (the sequence dims over their own axis `cp`, inside th
 the tensor axis, only where the batch does not divide over as many data ranks: otherwise data
 parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and
 interleaved with 2 or 4 virtual stages per rank; gpipe keeps every microbatch in flight for the
-same bubble, so 1f1b always beats it), the microbatch count, and ZeRO 0-3. The mesh is
+same bubble, so 1f1b always beats it), the microbatch count, ZeRO 0-3, and activation recompute
+(`recompute_options`: `recompute R` for the model's largest repeat; `search` tries it as it
+tries a ZeRO stage, where no stage fits without it or below the stage that does). The mesh is
 `mesh(pipe, data, cp, model)`: the tensor axis innermost (inside a node), data next, the
 pipeline outermost (seed 004: the chattiest parallelism on the fastest links). Which dims each
 statement maps (`layout_dims`): `sample` the batch (the inputs' leading dim); `parameter` the
@@ -20,22 +22,35 @@ blocks are all alike (the usual stack) is not compiled per candidate: `Probes` c
 truncated to 1 and 2 blocks (and a 3-stage pipeline of 1 and 2 blocks per stage) for a local
 microbatch of 1 and 2 samples, and every figure of a stage with n blocks and b samples is read
 off them bilinearly (parameters, activations, collectives' calls and bytes, FLOPs are each
-const + n x per-block, and linear in b). Data-parallel degree and ZeRO stage do not change the
+const + n x per-block, and linear in b). Not so the working set above the saved activations
+(explain's transient, less ZeRO's buffers): a peak, at the last block's backward or the head,
+so a stage of n >= 2 blocks has the 2-block probe's, and not linear in b, so it is walked on
+the 1-sample probe with its batch dim scaled to b; with recompute the blocks' inputs it keeps
+are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage do not change the
 compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
-re-estimated on the candidate's. tests/test_plan.py checks the extrapolation against a full
-compile. Other models (branching, several repeats, fewer than 6 blocks) compile each layout.
+re-estimated on the candidate's; recompute does, so the probes are per recompute form.
+tests/test_plan.py checks the extrapolation against a full compile. Other models (branching,
+several repeats, fewer than 6 blocks) compile each layout.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import Counter
 from collections.abc import Iterator
 
 import attrs
 
 from soapstone.comm.errors import UserError
 from soapstone.shard.plan.activations import activation_figures
-from soapstone.shard.plan.cost import StepTime, Work, program_work, step_time
+from soapstone.shard.plan.cost import (
+    BACKWARD_FACTOR,
+    StepTime,
+    Work,
+    program_work,
+    step_time,
+)
 from soapstone.shard.plan.explain import (
     EdgeFigures,
     Estimate,
@@ -116,13 +131,21 @@ def _stream_dims(model: ir.Model) -> set[str]:
     return out
 
 
+def recompute_options(model: ir.Model) -> tuple[str, ...]:
+    """The `recompute` forms the search tries, the cheapest in forward work first: `recompute
+    R` for the repeat with the most blocks (R: its name); none for a model without repeats."""
+    counts = Counter(b.rsplit(".", 1)[0] for b in model.blocks)
+    return (max(counts, key=counts.get),) if counts else ()
+
+
 # ---- candidates --------------------------------------------------------------------------
 
 
 @attrs.frozen
 class Candidate:
     """One point of the space: degrees, schedule, microbatches, ZeRO, sequence parallelism
-    (Megatron's, on the tensor axis), context parallelism (the sequence over its own axis)."""
+    (Megatron's, on the tensor axis), context parallelism (the sequence over its own axis),
+    and activation recompute (the `recompute` statement's argument, or None)."""
 
     data: int
     tensor: int
@@ -133,10 +156,12 @@ class Candidate:
     microbatches: int = 1
     chunks: int = 1
     context: int = 1
+    recompute: str | None = None
 
     @property
     def label(self) -> str:
-        """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2)."""
+        """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2; rc at the
+        end: recompute)."""
         parts = [f"d{self.data}", f"t{self.tensor}" + ("+sp" if self.sequence else ""),
                  f"p{self.pipe}"]
         if self.context > 1:
@@ -146,6 +171,8 @@ class Candidate:
         if self.microbatches > 1:
             parts.append(f"m{self.microbatches}")
         parts.append(f"z{self.zero}")
+        if self.recompute:
+            parts.append("rc")
         return " ".join(parts)
 
     @property
@@ -191,7 +218,7 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     return ir.Parallel(name, model.name, mesh,
                        sample=((dims.batch, "data"),) if c.data > 1 else (),
                        attribute=seq, parameter=tensor, operator=operator,
-                       schedule=schedule, zero=c.zero)
+                       schedule=schedule, zero=c.zero, recompute=c.recompute)
 
 
 def _divisors(n: int) -> list[int]:
@@ -286,20 +313,36 @@ def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: i
 Figs = dict[tuple, float]
 
 
-def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
+def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> Figs:
     """An estimate's additive figures as one flat dict (for extrapolation); a communicator's
-    axes of size 1 are left out of its name (as a mesh without them would name it)."""
+    axes of size 1 are left out of its name (as a mesh without them would name it).
+    `working_set` (the activation walk's peak above the saved bytes) is kept apart from the
+    rest of the transient (ZeRO's full gradient buffers and gathered bucket), which grows with
+    the blocks; under recompute, what the step would hold without it and the forward work run
+    again come too."""
     f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
-               ("transient_bytes",): est.transient_bytes,
+               ("transient_bytes",): est.transient_bytes - working_set,
+               ("working_set",): working_set,
                ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
                ("param_elements",): param_elements}
+    if est.without_recompute is not None:
+        again = work.again or Work()
+        f |= {("plain_saved",): est.without_recompute[0],
+              ("plain_working_set",): est.without_recompute[1],
+              ("again_flops",): again.matmul_flops, ("again_moved",): again.other_bytes,
+              ("again_ops",): again.ops}
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
         for what, v in (("calls", t.calls), ("bytes", t.bytes)):
             f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
     return f
+
+
+# Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set
+# replaces their extrapolation
+PEAKS = (("working_set",), ("plain_working_set",))
 
 
 def _lin(*terms: tuple[float, Figs]) -> Figs:
@@ -315,10 +358,15 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
     g = {k: max(0, round(v)) for k, v in f.items()}
     traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
+    rc = ("again_flops",) in f
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
-                   g[("activation_bytes",)], traffic, transient_bytes=g[("transient_bytes",)])
-    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)]), g[("param_elements",)]
+                   g[("activation_bytes",)], traffic,
+                   transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
+                   without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
+                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0)
+    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)]) if rc else None
+    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again), g[("param_elements",)]
 
 
 def _remesh(program, data: int):
@@ -340,6 +388,22 @@ def _block_signature(model: ir.Model, i: int) -> tuple:
     params = tuple((norm(p.name), p.type, p.init, p.tied_to) for p in model.params
                    if p.block == model.blocks[i])
     return ops, params
+
+
+def _plain(program):
+    """`program` as it runs without its `recompute` statement."""
+    return attrs.evolve(program, recompute=())
+
+
+def _with_batch(program, batch: str, b: int):
+    """`program` (compiled for one sample per data rank) with its batch dim scaled to b
+    samples: each value's local extent of that dim times b."""
+    if b == 1:
+        return program
+    values = tuple(attrs.evolve(v, local_shape=tuple(
+        n * b if d == batch else n for d, n in zip(v.dims, v.local_shape, strict=True)))
+        if batch in v.dims else v for v in program.values)
+    return attrs.evolve(program, values=values)
 
 
 def uniform(model: ir.Model) -> bool:
@@ -377,26 +441,30 @@ def truncate(model: ir.Model, k: int) -> ir.Model:
 
 
 class Probes:
-    """One (tensor, sequence) setting's probe compiles and their re-estimates (module doc)."""
+    """One (tensor, sequence, context, recompute) setting's probe compiles and their
+    re-estimates (module doc)."""
 
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
-                 optimizer: str, context: int = 1):
+                 optimizer: str, context: int = 1, recompute: str | None = None):
         self.optimizer = optimizer
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
-        self.acts: dict[tuple[str, int, int], tuple[int, int]] = {}
+        # (kind, n, b) -> the walk's figures, with and without recompute, and the work
+        self.acts: dict[tuple[str, int, int], tuple] = {}
         self.cache: dict[tuple, tuple] = {}
         self.edge: dict[int, EdgeFigures] = {}
+        self.batch = dims.batch
+        self.peaks: dict[tuple[str, int, int], tuple[int, ...]] = {}
         for n in (1, 2):
             for b in (1, 2):
                 base = attrs.evolve(model, dims=tuple(
                     (d, 2 * b if d == dims.batch else s) for d, s in model.dims))
-                par = to_parallel(base, dims, Candidate(2, tensor, 1, sequence,
-                                                        context=context))
+                par = to_parallel(base, dims, Candidate(2, tensor, 1, sequence, context=context,
+                                                        recompute=recompute))
                 self.programs["only", n, b] = lower_graph(truncate(base, n), par).program
                 three = truncate(base, 3 * n)
                 pipe = to_parallel(three, dims, Candidate(2, tensor, 3, sequence,
-                                                          context=context))
+                                                          context=context, recompute=recompute))
                 graph = lower_graph(three, pipe)
                 for st, kind in zip(graph.stages, ("first", "middle", "last"), strict=True):
                     self.programs[kind, n, b] = st.program
@@ -410,23 +478,40 @@ class Probes:
         if key not in self.stage:
             prog = self.programs[kind, n, b]
             if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
-                self.acts[kind, n, b] = activation_figures(prog)
-            est = estimate(_remesh(prog, data), zero, self.optimizer,
-                           activations=self.acts[kind, n, b])
-            self.stage[key] = _figs(est, program_work(prog),
-                                    sum(math.prod(p.shape) for p in prog.params))
+                plain = activation_figures(_plain(prog)) if prog.recompute else None
+                self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog))
+            acts, plain, work = self.acts[kind, n, b]
+            est = estimate(_remesh(prog, data), zero, self.optimizer, activations=acts,
+                           plain=plain)
+            self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params),
+                                    acts[1])
         return self.stage[key]
 
     def figures(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
         """A stage of `kind` (only | first | middle | last) with n blocks and b samples per
         microbatch per data rank, on `data` ranks under ZeRO `zero`: bilinear in (n, b); the
         b-slope (activations, tensor-parallel traffic, work) is the same for every data
-        degree and ZeRO stage, so it is read at data 2, ZeRO 0."""
+        degree and ZeRO stage, so it is read at data 2, ZeRO 0. The PEAKS are not sums over
+        blocks and not linear in b: they come from `working_set`."""
         f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
         s1 = _lin((1, self._at(kind, 1, 2, 2, 0)), (-1, self._at(kind, 1, 1, 2, 0)))
         s2 = _lin((1, self._at(kind, 2, 2, 2, 0)), (-1, self._at(kind, 2, 1, 2, 0)))
-        return _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
-                    ((b - 1) * (1 - n), s1))
+        out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
+                   ((b - 1) * (1 - n), s1))
+        for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):
+            out[key] = v
+        return out
+
+    def working_set(self, kind: str, n: int, b: int) -> tuple[int, ...]:
+        """The PEAKS of a stage of n <= 2 blocks and b samples: the walk of the b = 1 probe
+        with its batch dim scaled to b (a peak is a max over the step: not linear in b);
+        under recompute, without it too."""
+        key = (kind, n, b)
+        if key not in self.peaks:
+            prog = _with_batch(self.programs[kind, n, 1], self.batch, b)
+            walks = (prog, _plain(prog)) if prog.recompute else (prog,)
+            self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
+        return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:
         """The boundary tensors per microbatch of b samples per data rank."""
@@ -467,6 +552,27 @@ class Result:
     fits: bool
     memory: int  # the fullest device's bytes
     exact: bool  # from a full compile (else from the probes)
+    work: tuple[Work, ...] = ()  # each pipe rank's forward work per microbatch
+
+    @property
+    def state_bytes(self) -> int:
+        """The fullest device's parameters, gradients and optimizer state."""
+        e = self.estimate
+        return e.param_bytes + e.grad_bytes + e.optimizer_bytes
+
+    @property
+    def recompute_summary(self) -> str:
+        """What recompute trades: "activations 61 GiB -> 9 GiB, +33% FLOPs" (the fullest
+        pipe rank's saved bytes without and with it; the matmul FLOPs of a step, forward and
+        backward, that running the blocks' forward again adds; '' without recompute)."""
+        est = self.estimate
+        if not self.candidate.recompute or est.without_recompute is None:
+            return ""
+        flops = sum(w.matmul_flops for w in self.work)
+        again = sum(w.again.matmul_flops for w in self.work if w.again)
+        return (f"activations {format_bytes(est.without_recompute[0])} -> "
+                f"{format_bytes(est.activation_bytes)}, "
+                f"+{again / (flops * (1 + BACKWARD_FACTOR)) if flops else 0:.0%} FLOPs")
 
     @property
     def comm_per_axis(self) -> dict[str, int]:
@@ -481,20 +587,25 @@ class Planner:
     """Costs candidates of one model on one profile (module doc)."""
 
     def __init__(self, model: ir.Model, profile: Profile, *, precision: str = "fp32",
-                 optimizer: str = "adamw", exact: bool | None = None):
+                 optimizer: str = "adamw", exact: bool | None = None,
+                 recompute: tuple[str, ...] | None = None):
         self.model, self.profile = model, profile
         self.precision, self.optimizer = precision, optimizer
         self.dims = layout_dims(model)
+        # the recompute forms to try (default: recompute_options; () searches without)
+        self.recompute = recompute_options(model) if recompute is None else recompute
         self.exact = not uniform(model) if exact is None else exact
-        self._probes: dict[tuple[int, bool, int], Probes] = {}
+        self._probes: dict[tuple[int, bool, int, str | None], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
 
-    def probes(self, tensor: int, sequence: bool, context: int = 1) -> Probes:
-        """The probes of one tensor / sequence / context setting (compiled on first use)."""
-        key = (tensor, sequence, context)
+    def probes(self, tensor: int, sequence: bool, context: int = 1,
+               recompute: str | None = None) -> Probes:
+        """The probes of one tensor / sequence / context / recompute setting (compiled on
+        first use)."""
+        key = (tensor, sequence, context, recompute)
         if key not in self._probes:
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
-                                       context)
+                                       context, recompute)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -504,7 +615,7 @@ class Planner:
         t = step_time(est, work, self.profile, self.precision,
                       ("data",) if c.data > 1 else ())
         return Result(c, est, t, est.total_bytes <= self.profile.usable_bytes,
-                      est.total_bytes, exact)
+                      est.total_bytes, exact, tuple(work))
 
     def _exact(self, c: Candidate) -> tuple[Estimate, list[Work]]:
         key = attrs.evolve(c, zero=0)
@@ -518,7 +629,7 @@ class Planner:
         return est, work
 
     def _probed(self, c: Candidate) -> tuple[Estimate, list[Work]]:
-        probes = self.probes(c.tensor, c.sequence, c.context)
+        probes = self.probes(c.tensor, c.sequence, c.context, c.recompute)
         b = dict(self.model.dims)[self.dims.batch] // (c.data * c.microbatches)
         runs = stage_blocks(self.model.blocks, c.stages)
         s = len(runs)
@@ -639,28 +750,57 @@ def search(planner: Planner, world: int) -> Plan:
 
     For each layout the ZeRO stages are tried from 0 up until one fits (a higher stage only
     adds communication), and the microbatch counts without stages from 1 up likewise
-    (accumulation only saves memory)."""
+    (accumulation only saves memory). Recompute is tried as a ZeRO stage is, after them:
+    where no stage fits without it, or below the stage that does (it runs more forward work,
+    so at that stage or above it can only be slower)."""
     rejected: list[Rejection] = []
     fits: list[Result] = []
     unfit: list[Result] = []
     n = 0
-    done: set[tuple] = set()
-    for c in candidates(planner.model, planner.dims, world, planner.profile, rejected):
+    done: set[tuple] = set()  # fits without recompute: more microbatches only cost time
+    floor: dict[tuple, int] = {}  # (group, form) -> the lowest ZeRO stage it fit at
+
+    def climb(ladder: list[Candidate], costed: dict[int, Result]) -> int | None:
+        """Cost the ladder's ZeRO stages from the lowest until one fits: its stage, or None.
+        A stage whose parameter state alone overflows in `costed` (the same layout without
+        recompute) is skipped: recompute saves activations only."""
+        nonlocal n
+        for c in ladder:
+            was = costed.get(c.zero)
+            if was and was.state_bytes > planner.profile.usable_bytes:
+                continue
+            try:
+                r = planner.cost(c)
+            except LoweringError as e:  # a layout the compiler refuses (no sharding of an op)
+                rejected.append(Rejection(c.label, e.diagnostics[0].message))
+                continue
+            n += 1
+            costed[c.zero] = r
+            (fits if r.fits else unfit).append(r)
+            if r.fits:
+                return c.zero
+        return None
+
+    found = candidates(planner.model, planner.dims, world, planner.profile, rejected)
+    for _, same in itertools.groupby(found, key=lambda c: attrs.evolve(c, zero=0)):
+        ladder = list(same)
+        c = ladder[0]
         group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
-        try:
-            r = planner.cost(c)
-        except LoweringError as e:  # a layout the compiler refuses (an op with no sharding)
-            rejected.append(Rejection(c.label, e.diagnostics[0].message))
-            continue
-        n += 1
-        if r.fits:
-            fits.append(r)
+        plain: dict[int, Result] = {}
+        top = climb(ladder, plain)
+        if top is not None:
             done.add(group)
-        else:
-            unfit.append(r)
+        top = 4 if top is None else top
+        for form in planner.recompute:  # the cheapest in compute first
+            below = min(top, floor.get((group, form), 4))
+            z = climb([attrs.evolve(x, recompute=form) for x in ladder if x.zero < below],
+                      dict(plain))
+            if z is not None:
+                floor[group, form] = min(z, floor.get((group, form), 4))
+                top = min(top, z)  # a costlier form pays only below it
     if not fits:
         raise PlanError(no_fit_message(planner, world, unfit, rejected))
     fits.sort(key=lambda r: (r.time.total, r.memory))
@@ -699,10 +839,11 @@ def why(plan: Plan, r: Result) -> str:
              "grad sync": t.grad_sync + t.after_step, "optimizer": t.optimizer}
     top = max(parts, key=parts.get)
     share = parts[top] / t.total if t.total else 0
+    rc = f"; recompute: {r.recompute_summary}" if r.candidate.recompute else ""
     if r is plan.best:
-        return f"fastest; {top} {share:.0%} of the step"
+        return f"fastest; {top} {share:.0%} of the step{rc}"
     slower = t.total / plan.best.time.total - 1
-    return f"{slower:+.0%} vs best; {top} {share:.0%}"
+    return f"{slower:+.0%} vs best; {top} {share:.0%}{rc}"
 
 
 def _versus(plan: Plan, what: str, keep) -> str:
@@ -778,6 +919,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
         out.append(f"data parallel {c.data}: the remaining {plan.world} / ({c.tensor}{cp} x "
                    f"{c.pipe}) devices replicate the {'pipeline' if c.pipe > 1 else 'model'}; "
                    f"{z}{need}")
+    if c.recompute:
+        out.append(f"recompute {c.recompute}: {best.recompute_summary}; each block keeps only "
+                   "its inputs and backward runs its forward again; "
+                   + _versus(plan, "no recompute", lambda x: x.recompute is None))
     t = best.time
     out.append(f"memory per device {format_bytes(best.memory)} of {format_bytes(usable)} "
                f"usable; step {t.total:.4g} s: compute {t.compute:.3g}, tensor comm "

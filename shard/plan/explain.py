@@ -159,11 +159,12 @@ class Estimate:
 
 
 def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
-             deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None
-             ) -> Estimate:
+             deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
+             plain: tuple[int, int] | None = None) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
     deferred: params with a gradient bucket of their own (pipeline tied weights);
-    activations: activation_figures(program) when the caller has them already."""
+    activations: activation_figures(program) when the caller has them already; plain: the
+    same of the program without recompute (one that has it)."""
     mesh = dict(program.mesh)
     dp_axes = program.data_axes if zero else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
@@ -274,8 +275,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
                         elems * 4 - grad_bytes if zero >= 2 else 0),
-                    without_recompute=activation_figures(attrs.evolve(program, recompute=()))
-                    if program.recompute else None,
+                    without_recompute=(plain or activation_figures(
+                        attrs.evolve(program, recompute=()))) if program.recompute else None,
                     recompute_flops=recompute_flops(program),
                     experts=expert_figures(program))
 
@@ -506,10 +507,9 @@ def format_estimate(e: Estimate) -> str:
     lines.extend(format_traffic(e.traffic))
     for m in e.experts:
         lines.append(f"  {m['op']}: {m['per_rank']} of {m['experts']} experts per rank "
-                     f"({format_bytes(m['param_bytes'])} of expert params)" + (
-                         f"; alltoallv bytes are expected at the capacity bound ({m['bound']} "
-                         f"of {m['choices']} choices kept, spread evenly over the ranks)"
-                         if m["exchange"] else ""))
+                     f"({format_bytes(m['param_bytes'])} of expert params); alltoallv bytes "
+                     f"are expected at the capacity bound ({m['bound']} of {m['choices']} "
+                     "choices kept, spread evenly over the ranks)")
     if e.pipe_rank is None:
         lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
