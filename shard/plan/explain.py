@@ -507,9 +507,10 @@ def format_estimate(e: Estimate) -> str:
     lines.extend(format_traffic(e.traffic))
     for m in e.experts:
         lines.append(f"  {m['op']}: {m['per_rank']} of {m['experts']} experts per rank "
-                     f"({format_bytes(m['param_bytes'])} of expert params); alltoallv bytes "
-                     f"are expected at the capacity bound ({m['bound']} of {m['choices']} "
-                     "choices kept, spread evenly over the ranks)")
+                     f"({format_bytes(m['param_bytes'])} of expert params)" + (
+                         f"; alltoallv bytes are expected at the capacity bound ({m['bound']} "
+                         f"of {m['choices']} choices kept, spread evenly over the ranks)"
+                         if m["exchange"] else ""))
     if e.pipe_rank is None:
         lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
