@@ -37,11 +37,13 @@ from .errors import UserError
 from .flight_recorder import DONE as _DONE
 from .flight_recorder import POSTED as _POSTED
 from .flight_recorder import STARTED as _STARTED
+from .flight_recorder import WAITING as _WAITING
 from .flight_recorder import new_recorder
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
+_NOTHING_DTYPE = _NOTHING.dtype
 
 
 class CommError(UserError, ValueError):
@@ -81,14 +83,19 @@ class Work:
             rec = self._rec
             if rec is None:
                 self._complete()
-            else:
-                rec.wait(self._entry)
+            else:  # FlightRecorder.wait and .end, written out (see Communicator._call)
+                e = self._entry
+                e[7] = _now()
+                e[9] = _WAITING
+                rec.active = e
                 try:
                     self._complete()
                 except BaseException:
-                    rec.fail(self._entry)
+                    rec.fail(e)
                     raise
-                rec.end(self._entry)
+                e[8] = _now()
+                e[9] = _DONE
+                rec.active = None
         return self._result
 
     def _complete(self) -> None:
@@ -149,14 +156,17 @@ class Communicator(abc.ABC):
         s[1] += bus_bytes(op, nbytes, self.size)
 
     # -- input checks (before the backend is called) --------------------------------------
-    def _check(self, op: str, t: Any, name: str = "t") -> None:
+    def _check(self, op: str, t: Any, name: str = "t") -> torch.dtype:
+        """Raise CommError unless `t` can go to this communicator; return its dtype (read once
+        here, also for the flight recorder's entry)."""
         if self._freed:
             raise CommError(f"{op}: this communicator was freed; use one that is still alive")
         if not isinstance(t, torch.Tensor):
             raise CommError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_SET:
+        dtype = t.dtype
+        if dtype not in SUPPORTED_SET:
             raise CommError(
-                f"{op}: `{name}` has dtype {t.dtype}, which soapstone.comm does not support; "
+                f"{op}: `{name}` has dtype {dtype}, which soapstone.comm does not support; "
                 f"cast it to one of {', '.join(dtype_name(d) for d in SUPPORTED)}"
             )
         if self.device_type == "cpu":
@@ -172,6 +182,7 @@ class Communicator(abc.ABC):
             )
         if not t.is_contiguous():
             raise CommError(f"{op}: `{name}` is not contiguous; pass `{name}.contiguous()`")
+        return dtype
 
     def _check_dim(self, op: str, t: torch.Tensor, dim: int, name: str = "dim") -> int:
         nd = t.dim()
@@ -212,13 +223,15 @@ class Communicator(abc.ABC):
                 f"shape); pass torch.empty({want}, dtype={t.dtype}) or leave out=None"
             )
 
-    def _call(self, op: str, t: torch.Tensor, nbytes: int, async_op: bool, check, fn, *args):
+    def _call(self, op: str, t: torch.Tensor, dtype, nbytes: int, async_op: bool, check, fn,
+              *args):
         """Run backend call `fn(*args)` for collective `op` under the flight recorder: an entry
         before, completed after (async: in the Work's wait()). The watchdog watches the entry
-        this rank is blocked in. `check`: the op's arguments for the debug cross-check
-        (SOAPSTONE_DEBUG_COLLECTIVES), run under the entry too, since it communicates.
-        The recording is written out here, not in FlightRecorder methods: this is every
-        collective's hot path (see flight_recorder.py for the entry's fields)."""
+        this rank is blocked in. `dtype`: `t`'s, as `_check` read it. `check`: the op's
+        arguments for the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES), run under the entry
+        too, since it communicates. The recording is written out here, not in FlightRecorder
+        methods: this is every collective's hot path (see flight_recorder.py for the entry's
+        fields)."""
         rec = self.recorder
         if rec is None:
             if self.debug and check is not None:
@@ -228,7 +241,7 @@ class Communicator(abc.ABC):
                 out._entry = (self, op, t, -1)
             return out
         rec.seq = s = rec.seq + 1
-        e = [s, op, t.shape, t.dtype, nbytes, -1, _now(), 0.0, 0.0, _STARTED]
+        e = [s, op, t.shape, dtype, nbytes, -1, _now(), 0.0, 0.0, _STARTED]
         rec.ring[s & rec.mask] = e
         if self.debug and check is not None:
             return self._recorded(rec, e, async_op, self._debug_then, op, t, check, fn, args)
@@ -281,17 +294,17 @@ class Communicator(abc.ABC):
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
         """Reduce `t` over all ranks in place (op: sum, avg, max, min); return `t`."""
-        self._check("allreduce", t)
+        dtype = self._check("allreduce", t)
         if op not in REDUCE_OPS:
             raise CommError(f"allreduce: `op`={op!r} is unknown; pass one of {REDUCE_OPS}")
-        if op == "avg" and t.dtype not in _FLOATING:
+        if op == "avg" and dtype not in _FLOATING:
             raise CommError(
-                f"allreduce: op='avg' needs a floating dtype, got {t.dtype}; "
+                f"allreduce: op='avg' needs a floating dtype, got {dtype}; "
                 "use op='sum' and divide, or cast"
             )
         nbytes = t.numel() * t.element_size()
         self._count("allreduce", nbytes)
-        return self._call("allreduce", t, nbytes, async_op, (REDUCE_OPS.index(op),),
+        return self._call("allreduce", t, dtype, nbytes, async_op, (REDUCE_OPS.index(op),),
                           self._allreduce, t, op, async_op)
 
     def reduce_scatter(
@@ -299,7 +312,7 @@ class Communicator(abc.ABC):
     ):
         """Sum `t` over ranks; return this rank's equal chunk along `dim` (a new tensor, or
         written into `out` and `out` returned)."""
-        self._check("reduce_scatter", t)
+        dtype = self._check("reduce_scatter", t)
         dim = self._check_dim("reduce_scatter", t, dim)
         self._check_divides("reduce_scatter", t, dim)
         if out is not None:
@@ -308,30 +321,30 @@ class Communicator(abc.ABC):
             self._check_out("reduce_scatter", t, out, shape)
         nbytes = t.numel() * t.element_size()
         self._count("reduce_scatter", nbytes)
-        return self._call("reduce_scatter", t, nbytes, async_op, (dim,), self._reduce_scatter,
-                          t, dim, async_op, out)
+        return self._call("reduce_scatter", t, dtype, nbytes, async_op, (dim,),
+                          self._reduce_scatter, t, dim, async_op, out)
 
     def allgather(
         self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None
     ):
         """Concatenate every rank's `t` along `dim` in rank order (a new tensor, or written
         into `out` and `out` returned)."""
-        self._check("allgather", t)
+        dtype = self._check("allgather", t)
         dim = self._check_dim("allgather", t, dim)
         if out is not None:
             self._check_out("allgather", t, out, gather_layout(t, dim, self.size)[0])
         nbytes = t.numel() * t.element_size()
         self._count("allgather", nbytes * self.size)
-        return self._call("allgather", t, nbytes, async_op, (dim,), self._allgather, t, dim,
+        return self._call("allgather", t, dtype, nbytes, async_op, (dim,), self._allgather, t, dim,
                           async_op, out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy rank `src`'s `t` into every rank's `t` in place; return `t`."""
-        self._check("broadcast", t)
+        dtype = self._check("broadcast", t)
         self._check_rank("broadcast", src, "src")
         nbytes = t.numel() * t.element_size()
         self._count("broadcast", nbytes)
-        return self._call("broadcast", t, nbytes, async_op, (src,), self._broadcast, t, src,
+        return self._call("broadcast", t, dtype, nbytes, async_op, (src,), self._broadcast, t, src,
                           async_op)
 
     def alltoall(
@@ -344,7 +357,7 @@ class Communicator(abc.ABC):
     ):
         """Send chunk j of `t` (split along split_dim) to rank j; concat what arrives along
         concat_dim in rank order (a new tensor, or written into `out` and `out` returned)."""
-        self._check("alltoall", t)
+        dtype = self._check("alltoall", t)
         split_dim = self._check_dim("alltoall", t, split_dim, "split_dim")
         concat_dim = self._check_dim("alltoall", t, concat_dim, "concat_dim")
         self._check_divides("alltoall", t, split_dim, "split_dim")
@@ -355,7 +368,7 @@ class Communicator(abc.ABC):
             self._check_out("alltoall", t, out, shape)
         nbytes = t.numel() * t.element_size()
         self._count("alltoall", nbytes)
-        return self._call("alltoall", t, nbytes, async_op, (split_dim, concat_dim),
+        return self._call("alltoall", t, dtype, nbytes, async_op, (split_dim, concat_dim),
                           self._alltoall, t, split_dim,
                           concat_dim, async_op, out)
 
@@ -369,7 +382,7 @@ class Communicator(abc.ABC):
     ):
         """Send `send_sizes[j]` slices of `t` along `dim` to rank j; concat the `recv_sizes[j]`
         slices from each rank j along `dim` (a new tensor)."""
-        self._check("alltoallv", t)
+        dtype = self._check("alltoallv", t)
         dim = self._check_dim("alltoallv", t, dim)
         send_sizes = [int(s) for s in send_sizes]
         recv_sizes = [int(s) for s in recv_sizes]
@@ -387,7 +400,7 @@ class Communicator(abc.ABC):
         row = t.numel() // max(t.shape[dim], 1) * t.element_size()
         off_rank = sum(s for j, s in enumerate(send_sizes) if j != self.rank)
         self._count("alltoallv", off_rank * row)
-        return self._call("alltoallv", t, t.numel() * t.element_size(), async_op,
+        return self._call("alltoallv", t, dtype, t.numel() * t.element_size(), async_op,
                           (dim, send_sizes, recv_sizes), self._alltoallv, t, send_sizes,
                           recv_sizes, dim, async_op)
 
@@ -410,7 +423,7 @@ class Communicator(abc.ABC):
     def _p2p(self, op: str, t: torch.Tensor, peer: int, tag: int, async_op: bool):
         """send, recv, isend, irecv: check, count, record, hand to the backend."""
         sending = op in ("send", "isend")
-        self._check_p2p(op, t, peer, "dst" if sending else "src")
+        dtype = self._check_p2p(op, t, peer, "dst" if sending else "src")
         nbytes = t.numel() * t.element_size()
         self._count("send" if sending else "recv", nbytes if sending else 0)
         if sending:
@@ -423,8 +436,12 @@ class Communicator(abc.ABC):
             if async_op:
                 out._entry = (self, op, t, peer)
             return out
-        return self._recorded(rec, rec.p2p(op, t, peer, nbytes), async_op, fn, t, peer, tag,
-                              async_op)
+        # FlightRecorder.p2p, written out: one call less on every p2p op
+        rec.p2p_seq = s = rec.p2p_seq + 1
+        (rec.sent if sending else rec.recvd)[peer] += 1
+        e = [s, op, t.shape, dtype, nbytes, peer, _now(), 0.0, 0.0, _STARTED]
+        rec.p2p_ring[s & rec.mask] = e
+        return self._recorded(rec, e, async_op, fn, t, peer, tag, async_op)
 
     def _send_debug(self, t, dst, tag, async_op):
         """_send with SOAPSTONE_DEBUG_COLLECTIVES: the descriptor travels beside the data."""
@@ -450,18 +467,19 @@ class Communicator(abc.ABC):
         work = self._recv(t, src, tag, True)
         return Work(None, None, lambda: pending.check(work), keep=(work, pending))
 
-    def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> None:
-        self._check(op, t)
+    def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> torch.dtype:
+        dtype = self._check(op, t)
         self._check_rank(op, peer, name)
         if peer == self.rank:
             raise CommError(f"{op}: `{name}`={peer} is this rank; p2p to oneself deadlocks")
+        return dtype
 
     def barrier(self) -> None:
         """Block until every rank of this communicator has reached the barrier."""
         if self._freed:
             raise CommError("barrier: this communicator was freed; use one that is still alive")
         self.flight.barriers += 1
-        self._call("barrier", _NOTHING, 0, False, None, self._barrier)
+        self._call("barrier", _NOTHING, _NOTHING_DTYPE, 0, False, None, self._barrier)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Sub-communicator of the ranks passing the same `color`, ordered by `key` (collective).

@@ -17,10 +17,12 @@ An entry is a plain list, written on the hot path without formatting anything:
 Collectives and p2p ops have a ring each, indexed by their seq, so the newest entry of either is
 found without a search: the watchdog reads it (a blocking call in progress is the newest entry,
 STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
-t_wait for a wait(). The hot path is written out in Communicator._call (one list, two clock
-reads, no method call): it costs well under a microsecond (BENCHMARKS.md, bench comm
---watchdog). Per-peer counters (`sent`, `recvd`) count every p2p message posted since the
-communicator was made, so a dump shows who stopped sending even after the ring has wrapped.
+t_wait for a wait(). The hot path is written out in Communicator._call and _p2p and in
+Work.wait (one list, two clock reads, no method call; the dtype is the one the input check
+read): about 0.4 us per call, near the floor of a recorder written in Python (BENCHMARKS.md,
+"The watchdog's cost"; bench/bench_watchdog.py). Per-peer counters (`sent`, `recvd`) count
+every p2p message posted since the communicator was made, so a dump shows who stopped sending
+even after the ring has wrapped.
 
 SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
 to a power of two, so that a seq finds its slot with a mask); 0 turns recording off: nothing is

@@ -103,18 +103,20 @@ class NCCLCommunicator(Communicator):
         self._ops = {o: getattr(nccl, n, v) for o, (n, v) in _NCCL_OPS.items()}
 
     def _check(self, op, t, name="t"):
-        super()._check(op, t, name)
+        dtype = super()._check(op, t, name)
         if t.device.index != torch.cuda.current_device():
             raise CommError(
                 f"{op}: `{name}` is on {t.device}, but this rank's NCCL communicator is on "
                 f"cuda:{torch.cuda.current_device()}; move it there"
             )
+        return dtype
 
     # NCCL calls return once enqueued: the flight-recorder entry stays ENQUEUED until a CUDA
     # event recorded after it fires, which the watchdog thread polls (the same deadline). The
     # Work of an async op has nothing to wait for on the host, so it is not tracked.
-    def _call(self, op, t, nbytes, async_op, check, fn, *args):
-        return self._enqueued(super()._call(op, t, nbytes, async_op, check, fn, *args), False)
+    def _call(self, op, t, dtype, nbytes, async_op, check, fn, *args):
+        return self._enqueued(super()._call(op, t, dtype, nbytes, async_op, check, fn, *args),
+                              False)
 
     def _p2p(self, op, t, peer, tag, async_op):
         return self._enqueued(super()._p2p(op, t, peer, tag, async_op), True)
