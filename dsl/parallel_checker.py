@@ -24,7 +24,7 @@ from .errors import Diagnostic, did_you_mean, nearest_divisible
 from .ir import Branch, Loc, Model, Parallel, Schedule, StageAssignment
 from .parser import Sources
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
 SCHEDULE_OPTIONS = ("microbatches", "chunks")
 
 Diags = list[Diagnostic]
@@ -585,6 +585,30 @@ def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
         diags.append(ctx.diag(s.kind_loc, "the interleaved schedule needs pipeline stages",
                               "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
                               "(gradient accumulation over the microbatches)"))
+    return diags + _zero_bubble(ctx, facts, s, kind)
+
+
+def _zero_bubble(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, kind: str) -> Diags:
+    """zb1p splits each stage's backward and runs its weight half later (shard/plan/
+    schedules.py): it needs stages, and what that half reads must still be there."""
+    if kind != "zb1p":
+        return []
+    diags: Diags = []
+    if not facts.has_stages:
+        diags.append(ctx.diag(s.kind_loc, "the zb1p schedule needs pipeline stages (it splits "
+                              "a stage's backward to fill the pipeline's bubble)",
+                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
+                              "(gradient accumulation over the microbatches)"))
+    if facts.zero == 3:
+        diags.append(ctx.diag(facts.seen["zero"], "zero 3 with zb1p: ZeRO-3 gathers a stage's "
+                              "parameters for one backward and frees them at its end, but "
+                              "zb1p runs the weight gradients later, apart from it",
+                              "use zero 1 or 2 with zb1p, or schedule 1f1b with zero 3"))
+    if facts.recompute is not None:
+        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with zb1p:"
+                              " the deferred weight gradients would run each recomputed "
+                              "range's forward a second time, collectives included",
+                              "drop the recompute statement, or use schedule 1f1b"))
     return diags
 
 

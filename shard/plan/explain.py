@@ -62,7 +62,8 @@ figures add up its virtual stages:
   stages: one float64 allreduce over the pipe axis of their local elements; p2p: the sender
   counts each boundary tensor per microbatch (activations forward, float gradients back).
   These equal the comm counters of one `soapstone run` step on every rank (tests).
-- bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank.
+- bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank, or zb1p's
+  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules.py derives both).
 - imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
   over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
   but the embedding and the output projection are counted by their size, which overstates the
@@ -83,6 +84,7 @@ from soapstone.shard.plan.dispatch import expert_figures, kernel_calls
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.schedules import SPLIT
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -300,7 +302,11 @@ def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
     live: dict[int, int] = {}
     peak_live: dict[int, int] = {}
     snaps: set[tuple[tuple[int, int], ...]] = set()
-    for a in schedules.build(kind, pipe, m, chunks).ranks[rank]:
+    sched = schedules.build(kind, pipe, m, chunks)
+    done = "W" if sched.split else "B"  # a split backward keeps its values until W
+    for a in sched.ranks[rank]:
+        if a.kind not in ("F", done):
+            continue
         live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
         peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
         if a.kind == "F":
@@ -517,6 +523,8 @@ def format_estimate(e: Estimate) -> str:
         return "\n".join(lines) + "\n"
     p = len(e.pipe_ranks)
     formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
+    if e.schedule in SPLIT:  # zb1p (schedules.py): its steady state needs m >= p
+        formula = "(p-1)/(3m+p-1)" if e.microbatches >= p else "1-3m/(2m+2p-1)"
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")

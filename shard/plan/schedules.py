@@ -1,17 +1,31 @@
 """Pipeline schedules as data: per pipe rank, the ordered list of actions it runs.
 
 Compute actions are `F` (forward of microbatch `mb` through virtual stage `stage`) and `B`
-(its backward). Communication actions are derived from them (`with_comm`): `RA`/`RG` post a
-non-blocking receive of an activation / a gradient, `SA`/`SG` start a non-blocking send. A
-receive is posted one compute action before the one that needs it, so it lands while the rank
-computes; sends never block (they are waited on at the end of the step). Virtual stage v runs on
-pipe rank v mod P; chunk c of rank r is virtual stage c*P + r.
+(its backward); a zero-bubble schedule splits the backward in two, `B` (the input gradient,
+which the stage upstream waits for) and `W` (the weight gradients, which nobody waits for).
+Communication actions are derived from them (`with_comm`): `RA`/`RG` post a non-blocking
+receive of an activation / a gradient, `SA`/`SG` start a non-blocking send. A receive is
+posted one compute action before the one that needs it, so it lands while the rank computes;
+sends never block (they are waited on at the end of the step). Virtual stage v runs on pipe
+rank v mod P; chunk c of rank r is virtual stage c*P + r.
 
 - gpipe: all forwards, then all backwards.
 - 1f1b: rank r runs min(P-r-1, M) warm-up forwards, then alternates one forward and one
   backward, then drains the backwards (PipeDream-flush / Megatron). Bubble (P-1)/(M+P-1).
 - interleaved: Megatron's interleaved 1F1B over `chunks` virtual stages per rank, microbatches
   in groups of P; warm-up (P-r-1)*2 + (chunks-1)*P. Bubble (P-1)/(chunks*M+P-1).
+- zb1p: ZB-H1 of the zero-bubble paper (Qi et al. 2023): 1F1B's warm-up and order with the
+  backward split into B and W; rank r runs B alone for its first r backwards and
+  then one W (the oldest pending) after each B, the last r W's at the end. The B's travel
+  upstream faster than 1F1B's whole backwards and the deferred W's fill the wait for them, at
+  1F1B's peak activation memory (every rank holds up to min(P, M) microbatches until their
+  W, as 1F1B's rank 0 does). Bubble, with per-stage times F = B = W = 1 (B and W each half
+  of the backward in `simulate`'s cost model): each rank works 3M in a step of length
+  T = max(3M + P-1, 2M + 2P-1), so the idle fraction is 1 - 3M/T. For M >= P the first
+  term wins: each rank idles (P-1)(F+B-W) = P-1, and the bubble is (P-1)/(3M+P-1), a third
+  of 1F1B's 3(P-1) units. For M < P no rank reaches a steady F-B-W rhythm and the chain
+  decides: the last stage runs F,B of every microbatch back to back (from P-1 to P-1+2M),
+  the last B climbs P-1 stages, and rank 0 ends with its W (`simulate` agrees for both).
 
 `simulate` plays a schedule with given forward/backward durations, proves it cannot deadlock
 (every receive is eventually matched) and yields the timeline `format` draws and whose idle
@@ -26,7 +40,9 @@ import attrs
 
 from soapstone.comm.errors import UserError
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb1p")
+# the schedules whose backward is split into B (input gradient) and W (weights)
+SPLIT = ("zb1p",)
 
 
 class ScheduleError(UserError, ValueError):
@@ -35,7 +51,8 @@ class ScheduleError(UserError, ValueError):
 
 @attrs.frozen
 class Action:
-    """kind: F | B (compute), RA | RG (post receive of activation / gradient), SA | SG (send)."""
+    """kind: F | B | W (compute; B is the whole backward, or only the input gradient where
+    W follows), RA | RG (post receive of activation / gradient), SA | SG (send)."""
 
     kind: str
     mb: int
@@ -64,9 +81,17 @@ class Schedule:
         """The pipe rank running virtual stage `stage`."""
         return stage % self.pipe
 
+    @property
+    def split(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradients)."""
+        return self.kind in SPLIT
+
     def theory_bubble(self) -> float:
-        """(P-1)/(v*M+P-1): the idle fraction with equal per-stage work (v = chunks)."""
+        """The idle fraction with equal per-stage work: (P-1)/(v*M+P-1) (v = chunks), or
+        zb1p's 1 - 3M/max(3M+P-1, 2M+2P-1) (F = B = W; the module doc)."""
         p, m, v = self.pipe, self.microbatches, self.chunks
+        if self.split:
+            return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
         return (p - 1) / (v * m + p - 1)
 
     def with_comm(self, rank: int, lookahead: int = 1) -> list[Action]:
@@ -100,9 +125,13 @@ class Schedule:
     def simulate(self, fwd: float = 1.0, bwd: float = 2.0) -> list[list[tuple[Action, float,
                                                                                 float]]]:
         """Per rank, (compute action, start, end) with per-stage times `fwd` and `bwd` (divided
-        by `chunks`: a virtual stage holds 1/chunks of a rank's layers) and free communication.
-        Raises ScheduleError if the ranks would wait on each other forever."""
+        by `chunks`: a virtual stage holds 1/chunks of a rank's layers; a split backward's B
+        and W take half of `bwd` each) and free communication. Raises ScheduleError if the
+        ranks would wait on each other forever."""
         f, b = fwd / self.chunks, bwd / self.chunks
+        if self.split:
+            b /= 2
+        took = {"F": f, "B": b, "W": b}
         last = self.stages - 1
         done: dict[tuple[str, int, int], float] = {}
         pos = [0] * self.pipe
@@ -116,12 +145,14 @@ class Schedule:
                     a = self.ranks[r][pos[r]]
                     if a.kind == "F":
                         dep = ("F", a.mb, a.stage - 1) if a.stage > 0 else None
+                    elif a.kind == "W":  # its own B, on this rank
+                        dep = ("B", a.mb, a.stage)
                     else:
                         dep = ("B", a.mb, a.stage + 1) if a.stage < last else ("F", a.mb, last)
                     if dep is not None and dep not in done:
                         break
                     start = max(clock[r], done[dep] if dep else 0.0)
-                    end = start + (f if a.kind == "F" else b)
+                    end = start + took[a.kind]
                     done[(a.kind, a.mb, a.stage)] = end
                     clock[r] = end
                     out[r].append((a, start, end))
@@ -143,9 +174,9 @@ class Schedule:
 
     def format(self) -> str:
         """The schedule drawn as text: ranks as rows, one column per time slot (forward and
-        backward each take one slot), `F3` = forward of microbatch 3, `.` = idle. With
-        chunks, `F3:1` names the rank's chunk."""
-        tl = self.simulate(1.0 * self.chunks, 1.0 * self.chunks)
+        backward each take one slot; a split backward's B and W one each), `F3` = forward of
+        microbatch 3, `.` = idle. With chunks, `F3:1` names the rank's chunk."""
+        tl = self.simulate(1.0 * self.chunks, (2.0 if self.split else 1.0) * self.chunks)
 
         def label(a: Action) -> str:
             s = f"{a.kind}{a.mb}"
@@ -178,7 +209,9 @@ def build(kind: str, pipe: int, microbatches: int, chunks: int = 1) -> Schedule:
         raise ScheduleError(f"interleaved needs microbatches ({m}) divisible by pipe ({p})")
     ranks = []
     for r in range(p):
-        if kind == "gpipe":
+        if kind == "zb1p":
+            acts = _zb1p(r, p, m)
+        elif kind == "gpipe":
             acts = [Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
         elif kind == "1f1b":
             warm = min(p - r - 1, m)
@@ -210,4 +243,20 @@ def _interleaved(r: int, p: int, m: int, chunks: int) -> list[Action]:
     for i in range(total - warm):
         acts += [unit(warm + i, False), unit(i, True)]
     acts += [unit(k, True) for k in range(total - warm, total)]
+    return acts
+
+
+def _zb1p(r: int, p: int, m: int) -> list[Action]:
+    """ZB-H1 for pipe rank r (the module doc): 1F1B with B and W apart, W deferred by r."""
+    warm = min(p - r - 1, m)
+    acts = [Action("F", i, r) for i in range(warm)]
+    done_w = 0
+    for k in range(m):  # the k-th backward: after a forward while any are left
+        if warm + k < m:
+            acts.append(Action("F", warm + k, r))
+        acts.append(Action("B", k, r))
+        if k >= r:  # r input gradients run ahead of their weight gradients
+            acts.append(Action("W", done_w, r))
+            done_w += 1
+    acts += [Action("W", i, r) for i in range(done_w, m)]
     return acts

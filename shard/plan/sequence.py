@@ -12,9 +12,10 @@ virtual stage and microbatch, and the spec step that produced it. Order, per ran
   transposed collective; a gradient bucket starts once its parameters' gradients have all
   arrived, i.e. at the earliest step using one of them, strictly in bucket order, the rest at
   the end of backward; ZeRO-3 regathers a bucket where backward unpacks a weight a kernel
-  saved, prefetching the bucket before it in forward order), sends (SA/SG); then the loss
-  report (each microbatch's loss gathered over the axes it is partial or split on, then
-  summed over the pipe axis);
+  saved, prefetching the bucket before it in forward order; zb1p splits it: B the steps on
+  the path to the stage's float inputs, W the rest with every bucket), sends (SA/SG); then
+  the loss report (each microbatch's loss gathered over the axes it is partial or split on,
+  then summed over the pipe axis);
 - the optimizer step: weights tied across stages summed over the pipe axis, per stage the
   buckets still pending and the ZeRO allreduces over the non-data axes, the grad-norm pieces,
   the norm over the pipe axis, the ZeRO-1/2 parameter gathers.
@@ -254,6 +255,8 @@ class _StageOps:
             keeps = [i for i in range(a, b) if i not in runs_at
                      and any(_saved(p, i, fused, params_set))]
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
+        # a split backward (zb1p): the steps whose backward runs in B, the rest in W
+        self.on_path = _on_path(p, st.recv)
 
     def _zero3_plan(self, fused: dict, runs_at: dict) -> tuple[list[int], dict]:
         """ZeRO-3 (shard/zero.py): the sharded buckets in forward order, and per run index the
@@ -372,10 +375,11 @@ class _StageOps:
                        mb, f"bucket {k} ({b.names[0]}{', ...' if len(b.names) > 1 else ''})")
 
     # -- backward --------------------------------------------------------------------------
-    def backward(self, mb: int, state: dict) -> list[Op]:
+    def backward(self, mb: int, state: dict, weights: bool = False) -> list[Op]:
         """Backward collectives of one microbatch in reverse step order, with the gradient
         buckets' reductions where they start; `state` carries pending buckets across
-        microbatches (ZeRO-2's scatters complete at the next microbatch's first gradient)."""
+        microbatches (ZeRO-2's scatters complete at the next microbatch's first gradient).
+        weights: a split backward's W, without the steps B ran (backward_input)."""
         p, out = self.program, []
         last = mb == self.graph.microbatches - 1
         nb = len(self.buckets)
@@ -409,10 +413,19 @@ class _StageOps:
             while nxt < nb and full[nxt]:
                 out.extend(self._launch(nxt, mb, last, state))
                 nxt += 1
-            if i >= 0:
+            if i >= 0 and not (weights and i in self.on_path):
                 out.extend(self._backward_step(i, p.steps[i], mb))
         for k in range(nxt, nb):  # the end-of-backward callback: what is left
             out.extend(self._launch(k, mb, last, state))
+        return [o for o in out if o is not None]
+
+    def backward_input(self, mb: int) -> list[Op]:
+        """A split backward's B (shard/split_backward.py): the collectives of the steps on
+        the path to the stage's float inputs, in reverse step order; no parameter gets its
+        gradient yet, so no bucket moves."""
+        out = []
+        for i in sorted(self.on_path & set(self.bwd_steps), reverse=True):
+            out.extend(self._backward_step(i, self.program.steps[i], mb))
         return [o for o in out if o is not None]
 
     def _backward_step(self, i, s, mb) -> list[Op | None]:
@@ -523,6 +536,20 @@ def _wait(o: Op) -> Op:
               o.source, o.peer, o.tag, o.kind)
 
 
+def _on_path(p: Program, recv: tuple[str, ...]) -> frozenset[int]:
+    """The steps whose output depends, through float values, on a float value the stage
+    receives: autograd reaches the stage's inputs through them, so a split backward's B runs
+    their backward (shard/split_backward.py); a first stage, receiving token ids, has none."""
+    dep = {n for n in recv if p.value(n).is_float}
+    out = set()
+    for i, s in enumerate(p.steps):
+        args = s.args if isinstance(s, Compute) else (s.src,)
+        if p.value(s.out).is_float and any(a in dep for a in args):
+            dep.add(s.out)
+            out.add(i)
+    return frozenset(out)
+
+
 def _forward_comm(p: Program, s) -> bool:
     return bool(forward_op(s)) if isinstance(s, Redistribute | CopyTo) else bool(
         isinstance(s, Compute) and s.dist)
@@ -560,12 +587,18 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
                 sends.extend(ops)
             else:
                 posted[(a.kind[1], a.stage, a.mb)] = ops
+        elif a.kind == "W":  # a split backward's weight half: it reads no message
+            out.extend(stages[a.stage].backward(a.mb, states[a.stage], weights=True))
         elif a.kind in ("F", "B"):
             # the compute waits for the receives it reads (executor._wait)
             got = posted.pop(("A" if a.kind == "F" else "G", a.stage, a.mb), [])
             out.extend(_wait(o) for o in got)
             st = stages[a.stage]
-            out.extend(st.forward(a.mb) if a.kind == "F" else st.backward(a.mb, states[a.stage]))
+            if a.kind == "F":
+                out.extend(st.forward(a.mb))
+            else:
+                out.extend(st.backward_input(a.mb) if sched.split
+                           else st.backward(a.mb, states[a.stage]))
     # the step's end waits for its sends
     out.extend(_wait(o) for o in sends)
     if last_stage in stages:
