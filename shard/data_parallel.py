@@ -252,6 +252,16 @@ class GradReducer:
         finally:
             self._accumulating = old
 
+    @contextlib.contextmanager
+    def one_backward(self):
+        """Context: the autograd calls inside count as one backward (a zero-bubble W makes
+        one per piece of the graph): the end-of-backward work runs once, at the exit."""
+        self._callback_queued = True  # so no call queues it; the exit runs it
+        try:
+            yield
+        finally:
+            self._end_backward()
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         b, s = self.slot_of[id(p)]
         if not self._callback_queued:

@@ -41,6 +41,7 @@ from soapstone.shard.plan import schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel, check_mesh
+from soapstone.shard.split_backward import WeightPass, backward_input
 
 
 class SubMesh:
@@ -268,6 +269,7 @@ class Executor:
         pending: dict[tuple[str, int, int], list] = {}
         sends: list = []
         losses: dict[int, torch.Tensor] = {}
+        weights: dict[tuple[int, int], WeightPass] = {}  # zb1p: B done, W to run
         for a in self.actions:
             if a.kind == "RA":
                 pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
@@ -303,16 +305,30 @@ class Executor:
                 last_mb = a.mb == g.microbatches - 1 and sync
                 ctx = opt.no_sync() if opt is not None and not last_mb \
                     else contextlib.nullcontext()
-                with ctx:
-                    if self.stages[a.stage].is_last:
-                        (outs[0] / (g.microbatches * scale)).backward()
-                    else:
-                        pairs = [(o, t) for o, (b, t) in zip(self._float_outs(a.stage, outs),
-                                                             got, strict=True) if o.requires_grad]
-                        if pairs:
-                            torch.autograd.backward([o for o, _ in pairs],
-                                                    [t for _, t in pairs])
+                if self.schedule.split:  # the input gradient only; W follows
+                    weights[(a.mb, a.stage)] = self._backward_input(a, leaves, outs, got, scale)
+                else:
+                    with ctx:
+                        if self.stages[a.stage].is_last:
+                            (outs[0] / (g.microbatches * scale)).backward()
+                        else:
+                            pairs = [(o, t) for o, (b, t) in zip(
+                                self._float_outs(a.stage, outs), got, strict=True)
+                                if o.requires_grad]
+                            if pairs:
+                                torch.autograd.backward([o for o, _ in pairs],
+                                                        [t for _, t in pairs])
                 self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
+            elif a.kind == "W":
+                t0 = self.timeline.now()
+                opt = self.optimizers.get(a.stage)
+                with contextlib.ExitStack() as stack:
+                    if opt is not None:
+                        if not (a.mb == g.microbatches - 1 and sync):
+                            stack.enter_context(opt.no_sync())
+                        stack.enter_context(opt.one_backward())
+                    weights.pop((a.mb, a.stage)).run()
+                self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
             elif a.kind == "SA":
                 _, outs = store[(a.mb, a.stage)]
                 edge = g.edges[a.stage]
@@ -331,6 +347,24 @@ class Executor:
         store.clear()
         self.last_loss = self._loss(losses)
         return self.last_loss
+
+    def _backward_input(self, a, leaves: dict, outs: list, got: list,
+                        scale: int) -> WeightPass:
+        """A split backward's B (shard/split_backward.py): the float inputs' gradients into
+        their .grad, for SG to send; the WeightPass that gives the parameters theirs."""
+        g = self.graph
+        if self.stages[a.stage].is_last:
+            roots, grads = [outs[0] / (g.microbatches * scale)], [None]
+        else:
+            pairs = [(o, t) for o, (_, t) in zip(self._float_outs(a.stage, outs), got,
+                                                 strict=True) if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [t for _, t in pairs]
+        inputs = [t for t in leaves.values() if t.requires_grad]
+        got_in, later = backward_input(roots, grads, inputs,
+                                       list(self.models[a.stage].params.values()))
+        for t, d in zip(inputs, got_in, strict=True):
+            t.grad = d
+        return later
 
     def infer(self, batch: dict[str, torch.Tensor], step: int = 0,
               gather: tuple[str, ...] = ()) -> tuple[float, dict[str, torch.Tensor]]:
@@ -428,7 +462,7 @@ class Executor:
             return []
         t0 = self.timeline.now()
         got = [(b, w.wait()) for b, _, w in posted]
-        self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
+        self.timeline.record("R", a.mb, a.stage, t0, self.timeline.now())
         return got
 
     def _send(self, bounds, tensors, dst: int, direction: str, mb: int, stage: int,

@@ -97,6 +97,11 @@ class Optimizer:
         microbatch and accumulate the shards)."""
         return self.reducer.no_sync()
 
+    def one_backward(self):
+        """Context: several autograd calls inside are one backward for the gradient buckets
+        (a zero-bubble schedule's W, shard/split_backward.py)."""
+        return self.reducer.one_backward()
+
     @property
     def param_provider(self):
         """ZeRO-3's parameter source for ShardedModel.forward(provider=...); None otherwise."""

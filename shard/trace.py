@@ -5,7 +5,7 @@ step, with times in seconds from a barrier at the start of the step (ranks on on
 share the monotonic clock; across machines the barrier aligns them to within its latency).
 `gather` collects every pipe rank's events on each rank; `write_chrome_trace` writes JSON that
 Perfetto or chrome://tracing opens (one row per rank); `write_png` draws the schedule with
-matplotlib if it is installed (forward and backward in two colours).
+matplotlib if it is installed (forward, backward and weight gradients in three colours).
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import time
 import attrs
 import torch
 
-KIND_CODE = {"F": 0, "B": 1, "W": 2}  # W: waiting for a receive
+KIND_CODE = {"F": 0, "B": 1, "R": 2, "W": 3}  # R: waiting for a receive; W: weight grads
+WORK = ("F", "B", "W")  # the kinds that compute
 CODE_KIND = {v: k for k, v in KIND_CODE.items()}
 
 
 @attrs.frozen
 class Event:
-    """One action on one rank: kind F | B | W, microbatch, virtual stage, start, end (s)."""
+    """One action on one rank: kind F | B | W | R (F, B, W as in schedules.py; R waiting
+    for a receive), microbatch, virtual stage, start, end (s)."""
 
     rank: int
     kind: str
@@ -73,7 +75,7 @@ def gather(timeline: Timeline, comm) -> list[Event]:
 def bubble(events: list[Event], ranks: int | None = None) -> float:
     """Measured idle fraction: 1 - compute time / (ranks * span), span from the first start
     to the last end over all ranks."""
-    work = [e for e in events if e.kind in ("F", "B")]
+    work = [e for e in events if e.kind in WORK]
     if not work:
         return 0.0
     n = ranks or len({e.rank for e in events})
@@ -89,8 +91,9 @@ def write_chrome_trace(path, events: list[Event], name: str = "soapstone pipelin
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
                     "args": {"name": f"pipe rank {r}"}})
     for e in events:
-        label = {"F": "forward", "B": "backward", "W": "wait"}[e.kind]
-        out.append({"name": f"{e.kind}{e.mb}" if e.kind != "W" else "wait", "cat": label,
+        label = {"F": "forward", "B": "backward", "W": "weight gradients",
+                 "R": "wait"}[e.kind]
+        out.append({"name": f"{e.kind}{e.mb}" if e.kind != "R" else "wait", "cat": label,
                     "ph": "X", "pid": 0, "tid": e.rank, "ts": e.start * 1e6,
                     "dur": (e.end - e.start) * 1e6,
                     "args": {"microbatch": e.mb, "stage": e.stage}})
@@ -99,8 +102,8 @@ def write_chrome_trace(path, events: list[Event], name: str = "soapstone pipelin
 
 
 def write_png(path, events: list[Event], title: str = "") -> bool:
-    """Draw the timeline (ranks as rows; forward blue, backward orange). Returns False, doing
-    nothing, when matplotlib is not installed (`pip install matplotlib`)."""
+    """Draw the timeline (ranks as rows; forward blue, backward orange, weight gradients
+    green). Returns False, doing nothing, when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -110,7 +113,7 @@ def write_png(path, events: list[Event], title: str = "") -> bool:
         return False
     ranks = sorted({e.rank for e in events})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
-    colour = {"F": "#4c78a8", "B": "#f58518"}
+    colour = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
     for e in events:
         if e.kind not in colour:
             continue
