@@ -100,7 +100,9 @@ def implementations(op, nbytes, world, mpi, dist, alloc=False, bare=None):
 def time_calls(fns: dict, iters: int, warmup: int, mpi, rounds: int = 1) -> dict:
     """{name: median seconds per call, the slowest rank's, or None if the impl cannot do the
     op}. rounds > 1 interleaves the impls (iters/rounds calls of each in turn, `rounds` times),
-    so that a slow phase of a loaded machine hits all of them alike."""
+    so that a slow phase of a loaded machine hits all of them alike; the order rotates each
+    round, and each turn starts with one untimed call, so that no impl is always the one
+    that runs first after the barrier or after another impl's calls."""
     from mpi4py import MPI
 
     usable = []
@@ -116,10 +118,13 @@ def time_calls(fns: dict, iters: int, warmup: int, mpi, rounds: int = 1) -> dict
     times: dict[str, list[float]] = {name: [] for name in usable}
     clock = time.perf_counter
     per_round = max(1, iters // rounds)
-    for _ in range(rounds):
-        for name in usable:
+    for r in range(rounds):
+        first = r % max(1, len(usable))
+        for name in usable[first:] + usable[:first]:
             fn, out = fns[name], times[name]
             mpi.Barrier()
+            if rounds > 1:
+                fn()
             for _ in range(per_round):
                 t0 = clock()
                 fn()

@@ -18,6 +18,7 @@ import re
 from soapstone.comm.bench import OPS  # imports neither torch nor MPI
 
 DEFAULT_SIZES = "8,64,512,4KiB,32KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
+WATCHDOG_ITERS, WATCHDOG_ROUNDS = 2000, 20  # --watchdog: the ratio wants many short turns
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -61,11 +62,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated byte sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--ops", type=_op_list, default=list(OPS),
                         help=f"comma-separated ops (default {','.join(OPS)})")
-    parser.add_argument("--iters", type=int, default=100,
-                        help="timed iterations per op/size/impl (capped for big sizes)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations per op/size/impl (capped for big sizes; default "
+                             f"100, {WATCHDOG_ITERS} with --watchdog)")
     parser.add_argument("--json", metavar="FILE", type=_json_path,
                         help="also write the rows as a JSON array")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    parser.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
+                        help="comm: mpi (CPU buffers; vs mpi4py and gloo) or nccl (CUDA buffers, "
+                             "one GPU per rank; vs torch.distributed's NCCL)")
     parser.add_argument("--alloc", action="store_true",
                         help="time soapstone's allgather/reduce_scatter/alltoall without out= "
                              "(a new output per call) instead of into a preallocated buffer")
@@ -73,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the watchdog's cost: also time soapstone with its ops not recorded "
                              "(column no-recorder, which the watchdog watches from stack samples "
                              "at no per-op cost; ratio rec/none), the implementations interleaved "
-                             "in 5 rounds")
+                             f"in {WATCHDOG_ROUNDS} rounds; gloo is left out")
 
 
 def _fmt_row(op, nbytes, cells, ratios):
@@ -89,11 +94,14 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table. Returns 0."""
     if args.name == "calibrate":
         return _calibrate(args)
+    if args.backend == "nccl":
+        return _nccl(args)
     from mpi4py import MPI
 
     from soapstone.comm import init
     from soapstone.comm.bench import init_gloo, measure
     from soapstone.comm.errors import UserError
+    from soapstone.shard.plan.explain import format_bytes
 
     from . import fail
 
@@ -102,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:  # a bad SOAPSTONE_* setting
         return fail(e, MPI.COMM_WORLD.Get_rank())
     mpi = MPI.COMM_WORLD
-    dist = None if args.no_gloo else init_gloo(mpi)
+    dist = None if args.no_gloo or args.watchdog else init_gloo(mpi)
+    iters = args.iters or (WATCHDOG_ITERS if args.watchdog else 100)
     bare = None
     if args.watchdog:  # the same ranks and MPI communicator, nothing recorded per op
         bare = type(world)(mpi)
@@ -110,28 +119,74 @@ def main(args: argparse.Namespace) -> int:
     names = ["soapstone"] + ([] if bare is None else ["no-recorder"]) + ["mpi4py"]
     names += [] if dist is None else ["gloo"]
     say = print if world.rank == 0 else (lambda *a, **k: None)
-    say(f"# soapstone bench comm: {world.size} ranks, fp32, median of up to {args.iters} "
+    say(f"# soapstone bench comm: {world.size} ranks, fp32, median of up to {iters} "
         "iterations (slowest rank); time_us, algbw/busbw in GB/s; soapstone "
         + ("allocates each output" if args.alloc else "writes into a preallocated out="))
     head = f"{'op':>14} {'bytes':>11}" + "".join(
         f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in names)
     say(head + " | soap/mpi  gloo/soap" + ("  rec/none" if bare is not None else ""))
-    rows = []
-    for op, nbytes, cells in measure(world, mpi, dist, args.ops, args.sizes, args.iters,
-                                     args.alloc, bare, 5 if bare is not None else 1):
+    rows, cost = [], []
+    for op, nbytes, cells in measure(world, mpi, dist, args.ops, args.sizes, iters,
+                                     args.alloc, bare, WATCHDOG_ROUNDS if bare is not None else 1):
         rows.extend(c for c in cells if c is not None)
         cell = dict(zip(names, cells, strict=True))
         soap, raw, gloo = cell["soapstone"], cell["mpi4py"], cell.get("gloo")
         ratios = [f"{soap['time_us'] / raw['time_us']:.3f}"]
         ratios.append("n/a" if gloo is None else f"{gloo['time_us'] / soap['time_us']:.2f}")
         if bare is not None:
-            ratios.append(f"{soap['time_us'] / cell['no-recorder']['time_us']:.3f}")
+            none_us = cell["no-recorder"]["time_us"]
+            ratios.append(f"{soap['time_us'] / none_us:.3f}")
+            cost.append(f"#   {op} {format_bytes(nbytes)}: {soap['time_us'] / none_us:.3f}x "
+                        f"({soap['time_us'] - none_us:+.2f} us per call)")
         say(_fmt_row(op, nbytes, cells, ratios), flush=True)
+    if cost:
+        say("# the watchdog's cost: soapstone recorded / unrecorded, same communicator "
+            "(rec/none; the bar is under 1.02x)", *cost, sep="\n")
     if args.json and world.rank == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if dist is not None:
         dist.destroy_process_group()
+    return 0
+
+
+def _nccl(args: argparse.Namespace) -> int:
+    """--backend nccl: soapstone's NCCL communicator vs torch.distributed's NCCL on CUDA
+    buffers (soapstone.comm.bench_nccl); no usable GPU is bad input (exit 2) on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    from soapstone.comm import init
+    from soapstone.comm.bench_nccl import IMPLS, init_torch_nccl, measure
+    from soapstone.comm.device import pick
+    from soapstone.comm.errors import UserError
+
+    from . import fail
+
+    try:
+        device = pick("cuda", flag="bench comm --backend nccl", instead="--backend mpi")
+        world = init("nccl")
+    except UserError as e:
+        return fail(e, MPI.COMM_WORLD.Get_rank())
+    mpi = MPI.COMM_WORLD
+    dist = init_torch_nccl(mpi, device)
+    iters = args.iters or 100
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    say(f"# soapstone bench comm --backend nccl: {world.size} ranks on "
+        f"{torch.cuda.get_device_name(device)}, fp32, {iters} calls enqueued "
+        "then one synchronise (slowest rank); time_us, algbw/busbw in GB/s")
+    say(f"{'op':>14} {'bytes':>11}" + "".join(
+        f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in IMPLS) + " | torch/soap")
+    rows = []
+    for op, nbytes, cells in measure(world, mpi, dist, device, args.ops, args.sizes, iters):
+        rows.extend(c for c in cells if c is not None)
+        soap, ref = cells
+        say(_fmt_row(op, nbytes, cells, [f"{ref['time_us'] / soap['time_us']:.3f}"]),
+            flush=True)
+    if args.json and world.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
     return 0
 
 
