@@ -184,7 +184,7 @@ class Zero:
 class Recompute:
     KEYWORD = "recompute"
 
-    repeat: str  # the repeat whose blocks run their forward again in backward
+    repeat: str  # the repeat whose blocks run their forward again in backward, or `selective`
     loc: Loc
 
 

@@ -135,6 +135,11 @@ class Schedule:
     chunks: int = 1
 
 
+# `recompute selective`: the argument that names no repeat but the rule of
+# shard/plan/selective.py (the cheap ops' outputs are dropped and recomputed)
+SELECTIVE = "selective"
+
+
 @attrs.frozen
 class Parallel:
     """A checked parallel block: mesh axes and which dims each SOAP statement maps to them."""
@@ -153,7 +158,8 @@ class Parallel:
     # a `schedule` statement was written: show prints it even where it is the default (which
     # runs exactly as no statement, so two blocks that differ only here are equal)
     schedule_written: bool = attrs.field(default=False, eq=False)
-    # `recompute R`: the blocks of repeat R keep only their inputs for backward
+    # `recompute R`: the blocks of repeat R keep only their inputs for backward;
+    # `recompute selective` (SELECTIVE): only the cheap ops' outputs are dropped
     recompute: str | None = None
 
     @property

@@ -45,6 +45,7 @@ from soapstone.shard.plan.program import (
     Step,
     Value,
 )
+from soapstone.shard.plan.selective import selective_drops
 
 
 class LoweringError(SpecError):
@@ -190,7 +191,7 @@ class _Lowering:
             )
             for p in self.model.params
         )
-        return Program(
+        program = Program(
             model=self.model.name,
             parallel=par.name if par else None,
             mesh=par.mesh if par else (),
@@ -208,10 +209,15 @@ class _Lowering:
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
         )
+        if self.par and self.par.recompute == ir.SELECTIVE:  # a rule over the compiled ops
+            program = attrs.evolve(program, dropped=selective_drops(program))
+        return program
 
     def _recompute_ranges(self) -> tuple[tuple[int, int], ...]:
         """`recompute R`: each maximal run of steps lowered from one block of repeat R."""
         target = self.par.recompute if self.par else None
+        if target == ir.SELECTIVE:
+            return ()
         out: list[tuple[int, int]] = []
         for i, b in enumerate(self.step_block):
             if b is None or b.rsplit(".", 1)[0] != target:

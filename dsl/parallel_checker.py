@@ -21,7 +21,7 @@ import attrs
 
 from . import ast
 from .errors import Diagnostic, did_you_mean, nearest_divisible
-from .ir import Branch, Loc, Model, Parallel, Schedule, StageAssignment
+from .ir import SELECTIVE, Branch, Loc, Model, Parallel, Schedule, StageAssignment
 from .parser import Sources
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
@@ -364,12 +364,13 @@ def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
 
 
 def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
-    """`recompute R`: R names a repeat of the model."""
+    """`recompute R`: R names a repeat of the model, or is `selective`."""
     repeats = _repeats(ctx.model)
-    if s.repeat not in repeats:
-        hint = did_you_mean(s.repeat, repeats) or (
-            f"repeats: {', '.join(repeats)}" if repeats
-            else "wrap the layers to recompute in `repeat N as NAME { ... }`")
+    if s.repeat != SELECTIVE and s.repeat not in repeats:
+        hint = did_you_mean(s.repeat, [*repeats, SELECTIVE]) or (
+            f"repeats: {', '.join(repeats)}; or `recompute {SELECTIVE}`" if repeats
+            else "wrap the layers to recompute in `repeat N as NAME { ... }`, or write "
+            f"`recompute {SELECTIVE}`")
         return [ctx.diag(s.loc, f"recompute {s.repeat}: model {ctx.model.name} has no repeat "
                          f"'{s.repeat}'", hint)]
     facts.recompute = s.repeat

@@ -21,6 +21,7 @@ from soapstone.shard.param_init import TORCH_DTYPES, init_full, init_shard  # no
 from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.recompute import Segment
+from soapstone.shard.selective import DropPlan
 
 
 class ShapeMismatch(UserError, RuntimeError):
@@ -56,6 +57,9 @@ class ShardedModel:
         # `recompute`: the step ranges run as checkpointed segments, by first step
         self.recompute = {a: Segment.of(program, a, b, self.run_index)
                           for a, b in program.recompute}
+        # `recompute selective`: values freed after forward's last use, rebuilt for backward
+        self.drop_plan = DropPlan(program, self.run_index) if program.dropped else None
+        self._dropping = None
         # dtype: the parameters' and activations' float dtype instead of the spec's (float64
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
@@ -140,6 +144,8 @@ class ShardedModel:
             else:
                 raise KeyError(f"missing input {name!r}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
+        self._dropping = self.drop_plan.begin(self) \
+            if self.drop_plan and torch.is_grad_enabled() else None
         with provider.forward_context() if provider else contextlib.nullcontext():
             i = 0
             while i < len(self.program.steps):
@@ -148,21 +154,31 @@ class ShardedModel:
                     continue
                 self._step(i, env, provider)
                 i += 1
+        if self._dropping is not None:
+            self._dropping.end()
+            self._dropping = None
         return {o.name: env[o.value] for o in self.program.outputs}
 
     def _step(self, i: int, env: dict[str, torch.Tensor], provider) -> None:
         """Run Program step i on `env` (with ZeRO-3's gathers and frees around it)."""
         step = self.program.steps[i]
+        drops = self._dropping
         if provider:
             provider.before_step(i, env)
+        if drops is not None:
+            drops.before_step(i, env)
         if i in self.fused:
             f = self.fused[i]
             out = run_fused(f, env, self.program, self.ctx.offset)
             env[f.out] = self._checked(step, out, f.out)
         elif i not in self.covered:
             env[step.out] = self._run(step, env)
+        if drops is not None:
+            drops.after_step(i, self.fused[i].out if i in self.fused else step.out, env)
         for name in self.frees.get(i, ()):
-            env.pop(name, None)  # last use: autograd keeps what backward needs, no more
+            t = env.pop(name, None)  # last use: autograd keeps what backward needs, no more
+            if drops is not None and t is not None:
+                drops.free(name, t)
         if provider:
             provider.after_step(i)
 

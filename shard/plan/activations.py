@@ -26,7 +26,9 @@ tests/test_plan.py and bench/bench_memory.py compare both with what a real step 
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
 backward its own saves come back for as long as backward runs through it. `recompute_flops`
-is the forward work run again.
+is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
+is kept by no one after forward, and in backward lives from its last saver's backward (where
+it is rebuilt) to its first saver's.
 """
 
 from __future__ import annotations
@@ -131,6 +133,16 @@ def activation_figures(program: Program) -> tuple[int, int]:
         for i in mine:
             saves[i] = (set(), 0)
         saves[mine[0]] = (inputs - made, 0)
+    # recompute selective: a dropped value is kept by no one after forward; backward rebuilds
+    # it before its last saver's backward and it lives until its first saver's is done
+    rebuilt: dict[int, int] = {}  # step -> dropped bytes rebuilt before its backward
+    for name in program.dropped:
+        savers = [i for i, (names, _) in saves.items() if name in names]
+        for i in savers:
+            saves[i] = (saves[i][0] - {name}, saves[i][1])
+        if savers:
+            rebuilt[max(savers)] = rebuilt.get(max(savers), 0) + val(name).nbytes
+            release[min(savers)] = release.get(min(savers), 0) + val(name).nbytes
     first_saver: dict[str, int] = {}  # a saved tensor lives until its earliest saver's backward
     for i, (names, _) in saves.items():
         for n in names:
@@ -183,6 +195,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
         names, extra = saves[i]
         if i in again:
             held += again[i][1]
+        held += rebuilt.get(i, 0)
         new = 0
         pgrad = 0
         for a in reads(i):

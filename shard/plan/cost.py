@@ -41,6 +41,7 @@ from soapstone.shard.plan.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.fusions import find_fusions
 from soapstone.shard.plan.hardware import Link, Profile
 from soapstone.shard.plan.program import Compute, Program
+from soapstone.shard.plan.selective import rebuild_steps
 
 HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
@@ -80,11 +81,13 @@ class Work:
 
 def program_work(program: Program) -> Work:
     """The forward work of one microbatch of `program` on one rank (module doc); under
-    `recompute`, the recomputed ranges' forward again as `again`."""
-    if program.recompute:
-        ranges = {i for a, b in program.recompute for i in range(a, b)}
-        again = _work(program, ranges)
-        return attrs.evolve(_work(program, range(len(program.steps))), again=again)
+    `recompute`, the recomputed ranges' forward again as `again` (under `recompute selective`,
+    the steps that rebuild the dropped values)."""
+    if program.recompute or program.dropped:
+        again = {i for a, b in program.recompute for i in range(a, b)}
+        again |= {i for n in program.dropped for i in rebuild_steps(program, n)}
+        return attrs.evolve(_work(program, range(len(program.steps))),
+                            again=_work(program, again))
     return _work(program, range(len(program.steps)))
 
 

@@ -84,6 +84,7 @@ from soapstone.shard.plan.dispatch import expert_figures, kernel_calls
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.selective import selective_flops
 from soapstone.shard.plan.schedules import SPLIT
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
@@ -278,8 +279,9 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     transient_bytes=transient + gathered + (
                         elems * 4 - grad_bytes if zero >= 2 else 0),
                     without_recompute=(plain or activation_figures(
-                        attrs.evolve(program, recompute=()))) if program.recompute else None,
-                    recompute_flops=recompute_flops(program),
+                        attrs.evolve(program, recompute=(), dropped=())))
+                    if program.recompute or program.dropped else None,
+                    recompute_flops=recompute_flops(program) + selective_flops(program),
                     experts=expert_figures(program))
 
 
@@ -507,7 +509,7 @@ def format_estimate(e: Estimate) -> str:
         saved, work = e.without_recompute
         lines.append(f"  (recompute: without it activations {format_bytes(saved)}, working set "
                      f"{format_bytes(work)};")
-        lines.append(f"   backward runs {e.recompute_flops / 1e9:.3g} GFLOP of forward matmuls "
+        lines.append(f"   backward runs {e.recompute_flops / 1e9:.3g} GFLOP of the forward "
                      "again per microbatch)")
     lines.append("communication per training step (bytes this rank sends, ring convention):")
     lines.extend(format_traffic(e.traffic))

@@ -157,6 +157,9 @@ class Program:
     # `recompute R`: [start, stop) step ranges, one per block of repeat R, each run so that
     # backward keeps only the values it reads from before it and runs its forward again
     recompute: tuple[tuple[int, int], ...] = ()
+    # `recompute selective`: values forward frees after their last use and backward computes
+    # again from their producer's inputs (shard/plan/selective.py decides which)
+    dropped: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -18,6 +18,7 @@ from soapstone.shard.plan.dispatch import VARIES, Call, kernel_calls
 from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
+from soapstone.shard.plan.selective import rebuild_steps
 
 
 def _shape(program: Program, name: str) -> str:
@@ -83,11 +84,16 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
                      f"{_layout(program.value(name).layout)}")
     lines.append("steps:")
     starts = {a: b for a, b in program.recompute}
+    dropped = {n: [program.steps[i].kind for i in rebuild_steps(program, n)]
+               for n in program.dropped}
     for i, s in enumerate(program.steps):
         if i in starts:  # what backward runs again: the range's steps, from its inputs
             lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
                          "backward runs them again")
         lines.append(format_step(program, s))
+        if s.out in dropped:  # `recompute selective`
+            lines.append(f"      # recompute selective: freed after forward's last use, "
+                         f"rebuilt for backward ({' -> '.join(dropped[s.out])} again)")
     lines.append("outputs:")
     for o in program.outputs:
         tag = " (loss)" if o.is_loss else ""

@@ -43,13 +43,13 @@ def case_recompute_explain_matches_counters():
         _measure(SPEC, layout, "adamw")
 
 
-def train_twice(layout: str, mesh=None) -> tuple[list[float], dict]:
-    """Two SGD steps of `layout` of the drop model (dropout in every block): the losses and
-    the full parameters after them."""
+def train_twice(layout: str, mesh=None, spec: str = SPEC) -> tuple[list[float], dict]:
+    """Two SGD steps of `layout` of `spec` (here: of the drop model, dropout in every block):
+    the losses and the full parameters after them."""
     from soapstone.shard.data import make_task
     from soapstone.shard.executor import Executor
 
-    spec = dsl.load(SPEC)
+    spec = dsl.load(spec)
     par = spec.parallel(layout)
     model = spec.model(par.model)
     ex = Executor(lower_graph(model, par), mesh, seed=3)
