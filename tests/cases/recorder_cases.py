@@ -69,6 +69,33 @@ def case_p2p_entries_and_per_peer_counters():
 
 
 @ranks(2)
+def case_entries_carry_each_calls_own_shape_dtype_bytes_and_times():
+    """What the hot path writes (the dtype the input check read; p2p and wait() recording
+    written out in the communicator) is each call's own, for every dtype and kind of call."""
+    peer = src = 1 - R
+    W.allreduce(torch.ones(3, 2, dtype=torch.float64))
+    W.allreduce(torch.ones(5, dtype=torch.int32), async_op=True).wait()
+    works = [W.irecv(torch.empty(4, dtype=torch.int64), src, tag=7),
+             W.isend(torch.ones(4, dtype=torch.int64), peer, tag=7)]
+    for w in works:
+        w.wait()
+    c = torch.ones(2, 2, 2, dtype=torch.bfloat16)
+    for op in ("send", "recv") if R == 0 else ("recv", "send"):
+        getattr(W, op)(c, peer, tag=8)
+    coll = [e for e in newest(W, 6) if e["kind"] == "collective"][-2:]
+    assert [(e["shape"], e["dtype"], e["bytes"]) for e in coll] == [
+        ([3, 2], "float64", 48), ([5], "int32", 20)]
+    assert "waiting_s" not in coll[0] and 0 <= coll[1]["waiting_s"] <= coll[1]["duration_s"]
+    p2p = sorted((e["seq"], e["op"], e["shape"], e["dtype"], e["bytes"], e["peer"])
+                 for e in newest(W, 6) if e["kind"] == "p2p")[-4:]
+    last = ("send", "recv") if R == 0 else ("recv", "send")
+    assert [e[1:] for e in p2p] == [
+        ("irecv", [4], "int64", 32, src), ("isend", [4], "int64", 32, peer),
+        (last[0], [2, 2, 2], "bfloat16", 16, peer), (last[1], [2, 2, 2], "bfloat16", 16, peer)]
+    assert all(e["state"] == "done" and e["duration_s"] >= 0 for e in newest(W, 6))
+
+
+@ranks(2)
 def case_mesh_communicators_are_named_by_their_axes():
     with Mesh(W, pipe=2, data=N // 2) as mesh:
         data = mesh.comm("data")
