@@ -294,10 +294,10 @@ class _Lowering:
                 out=Split(d) if d in out_dims else (P if roles[d] == rules.SUM else R),
                 dim=d, stat=roles[d] == rules.STAT,
             ))
-        pair = rules.exchange(op, iter_dims)
-        if pair and all(d not in used and d in self.allowed[axis]
-                        and not self.sizes[d] % self.mesh[axis] for d in pair):
-            rows, owners = pair
+        for rows, owners in rules.exchange(op, iter_dims):
+            if any(d in used or d not in self.allowed[axis] or self.sizes[d] % self.mesh[axis]
+                   for d in (rows, owners)):
+                continue
             found.append(_Candidate(
                 args=tuple(_split_of(dims, v.dims, rows) if rows in dims
                            else _split_of(dims, v.dims, owners)

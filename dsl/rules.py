@@ -55,24 +55,24 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
         over = op.attr("over")
         return {d: (STAT if d == over else SUM) for d in arg_dim_lists[0]}
     if kind == "moe":
-        # tokens split along their leading dim (each rank a contiguous block of the batch)
-        # are routed where they are: the op combines the ranks' per-expert counts, so slots
-        # fall as on one rank; split experts give partial outputs (unless `exchange` applies)
+        # split token dims are routed where they are: the op combines the ranks' per-expert
+        # counts of each run of tokens, so slots fall as on one rank; split experts give
+        # partial outputs (unless `exchange` applies)
         lead = arg_dim_lists[0][:-1]
-        return {**({lead[0]: STAT} if lead else {}), op.attr("experts"): SUM}
+        return {**dict.fromkeys(lead, STAT), op.attr("experts"): SUM}
     if kind == "rope":  # rotates pairs across the whole `over` dim: it never splits
         return {d: FREE for d in out if d != op.attr("over")}
     # elementwise (add, mul, activations, dropout, causal_mask), rename, repeat_dim, positions
     return dict.fromkeys(out, FREE)
 
 
-def exchange(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> tuple[str, str] | None:
-    """(rows dim, owners dim) of an op that may split both over one axis, moving each row to
-    the rank owning its target and back by all-to-all (None: the op has no such form).
-    moe: tokens split along their leading dim go to the ranks holding their experts."""
-    if op.kind == "moe" and len(arg_dim_lists[0]) > 1:
-        return arg_dim_lists[0][0], str(op.attr("experts"))
-    return None
+def exchange(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> tuple[tuple[str, str], ...]:
+    """The (rows dim, owners dim) pairs an op may split over one axis together, moving each
+    row to the rank owning its target and back by all-to-all. moe: tokens split along any
+    token dim go to the ranks holding their experts."""
+    if op.kind == "moe":
+        return tuple((d, str(op.attr("experts"))) for d in arg_dim_lists[0][:-1])
+    return ()
 
 
 def custom_roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:

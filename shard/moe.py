@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from soapstone.shard.moe_dispatch import balance_term, exchange, route
+from soapstone.shard.moe_dispatch import (
+    balance_term,
+    exchange,
+    exchange_group,
+    route,
+    token_split,
+)
 from soapstone.shard.ops import align, op
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}
@@ -56,9 +62,10 @@ def moe(step, args, ctx):
     xt = align(x, xv.dims, (*lead, h))
     shape = xt.shape
     tokens = xt.reshape(-1, shape[-1])
-    token_axis = step.dist[0] if step.dist else None
-    comm = ctx.comm(token_axis) if token_axis else None
-    r = route(tokens, router, int(step.attr("top_k")), float(step.attr("capacity")), comm)
+    split, coords = token_split(ctx, xv, lead, step.dist) if step.dist else (None, [])
+    comm = ctx.mesh.comm(*step.dist) if step.dist else None
+    r = route(tokens, router, int(step.attr("top_k")), float(step.attr("capacity")), split,
+              comm)
     act = _ACT[str(step.attr("activation"))]
     first = ctx.offset(ctx.arg(step, 2), e)  # this rank's experts, where they are split
 
@@ -69,7 +76,9 @@ def moe(step, args, ctx):
     send: list[int] = []
     recv: list[int] = []
     if step.exchange:
-        y, send, recv = exchange(tokens, r, ctx.comm(step.exchange[0]), w1.shape[0], expert)
+        axis = step.exchange[0]
+        y, send, recv = exchange(tokens, r, exchange_group(ctx, coords, axis),
+                                 ctx.mesh.coord(axis), ctx.comm(axis), w1.shape[0], expert)
     else:
         y = torch.zeros_like(tokens)
         for j in range(w1.shape[0]):

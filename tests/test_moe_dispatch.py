@@ -12,6 +12,7 @@ from mpirun import case_names, case_params
 from soapstone import dsl
 from soapstone.dsl.stages import lower_graph
 from soapstone.shard.plan.explain import estimate, format_estimate
+from soapstone.shard.plan.layout import Layout
 from soapstone.shard.plan.program import Compute, Redistribute
 from soapstone.shard.plan.program_text import format_program
 
@@ -39,17 +40,18 @@ def _moe(program) -> Compute:
     ("dpep", ("data",), ("data",), "batch@data"),
     ("dpep4", ("data",), ("data",), "batch@data"),
     ("dp2ep2", ("data",), (), "batch@data, partial@expert"),
+    ("dp4ep2", ("data", "expert"), ("expert",), "batch@data, seq@expert"),
 ])
 def test_the_rule_routes_local_tokens_and_exchanges_where_experts_share_the_axis(
         layout, dist, exchange, out):
     p = _program(layout)
     step = _moe(p)
     assert (step.dist, step.exchange, str(p.value(step.out).layout)) == (dist, exchange, out)
-    # a split batch is never gathered for the moe op
+    # split tokens are never gathered for the moe op
     if dist:
-        assert p.value(step.args[0]).layout.split_axis("batch") == "data"
-        assert not [s for s in p.steps if isinstance(s, Redistribute)
-                    and s.kind == "allgather" and s.axis == "data"]
+        splits = tuple((a, pl) for a, pl in p.value(step.out).layout.placements if a in dist)
+        assert p.value(step.args[0]).layout == Layout(splits)
+        assert not [s for s in p.steps if isinstance(s, Redistribute) and s.kind == "allgather"]
 
 
 def test_show_and_explain_count_the_dispatch():
@@ -57,17 +59,26 @@ def test_show_and_explain_count_the_dispatch():
     text = format_program(p)
     assert "exchange@data" in text
     assert "forward alltoallv[data] f32[?,16] tokens to their experts' ranks" in text
-    assert "forward allgather[data] i64[1,2,4]" in text
+    assert "forward allgather[data] i64[1,2,1,4]" in text
     est = estimate(p)
     # 32 tokens x top-2 over 4 experts of 12 slots (capacity 0.75): 48 choices kept at the
     # bound, 24 a rank, half of them to the other rank: 12 rows of 16 floats per alltoallv
     rows = {(t.phase, t.kind): (t.calls, t.bytes) for t in est.traffic}
     assert rows[("forward", "alltoallv")] == (2, 2 * 12 * 16 * 4)
     assert rows[("backward", "alltoallv")] == (2, 2 * 12 * 16 * 4)
-    assert rows[("forward", "allgather")] == (1, 2 * 4 * 8 // 2 * 2)  # (n-1)/n of [2, 2, 4] i64
+    assert rows[("forward", "allgather")] == (1, 2 * 4 * 8)  # (n-1)/n of [2, 1, 2, 1, 4] i64
     assert est.experts == [{"op": "moe0", "experts": 4, "per_rank": 2, "param_bytes": 8192,
                             "exchange": ["data"], "choices": 64, "bound": 48}]
     assert "moe0: 2 of 4 experts per rank (8.0 KiB of expert params); alltoallv bytes are " \
         "expected at the capacity bound (48 of 64" in format_estimate(est)
     ep2 = format_estimate(estimate(_program("ep2")))
     assert "moe0: 2 of 4 experts per rank (8.0 KiB of expert params)\n" in ep2
+
+
+def test_tokens_split_over_two_axes_gather_counts_per_run():
+    """dp4ep2: batch over data and seq over expert, so a rank's tokens are one run per local
+    row; the counts gather over both axes, the exchange runs along expert only (6 rows: 48
+    kept choices over 4 ranks, half of each rank's to the other expert rank)."""
+    text = format_program(_program("dp4ep2"))
+    assert "forward allgather[data,expert] i64[1,2,2,4]" in text
+    assert "forward alltoallv[expert] f32[?,16] tokens to their experts' ranks   (384 B" in text

@@ -1,18 +1,20 @@
 """The collectives a routing op makes inside its kernel: moe's counts and token exchange.
 
-A `moe` Compute whose tokens are split over an axis (`step.dist`: rules.py gives the leading
-token dim a STAT role) routes only this rank's tokens. So that every choice takes the slot it
-takes on one rank, the kernel gathers each rank's per-expert choice counts over that axis:
-one allgather of an int64 [1, top_k, experts] tensor (shard/moe_dispatch.py). Where the experts
-are split over the same axis (`step.exchange`: rules.exchange), each kept choice's token goes to
+A `moe` Compute whose tokens are split over axes (`step.dist`: rules.py gives the token dims
+a STAT role) routes only this rank's tokens. So that every choice takes the slot it takes on
+one rank, the kernel gathers each rank's per-expert choice counts over those axes: one
+allgather of an int64 [1, top_k, runs, experts] tensor over their communicator (runs: the
+rank's stretches of tokens contiguous in the batch; shard/moe_dispatch.py). Where the experts
+are split over one of them (`step.exchange`: rules.exchange), each kept choice's token goes to
 the rank holding its expert and the expert's output comes back: two alltoallv forward
 (dispatch, combine), and their reverses in backward (combine's first).
 
 The alltoallv row counts depend on the routing, so they are not known before a step runs. The
 figure here is the expected value at the capacity bound: every expert gets its full capacity
-(or every choice is kept, if the slots exceed them), spread evenly over the source ranks, of
-which (n-1)/n of the rows leave each rank. A plan's alltoallv shape has -1 rows (varies).
-explain, the expected sequence (sequence.py) and `show` all read this list. Pure data.
+(or every choice is kept, if the slots exceed them), spread evenly over the routing ranks, of
+which (n-1)/n of the rows leave each rank (n: the exchange axis's size). A plan's alltoallv
+shape has -1 rows (varies). explain, the expected sequence (sequence.py) and `show` all read
+this list. Pure data.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ VARIES = -1  # a dim whose size the routing decides at run time
 
 @attrs.frozen
 class Call:
-    """One collective of an op's kernel on this rank: phase, comm op, axis, the tensor it
-    passes (shape, dtype), its payload in the comm convention (allgather: the output's bytes;
-    alltoallv: the bytes that leave the rank) and what it moves."""
+    """One collective of an op's kernel on this rank: phase, comm op, the mesh axes of its
+    communicator, the tensor it passes (shape, dtype), its payload in the comm convention
+    (allgather: the output's bytes; alltoallv: the bytes that leave the rank) and what it
+    moves."""
 
     phase: str  # forward | backward
     kind: str  # allgather | alltoallv
-    axis: str
+    axes: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: str
     payload: int
@@ -58,8 +61,21 @@ def expected_rows(step: Compute, program: Program, axis: str) -> int:
     tokens = math.prod(sizes[d] for d in x.dims if d != step.attr("hidden"))
     n_exp = sizes[str(step.attr("experts"))]
     kept = min(tokens * int(step.attr("top_k")), n_exp * slots(step, program))
-    n = dict(program.mesh)[axis]
-    return kept * (n - 1) // (n * n)
+    mesh = dict(program.mesh)
+    n = mesh[axis]
+    return kept * (n - 1) // (n * math.prod(mesh[a] for a in step.dist))
+
+
+def runs(step: Compute, program: Program) -> int:
+    """Stretches of a rank's tokens that are contiguous in the batch: the product of the
+    local sizes of the token dims outside the innermost split one (1 if only the leading
+    dim, or none, is split)."""
+    x = program.value(step.args[0])
+    sizes = dict(program.dims)
+    lead = [(d, n) for d, n in zip(x.dims, x.local_shape, strict=True)
+            if d != step.attr("hidden")]
+    split = [j for j, (d, n) in enumerate(lead) if n < sizes[d]]
+    return math.prod(n for _, n in lead[:split[-1]]) if split else 1
 
 
 def kernel_calls(program: Program, step: Compute) -> list[Call]:
@@ -71,23 +87,23 @@ def kernel_calls(program: Program, step: Compute) -> list[Call]:
     mesh = dict(program.mesh)
     n_exp = dict(program.dims)[str(step.attr("experts"))]
     k = int(step.attr("top_k"))
-    out: list[Call] = []
-    for axis in step.dist:
-        out.append(Call("forward", "allgather", axis, (1, k, n_exp), "i64",
-                        mesh[axis] * k * n_exp * DTYPE_BYTES["i64"],
-                        "each rank's choice counts per expert"))
+    axes = tuple(a for a in mesh if a in step.dist)
+    shape = (1, k, runs(step, program), n_exp)
+    out = [Call("forward", "allgather", axes, shape, "i64",
+                math.prod(mesh[a] for a in axes) * math.prod(shape) * DTYPE_BYTES["i64"],
+                "each rank's choice counts per expert")]
     back: list[Call] = []
     h = x.local_shape[x.dims.index(str(step.attr("hidden")))]
     for axis in step.exchange:
         payload = expected_rows(step, program, axis) * h * DTYPE_BYTES[x.dtype]
         shape = (VARIES, h)
-        out.append(Call("forward", "alltoallv", axis, shape, x.dtype, payload,
+        out.append(Call("forward", "alltoallv", (axis,), shape, x.dtype, payload,
                         "tokens to their experts' ranks"))
-        out.append(Call("forward", "alltoallv", axis, shape, x.dtype, payload,
+        out.append(Call("forward", "alltoallv", (axis,), shape, x.dtype, payload,
                         "expert outputs back"))
-        back.append(Call("backward", "alltoallv", axis, shape, x.dtype, payload,
+        back.append(Call("backward", "alltoallv", (axis,), shape, x.dtype, payload,
                          "expert outputs' gradients to the experts"))
-        back.append(Call("backward", "alltoallv", axis, shape, x.dtype, payload,
+        back.append(Call("backward", "alltoallv", (axis,), shape, x.dtype, payload,
                          "tokens' gradients back"))
     return out + back
 

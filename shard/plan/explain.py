@@ -198,9 +198,9 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
         if isinstance(step, Compute):  # a routing kernel's own calls (plan/dispatch.py)
             for c in kernel_calls(program, step):
-                add(c.phase, c.kind, c.axis, c.payload)
+                add(c.phase, c.kind, c.axes, c.payload)
                 if i in again and c.phase == "forward":
-                    add("recompute", c.kind, c.axis, c.payload)
+                    add("recompute", c.kind, c.axes, c.payload)
         if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)

@@ -62,7 +62,7 @@ def _kernel_call(c: Call) -> str:
     """One collective an op's kernel makes, under its step (alltoallv: expected bytes)."""
     shape = ",".join("?" if n == VARIES else str(n) for n in c.shape)
     est = " expected at the capacity bound" if VARIES in c.shape else ""
-    return f"{c.phase} {c.kind}[{c.axis}] {c.dtype}[{shape}] {c.what}   " \
+    return f"{c.phase} {c.kind}[{','.join(c.axes)}] {c.dtype}[{shape}] {c.what}   " \
         f"({format_bytes(c.payload)}{est})"
 
 

@@ -347,7 +347,7 @@ class _StageOps:
         if isinstance(s, Compute) and s.dist:
             return [self.op("allreduce", (axis,), shape, dtype, nbytes, "forward", mb, src)
                     for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist] + [
-                self.op(c.kind, (c.axis,), c.shape, c.dtype, c.payload, "forward", mb, src)
+                self.op(c.kind, c.axes, c.shape, c.dtype, c.payload, "forward", mb, src)
                 for c in kernel_calls(p, s) if c.phase == "forward"]
         return []
 
@@ -438,7 +438,7 @@ class _StageOps:
             return [self.op(kind, (s.axis,), shape, dtype, backward_bytes(p, s), "backward",
                             mb, src)]
         if isinstance(s, Compute) and s.dist:
-            return [self.op(c.kind, (c.axis,), c.shape, c.dtype, c.payload, "backward", mb, src)
+            return [self.op(c.kind, c.axes, c.shape, c.dtype, c.payload, "backward", mb, src)
                     for c in kernel_calls(p, s) if c.phase == "backward"] + [
                 self.op("allreduce", (axis,), shape, dtype, nbytes, "backward", mb, src)
                 for shape, dtype, nbytes, back in reversed(self._stats(s)) if back
