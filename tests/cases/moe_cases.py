@@ -1,8 +1,12 @@
-"""MoE layouts under mpiexec (tests/test_moe_dispatch.py): each reproduces the single-rank run
-of its model, recorded here on every rank, with drops (examples/moe.par, capacity 0.75: 16
-of 64 choices dropped) and without (tests/specs/moe_layouts.par, capacity 4.0): experts
-split (ep2, ep4), experts over the data axis with the all-to-all dispatch (dpep, dpep4), and
-tokens over data with experts over another axis (dp2ep2). The drop counts are the batch's.
+"""MoE layouts under mpiexec (tests/test_moe_dispatch.py), with drops (examples/moe.par,
+capacity 0.75) and without (tests/specs/moe_layouts.par, capacity 4.0): experts split (ep2,
+ep4), experts over the data axis with the all-to-all dispatch (dpep, dpep4), tokens over data
+with experts over another axis (dp2ep2), and tokens over both axes with the exchange along
+one (dp4ep2).
+
+- every layout drops exactly the choices the single-rank run drops (none for the wide model);
+- the wide model's layouts reproduce its single-rank run, recorded here on every rank (the
+  example's layouts are checked against tests/golden/runs/moe.npz by run_cases.py).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from soapstone.shard.data import SyntheticTask
 from soapstone.shard.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECS = {str(ROOT / "examples/moe.par"): True, str(ROOT / "tests/specs/moe_layouts.par"): False}
+DROPS = str(ROOT / "examples/moe.par")
+WIDE = str(ROOT / "tests/specs/moe_layouts.par")
 W = init("mpi")
 
 
 def _layouts(spec: str) -> list[str]:
-    return [p.name for p in dsl.load(spec).parallels.values() if p.world_size == W.size]
+    names = [p.name for p in dsl.load(spec).parallels.values() if p.world_size == W.size]
+    assert names, f"{spec}: no layout of {W.size} ranks"
+    return names
 
 
 def _drops(spec: str, layout: str | None) -> list[int]:
@@ -40,15 +47,18 @@ def _drops(spec: str, layout: str | None) -> list[int]:
 
 
 @ranks(2, 4)
-def case_moe_layouts_reproduce_the_single_rank_run():
+def case_moe_layouts_drop_what_one_rank_drops():
+    for spec, some in ((DROPS, True), (WIDE, False)):
+        single = _drops(spec, None)
+        assert (sum(single) > 0) == some, f"{spec}: drops {single}"
+        for layout in _layouts(spec):
+            assert _drops(spec, layout) == single, f"{spec}/{layout}: drops differ"
+
+
+@ranks(2, 4)
+def case_moe_layouts_without_drops_reproduce_the_single_rank_run():
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in SPECS:
-            record = str(Path(tmp) / f"single.{W.rank}.npz")
-            record_golden(spec, record, steps=3)
-            layouts = _layouts(spec)
-            assert layouts, f"{spec}: no layout of {W.size} ranks"
-            single = _drops(spec, None)
-            assert (sum(single) > 0) == SPECS[spec], f"{spec}: drops {single}"
-            for layout in layouts:
-                assert_matches_golden(spec, layout, record)
-                assert _drops(spec, layout) == single, f"{spec}/{layout}: drops differ"
+        record = str(Path(tmp) / f"single.{W.rank}.npz")
+        record_golden(WIDE, record, steps=3)
+        for layout in _layouts(WIDE):
+            assert_matches_golden(WIDE, layout, record)
