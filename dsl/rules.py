@@ -58,8 +58,10 @@ def roles(op: ir.Op, arg_dim_lists: list[tuple[str, ...]]) -> dict[str, str]:
         # split token dims are routed where they are: the op combines the ranks' per-expert
         # counts of each run of tokens, so slots fall as on one rank; split experts give
         # partial outputs (unless `exchange` applies)
+        # each expert's ffn split as Megatron's column/row pair (w1, w3 by column, w2 by
+        # row) gives partial outputs too
         lead = arg_dim_lists[0][:-1]
-        return {**dict.fromkeys(lead, STAT), op.attr("experts"): SUM}
+        return {**dict.fromkeys(lead, STAT), op.attr("experts"): SUM, op.attr("ffn"): SUM}
     if kind == "rope":  # rotates pairs across the whole `over` dim: it never splits
         return {d: FREE for d in out if d != op.attr("over")}
     # elementwise (add, mul, activations, dropout, causal_mask), rename, repeat_dim, positions

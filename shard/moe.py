@@ -90,6 +90,10 @@ def moe(step, args, ctx):
     # the balance term; where the batch is split each rank adds its own tokens' term
     split = ctx.arg(step, 2).layout.split_axis(e)
     once = split is None or split in step.exchange or ctx.mesh.coord(split) == 0
+    # each expert's ffn split over an axis (tensor parallel inside an expert) is a partial
+    # sum over it too
+    ffn_split = ctx.arg(step, 2).layout.split_axis(f)
+    once = once and (ffn_split is None or ctx.mesh.coord(ffn_split) == 0)
     aux = float(step.attr("aux")) * balance_term(r) * (1.0 if once else 0.0)
     stats = ctx.__dict__.setdefault("moe", {})
     choices = r.tokens * r.experts.shape[1]
