@@ -84,10 +84,12 @@ def torch_bytes(model, opt) -> int:
     return tensor_bytes(ps) + tensor_bytes(p.grad for p in ps) + tensor_bytes(state)
 
 
-def soapstone_row(zero, data, overlap=True):
+def soapstone_model(zero, overlap=True, world=None):
+    """(train step on a batch, model, optimizer) of soapstone's data-parallel gpt on the mesh
+    data=2 over `world` (default: init's world communicator)."""
     spec = dsl.load(ROOT / "examples/gpt.par", dims=DIMS, check=False)
     par = spec.parallel("dp2")
-    w = init("mpi")
+    w = init("mpi") if world is None else world
     m = ShardedModel(lower(spec.model(), par), Mesh(w, data=2), seed=0)
     opt = build_optimizer(m, "adamw", lr=1e-4, zero=zero, overlap=overlap)
 
@@ -97,6 +99,11 @@ def soapstone_row(zero, data, overlap=True):
         opt.step()
         opt.zero_grad()
 
+    return step, m, opt
+
+
+def soapstone_row(zero, data, overlap=True):
+    step, m, opt = soapstone_model(zero, overlap)
     t = timed(step, data)
     return t, memory_report(m, opt)["total"]
 

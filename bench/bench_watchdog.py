@@ -1,0 +1,206 @@
+"""The watchdog's cost: soapstone's comm calls and training steps with the flight recorder on
+(the default) and off, side by side.
+
+    .venv/bin/python bench/bench_watchdog.py calls
+    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_watchdog.py dp
+
+The watchdog's per-call work is the flight recorder's entry: the deadline runs from that entry
+(a blocking call in progress is the ring's newest entry), so nothing else is armed per call.
+Unrecorded communicators (SOAPSTONE_FLIGHT_RECORDER=0) do no per-call work; the watchdog thread
+runs in both cases (it wakes once a poll, at most once a second by default).
+
+calls: one process (1 rank), the same 8-byte tensor through two communicators over the same
+MPI communicator, one recording and one not. Each call is timed alone (perf_counter_ns), in
+turns of 200 calls per communicator with the order rotating, the first 20 calls of a turn not
+counted (they pay for switching communicators); figures are medians. A load of other jobs
+shows up as outliers, which the median leaves out. Then the parts a recorded entry is made of,
+each timed alone in a loop (minus the empty loop; the lowest of many loops, since load only
+adds time): the floor of a Python recorder.
+
+dp: bench_dp's model (gpt scaled to ~21M parameters, AdamW, 2 ranks, data parallel) as ZeRO 0
+(buckets overlapped with backward) and ZeRO 3, each built twice, recorded and not, the twins
+trained step by step in turn on the same batches (ABBA order, so that each runs first and after
+the other equally often); median step time of the slowest rank, and the comm calls one step
+records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+BLOCK, SKIP = 200, 20
+
+
+def per_call_ns(fns: dict, rounds: int) -> dict:
+    """{name: median ns of one call of fns[name]()}: turns of BLOCK calls each, the order
+    rotating every round, the first SKIP calls of a turn not counted."""
+    clock = time.perf_counter_ns
+    names = list(fns)
+    samples: dict[str, list[int]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, out = fns[name], samples[name]
+            for i in range(BLOCK):
+                t0 = clock()
+                fn()
+                dt = clock() - t0
+                if i >= SKIP:
+                    out.append(dt)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def part_ns(rounds: int, n: int = 2000) -> dict:
+    """{part of a recorded entry: ns}, each timed alone in a loop of n, minus the empty loop;
+    the lowest of `rounds` loops (another job's load only ever adds time)."""
+    import torch
+
+    now = time.monotonic
+    t = torch.zeros(2)
+
+    def func():
+        return None
+
+    def empty():
+        for _ in range(n):
+            pass
+
+    def call():
+        for _ in range(n):
+            func()
+
+    def clock():
+        for _ in range(n):
+            now()
+
+    def shape():
+        for _ in range(n):
+            t.shape  # noqa: B018
+
+    def dtype():
+        for _ in range(n):
+            t.dtype  # noqa: B018
+
+    def entry():
+        for i in range(n):
+            [i, "allreduce", t, t, 8, -1, 0.5, 0.0, 0.0, "started"]  # noqa: B018
+
+    parts = {"empty": empty, "a Python function call": call, "time.monotonic()": clock,
+             "t.shape": shape, "t.dtype": dtype, "a 10-item list": entry}
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            t0 = time.perf_counter_ns()
+            fn()
+            times[name].append((time.perf_counter_ns() - t0) / n)
+    low = {k: min(v) for k, v in times.items()}
+    return {k: v - low["empty"] for k, v in low.items() if k != "empty"}
+
+
+def calls(rounds: int) -> None:
+    """Print the per-call table (one process)."""
+    import torch
+
+    from soapstone.comm import init
+    from soapstone.comm.mpi import MPICommunicator
+
+    world = init("mpi")
+    bare = MPICommunicator(world.mpi)
+    bare.recorder = None  # the same MPI communicator, nothing recorded per call
+    x = torch.zeros(2)
+    fns = {("unrecorded", "allreduce"): lambda: bare.allreduce(x),
+           ("recorded", "allreduce"): lambda: world.allreduce(x),
+           ("unrecorded", "async"): lambda: bare.allreduce(x, async_op=True).wait(),
+           ("recorded", "async"): lambda: world.allreduce(x, async_op=True).wait()}
+    med = per_call_ns(fns, rounds)
+    print(f"# the flight recorder per comm call: 1 process, median ns of single calls "
+          f"({rounds} rounds of {BLOCK}-call turns); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'call':34s} {'unrecorded':>10s} {'recorded':>9s} {'+ns':>6s} {'ratio':>7s}")
+    for key, label in (("allreduce", "allreduce 8 B"),
+                       ("async", "allreduce 8 B async_op, then wait()")):
+        a, b = med[("unrecorded", key)], med[("recorded", key)]
+        print(f"{label:34s} {a:10.0f} {b:9.0f} {b - a:+6.0f} {b / a:7.3f}x")
+    parts = part_ns(10 * rounds)
+    print("# the parts of a recorded entry, each alone (ns, lowest of many loops): "
+          + "; ".join(f"{k} {v:.0f}" for k, v in parts.items()))
+
+
+def dp(steps: int) -> None:
+    """Print the data-parallel steps with and without recording (2 ranks)."""
+    import torch
+    from mpi4py import MPI
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_dp import batches, soapstone_model
+
+    from soapstone.comm import init
+    from soapstone.comm.flight_recorder import live_recorders
+    from soapstone.comm.mpi import MPICommunicator
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world = init("mpi")
+
+    def build(zero: int, recorded: bool):
+        """The train step of one model; `recorded`: its communicators record."""
+        if recorded:
+            return soapstone_model(zero, world=world)[0]
+        old = os.environ.get("SOAPSTONE_FLIGHT_RECORDER")
+        os.environ["SOAPSTONE_FLIGHT_RECORDER"] = "0"  # read as each communicator is made
+        try:
+            return soapstone_model(zero, world=MPICommunicator(MPI.COMM_WORLD))[0]
+        finally:
+            if old is None:
+                os.environ.pop("SOAPSTONE_FLIGHT_RECORDER", None)
+            else:
+                os.environ["SOAPSTONE_FLIGHT_RECORDER"] = old
+
+    data = batches(steps + 2)
+    med: dict[str, float] = {}
+    ops: dict[str, int] = {}
+    for zero in (0, 3):  # one pair at a time: the twin models alone in memory
+        pair = {f"zero {zero}, recorded": build(zero, True),
+                f"zero {zero}, unrecorded": build(zero, False)}
+        names = list(pair)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for i, b in enumerate(data):
+            for name in names if i % 2 else names[::-1]:  # ABBA: each first, each after each
+                before = sum(r.seq + r.p2p_seq for r in live_recorders() if r.recording)
+                MPI.COMM_WORLD.Barrier()
+                t0 = time.perf_counter()
+                pair[name](b)
+                dt = time.perf_counter() - t0
+                ops[name] = sum(r.seq + r.p2p_seq for r in live_recorders()
+                                if r.recording) - before
+                if i >= 2:
+                    times[name].append(MPI.COMM_WORLD.allreduce(dt, op=MPI.MAX))
+        med |= {k: statistics.median(v) for k, v in times.items()}
+        del pair
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"# bench_dp's model, 2 ranks, median of {steps} steps (slowest rank), each model "
+              f"and its twin in turn; load average {os.getloadavg()[0]:.1f}")
+        print(f"{'config':24s} {'step ms':>8s} {'recorded calls/step':>20s}")
+        for k in med:
+            print(f"{k:24s} {med[k] * 1e3:8.1f} {ops[k]:20d}")
+        for z in (0, 3):
+            a, b = med[f"zero {z}, unrecorded"], med[f"zero {z}, recorded"]
+            print(f"# zero {z}: recorded / unrecorded {b / a:.3f}x ({(b - a) * 1e3:+.1f} ms)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["calls", "dp"])
+    ap.add_argument("--rounds", type=int, default=30, help="calls: rounds of turns")
+    ap.add_argument("--steps", type=int, default=10, help="dp: timed steps per model")
+    args = ap.parse_args()
+    if args.what == "calls":
+        calls(args.rounds)
+    else:
+        dp(args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
