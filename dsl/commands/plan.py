@@ -2,12 +2,12 @@
 choose a layout for the model on N devices of a hardware profile.
 
 Searches data x tensor (with or without sequence parallelism) x pipeline (stages, schedule,
-microbatches, virtual stages) x ZeRO, drops the layouts that do not fit the device's memory
-(explain's estimate), ranks the rest by the cost model's step time (dsl/plan_search.py,
-shard/plan/cost.py), prints the table with a reason per row, explains the winner in seed 004's
-order, and prints it as a `parallel` block that check, explain and run accept; `-o FILE`
-writes a spec that includes SPEC and holds the block. Nothing that fits: exit 2 saying what is
-missing (memory, or which dim does not divide). No torch.
+microbatches, virtual stages) x ZeRO x activation recompute, drops the layouts that do not fit
+the device's memory (explain's estimate), ranks the rest by the cost model's step time
+(dsl/plan_search.py, shard/plan/cost.py), prints the table with a reason per row, explains the
+winner in seed 004's order, and prints it as a `parallel` block that check, explain and run
+accept; `-o FILE` writes a spec that includes SPEC and holds the block. Nothing that fits:
+exit 2 saying what is missing (memory, or which dim does not divide). No torch.
 """
 
 from __future__ import annotations
