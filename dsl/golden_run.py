@@ -40,8 +40,13 @@ def _trainer(graph, mesh, header: dict, model):
 def record_run(spec_path: str, output: str, *, model: str | None = None,
                dims: dict | None = None, plugins: tuple[str, ...] = (),
                steps: int = DEFAULT_STEPS, seed: int = 0, optimizer: str = "sgd",
-               lr: float | None = None, precision: str = "fp32", data: str | None = None):
-    """Train `model` on one rank and write the record; returns the Record."""
+               lr: float | None = None, precision: str = "fp32", data: str | None = None,
+               parallel: str | None = None):
+    """Train `model` on one rank and write the record; returns the Record.
+
+    `parallel`: a one-rank layout to train instead of the plain model, e.g. gradient
+    accumulation over microbatches, the reference of a pipeline whose layers count each
+    microbatch's tokens (moe's capacity)."""
     from soapstone.shard import golden
     from soapstone.shard.data import make_task
 
@@ -49,12 +54,17 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
 
     load_plugins(list(plugins))
     spec = load(spec_path, dims=dims, filename=spec_path)
-    m = spec.model(model)
-    graph = compile_layout(m, None)
+    par = spec.parallel(parallel) if parallel else None
+    m = spec.model(par.model if par else model)
+    graph = compile_layout(m, par)
+    if graph.world_size != 1:
+        raise BadInput(f"--parallel {parallel}: a record is of one rank, and this layout "
+                       f"needs {graph.world_size}; name a layout on mesh(data = 1)")
     program = graph.program
     lr = default_lr(optimizer) if lr is None else lr
-    make_task(program, seed, data)  # bad data is bad input before any training
-    header = {"spec": Path(spec_path).name, "model": m.name, "dims": dict(dims or {}),
+    make_task(single_program(m, graph), seed, data)  # bad data: bad input before training
+    header = {"spec": Path(spec_path).name, "model": m.name, "parallel": parallel,
+              "dims": dict(dims or {}),
               "steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr,
               "precision": precision, "data": data}
     trainer = _trainer(graph, None, header, model=m)

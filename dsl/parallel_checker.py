@@ -507,19 +507,6 @@ def _microbatches_divide(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, mb: int)
                      f"use microbatches = {near}")]
 
 
-def _moe_whole_batch(ctx: _Ctx, s: ast.ScheduleStmt, mb: int) -> Diags:
-    """A moe layer routes the whole batch at once: its capacity and balance loss count every
-    token, so microbatches would drop other tokens than the single-rank run."""
-    moe = next((op for op in ctx.model.ops if op.kind == "moe"), None)
-    if mb == 1 or moe is None:
-        return []
-    line = f" (line {moe.loc.line})" if moe.loc else ""
-    return [ctx.diag(_option_loc(s, "microbatches", s.loc),
-                     f"microbatches = {mb} split the batch that the moe layer{line} routes "
-                     "whole (its capacity and balance loss count every token)",
-                     "use microbatches = 1 with moe layers")]
-
-
 def _option_loc(s: ast.ScheduleStmt, key: str, default: Loc) -> Loc:
     """Where option `key` is given (the last time), else `default`."""
     return {k: loc for k, _, loc in s.options}.get(key, default)
@@ -577,7 +564,6 @@ def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
     mb, chunks = opts.get("microbatches", 1), opts.get("chunks", 1)
     nstages = facts.mesh.get(facts.pipe_axis, 1) if facts.pipe_axis else 1
     diags += _microbatches_divide(ctx, facts, s, mb)
-    diags += _moe_whole_batch(ctx, s, mb)
     diags += _chunks(ctx, s, kind, mb, chunks, nstages)
     if facts.stages:
         diags += _block_order(ctx, facts, kind == "interleaved", chunks, nstages, s.kind_loc)

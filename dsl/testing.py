@@ -22,10 +22,11 @@ __all__ = ["assert_matches_golden", "record_golden"]
 def record_golden(spec: str, output: str, *, model: str | None = None, steps: int = 5,
                   seed: int = 0, optimizer: str = "sgd", lr: float | None = None,
                   dims: dict | None = None, plugins: tuple[str, ...] = (),
-                  data: str | None = None):
-    """Record a single-rank run of `spec`'s model to `output` (.npz); returns the Record."""
+                  data: str | None = None, parallel: str | None = None):
+    """Record a single-rank run of `spec`'s model to `output` (.npz); returns the Record.
+    `parallel`: a one-rank layout to run instead (e.g. gradient accumulation)."""
     return record_run(spec, output, model=model, dims=dims, plugins=plugins, steps=steps,
-                      seed=seed, optimizer=optimizer, lr=lr, data=data)
+                      seed=seed, optimizer=optimizer, lr=lr, data=data, parallel=parallel)
 
 
 def assert_matches_golden(spec: str, parallel: str | None, record_file: str, *,

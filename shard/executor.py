@@ -288,6 +288,7 @@ class Executor:
                 window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
                     if g.microbatches > 1 else None
                 opt = self.optimizers.get(a.stage)
+                model.ctx.loss_scale = 1.0 / (g.microbatches * scale)
                 outs = model.forward(mbs[a.mb], local=leaves, rng_step=step, window=window,
                                      provider=opt.param_provider if opt else None)
                 if stage.is_last:

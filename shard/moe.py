@@ -25,16 +25,18 @@ _ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}
 
 
 class _AddAux(torch.autograd.Function):
-    """Pass y through; in backward give the balance loss a gradient of one, so it is added
-    to the training loss's gradient without changing what the model returns."""
+    """Pass y through; in backward give the balance loss the gradient the training loss gets
+    (`scale`: 1 / microbatches), so it is added to the training loss's gradient without
+    changing what the model returns."""
 
     @staticmethod
-    def forward(ctx, y, aux):
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
 
 
 def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
@@ -106,7 +108,7 @@ def moe(step, args, ctx):
                        "sizes": (send, recv), "sent": sum(send[:me] + send[me + 1:]),
                        "returned": sum(recv[:me] + recv[me + 1:])}
     if torch.is_grad_enabled() and aux.requires_grad:
-        y = _AddAux.apply(y, aux)
+        y = _AddAux.apply(y, aux, ctx.loss_scale)
     y = y.reshape(shape)
     order = [(*lead, h).index(d) for d in xv.dims]
     return y.permute(order) if order != list(range(len(order))) else y

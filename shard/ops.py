@@ -38,6 +38,10 @@ class Shards:
         # (pipeline, gradient accumulation): dim -> (offset, global size). Random draws are
         # made at the global size and this window is sliced, as data-parallel ranks do.
         self.window: dict[str, tuple[int, int]] = {}
+        # The share of the step's loss gradient this forward's loss carries (1 / microbatches,
+        # over gradient accumulation too): a layer's own loss term (moe's balance loss) is
+        # scaled by it in backward, as the training loss is.
+        self.loss_scale = 1.0
         # tensors fixed by the program and this rank's place in it (rope's cos/sin tables),
         # made once instead of every layer of every step
         self.constants: dict[tuple, tuple[torch.Tensor, ...]] = {}

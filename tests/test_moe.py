@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from soapstone import dsl
 from soapstone.dsl.errors import SpecError
 from soapstone.dsl.lower import lower
+from soapstone.dsl.stages import lower_graph
+from soapstone.shard.executor import Executor
 from soapstone.shard.runtime import ShardedModel
 
 SPEC = """
@@ -22,6 +24,13 @@ model m {{
   h = moe(x, experts, ffn, top_k = {top_k}, capacity = {capacity}, aux = 0.1{extra})
   output loss = cross_entropy(linear(h, hidden -> classes), y)
 }}
+"""
+
+
+ACC2 = """
+parallel acc2 for m on mesh(data = 1) {
+  schedule gpipe, microbatches = 2
+}
 """
 
 
@@ -120,3 +129,35 @@ def test_moe_bad_arguments_are_located(top_k, capacity, extra, needle):
     with pytest.raises(SpecError) as err:
         dsl.load(SPEC.format(experts=4, top_k=top_k, capacity=capacity, extra=extra))
     assert needle in str(err.value) and ":6:" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("scale", [1, 2], ids=["microbatches", "and-accumulate"])
+def test_moe_microbatches_count_their_own_tokens(scale):
+    """Gradient accumulation over 2 microbatches (as a pipeline runs them) routes each apart:
+    its capacity and balance loss count that microbatch's tokens, and the balance loss's
+    gradient is scaled like the training loss's (1 / microbatches, and 1 / batches under
+    run --accumulate). The plain-torch reference runs the halves of the batch one by one."""
+    spec = dsl.load(SPEC.format(experts=4, top_k=2, capacity=0.55, extra=", activation = swiglu")
+                    + ACC2)
+    ex = Executor(lower_graph(spec.model(), spec.parallel("acc2")), None, seed=5)
+    g = torch.Generator().manual_seed(2)
+    inputs = {"x": torch.randn(4, 6, 8, generator=g),
+              "y": torch.randint(0, 5, (4, 6), generator=g)}
+    loss = ex.forward_backward(inputs, scale=scale)
+    ours = ex.models[0]
+    p = {k: v.detach().clone().requires_grad_() for k, v in ours.params.items()}
+    moe = {n.split(".", 1)[1]: p[n] for n in p if n.startswith("moe0.")}
+    lin = {n.rsplit(".", 1)[1]: p[n] for n in p if n.startswith("linear")}
+    want_loss, dropped = 0.0, 0
+    for half in (slice(0, 2), slice(2, 4)):
+        ce, aux, drops = reference(inputs["x"][half], inputs["y"][half], moe["router"],
+                                   moe["w1"], moe["w2"], lin["weight"], lin["bias"], 2, 0.55,
+                                   w3=moe["w3"])
+        ((ce + aux) / (2 * scale)).backward()
+        want_loss += float(ce.detach()) / 2
+        dropped += drops
+    assert math.isclose(loss, want_loss, rel_tol=1e-5), (loss, want_loss)
+    assert dropped > 0
+    for n in sorted(p):
+        got, want = ours.params[n].grad, p[n].grad
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), n

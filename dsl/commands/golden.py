@@ -29,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     rec = sub.add_parser("record", help="record a single-rank run")
     rec.add_argument("spec", metavar="SPEC", help="the .par file")
     rec.add_argument("--model", help="which model (default: the only one)")
+    rec.add_argument("--parallel", help="a one-rank layout to record instead of the plain "
+                     "model (e.g. gradient accumulation over microbatches)")
     rec.add_argument("-o", "--output", required=True, metavar="FILE", help="the .npz to write")
     add_spec_options(rec)
     add_train_options(rec, steps=DEFAULT_STEPS, optimizer="sgd", lr=None)
@@ -60,7 +62,7 @@ def _record(args: argparse.Namespace) -> int:
         rec = record_run(args.spec, args.output, model=args.model, dims=dims,
                          plugins=tuple(args.plugin), steps=args.steps, seed=args.seed,
                          optimizer=args.optimizer, lr=args.lr, precision=args.precision,
-                         data=args.data)
+                         data=args.data, parallel=args.parallel)
     except UserError as e:
         return fail(e)
     print(f"recorded {rec.header['model']}: {rec.steps} steps ({rec.header['optimizer']} "

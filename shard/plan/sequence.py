@@ -281,6 +281,8 @@ class _StageOps:
             elif s.kind in ("einsum", "mul", "layernorm", "rmsnorm") or \
                     s.kind.startswith("custom:"):
                 args = s.args  # the kernels keep their weights (an embedding keeps ids)
+            elif s.kind == "moe":  # backward meets the experts' matmuls first, the router last
+                args = tuple(reversed(s.args[1:]))
             else:
                 args = ()
             for a in args:
@@ -326,12 +328,18 @@ class _StageOps:
         p, out = self.program, []
         gather_at: dict[int, list[int]] = {}
         if self.zero == 3:
-            for k, at in enumerate(self.fill_at):
-                if self.sharded(self.buckets[k]):
-                    gather_at.setdefault(at, []).append(k)
+            for k in self.order:  # the buckets first used at one step, in forward order
+                gather_at.setdefault(self.fill_at[k], []).append(k)
+        issued: set[int] = set()
         for i in sorted(set(self.fwd_steps) | set(gather_at)):
             for k in gather_at.get(i, ()):
-                out.append(self._zero3_gather(k, "forward", mb))
+                # zero.py gathers k (unless a prefetch has) and prefetches the next bucket
+                # at once, before this step's own collectives
+                at = self.order.index(k)
+                for g in self.order[at:at + 2]:
+                    if g not in issued:
+                        issued.add(g)
+                        out.append(self._zero3_gather(g, "forward", mb))
             out.extend(self._forward_step(i, p.steps[i], mb))
         return [o for o in out if o is not None]
 
