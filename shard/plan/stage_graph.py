@@ -75,7 +75,7 @@ class StageGraph:
     axis: str | None  # the pipe axis (None: one stage, no pipeline)
     stages: tuple[Stage, ...]  # virtual stages in model order
     edges: tuple[Edge, ...]
-    schedule: str  # gpipe | 1f1b | interleaved
+    schedule: str  # gpipe | 1f1b | interleaved | zb1p
     microbatches: int
     chunks: int
     batch_dim: str | None  # the dim microbatching cuts (None: no batched input)
