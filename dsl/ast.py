@@ -189,6 +189,14 @@ class Recompute:
 
 
 @dataclass(slots=True)
+class Offload:
+    KEYWORD = "offload"
+
+    what: str  # what moves to host memory: `optimizer`
+    loc: Loc
+
+
+@dataclass(slots=True)
 class ParallelDef:
     name: str
     model: str

@@ -161,6 +161,8 @@ class Parallel:
     # `recompute R`: the blocks of repeat R keep only their inputs for backward;
     # `recompute selective` (SELECTIVE): only the cheap ops' outputs are dropped
     recompute: str | None = None
+    # `offload optimizer`: master weights and optimizer state in host memory
+    offload: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -93,6 +93,8 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
         lines.append(f"  zero      {par.zero}")
     if par.recompute:
         lines.append(f"  recompute {par.recompute}")
+    if par.offload:
+        lines.append(f"  offload   {par.offload}")
     return "\n".join(lines + (["}"] if source else [])) + "\n"
 
 

@@ -208,6 +208,7 @@ class _Lowering:
             zero=par.zero if par else 0,
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
+            offload=bool(par and par.offload),
         )
         if self.par and self.par.recompute == ir.SELECTIVE:  # a rule over the compiled ops
             program = attrs.evolve(program, dropped=selective_drops(program))

@@ -72,6 +72,7 @@ class _Facts:
     schedule: ast.ScheduleStmt | None = None
     zero: int = 0
     recompute: str | None = None
+    offload: str | None = None
 
 
 def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
@@ -377,11 +378,20 @@ def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
     return []
 
 
+def _offload(ctx: _Ctx, facts: _Facts, s: ast.Offload) -> Diags:
+    """`offload optimizer`: the only state that moves to host memory is the optimizer's."""
+    if s.what != "optimizer":
+        return [ctx.diag(s.loc, f"offload {s.what}: only the optimizer's state can be "
+                         "offloaded", "write `offload optimizer`")]
+    facts.offload = s.what
+    return []
+
+
 _STATEMENTS: dict[type, Callable[..., Diags]] = {
     ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero,
-    ast.Recompute: _recompute}
+    ast.Recompute: _recompute, ast.Offload: _offload}
 # statements a block has at most one of
-_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute)
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload)
 
 
 def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
@@ -615,7 +625,7 @@ def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
     return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
                     sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
-                    recompute=facts.recompute)
+                    recompute=facts.recompute, offload=facts.offload)
 
 
 def check_parallel(p: ast.ParallelDef, model: Model,

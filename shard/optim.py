@@ -25,6 +25,8 @@ import contextlib
 import torch
 
 from soapstone.shard.data_parallel import GradReducer
+from soapstone.shard.offload import HostStep
+from soapstone.shard.offload import wanted as offload_wanted
 
 
 class FlatAdamW:
@@ -76,15 +78,20 @@ class FlatSGD:
 class Optimizer:
     """Gradient reduction + global-norm clipping + a flat update rule, for one ShardedModel."""
 
-    def __init__(self, model, rule, grad_clip: float | None, reducer: GradReducer):
+    def __init__(self, model, rule, grad_clip: float | None, reducer: GradReducer,
+                 offload: bool = False):
         self.model = model
         self.rule = rule
         self.grad_clip = grad_clip
         self.reducer = reducer
         self.grad_norm: float = 0.0
         self.steps = 0
-        self.state = [rule.init_state(seg.master) if seg.master is not None else {}
-                      for seg in reducer.segments()]
+        # `offload optimizer` with the parameters on a GPU: state and update in host memory
+        # (shard/offload.py); on a CPU run they are there already
+        segs = reducer.segments()
+        self.host = HostStep(segs, rule) if offload and offload_wanted(segs) else None
+        self.state = self.host.state if self.host else [
+            rule.init_state(seg.master) if seg.master is not None else {} for seg in segs]
 
     @property
     def zero(self) -> int:
@@ -133,9 +140,12 @@ class Optimizer:
                     if seg.grad is not None:
                         seg.grad.mul_(coef)
         with torch.no_grad():
-            for seg, state in zip(segs, self.state, strict=True):
-                if seg.master is not None and seg.grad is not None and seg.master.numel():
-                    self.rule.update(seg.master, seg.grad, state, self.steps)
+            if self.host is not None:
+                self.host.step(segs, self.rule, self.steps)
+            else:
+                for seg, state in zip(segs, self.state, strict=True):
+                    if seg.master is not None and seg.grad is not None and seg.master.numel():
+                        self.rule.update(seg.master, seg.grad, state, self.steps)
         self.reducer.publish_params()
 
     def set_lr(self, lr: float) -> None:
@@ -156,7 +166,8 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
                     momentum: float = 0.9, grad_clip: float | None = None, zero: int | None = None,
                     bucket_mb: float = 25.0, data_axes: tuple[str, ...] | None = None,
                     deferred: tuple[str, ...] = (), overlap: bool = True,
-                    betas=(0.9, 0.999), eps: float = 1e-8) -> Optimizer:
+                    betas=(0.9, 0.999), eps: float = 1e-8,
+                    offload: bool | None = None) -> Optimizer:
     """An optimizer for `model` (a ShardedModel) that also owns its gradient reduction.
 
     name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data-parallel axes
@@ -166,7 +177,8 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
     further before reduction (weights tied across pipeline stages). Mixed precision follows
     the model: built with compute_dtype=torch.bfloat16, it computes in bf16 while the
     optimizer keeps fp32 master weights, gradient buffers and state. overlap=False reduces
-    only after backward (for benchmarks).
+    only after backward (for benchmarks). offload: master copies and state in host memory
+    when the parameters are on a GPU (default: the Program's, from `offload optimizer`).
     """
     if name == "adamw":
         rule = FlatAdamW(lr, betas, eps, weight_decay)
@@ -178,4 +190,6 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     reducer = GradReducer(model, zero=zero, bucket_mb=bucket_mb, data_axes=data_axes,
                           deferred=deferred, overlap=overlap)
-    return Optimizer(model, rule, grad_clip, reducer)
+    if offload is None:
+        offload = model.program.offload
+    return Optimizer(model, rule, grad_clip, reducer, offload)

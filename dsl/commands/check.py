@@ -5,6 +5,7 @@ rank's collectives and p2p messages match and complete (dsl/layout_proof.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from soapstone.comm.errors import UserError
 
@@ -45,6 +46,11 @@ def main(args: argparse.Namespace) -> int:
             chosen = [spec.parallel(args.parallel)] if args.parallel else \
                 list(spec.parallels.values())
             print(f"ok: {path} (models: {models}, parallels: {pars})")
+            offloaded = [p.name for p in chosen if p.offload]
+            if offloaded:
+                from soapstone.shard.plan.offload import NOTE
+
+                print(f"note: {', '.join(offloaded)}: {NOTE}", file=sys.stderr)
             if args.verify:
                 verify(spec, chosen)
         except UserError as e:

@@ -57,6 +57,11 @@ def main(args: argparse.Namespace) -> int:
                                           "checkpoint_bytes_per_rank": ckpt}, indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        if par is not None and par.offload:
+            from soapstone.shard.plan.explain import format_bytes
+            from soapstone.shard.plan.offload import format_offload, offload_figures
+
+            print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt))
     if not fits:
         from soapstone.shard.plan.explain import format_bytes

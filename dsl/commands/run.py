@@ -157,6 +157,10 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
     start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    if rank == 0 and par is not None and par.offload and comm.device.type != "cuda":
+        from soapstone.shard.plan.offload import CPU_RUN_NOTE
+
+        print(f"note: {CPU_RUN_NOTE}", file=sys.stderr, flush=True)
     if mesh is not None and args.accumulate == 1:  # the plan is one step of the layout
         expected.expect(expected_calls(program, comm.rank))
     stopped = None

@@ -35,4 +35,8 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e)
     sys.stdout.write(out)
+    if args.parallel and spec.parallel(args.parallel).offload:
+        from soapstone.shard.plan.offload import NOTE
+
+        print(f"note: {NOTE}", file=sys.stderr)
     return 0

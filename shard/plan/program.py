@@ -160,6 +160,8 @@ class Program:
     # `recompute selective`: values forward frees after their last use and backward computes
     # again from their producer's inputs (shard/plan/selective.py decides which)
     dropped: tuple[str, ...] = ()
+    # `offload optimizer`: the optimizer keeps its state in host memory on a GPU run
+    offload: bool = False
 
     @property
     def world_size(self) -> int:
