@@ -84,8 +84,8 @@ from soapstone.shard.plan.dispatch import expert_figures, kernel_calls
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
-from soapstone.shard.plan.selective import selective_flops
 from soapstone.shard.plan.schedules import SPLIT
+from soapstone.shard.plan.selective import selective_flops
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
