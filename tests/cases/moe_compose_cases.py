@@ -11,7 +11,7 @@ tests/specs/moe_compose.par (two blocks of SwiGLU experts plus a shared expert, 
   plan's calls (run_cases._measure) for the ZeRO-3 layouts, whose expert weights ZeRO
   shards over data only where they are replicated over it.
 
-Each rank records the single-rank runs itself (3 steps) into a temporary directory.
+Each rank records the single-rank runs itself (2 steps) into a temporary directory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ W = init("mpi")
 REFERENCE = {2: {"pp2": "acc2", "dpepz3": None},
              4: {"ep2tp2": None, "pp2ep2": "acc2", "dp2ep2z1": None, "dp2ep2z2": None,
                  "dp2ep2z3": None}}
-MEASURE = {2: ("dpepz3",), 4: ("dp2ep2z3", "ep2tp2")}
+MEASURE = {2: ("dpepz3",), 4: ("dp2ep2z3",)}
 
 
 @ranks(2, 4)
@@ -45,7 +45,7 @@ def case_moe_layouts_reproduce_their_single_rank_runs():
         for layout, ref in REFERENCE[W.size].items():
             if ref not in records:
                 records[ref] = str(Path(tmp) / f"{ref or 'plain'}.{W.rank}.npz")
-                record_golden(SPEC, records[ref], steps=3, parallel=ref)
+                record_golden(SPEC, records[ref], steps=2, parallel=ref)
             assert_matches_golden(SPEC, layout, records[ref])
 
 
