@@ -1,16 +1,19 @@
 """MoE layouts under mpiexec (tests/test_moe_dispatch.py), with drops (examples/moe.par,
 capacity 0.75) and without (tests/specs/moe_layouts.par, capacity 4.0): experts split (ep2,
 ep4), experts over the data axis with the all-to-all dispatch (dpep, dpep4), tokens over data
-with experts over another axis (dp2ep2), and tokens over both axes with the exchange along
-one (dp4ep2).
+with experts over another axis (dp2ep2), tokens over both axes with the exchange along
+one (dp4ep2), and the exchange with tensor parallel inside each expert (dpeptp2).
 
 - every layout drops exactly the choices the single-rank run drops (none for the wide model);
 - the wide model's layouts reproduce its single-rank run, recorded here on every rank (the
-  example's layouts are checked against tests/golden/runs/moe.npz by run_cases.py).
+  example's layouts are checked against tests/golden/runs/moe.npz by run_cases.py);
+- dpeptp2's counters equal explain's and its flight recorder the planned sequence, as
+  run_cases.py checks for the example's layouts.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +25,9 @@ from soapstone.dsl.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden, record_golden
 from soapstone.shard.data import SyntheticTask
 from soapstone.shard.train import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_cases import _measure  # noqa: E402  (the explain cases' step measurement)
 
 ROOT = Path(__file__).resolve().parents[2]
 DROPS = str(ROOT / "examples/moe.par")
@@ -62,3 +68,8 @@ def case_moe_layouts_without_drops_reproduce_the_single_rank_run():
         record_golden(WIDE, record, steps=3)
         for layout in _layouts(WIDE):
             assert_matches_golden(WIDE, layout, record)
+
+
+@ranks(4)
+def case_moe_exchange_with_tensor_parallel_matches_explain():
+    _measure(WIDE, "dpeptp2", "sgd")
