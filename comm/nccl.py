@@ -1,9 +1,13 @@
 """NCCLCommunicator: the Communicator over cupy.cuda.nccl on torch CUDA tensors.
 
-Calls are enqueued on torch's current CUDA stream (raw pointers from `data_ptr()`), so they are
-ordered with the surrounding torch kernels and need no host synchronisation. `async_op=True`
-returns a Work whose wait() is immediate: NCCL work is already asynchronous to the host and
-stream-ordered with later kernels (overlap with compute would need a side stream; not done).
+A blocking call is enqueued on torch's current CUDA stream (raw pointers from `data_ptr()`), so
+it is ordered with the surrounding torch kernels and needs no host synchronisation. An
+`async_op=True` call (gradient buckets, ZeRO-3 prefetch, pipeline isend/irecv) goes on this
+communicator's side stream instead, after waiting for what the current stream has queued (the
+tensor's producer), so it overlaps the compute that follows; its Work's wait() makes the
+current stream wait for an event recorded after it (no host block), and keeps its buffers
+alive until then, so the allocator reuses them only after the communication. Built and not yet
+run on a GPU.
 Set-up goes over MPI: rank 0's `nccl.get_unique_id()` is broadcast unchanged (bytes in cupy 14,
 a tuple in cupy 13). cupy is imported lazily: soapstone imports and runs without it.
 
@@ -99,6 +103,7 @@ class NCCLCommunicator(Communicator):
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi.bcast(uid, root=0)  # passed through unchanged: bytes or tuple
         self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._side: torch.cuda.Stream | None = None  # async ops' stream (made on first use)
         self._types = {d: getattr(nccl, n, v) for d, (n, v) in _NCCL_TYPES.items()}
         self._ops = {o: getattr(nccl, n, v) for o, (n, v) in _NCCL_OPS.items()}
 
@@ -126,27 +131,40 @@ class NCCLCommunicator(Communicator):
         if rec is None:
             return out
         ring, seq = (rec.p2p_ring, rec.p2p_seq) if p2p else (rec.ring, rec.seq)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
+        event = torch.cuda.Event()  # on the stream the call went to: fires when it is done
+        event.record(self._side if isinstance(out, Work) and self._side is not None
+                     else torch.cuda.current_stream())
         rec.enqueued(ring[seq % rec.capacity], event)
         if isinstance(out, Work):
             out._rec = out._entry = None
         return out
 
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+    def _stream(self, async_op: bool = False) -> int:
+        """The stream a call is enqueued on: the current one, or for an async call the side
+        stream, after what the current stream has queued."""
+        current = torch.cuda.current_stream()
+        if not async_op:
+            return current.cuda_stream
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(current)
+        return self._side.cuda_stream
 
-    def _done(self, result, async_op, finish=None):
-        # NCCL calls are stream-ordered: nothing to wait for on the host.
+    def _done(self, result, async_op, finish=None, keep=None):
+        # stream-ordered: nothing to wait for on the host. An async call ran on the side
+        # stream: wait() orders the current stream after it (an event), then finishes.
         if async_op:
-            return Work(None, result, finish)
+            event = torch.cuda.Event()
+            event.record(self._side)
+            return Work(lambda: torch.cuda.current_stream().wait_event(event), result, finish,
+                        keep=keep)
         return finish() if finish is not None else result
 
     def _allreduce(self, t, op, async_op):
         n = t.numel()
         ptr = t.data_ptr()
-        self._comm.allReduce(ptr, ptr, n, self._types[t.dtype], self._ops[op], self._stream())
+        self._comm.allReduce(ptr, ptr, n, self._types[t.dtype], self._ops[op],
+                             self._stream(async_op))
         return self._done(t, async_op)
 
     def _reduce_scatter(self, t, dim, async_op, out=None):
@@ -156,8 +174,8 @@ class NCCLCommunicator(Communicator):
             shape[dim] //= self.size
             out = torch.empty(shape, dtype=t.dtype, device=t.device)
         self._comm.reduceScatter(src.data_ptr(), out.data_ptr(), out.numel(),
-                                 self._types[t.dtype], self._ops["sum"], self._stream())
-        return self._done(out, async_op)
+                                 self._types[t.dtype], self._ops["sum"], self._stream(async_op))
+        return self._done(out, async_op, keep=(t, src))
 
     def _allgather(self, t, dim, async_op, out=None):
         out_shape, flat = gather_layout(t, dim, self.size)
@@ -167,20 +185,21 @@ class NCCLCommunicator(Communicator):
             buf = torch.empty(out_shape if flat else (self.size, *t.shape), dtype=t.dtype,
                               device=t.device)
         self._comm.allGather(t.data_ptr(), buf.data_ptr(), t.numel(), self._types[t.dtype],
-                             self._stream())
+                             self._stream(async_op))
         if flat:
-            return self._done(buf, async_op)
+            return self._done(buf, async_op, keep=t)
         if out is not None:
-            return self._done(None, async_op, lambda: concat_into(buf, dim, out))
-        return self._done(None, async_op, lambda: concat_from_first(buf, dim))
+            return self._done(None, async_op, lambda: concat_into(buf, dim, out), keep=t)
+        return self._done(None, async_op, lambda: concat_from_first(buf, dim), keep=t)
 
     def _broadcast(self, t, src, async_op):
-        self._comm.bcast(t.data_ptr(), t.numel(), self._types[t.dtype], src, self._stream())
+        self._comm.bcast(t.data_ptr(), t.numel(), self._types[t.dtype], src,
+                         self._stream(async_op))
         return self._done(t, async_op)
 
-    def _exchange(self, send, send_counts, recv, recv_counts, elem):
+    def _exchange(self, send, send_counts, recv, recv_counts, elem, async_op=False):
         # NCCL has no alltoall: grouped send/recv pairs with every peer (NCCL >= 2.7).
-        nccl, typ, stream = self._nccl, self._types[send.dtype], self._stream()
+        nccl, typ, stream = self._nccl, self._types[send.dtype], self._stream(async_op)
         sp, rp, size = send.data_ptr(), recv.data_ptr(), send.element_size()
         so = ro = 0
         nccl.groupStart()
@@ -201,29 +220,32 @@ class NCCLCommunicator(Communicator):
         recv = torch.empty_like(send) if direct is None else direct
         chunk = send[0].numel() if self.size else 0
         ones = [1] * self.size
-        self._exchange(send, ones, recv, ones, chunk)
+        self._exchange(send, ones, recv, ones, chunk, async_op)
         if direct is not None:  # zero-copy: NCCL received straight into `out`
-            return self._done(out, async_op)
+            return self._done(out, async_op, keep=send)
         if out is not None:
-            return self._done(None, async_op, lambda: concat_into(recv, concat_dim, out))
-        return self._done(None, async_op, lambda: concat_from_first(recv, concat_dim))
+            return self._done(None, async_op, lambda: concat_into(recv, concat_dim, out),
+                              keep=send)
+        return self._done(None, async_op, lambda: concat_from_first(recv, concat_dim), keep=send)
 
     def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):
         send = t.movedim(dim, 0).contiguous() if dim else t
         rows = list(send.shape[1:])
         recv = torch.empty([sum(recv_sizes), *rows], dtype=t.dtype, device=t.device)
         elem = math.prod(rows)
-        self._exchange(send, send_sizes, recv, recv_sizes, elem)
+        self._exchange(send, send_sizes, recv, recv_sizes, elem, async_op)
         finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
-        return self._done(recv, async_op, finish)
+        return self._done(recv, async_op, finish, keep=send)
 
     def _send(self, t, dst, tag, async_op):
         # NCCL has no tags: messages between a pair arrive in the order they were sent.
-        self._comm.send(t.data_ptr(), t.numel(), self._types[t.dtype], dst, self._stream())
-        return self._done(None, True) if async_op else None
+        self._comm.send(t.data_ptr(), t.numel(), self._types[t.dtype], dst,
+                        self._stream(async_op))
+        return self._done(None, True, keep=t) if async_op else None
 
     def _recv(self, t, src, tag, async_op):
-        self._comm.recv(t.data_ptr(), t.numel(), self._types[t.dtype], src, self._stream())
+        self._comm.recv(t.data_ptr(), t.numel(), self._types[t.dtype], src,
+                        self._stream(async_op))
         return self._done(t, async_op)
 
     def _barrier(self):
@@ -231,6 +253,8 @@ class NCCLCommunicator(Communicator):
         self.mpi.Barrier()
 
     def _free_backend(self):
-        # pending work on the stream must finish before the communicator goes
+        # pending work on the streams must finish before the communicator goes
         torch.cuda.current_stream().synchronize()
+        if self._side is not None:
+            self._side.synchronize()
         self._comm.destroy()

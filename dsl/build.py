@@ -52,11 +52,21 @@ def default_lr(optimizer: str) -> float:
     return 1e-2 if optimizer == "adamw" else 0.1
 
 
-def world():
-    """The world communicator (MPI; a singleton when launched without mpiexec)."""
+def world(device=None):
+    """The world communicator (a singleton when launched without mpiexec): MPI, or NCCL when
+    `device` is a CUDA device (from pick_device)."""
     from soapstone.comm import init
 
-    return init("mpi")
+    return init("nccl" if device is not None and device.type == "cuda" else "mpi")
+
+
+def pick_device(choice: str = "cpu", share_gpus: bool = False):
+    """This rank's torch device for --device CHOICE (cpu, cuda, auto) and --share-gpus
+    (DeviceError, a UserError, on every rank alike when it cannot be used; collective when
+    CUDA is asked for)."""
+    from soapstone.comm.device import pick
+
+    return pick(choice, share_gpus)
 
 
 def custom_layers() -> dict:

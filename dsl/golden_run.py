@@ -17,6 +17,7 @@ from .build import (
     custom_layers,
     default_lr,
     load_plugins,
+    pick_device,
     single_program,
     world,
 )
@@ -25,24 +26,25 @@ from .errors import BadInput
 DEFAULT_STEPS = 5
 
 
-def _trainer(graph, mesh, header: dict, model):
+def _trainer(graph, mesh, header: dict, model, device=None):
     """The Trainer a record's header describes, for `graph` (a StageGraph of ir.Model
-    `model`)."""
+    `model`), on `device` (default cpu)."""
     from soapstone.shard.data import make_task
     from soapstone.shard.train import Trainer
 
     task = make_task(single_program(model, graph), header["seed"], header.get("data"))
     return Trainer(graph, mesh, task=task, seed=header["seed"], custom=custom_layers(),
                    precision=header["precision"], optimizer=header["optimizer"],
-                   lr=header["lr"])
+                   lr=header["lr"], device=device)
 
 
 def record_run(spec_path: str, output: str, *, model: str | None = None,
                dims: dict | None = None, plugins: tuple[str, ...] = (),
                steps: int = DEFAULT_STEPS, seed: int = 0, optimizer: str = "sgd",
                lr: float | None = None, precision: str = "fp32", data: str | None = None,
-               parallel: str | None = None):
-    """Train `model` on one rank and write the record; returns the Record.
+               device: str = "cpu", parallel: str | None = None):
+    """Train `model` on one rank (on `device`: cpu, cuda or auto) and write the record;
+    returns the Record.
 
     `parallel`: a one-rank layout to train instead of the plain model, e.g. gradient
     accumulation over microbatches, the reference of a pipeline whose layers count each
@@ -67,7 +69,8 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
               "dims": dict(dims or {}),
               "steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr,
               "precision": precision, "data": data}
-    trainer = _trainer(graph, None, header, model=m)
+    comm = world(pick_device(device))
+    trainer = _trainer(graph, None, header, model=m, device=comm.device)
     rec = golden.Recorder(header, [p.name for p in program.params])
     for metrics in trainer.run(steps):
         rec.add(metrics.loss, trainer.full_state_dict())
@@ -78,12 +81,14 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
 
 def check_run(spec_path: str, parallel: str | None, record_file: str, *,
               plugins: tuple[str, ...] = (), tol=None,
-              on_step: Callable[[int, float, float], None] | None = None):
+              on_step: Callable[[int, float, float], None] | None = None,
+              device: str = "cpu", share_gpus: bool = False):
     """Train `parallel` (on this process's MPI world) as the record says and compare.
 
     Returns the first Mismatch, or None when every step matches. Bad input raises a UserError
     (SpecError, BadInput or golden.GoldenError; all ranks alike) before training starts."""
-    return prepare_check(spec_path, parallel, record_file, plugins=plugins).run(tol, on_step)
+    return prepare_check(spec_path, parallel, record_file, plugins=plugins, device=device,
+                         share_gpus=share_gpus).run(tol, on_step)
 
 
 class GoldenCheck:
@@ -112,8 +117,10 @@ class GoldenCheck:
 
 
 def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
-                  plugins: tuple[str, ...] = ()) -> GoldenCheck:
-    """Read the record and build `parallel` on this process's MPI world, untrained.
+                  plugins: tuple[str, ...] = (), device: str = "cpu",
+                  share_gpus: bool = False) -> GoldenCheck:
+    """Read the record and build `parallel` on this process's world (MPI, or NCCL for
+    `device` cuda), untrained.
 
     Every bad input is found here (a UserError, alike on all ranks), so a caller can stop all
     ranks with exit 2; a failure while training is a bug and aborts the job instead."""
@@ -123,7 +130,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     from .layout_proof import prove_layout
     from .spec import load
 
-    comm = world()
+    comm = world(pick_device(device, share_gpus))
     record = golden.load(record_file)
     header = record.header
     load_plugins(list(plugins))
@@ -148,7 +155,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
     check_memory(model, graph, comm, header["optimizer"], spec_path)
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
-    trainer = _trainer(graph, mesh, header, model=model)
+    trainer = _trainer(graph, mesh, header, model=model, device=comm.device)
     if mesh is not None:  # the watchdog's reports say where each rank should be
         from soapstone.comm import expected
 

@@ -87,6 +87,7 @@ class Bucket:
         self.numel = -(-used // self.n) * self.n  # padded so that it splits evenly
         self.shard = self.numel // self.n
         self.dtype = dtype
+        self.device = slots[0].param.device  # the model's: flat buffers live beside it
         # master weights, gradients and optimizer state: fp32 (fp64 for a float64 model)
         self.mdtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.handle = None
@@ -120,7 +121,7 @@ class Bucket:
         if self.handle is not None:
             self.complete()  # a previous microbatch's reduction of this bucket
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.numel, dtype=self.mdtype)
+            self.full_grad = torch.zeros(self.numel, dtype=self.mdtype, device=self.device)
         self.full_grad[slot.offset:slot.offset + slot.numel].add_(g.reshape(-1))
         self.dirty = True
 
@@ -221,7 +222,7 @@ class GradReducer:
     def _init_flat(self) -> None:
         with torch.no_grad():
             for b in self.buckets:
-                full = torch.zeros(b.numel, dtype=b.mdtype)
+                full = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
                 for s in b.slots:
                     full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
                 if b.zero == 3:
@@ -240,7 +241,7 @@ class GradReducer:
                 else:
                     b.master = b.flat_param if self.dtype == b.mdtype else full
                 if b.zero <= 1:
-                    b.full_grad = torch.zeros(b.numel, dtype=b.mdtype)
+                    b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
 
     # --- during backward ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -313,7 +314,7 @@ class GradReducer:
         if not b.deferred:
             raise ValueError(f"{name} is not a deferred parameter (build_optimizer(deferred=...))")
         if b.full_grad is None:
-            b.full_grad = torch.zeros(b.numel, dtype=b.mdtype)
+            b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
         b.dirty = True
         return b.full_grad[s.offset:s.offset + s.numel]
 
@@ -325,9 +326,9 @@ class GradReducer:
         for b in self.buckets:
             b.complete()
             if b.sharded and b.grad_shard is None:
-                b.grad_shard = torch.zeros(b.shard, dtype=b.mdtype)
+                b.grad_shard = torch.zeros(b.shard, dtype=b.mdtype, device=b.device)
             if not b.sharded and b.acc is None:
-                b.acc = torch.zeros(b.numel, dtype=b.mdtype)
+                b.acc = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
         self._expose_grads()
 
     def _expose_grads(self) -> None:
@@ -371,7 +372,7 @@ class GradReducer:
             sums[key] = sums.get(key, 0.0) + sq
         total = 0.0
         for key in sorted(sums):
-            t = torch.tensor([sums[key]], dtype=torch.float64)
+            t = torch.tensor([sums[key]], dtype=torch.float64, device=self.model.device)
             if key and self.mesh is not None:
                 self.mesh.comm(*key).allreduce(t)
             total += float(t)

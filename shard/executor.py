@@ -72,11 +72,13 @@ class Executor:
 
     def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
-                 trace: bool = False):
+                 trace: bool = False, device: torch.device | str | None = None):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
         self.graph = graph
         self.mesh = mesh
+        # where parameters, activations and every buffer sent between ranks live
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.compute_dtype = compute_dtype or dtype
         self.trace = trace
         piped = graph.axis is not None
@@ -85,7 +87,7 @@ class Executor:
         sub = SubMesh(mesh, graph.axis) if piped else mesh
         self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
         self.models = {i: ShardedModel(s.program, sub, seed=seed, custom=custom, dtype=dtype,
-                                       compute_dtype=compute_dtype)
+                                       compute_dtype=compute_dtype, device=self.device)
                        for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
@@ -139,7 +141,7 @@ class Executor:
         for opt in opts.values():
             total += opt.grad_norm_sq(copies)
         if self.graph.pipe > 1:
-            t = torch.tensor([total], dtype=torch.float64)
+            t = torch.tensor([total], dtype=torch.float64, device=self.device)
             self.pipe_comm.allreduce(t)
             total = float(t)
         self.grad_norm = total ** 0.5
@@ -155,7 +157,7 @@ class Executor:
         for name, where in self.graph.shared:
             shape = self.graph.stages[where[0]].program.value(name).local_shape
             local = [local_grad(v, name) for v in where if v in self.models]
-            g = torch.zeros(math.prod(shape), dtype=torch.float64)
+            g = torch.zeros(math.prod(shape), dtype=torch.float64, device=self.device)
             for t in local:
                 g += t.reshape(-1)
             pieces.append(g)
@@ -187,7 +189,8 @@ class Executor:
                 if stage.rank == self.pipe_rank:
                     t = mine[spec.name].contiguous()
                 else:
-                    t = torch.empty(spec.shape, dtype=self._float_dtype(spec.dtype))
+                    t = torch.empty(spec.shape, dtype=self._float_dtype(spec.dtype),
+                                    device=self.device)
                 if self.graph.pipe > 1:
                     self.pipe_comm.broadcast(t, src=stage.rank)
                 out[spec.name] = t
@@ -425,7 +428,7 @@ class Executor:
             sizes = dict(last.dims)
             shape = [sizes[d] * (g.microbatches if i == k else 1)
                      for i, d in enumerate(value.dims)]
-            full = torch.empty(shape, dtype=self._float_dtype(value.dtype))
+            full = torch.empty(shape, dtype=self._float_dtype(value.dtype), device=self.device)
         if g.pipe > 1:
             full = full.contiguous()
             self.pipe_comm.broadcast(full, src=g.stages[-1].rank)
@@ -453,7 +456,8 @@ class Executor:
             tensors, src = [b for b in edge.tensors if b.is_float], edge.dst_rank
         out = []
         for i, b in enumerate(tensors):
-            buf = torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype))
+            buf = torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype),
+                              device=self.device)
             work = self.pipe_comm.irecv(buf, src, self._tag(direction, mb, edge_index, i))
             out.append((b, buf, work))
         return out
@@ -493,7 +497,7 @@ class Executor:
             value = sum(m.loss_value({name: losses[i]}) for i in range(g.microbatches))
             value /= g.microbatches
         if g.pipe > 1:
-            t = torch.tensor([value], dtype=torch.float64)
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
             self.pipe_comm.allreduce(t)
             value = float(t)
         return value

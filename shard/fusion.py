@@ -67,8 +67,8 @@ def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Prog
         if q0 == k0 == 0 and q.shape[-2] == k.shape[-2]:
             causal = True
         else:  # shards of the sequence: compare global positions
-            qi = torch.arange(q.shape[-2]) + q0
-            ki = torch.arange(k.shape[-2]) + k0
+            qi = torch.arange(q.shape[-2], device=q.device) + q0
+            ki = torch.arange(k.shape[-2], device=q.device) + k0
             mask = ki.view(1, -1) <= qi.view(-1, 1)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        scale=f.scale)

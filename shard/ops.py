@@ -42,6 +42,7 @@ class Shards:
         # over gradient accumulation too): a layer's own loss term (moe's balance loss) is
         # scaled by it in backward, as the training loss is.
         self.loss_scale = 1.0
+        self.device = torch.device("cpu")  # where the ops' own index tensors are made
         # tensors fixed by the program and this rank's place in it (rope's cos/sin tables),
         # made once instead of every layer of every step
         self.constants: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -170,7 +171,8 @@ REGISTRY["rename"] = lambda step, args, ctx: args[0]
 def positions(step, args, ctx):
     """0, 1, ... along `over`, shifted to this rank's slice where it is split."""
     v = ctx.out(step)
-    return torch.arange(v.local_shape[0], dtype=torch.int64) + ctx.offset(v, step.attr("over"))
+    return torch.arange(v.local_shape[0], dtype=torch.int64, device=ctx.device) \
+        + ctx.offset(v, step.attr("over"))
 
 
 @op("rope")
@@ -206,7 +208,8 @@ def repeat_dim(step, args, ctx):
     src, dst = step.attr("src"), step.attr("dst")
     group = ctx.sizes[dst] // ctx.sizes[src]
     d = o.dims.index(dst)
-    idx = (torch.arange(o.local_shape[d]) + ctx.offset(o, dst)) // group - ctx.offset(v, src)
+    idx = (torch.arange(o.local_shape[d], device=x.device) + ctx.offset(o, dst)) // group \
+        - ctx.offset(v, src)
     return x.index_select(d, idx)
 
 
@@ -221,7 +224,9 @@ def dropout(step, args, ctx):
     v = ctx.arg(step, 0)
     key = f"{ctx.rng_seed}/{ctx.rng_step}/{step.out}".encode()
     g = torch.Generator().manual_seed(zlib.crc32(key))
+    # drawn on the CPU on every device, so a GPU run drops what the CPU run drops
     keep = (torch.rand(ctx.global_sizes(v), generator=g) >= p)[ctx.global_slices(v)]
+    keep = keep.to(args[0].device)
     return args[0] * keep.to(args[0].dtype) / (1.0 - p)
 
 
@@ -295,8 +300,8 @@ def causal_mask(step, args, ctx):
     x = args[0]
     v = ctx.arg(step, 0)
     q, k = step.attr("query"), step.attr("key")
-    qi = torch.arange(v.local_shape[v.dims.index(q)]) + ctx.offset(v, q)
-    ki = torch.arange(v.local_shape[v.dims.index(k)]) + ctx.offset(v, k)
+    qi = torch.arange(v.local_shape[v.dims.index(q)], device=x.device) + ctx.offset(v, q)
+    ki = torch.arange(v.local_shape[v.dims.index(k)], device=x.device) + ctx.offset(v, k)
     future = align(ki.view(1, -1) > qi.view(-1, 1), (q, k), v.dims)
     return x.masked_fill(future, float("-inf"))
 

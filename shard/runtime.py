@@ -13,6 +13,7 @@ import contextlib
 import torch
 
 from soapstone.comm import autograd as ag
+from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
 from soapstone.shard import moe as _moe  # noqa: F401 - registers the moe kernel
 from soapstone.shard.fusion import find_fusions, run_fused
@@ -40,12 +41,17 @@ class ShardedModel:
 
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
-                 fuse: bool = True):
+                 fuse: bool = True, device: torch.device | str | None = None):
         if program.world_size > 1:
             check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
         self.program = program
         self.mesh = mesh
+        # device: where parameters and activations live (cpu by default; a CUDA device needs
+        # a mesh of NCCL communicators: soapstone.comm.device.pick chooses it per rank)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        check_placement(self.device, mesh)
         self.ctx = Shards(program, mesh)
+        self.ctx.device = self.device
         self.ctx.rng_seed = seed
         self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
         # chains of ops run as one fused kernel (shard/fusion.py); fuse=False runs each op
@@ -67,7 +73,7 @@ class ShardedModel:
         # each rank draws only its own slice of every parameter (shard/param_init.py)
         self.params: dict[str, torch.nn.Parameter] = {
             p.name: torch.nn.Parameter(_cast(init_shard(
-                p, seed, self.ctx.local_slices(program.value(p.name))), dtype))
+                p, seed, self.ctx.local_slices(program.value(p.name)), self.device), dtype))
             for p in program.params
         }
 
@@ -140,7 +146,8 @@ class ShardedModel:
             if local and name in local:
                 env[name] = local[name]
             elif name in inputs:
-                env[name] = self._cast(self.local(inputs[name], self.program.value(name)))
+                env[name] = self._cast(self.local(inputs[name], self.program.value(name))
+                                       .to(self.device))
             else:
                 raise KeyError(f"missing input {name!r}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
@@ -215,8 +222,8 @@ class ShardedModel:
         so that backward passes through the same collectives, in the same order, as on the
         owner (with zero gradients)."""
         v = self.program.value(step.out)
-        y = torch.zeros(v.local_shape, dtype=self._cast(torch.zeros((), dtype=TORCH_DTYPES[
-            v.dtype])).dtype)
+        y = torch.zeros(v.local_shape, device=self.device, dtype=self._cast(
+            torch.zeros((), dtype=TORCH_DTYPES[v.dtype])).dtype)
         for a in step.args:
             t = env[a]
             if t.is_floating_point() and t.requires_grad:

@@ -90,7 +90,8 @@ class Trainer:
                  custom: dict | None = None, precision: str = "fp32", optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
                  trace: bool = False, check_memory: bool = True,
-                 schedule: LRSchedule | None = None, accumulate: int = 1):
+                 schedule: LRSchedule | None = None, accumulate: int = 1,
+                 device: torch.device | str | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
@@ -102,7 +103,8 @@ class Trainer:
         self.executor = Executor(
             graph, mesh, seed=seed, custom=custom,
             dtype=torch.float64 if precision == "fp64" else None,
-            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace)
+            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace,
+            device=device)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:

@@ -31,7 +31,7 @@ from soapstone.shard.plan.program import Compute
 def release_params(bucket, dtype: torch.dtype) -> None:
     """Point a bucket's parameters at a one-element placeholder broadcast to their shape (no
     memory, but autograd's AccumulateGrad still sees the right shape)."""
-    one = torch.zeros(1, dtype=dtype)
+    one = torch.zeros(1, dtype=dtype, device=bucket.device)
     for s in bucket.slots:
         s.param.data = one.expand(s.shape)
 

@@ -68,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", type=_json_path,
                         help="also write the rows as a JSON array")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    parser.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
+                        help="comm: mpi (CPU buffers; vs mpi4py and gloo) or nccl (CUDA buffers, "
+                             "one GPU per rank; vs torch.distributed's NCCL)")
     parser.add_argument("--alloc", action="store_true",
                         help="time soapstone's allgather/reduce_scatter/alltoall without out= "
                              "(a new output per call) instead of into a preallocated buffer")
@@ -91,6 +94,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark; rank 0 prints the table. Returns 0."""
     if args.name == "calibrate":
         return _calibrate(args)
+    if args.backend == "nccl":
+        return _nccl(args)
     from mpi4py import MPI
 
     from soapstone.comm import init
@@ -142,6 +147,46 @@ def main(args: argparse.Namespace) -> int:
             json.dump(rows, f, indent=1)
     if dist is not None:
         dist.destroy_process_group()
+    return 0
+
+
+def _nccl(args: argparse.Namespace) -> int:
+    """--backend nccl: soapstone's NCCL communicator vs torch.distributed's NCCL on CUDA
+    buffers (soapstone.comm.bench_nccl); no usable GPU is bad input (exit 2) on every rank."""
+    import torch
+    from mpi4py import MPI
+
+    from soapstone.comm import init
+    from soapstone.comm.bench_nccl import IMPLS, init_torch_nccl, measure
+    from soapstone.comm.device import pick
+    from soapstone.comm.errors import UserError
+
+    from . import fail
+
+    try:
+        device = pick("cuda", flag="bench comm --backend nccl", instead="--backend mpi")
+        world = init("nccl")
+    except UserError as e:
+        return fail(e, MPI.COMM_WORLD.Get_rank())
+    mpi = MPI.COMM_WORLD
+    dist = init_torch_nccl(mpi, device)
+    iters = args.iters or 100
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    say(f"# soapstone bench comm --backend nccl: {world.size} ranks on "
+        f"{torch.cuda.get_device_name(device)}, fp32, {iters} calls enqueued "
+        "then one synchronise (slowest rank); time_us, algbw/busbw in GB/s")
+    say(f"{'op':>14} {'bytes':>11}" + "".join(
+        f" | {name + ' us':>10}{'algbw':>9}{'busbw':>9}" for name in IMPLS) + " | torch/soap")
+    rows = []
+    for op, nbytes, cells in measure(world, mpi, dist, device, args.ops, args.sizes, iters):
+        rows.extend(c for c in cells if c is not None)
+        soap, ref = cells
+        say(_fmt_row(op, nbytes, cells, [f"{ref['time_us'] / soap['time_us']:.3f}"]),
+            flush=True)
+    if args.json and world.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
     return 0
 
 

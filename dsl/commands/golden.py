@@ -16,11 +16,11 @@ from pathlib import Path
 
 from soapstone.comm.errors import UserError
 
-from ..build import check_train_flags, parse_dims, world
+from ..build import check_train_flags, parse_dims, pick_device, world
 from ..errors import BadInput
 from ..golden_run import DEFAULT_STEPS
 from . import fail
-from .flags import add_plugin_option, add_spec_options, add_train_options
+from .flags import add_device_options, add_plugin_option, add_spec_options, add_train_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +34,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("-o", "--output", required=True, metavar="FILE", help="the .npz to write")
     add_spec_options(rec)
     add_train_options(rec, steps=DEFAULT_STEPS, optimizer="sgd", lr=None)
+    add_device_options(rec)
     chk = sub.add_parser("check", help="check that a layout reproduces a record")
     chk.add_argument("spec", metavar="SPEC", help="the .par file")
     chk.add_argument("record", metavar="FILE", help="the .npz written by `golden record`")
     chk.add_argument("--parallel", help="the layout to check (default: one rank)")
     add_plugin_option(chk)
+    add_device_options(chk)
     chk.add_argument("--quiet", action="store_true", help="print only the verdict")
 
 
@@ -55,14 +57,14 @@ def _record(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         if not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
-        comm = world()
+        comm = world(pick_device(args.device, args.share_gpus))
         if comm.size != 1:
             raise BadInput(f"golden record runs on one rank; this run has {comm.size} "
                            "(drop mpiexec)")
         rec = record_run(args.spec, args.output, model=args.model, dims=dims,
                          plugins=tuple(args.plugin), steps=args.steps, seed=args.seed,
                          optimizer=args.optimizer, lr=args.lr, precision=args.precision,
-                         data=args.data, parallel=args.parallel)
+                         data=args.data, parallel=args.parallel, device=args.device)
     except UserError as e:
         return fail(e)
     print(f"recorded {rec.header['model']}: {rec.steps} steps ({rec.header['optimizer']} "
@@ -74,7 +76,12 @@ def _record(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from ..golden_run import prepare_check
 
-    comm = world()
+    try:
+        comm = world(pick_device(args.device, args.share_gpus))
+    except UserError as e:
+        from soapstone.comm.failure import world_rank
+
+        return fail(e, world_rank())
     rank = comm.rank
 
     def show(step: int, got: float, want: float) -> None:
@@ -84,7 +91,8 @@ def _check(args: argparse.Namespace) -> int:
                   "params ok", flush=True)
 
     try:
-        job = prepare_check(args.spec, args.parallel, args.record, plugins=tuple(args.plugin))
+        job = prepare_check(args.spec, args.parallel, args.record, plugins=tuple(args.plugin),
+                            device=args.device, share_gpus=args.share_gpus)
     except UserError as e:
         return fail(e, rank)
     # not inside the try: an error while training is on one rank, not all; it aborts the job

@@ -31,6 +31,7 @@ from ..build import (
     custom_layers,
     default_lr,
     lr_schedule,
+    pick_device,
     single_program,
     world,
 )
@@ -38,6 +39,7 @@ from ..run_checkpoints import after_step, begin, checkpoint_plan
 from . import fail
 from .flags import (
     add_checkpoint_options,
+    add_device_options,
     add_model_options,
     add_schedule_options,
     add_train_options,
@@ -50,6 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_train_options(parser, steps=100, optimizer="adamw", lr=None)
     add_schedule_options(parser)
     add_checkpoint_options(parser)
+    add_device_options(parser)
     parser.add_argument("--metrics", metavar="F.jsonl",
                         help="write one JSON line per step and per evaluation (rank 0)")
     parser.add_argument("--tensorboard", metavar="DIR",
@@ -86,7 +89,9 @@ def main(args: argparse.Namespace) -> int:
     from ..layout_proof import prove_layout
 
     try:
-        comm = world()  # a bad SOAPSTONE_* watchdog setting is bad input too
+        # --device before any NCCL call (every rank reaches the same verdict); a bad
+        # SOAPSTONE_* watchdog setting is bad input too
+        comm = world(pick_device(args.device, args.share_gpus))
         watch(args)
     except UserError as e:
         from soapstone.comm.failure import world_rank
@@ -149,11 +154,13 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
     trainer = Trainer(program, mesh, task=task, seed=args.seed, custom=custom_layers(),
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                      trace=bool(trace), schedule=schedule, accumulate=args.accumulate)
+                      trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
+                      device=comm.device)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
-              f"{'s' if comm.size > 1 else ''}, {args.steps} steps, {args.optimizer} lr {lr:g}, "
+              f"{'s' if comm.size > 1 else ''} ({comm.device.type}), {args.steps} steps, "
+              f"{args.optimizer} lr {lr:g}, "
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
     start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0

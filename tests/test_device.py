@@ -1,0 +1,90 @@
+"""--device (soapstone.comm.device): cpu, cuda and auto on `run` and `golden`, and the device
+argument of the Python API. Without a GPU only the CPU side can run: the CUDA errors a CPU
+machine reaches (exit 2 on every rank, with the fix), `auto` falling back to the CPU, and the
+per-node GPU count rule. The CUDA runs themselves are tests/test_gpu.py (skipped here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpirun import run_mpi
+
+from soapstone.comm.device import DeviceError, gpus_per_node_error, resolve
+
+CLI = ["-m", "soapstone.dsl.cli"]
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+@pytest.mark.parametrize("n,args", [
+    (2, ["run", "examples/mlp.par", "--parallel", "dp2", "--steps", "1", "--device", "cuda"]),
+    # before the launch is checked: the device is the first thing a rank settles
+    (1, ["golden", "check", "examples/mlp.par", "tests/golden/runs/mlp.npz", "--parallel",
+         "tp2", "--device", "cuda"]),
+])
+def test_device_cuda_without_cuda_is_exit_2_on_every_rank(n, args):
+    r = run_mpi(n, [*CLI, *args], timeout=90)
+    assert r.returncode == 2, r.report()
+    assert "--device cuda" in r.stderr and "soapstone[gpu]" in r.stderr, r.report()
+    assert "--device cpu" in r.stderr, r.report()
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stdout + r.stderr, r.report()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+def test_golden_record_device_cuda_without_cuda(tmp_path):
+    r = run_mpi(1, [*CLI, "golden", "record", "examples/mlp.par", "-o",
+                    str(tmp_path / "r.npz"), "--device", "cuda"], timeout=60)
+    assert r.returncode == 2 and "soapstone[gpu]" in r.stderr, r.report()
+    assert not (tmp_path / "r.npz").exists()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+def test_device_auto_without_a_gpu_trains_on_the_cpu():
+    r = run_mpi(1, [*CLI, "run", "examples/mlp.par", "--steps", "2", "--quiet", "--device",
+                    "auto"], timeout=90)
+    assert r.ok, r.report()
+    assert "on 1 rank (cpu)" in r.stderr and "done: 2 steps" in r.stdout, r.report()
+    assert resolve("auto") == "cpu"
+
+
+def test_more_ranks_than_gpus_names_both_numbers():
+    msg = gpus_per_node_error(8, 4, share=False, host="node7")
+    assert "8 ranks on node node7 but 4 GPUs" in msg and "--share-gpus" in msg
+    assert gpus_per_node_error(8, 4, share=True, host="node7") is None
+    assert gpus_per_node_error(4, 4, share=False, host="node7") is None
+    assert "1 GPU;" in gpus_per_node_error(2, 1, share=False, host="h")
+    assert "no GPU" in gpus_per_node_error(1, 0, share=True, host="h")
+
+
+def test_unknown_device_is_a_user_error():
+    with pytest.raises(DeviceError, match="use one of cpu, cuda, auto"):
+        resolve("tpu")
+
+
+def test_python_api_device_argument():
+    from soapstone import dsl
+    from soapstone.dsl.stages import lower_graph
+    from soapstone.shard.data import random_inputs
+    from soapstone.shard.executor import Executor
+    from soapstone.shard.runtime import ShardedModel
+
+    graph = lower_graph(dsl.load("examples/mlp.par").model(), None)
+    losses = []
+    for device in (None, "cpu", torch.device("cpu")):
+        ex = Executor(graph, device=device, seed=3)
+        assert all(p.device == torch.device("cpu") for p in ex.parameters())
+        ex.use_optimizer(name="sgd", lr=0.1)
+        losses.append([ex.train_step(random_inputs(graph.program, i), step=i)
+                       for i in range(2)])
+    assert losses[0] == losses[1] == losses[2]
+    if NO_CUDA:  # the API says what the CLI says
+        with pytest.raises(DeviceError, match=r"soapstone\[gpu\]"):
+            ShardedModel(graph.program, device="cuda")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+def test_bench_comm_nccl_without_a_gpu_is_exit_2():
+    r = run_mpi(1, [*CLI, "bench", "comm", "--backend", "nccl"], timeout=60)
+    assert r.returncode == 2, r.report()
+    assert "bench comm --backend nccl" in r.stderr and "--backend mpi" in r.stderr, r.report()
+    assert "Traceback" not in r.stderr, r.report()
