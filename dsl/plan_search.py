@@ -442,41 +442,64 @@ def truncate(model: ir.Model, k: int) -> ir.Model:
 
 class Probes:
     """One (tensor, sequence, context, recompute) setting's probe compiles and their
-    re-estimates (module doc)."""
+    re-estimates (module doc). `compiled` (kind, n, b) -> Program, filled on first use, may be
+    shared with the same setting under another recompute form: its Programs are compiled
+    under `recompute compiled_form`, and `recompute R` changes nothing of a Program but its
+    recompute ranges, so the form without it is the same Program without them."""
 
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
-                 optimizer: str, context: int = 1, recompute: str | None = None):
+                 optimizer: str, context: int = 1, recompute: str | None = None,
+                 compiled: dict | None = None, compiled_form: str | None = None):
+        if recompute not in (None, compiled_form):
+            raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
         self.optimizer = optimizer
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
         # (kind, n, b) -> the walk's figures, with and without recompute, and the work
         self.acts: dict[tuple[str, int, int], tuple] = {}
         self.cache: dict[tuple, tuple] = {}
-        self.edge: dict[int, EdgeFigures] = {}
         self.batch = dims.batch
         self.peaks: dict[tuple[str, int, int], tuple[int, ...]] = {}
-        for n in (1, 2):
-            for b in (1, 2):
-                base = attrs.evolve(model, dims=tuple(
-                    (d, 2 * b if d == dims.batch else s) for d, s in model.dims))
-                par = to_parallel(base, dims, Candidate(2, tensor, 1, sequence, context=context,
-                                                        recompute=recompute))
-                self.programs["only", n, b] = lower_graph(truncate(base, n), par).program
+        self._model, self._dims = model, dims
+        self._recompute = recompute
+        self._compiled = {} if compiled is None else compiled
+        self._one = Candidate(2, tensor, 1, sequence, context=context, recompute=compiled_form)
+        # the mesh axes a stage's Program has (the pipe axis never)
+        self.axes = {a for a, _ in to_parallel(model, dims, self._one).mesh}
+
+    def program(self, kind: str, n: int, b: int):
+        """The Program of a probe stage (compiled on first use: a search without stages
+        never compiles the pipelines, nor one with only stages the single programs)."""
+        if (kind, n, b) not in self.programs:
+            prog = self._compile(kind, n, b)
+            self.programs[kind, n, b] = prog if self._recompute else _plain(prog)
+        return self.programs[kind, n, b]
+
+    def _compile(self, kind: str, n: int, b: int):
+        done = self._compiled
+        if (kind, n, b) not in done:
+            base = attrs.evolve(self._model, dims=tuple(
+                (d, 2 * b if d == self._dims.batch else s) for d, s in self._model.dims))
+            if kind == "only":
+                par = to_parallel(base, self._dims, self._one)
+                done[kind, n, b] = lower_graph(truncate(base, n), par).program
+            else:
                 three = truncate(base, 3 * n)
-                pipe = to_parallel(three, dims, Candidate(2, tensor, 3, sequence,
-                                                          context=context, recompute=recompute))
+                pipe = to_parallel(three, self._dims, attrs.evolve(self._one, pipe=3))
                 graph = lower_graph(three, pipe)
-                for st, kind in zip(graph.stages, ("first", "middle", "last"), strict=True):
-                    self.programs[kind, n, b] = st.program
+                for st, k in zip(graph.stages, ("first", "middle", "last"), strict=True):
+                    done[k, n, b] = st.program
                 e = graph.edges[1]
-                self.edge[b] = EdgeFigures(0, 1, 0, 1, len(e.tensors), e.nbytes,
-                                           sum(1 for t in e.tensors if t.is_float),
-                                           sum(t.nbytes for t in e.tensors if t.is_float))
+                done["edge", 1, b] = EdgeFigures(0, 1, 0, 1, len(e.tensors), e.nbytes,
+                                                 sum(1 for t in e.tensors if t.is_float),
+                                                 sum(t.nbytes for t in e.tensors
+                                                     if t.is_float))
+        return done[kind, n, b]
 
     def _at(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
         key = (kind, n, b, data, zero)
         if key not in self.stage:
-            prog = self.programs[kind, n, b]
+            prog = self.program(kind, n, b)
             if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
                 plain = activation_figures(_plain(prog)) if prog.recompute else None
                 self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog))
@@ -508,14 +531,16 @@ class Probes:
         under recompute, without it too."""
         key = (kind, n, b)
         if key not in self.peaks:
-            prog = _with_batch(self.programs[kind, n, 1], self.batch, b)
+            prog = _with_batch(self.program(kind, n, 1), self.batch, b)
             walks = (prog, _plain(prog)) if prog.recompute else (prog,)
             self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
         return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:
         """The boundary tensors per microbatch of b samples per data rank."""
-        e1, e2 = self.edge[1], self.edge[2]
+        self._compile("middle", 1, 1)
+        self._compile("middle", 1, 2)
+        e1, e2 = self._compiled["edge", 1, 1], self._compiled["edge", 1, 2]
         return attrs.evolve(e1, nbytes=e1.nbytes + (b - 1) * (e2.nbytes - e1.nbytes),
                             float_bytes=e1.float_bytes + (b - 1) * (e2.float_bytes -
                                                                     e1.float_bytes))
@@ -594,6 +619,10 @@ class Planner:
         self.dims = layout_dims(model)
         # the recompute forms to try (default: recompute_options; () searches without)
         self.recompute = recompute_options(model) if recompute is None else recompute
+        # the form that only adds recompute ranges (`recompute R`), compiled with the plain
+        repeats = {b.rsplit(".", 1)[0] for b in model.blocks}
+        self._ranges = next((f for f in self.recompute if f in repeats), None)
+        self._compiled: dict[tuple, dict] = {}
         self.exact = not uniform(model) if exact is None else exact
         self._probes: dict[tuple[int, bool, int, str | None], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
@@ -604,8 +633,11 @@ class Planner:
         first use)."""
         key = (tensor, sequence, context, recompute)
         if key not in self._probes:
+            # without recompute and with `recompute R` the probes share their compiles
+            form = recompute if recompute != self._ranges else None
+            compiled = self._compiled.setdefault((tensor, sequence, context, form), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
-                                       context, recompute)
+                                       context, recompute, compiled, form or self._ranges)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -637,7 +669,7 @@ class Planner:
             ["first"] + ["middle"] * (s - 2) + ["last"]
         per_stage, stages, work = {}, [], [Work()] * c.pipe
         inner = {"data": c.data, "cp": c.context, "model": c.tensor}
-        inner = {a: n for a, n in inner.items() if a in dict(probes.programs["only", 1, 1].mesh)}
+        inner = {a: n for a, n in inner.items() if a in probes.axes}
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
             key = (kind, len(run), b, c.data, c.zero)
             if key not in probes.cache:

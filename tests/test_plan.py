@@ -226,6 +226,19 @@ def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
     assert data["parallel"].startswith("parallel planned for gpt")
 
 
+def test_recompute_is_not_costed_where_it_cannot_pay():
+    """Recompute only adds work: where a layout fits at ZeRO 0 it is never costed with it, so
+    a model that fits everywhere searches exactly the layouts a search without it does."""
+    from soapstone.dsl.plan_search import Planner, search
+
+    model = load(gpt(12)).model()
+    profile = load_profile("a100-40gb")
+    plan = search(Planner(model, profile), 4)
+    assert not any(r.candidate.recompute for r in plan.ranked + plan.unfit)
+    plain = search(Planner(model, profile, recompute=()), 4)
+    assert [r.candidate for r in plan.ranked] == [r.candidate for r in plain.ranked]
+
+
 def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys):
     """gpt.par at sequence 128 on 2 devices of 781 KiB: no layout fits without recompute
     (the smallest needs 811.5 KiB), so the plan recomputes, says what it trades, and its block
