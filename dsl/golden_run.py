@@ -126,6 +126,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     ranks with exit 2; a failure while training is a bug and aborts the job instead."""
     from soapstone.comm import Mesh
     from soapstone.shard import golden
+    from soapstone.shard.executor import check_device
 
     from .layout_proof import prove_layout
     from .spec import load
@@ -144,6 +145,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
         raise golden.GoldenError(f"{record_file}: recorded model '{header['model']}', but "
                                  f"layout '{parallel}' is for model '{model.name}'")
     graph = compile_layout(model, par)
+    check_device(graph, comm.device)  # before any NCCL call
     if comm.size != graph.world_size:
         what = f"layout '{par.name}'" if par else f"model '{model.name}' on one rank"
         raise BadInput(f"{what} needs {graph.world_size} ranks, but this run has "

@@ -67,6 +67,19 @@ class SubMesh:
         return self.mesh.size(axis)
 
 
+def check_device(graph: StageGraph, device: torch.device) -> None:
+    """DeviceError for a layout this device cannot run yet: a pipeline on CUDA. Its receives
+    are posted ahead of the sends they wait for (schedules.with_comm), which MPI matches by
+    tag but NCCL runs in order on one stream: both stages would wait on each other. Grouped
+    send/recv per schedule step is what it needs; not built."""
+    if device.type == "cuda" and graph.pipe > 1:
+        from soapstone.comm.device import DeviceError
+
+        raise DeviceError(f"layout {graph.parallel}: pipeline stages (pipe = {graph.pipe}) do "
+                          "not run on --device cuda yet (their p2p over NCCL is not built); "
+                          "run it with --device cpu, or pick a layout without `operator`")
+
+
 class Executor:
     """This rank's share of a layout (see the module doc for the training loop)."""
 
@@ -79,6 +92,7 @@ class Executor:
         self.mesh = mesh
         # where parameters, activations and every buffer sent between ranks live
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        check_device(graph, self.device)
         self.compute_dtype = compute_dtype or dtype
         self.trace = trace
         piped = graph.axis is not None

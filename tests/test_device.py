@@ -88,3 +88,16 @@ def test_bench_comm_nccl_without_a_gpu_is_exit_2():
     assert r.returncode == 2, r.report()
     assert "bench comm --backend nccl" in r.stderr and "--backend mpi" in r.stderr, r.report()
     assert "Traceback" not in r.stderr, r.report()
+
+
+def test_pipelines_are_refused_on_cuda_until_their_p2p_is_grouped():
+    from soapstone import dsl
+    from soapstone.dsl.stages import lower_graph
+    from soapstone.shard.executor import check_device
+
+    spec = dsl.load("examples/gpt2.par")
+    pipe = lower_graph(spec.model(), spec.parallel("pp2"))
+    check_device(pipe, torch.device("cpu"))
+    check_device(lower_graph(spec.model(), spec.parallel("tp2")), torch.device("cuda"))
+    with pytest.raises(DeviceError, match=r"pp2: pipeline stages \(pipe = 2\).*--device cpu"):
+        check_device(pipe, torch.device("cuda"))

@@ -85,6 +85,7 @@ def _seconds(text: str) -> float:
 def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.shard.data import make_task
+    from soapstone.shard.executor import check_device
 
     from ..layout_proof import prove_layout
 
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_train_flags(args)
         model, par, program = build_program(args, comm.size)
+        check_device(program, comm.device)
         ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
