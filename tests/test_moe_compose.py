@@ -11,7 +11,9 @@ import pytest
 from mpirun import case_names, case_params
 
 from soapstone import dsl
+from soapstone.dsl.errors import BadInput
 from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.testing import record_golden
 from soapstone.shard.plan.explain import estimate
 
 CASES = "tests/cases/moe_compose_cases.py"
@@ -35,3 +37,12 @@ def test_zero_shards_expert_weights_over_data_only_where_replicated(layout, expe
     whole = estimate(program, zero=0).param_bytes
     want = whole // 2 if experts_sharded else (whole - experts) // 2 + experts
     assert estimate(program, zero=3).param_bytes == want
+
+
+
+def test_a_record_of_a_layout_over_several_ranks_is_bad_input(tmp_path):
+    """golden record --parallel: only a one-rank layout (the CLI exits 2 on BadInput)."""
+    with pytest.raises(BadInput, match="--parallel pp2: a record is of one rank, and this "
+                       "layout needs 2"):
+        record_golden(SPEC, str(tmp_path / "r.npz"), parallel="pp2")
+    assert not (tmp_path / "r.npz").exists()
