@@ -4,9 +4,10 @@ tests/specs/moe_compose.par (two blocks of SwiGLU experts plus a shared expert, 
 - tensor parallel inside an expert (ep2tp2) and ZeRO 1/2/3 with the experts over another axis
   than the data (dp2ep2z1..3) or over the data axis itself (dpepz3) reproduce the plain
   single-rank run;
-- pipelines (pp2, and pp2ep2 with the experts split in each stage) reproduce the single-rank
-  run with the same microbatching (acc2: gradient accumulation on one rank), since a moe
-  layer's capacity and balance loss count the tokens of one microbatch;
+- pipelines (pp2, pp2ep2 with the experts split in each stage, pp2dp2 with each microbatch's
+  tokens routed over data) reproduce the single-rank run with the same microbatching (acc2:
+  gradient accumulation on one rank), since a moe layer's capacity and balance loss count
+  the tokens of one microbatch;
 - explain's figures equal the counters of a real step and the flight recorder holds the
   plan's calls (run_cases._measure) for the ZeRO-3 layouts, whose expert weights ZeRO
   shards over data only where they are replicated over it.
@@ -33,8 +34,8 @@ SPEC = str(ROOT / "tests/specs/moe_compose.par")
 W = init("mpi")
 # layout -> the one-rank run it reproduces (None: the plain model, whole batches)
 REFERENCE = {2: {"pp2": "acc2", "dpepz3": None},
-             4: {"ep2tp2": None, "pp2ep2": "acc2", "dp2ep2z1": None, "dp2ep2z2": None,
-                 "dp2ep2z3": None}}
+             4: {"ep2tp2": None, "pp2ep2": "acc2", "pp2dp2": "acc2", "dp2ep2z1": None,
+                 "dp2ep2z2": None, "dp2ep2z3": None}}
 MEASURE = {2: ("dpepz3",), 4: ("dp2ep2z3",)}
 
 
