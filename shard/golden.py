@@ -103,7 +103,7 @@ def sample_indices(numel: int, k: int = SAMPLES) -> list[int]:
 
 def digest(t: torch.Tensor) -> np.ndarray:
     """sum, abs-sum, abs-max and the sampled values of a full tensor, in float64."""
-    flat = t.detach().reshape(-1).double()
+    flat = t.detach().reshape(-1).double().cpu()  # a GPU run's tensors are read on the host
     idx = sample_indices(flat.numel())
     head = [float(flat.sum()), float(flat.abs().sum()), float(flat.abs().max())
             if flat.numel() else 0.0]
@@ -128,7 +128,7 @@ class Recorder:
         total = sum(t.numel() for t in state.values())
         self.header["steps"] = len(self.loss)
         self.header["full"] = total <= FULL_LIMIT
-        final = {n: t.detach().float().numpy().copy() for n, t in state.items()} \
+        final = {n: t.detach().float().cpu().numpy().copy() for n, t in state.items()} \
             if self.header["full"] else {}
         return Record(self.header, np.array(self.loss, dtype=np.float64),
                       {n: np.stack(d) for n, d in self.digests.items()}, final)
@@ -205,7 +205,7 @@ def compare_final(record: Record, state: dict[str, torch.Tensor],
     step = record.steps - 1
     atol = tol.param_atol_per_step * record.steps
     for name, want in record.final.items():
-        got = state[name].detach().double()
+        got = state[name].detach().double().cpu()
         w = torch.from_numpy(want).double()
         if got.shape != w.shape:
             return Mismatch(step, name, f"shape {list(got.shape)} vs {list(w.shape)}",
