@@ -28,6 +28,8 @@ CASES = [  # (spec, dims)
     ("examples/gpt.par", {"batch": 8, "seq": 256, "hidden": 256, "heads": 8, "ffn": 1024,
                           "vocab": 512}),
     ("examples/towers.par", {"batch": 2048, "hidden": 512, "ffn": 2048}),
+    ("examples/moe.par", {"batch": 8, "seq": 256, "hidden": 256, "experts": 8, "ffn": 1024,
+                          "vocab": 512}),
 ]
 SMALL = [  # quick enough for a test
     ("examples/mlp.par", {"batch": 1024, "features": 256, "ffn": 1024}),

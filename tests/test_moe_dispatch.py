@@ -82,3 +82,32 @@ def test_tokens_split_over_two_axes_gather_counts_per_run():
     text = format_program(_program("dp4ep2"))
     assert "forward allgather[data,expert] i64[1,2,2,4]" in text
     assert "forward alltoallv[expert] f32[?,16] tokens to their experts' ranks   (384 B" in text
+
+
+def test_explain_counts_what_the_moe_kernel_saves_for_backward():
+    """explain's activations (a moe op: its input, the router's probabilities and indices,
+    each run choice's rows and hidden, expected at the capacity bound) against the tensors
+    one real forward's autograd saves (saved-tensor hooks, as bench/bench_memory.py), one
+    rank: this model keeps every expert full, so the bound is what runs."""
+    import torch
+
+    from soapstone.dsl.lower import lower
+    from soapstone.shard.data import make_task
+    from soapstone.shard.runtime import ShardedModel
+
+    dims = {"batch": 4, "seq": 64, "hidden": 64, "experts": 4, "ffn": 256, "vocab": 128}
+    program = lower(dsl.load(SPEC, dims=dims).model(), None)
+    model = ShardedModel(program, None, seed=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(make_task(program, 0).batch(0))
+    want = estimate(program).activation_bytes
+    assert abs(want / sum(saved.values()) - 1) < 0.05, (want, sum(saved.values()))

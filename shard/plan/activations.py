@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+from soapstone.shard.plan.dispatch import saved_bytes as moe_saved_bytes
 from soapstone.shard.plan.fusions import FusedAttention, FusedLinear, find_fusions
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 
@@ -87,6 +88,8 @@ def _saved(program: Program, i: int, fused: dict, params: set[str]) -> tuple[lis
         return ([s.out], 0) if not s.dist else ([], x)
     if kind == "cross_entropy":
         return [], x
+    if kind == "moe":  # its input (the router's matmul) and what its experts keep
+        return floats[:1], moe_saved_bytes(s, program)
     if kind == "causal_mask":
         v = val(s.args[0])
         q, k = s.attr("query"), s.attr("key")

@@ -129,3 +129,35 @@ def expert_figures(program: Program) -> list[dict]:
                     "exchange": list(s.exchange), "choices": choices,
                     "bound": min(choices, sizes[dim] * slots(s, program))})
     return out
+
+
+def saved_bytes(step: Compute, program: Program) -> int:
+    """Bytes a moe kernel (shard/moe.py, shard/moe_dispatch.py) keeps for backward besides its
+    input, expected at the capacity bound (every expert full, the choices spread evenly over
+    the tokens), as read off its autograd graph: the router's probabilities (fp32) and top-k
+    indices (int64); per choice this rank's experts run, the expert's hidden before and
+    after its activation (SwiGLU: also the gate branch and the product), rows of hidden (2
+    exchanged: the rows and the output; 3 local: also the gated output), an int64 index and
+    (local) a gate; per kept choice of this rank's tokens that the exchange brings back, 2
+    rows, its gate and index."""
+    x = program.value(step.args[0])
+    sizes = dict(program.dims)
+    item = DTYPE_BYTES[x.dtype]
+    dim = str(step.attr("experts"))
+    w1 = program.value(step.args[2])
+    n_exp = sizes[dim]
+    f = w1.local_shape[w1.dims.index(str(step.attr("ffn")))]
+    h = x.local_shape[x.dims.index(str(step.attr("hidden")))]
+    tokens = math.prod(sizes[d] for d in x.dims if d != step.attr("hidden"))
+    local = math.prod(n for d, n in zip(x.dims, x.local_shape, strict=True)
+                      if d != step.attr("hidden"))
+    bound = min(tokens * int(step.attr("top_k")), n_exp * slots(step, program))
+    mesh = dict(program.mesh)
+    spread = math.prod(mesh[a] for a in step.exchange)  # ranks whose tokens meet here
+    run = bound * w1.local_shape[w1.dims.index(dim)] // n_exp * local * spread // tokens
+    hidden = (4 if step.attr("activation") == "swiglu" else 2) * f * item
+    router = local * (n_exp * 4 + int(step.attr("top_k")) * 8)
+    if step.exchange:
+        own = bound * local // tokens
+        return router + run * (2 * h * item + hidden + 8) + own * (2 * h * item + 12)
+    return router + run * (3 * h * item + hidden + 12)

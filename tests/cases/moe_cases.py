@@ -8,7 +8,9 @@ one (dp4ep2), and the exchange with tensor parallel inside each expert (dpeptp2)
 - the wide model's layouts reproduce its single-rank run, recorded here on every rank (the
   example's layouts are checked against tests/golden/runs/moe.npz by run_cases.py);
 - dpeptp2's counters equal explain's and its flight recorder the planned sequence, as
-  run_cases.py checks for the example's layouts.
+  run_cases.py checks for the example's layouts;
+- under `recompute` (tests/specs/moe_recompute.par) backward routes and exchanges again: the
+  run reproduces one rank's, the counters and the recorded order are the plan's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from run_cases import _measure  # noqa: E402  (the explain cases' step measureme
 ROOT = Path(__file__).resolve().parents[2]
 DROPS = str(ROOT / "examples/moe.par")
 WIDE = str(ROOT / "tests/specs/moe_layouts.par")
+RECOMPUTE = str(ROOT / "tests/specs/moe_recompute.par")
 W = init("mpi")
 
 
@@ -73,3 +76,12 @@ def case_moe_layouts_without_drops_reproduce_the_single_rank_run():
 @ranks(4)
 def case_moe_exchange_with_tensor_parallel_matches_explain():
     _measure(WIDE, "dpeptp2", "sgd")
+
+
+@ranks(2)
+def case_moe_recompute_routes_again_as_planned():
+    with tempfile.TemporaryDirectory() as tmp:
+        record = str(Path(tmp) / f"single.{W.rank}.npz")
+        record_golden(RECOMPUTE, record, steps=2)
+        assert_matches_golden(RECOMPUTE, "dpeprc", record)
+    _measure(RECOMPUTE, "dpeprc", "sgd")

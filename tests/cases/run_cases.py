@@ -138,16 +138,18 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
 def _routed_bytes(model, program, predicted: dict) -> None:
     """Replace explain's expected alltoallv bytes (at the capacity bound) by what the step's
     routing sent: per moe op, its dispatch and combine rows off this rank, each moved once
-    forward and once back in backward (shard/moe.py records them)."""
+    forward, once back in backward and, in a recomputed range, once more forward (shard/moe.py
+    records them)."""
     routed = getattr(model.ctx, "moe", {})
+    again = {i for a, b in program.recompute for i in range(a, b)}
     sent: dict[tuple[str, str], int] = {}
-    for s in program.steps:
+    for i, s in enumerate(program.steps):
         if getattr(s, "exchange", ()):
             x = program.value(s.args[0])
             row = x.nbytes // math.prod(x.local_shape[:-1])
             rows = routed[s.out]["sent"] + routed[s.out]["returned"]
             key = (s.exchange[0], "alltoallv")
-            sent[key] = sent.get(key, 0) + 2 * rows * row
+            sent[key] = sent.get(key, 0) + (3 if i in again else 2) * rows * row
     for key, nbytes in sent.items():
         predicted[key] = (predicted[key][0], nbytes)
 
