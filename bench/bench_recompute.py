@@ -29,17 +29,18 @@ SPEC = str(ROOT / "tests/specs/recompute_layouts.par")
 DIMS = {"batch": 8, "seq": 256, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 512}
 
 
-def soapstone_step(layout: str):
-    """A function running the next training step of `layout` (one rank)."""
+def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
+    """A function running the next training step of `layout` of `spec` (one rank, or this
+    rank's share on `mesh`)."""
     from soapstone.dsl import load
     from soapstone.dsl.stages import lower_graph
     from soapstone.shard.data import make_task
     from soapstone.shard.executor import Executor
 
-    spec = load(SPEC, dims=DIMS)
-    par = spec.parallel(layout)
-    model = spec.model(par.model)
-    ex = Executor(lower_graph(model, par), None, seed=0)
+    loaded = load(spec, dims=DIMS)
+    par = loaded.parallel(layout)
+    model = loaded.model(par.model)
+    ex = Executor(lower_graph(model, par), mesh, seed=0)
     ex.use_optimizer(name="adamw", lr=1e-3)
     task = make_task(lower_graph(model, None).program, 0)
     count = iter(range(10**9))
