@@ -270,6 +270,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
         return kept + (total - kept) // d
 
     grad_bytes = held(elems * 4, 4, 2)
+    if zero == 1:  # the full buffer persists (it accumulates) beside the reduced shard
+        grad_bytes += held(elems * 4, 4, 1) - int(whole * 4)
     state = OPTIMIZER_STATE.get(optimizer, 8)
     opt_bytes = held(elems * state, state, 1)
     return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
