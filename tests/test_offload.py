@@ -62,6 +62,8 @@ def test_explain_moves_the_optimizer_state_to_host(capsys):
 
     assert main(["explain", SPEC, "--parallel", "offload_dp2"]) == 0
     assert "offload optimizer, on a GPU run" in capsys.readouterr().out
+    assert main(["explain", SPEC, "--parallel", "offload_dp2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["offload"]["host_bytes"] == f.host_bytes
 
 
 def test_on_cpu_the_optimizer_keeps_its_ordinary_path():

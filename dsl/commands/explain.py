@@ -52,9 +52,16 @@ def main(args: argparse.Namespace) -> int:
 
     ckpt = checkpoint_bytes(graph, args.optimizer)
     if args.json:
+        extra = {}
+        if par is not None and par.offload:  # device and host bytes on a GPU run
+            import attrs
+
+            from soapstone.shard.plan.offload import offload_figures
+
+            extra["offload"] = attrs.asdict(offload_figures(est))
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
                                           "memory_limit": where,
-                                          "checkpoint_bytes_per_rank": ckpt}, indent=1))
+                                          "checkpoint_bytes_per_rank": ckpt} | extra, indent=1))
     else:
         sys.stdout.write(format_estimate(est))
         if par is not None and par.offload:
