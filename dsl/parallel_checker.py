@@ -602,10 +602,12 @@ def _zero_bubble(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, kind: str) -> Di
                               "zb1p runs the weight gradients later, apart from it",
                               "use zero 1 or 2 with zb1p, or schedule 1f1b with zero 3"))
     if facts.recompute is not None:
-        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with zb1p:"
-                              " the deferred weight gradients would run each recomputed "
-                              "range's forward a second time, collectives included",
-                              "drop the recompute statement, or use schedule 1f1b"))
+        why = ("the values it drops are rebuilt for one backward, and zb1p's weight gradients "
+               "run apart from it, later" if facts.recompute == SELECTIVE else
+               "the deferred weight gradients would run each recomputed range's forward a "
+               "second time, collectives included")
+        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with zb1p: "
+                              + why, "drop the recompute statement, or use schedule 1f1b"))
     return diags
 
 
