@@ -11,8 +11,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 
-# torch first, pinned: an open range would pull GBs of CUDA builds.
-$(STAMP): $(BIN)/python pyproject.toml
+# torch first, pinned: an open range would pull GBs of CUDA builds. The editable install
+# compiles the flight recorder's C rings (comm/flight_ring.c) in place, so a change to them
+# installs again.
+$(STAMP): $(BIN)/python pyproject.toml comm/flight_ring.c
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -e ".[mpi,dev]"
 	touch $(STAMP)

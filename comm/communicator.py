@@ -26,24 +26,22 @@ import abc
 import math
 import os
 from collections.abc import Callable, Sequence
-from time import monotonic as _now
 from typing import Any, NamedTuple
 
 import torch
 
+from ._flight_ring import use_shape_getter
 from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 from .errors import UserError
-from .flight_recorder import DONE as _DONE
-from .flight_recorder import POSTED as _POSTED
-from .flight_recorder import STARTED as _STARTED
-from .flight_recorder import WAITING as _WAITING
 from .flight_recorder import new_recorder
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
+# the recorder reads shapes through torch's own getter (half the cost of the attribute lookup)
+use_shape_getter(next(c.__dict__["shape"] for c in type(_NOTHING).__mro__ if "shape" in c.__dict__))
 
 
 class CommError(UserError, ValueError):
@@ -74,7 +72,7 @@ class Work:
         self._result = result
         self._done = False
         self._keep = keep  # buffers the backend reads or writes until completion stay alive
-        self._rec = None  # the flight recorder and entry of this op (see Communicator._call)
+        self._rec = None  # the flight recorder and entry handle of this op (Communicator._call)
         self._entry = None
 
     def wait(self) -> torch.Tensor | None:
@@ -83,19 +81,15 @@ class Work:
             rec = self._rec
             if rec is None:
                 self._complete()
-            else:  # FlightRecorder.wait and .end, written out (see Communicator._call)
-                e = self._entry
-                e[7] = _now()
-                e[9] = _WAITING
-                rec.active = e
+            else:  # the entry's wait, timed by the recorder (see Communicator._call)
+                h = self._entry
+                rec.wait_begin(h)
                 try:
                     self._complete()
                 except BaseException:
-                    rec.fail(e)
+                    rec.fail(h)
                     raise
-                e[8] = _now()
-                e[9] = _DONE
-                rec.active = None
+                rec.wait_end(h)
         return self._result
 
     def _complete(self) -> None:
@@ -223,56 +217,52 @@ class Communicator(abc.ABC):
                 f"shape); pass torch.empty({want}, dtype={t.dtype}) or leave out=None"
             )
 
-    def _call(self, op: str, t: torch.Tensor, dtype, nbytes: int, async_op: bool, check, fn,
+    def _call(self, op: str, t: torch.Tensor, dtype, times: int, async_op: bool, check, fn,
               *args):
-        """Run backend call `fn(*args)` for collective `op` under the flight recorder: an entry
-        before, completed after (async: in the Work's wait()). The watchdog watches the entry
-        this rank is blocked in. `dtype`: `t`'s, as `_check` read it. `check`: the op's
-        arguments for the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES), run under the entry
-        too, since it communicates. The recording is written out here, not in FlightRecorder
-        methods: this is every collective's hot path (see flight_recorder.py for the entry's
-        fields)."""
+        """Run backend call `fn(*args)` for collective `op` on `t` under the flight recorder:
+        an entry before, completed after (async: in the Work's wait()). The watchdog watches
+        the entry this rank is blocked in. `dtype`: `t`'s, as `_check` read it. `times`: the
+        byte counter counts `t`'s bytes times this (allgather: the size; 0: the caller counts).
+        `check`: the op's arguments for the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES),
+        run under the entry too, since it communicates. Recording is one C call, `run`, which
+        calls `fn` between the entry's start and end and leaves `t`'s bytes (read off the
+        shape it records) in `rec.nbytes`: this is every collective's hot path."""
         rec = self.recorder
         if rec is None:
+            if times:
+                self._count(op, t.nbytes * times)
             if self.debug and check is not None:
                 self._debug(op, t, *check)
             out = fn(*args)
             if async_op:  # so that the watchdog can name a wait() it finds blocked
                 out._entry = (self, op, t, -1)
             return out
-        rec.seq = s = rec.seq + 1
-        e = [s, op, t.shape, dtype, nbytes, -1, _now(), 0.0, 0.0, _STARTED]
-        rec.ring[s & rec.mask] = e
         if self.debug and check is not None:
-            return self._recorded(rec, e, async_op, self._debug_then, op, t, check, fn, args)
-        try:  # _recorded, written out: one call less on every collective
-            out = fn(*args)
-        except BaseException:
-            rec.fail(e)
-            raise
+            nbytes = rec.start(op, t, dtype)
+            if times:
+                self._count(op, nbytes * times)
+            return self._recorded(rec, rec.current(), async_op, self._debug_then, op, t, check,
+                                  fn, args)
+        out = rec.run(op, t, dtype, -1, False, async_op, fn, args)
+        if times:
+            self._count(op, rec.nbytes * times)
         if async_op:
-            e[9] = _POSTED
-            out._rec, out._entry = rec, e
-        else:
-            e[8] = _now()
-            e[9] = _DONE
+            out._rec, out._entry = rec, rec.current()
         return out
 
     @staticmethod
-    def _recorded(rec, e: list, async_op: bool, fn, *args):
-        """Run `fn(*args)` under entry `e` of `rec`: FAILED if it raises; DONE when it returns,
+    def _recorded(rec, h: int, async_op: bool, fn, *args):
+        """Run `fn(*args)` under entry `h` of `rec`: FAILED if it raises; DONE when it returns,
         or POSTED with the Work carrying the entry to its wait() (async)."""
         try:
             out = fn(*args)
         except BaseException:
-            rec.fail(e)
+            rec.fail(h)
             raise
         if async_op:
-            e[9] = _POSTED
-            out._rec, out._entry = rec, e
+            out._rec, out._entry = rec, rec.post(h)
         else:
-            e[8] = _now()
-            e[9] = _DONE
+            rec.done(h)
         return out
 
     def _debug_then(self, op, t, check, fn, args):
@@ -302,9 +292,7 @@ class Communicator(abc.ABC):
                 f"allreduce: op='avg' needs a floating dtype, got {dtype}; "
                 "use op='sum' and divide, or cast"
             )
-        nbytes = t.numel() * t.element_size()
-        self._count("allreduce", nbytes)
-        return self._call("allreduce", t, dtype, nbytes, async_op, (REDUCE_OPS.index(op),),
+        return self._call("allreduce", t, dtype, 1, async_op, (REDUCE_OPS.index(op),),
                           self._allreduce, t, op, async_op)
 
     def reduce_scatter(
@@ -319,9 +307,7 @@ class Communicator(abc.ABC):
             shape = list(t.shape)
             shape[dim] //= self.size
             self._check_out("reduce_scatter", t, out, shape)
-        nbytes = t.numel() * t.element_size()
-        self._count("reduce_scatter", nbytes)
-        return self._call("reduce_scatter", t, dtype, nbytes, async_op, (dim,),
+        return self._call("reduce_scatter", t, dtype, 1, async_op, (dim,),
                           self._reduce_scatter, t, dim, async_op, out)
 
     def allgather(
@@ -333,18 +319,14 @@ class Communicator(abc.ABC):
         dim = self._check_dim("allgather", t, dim)
         if out is not None:
             self._check_out("allgather", t, out, gather_layout(t, dim, self.size)[0])
-        nbytes = t.numel() * t.element_size()
-        self._count("allgather", nbytes * self.size)
-        return self._call("allgather", t, dtype, nbytes, async_op, (dim,), self._allgather, t, dim,
-                          async_op, out)
+        return self._call("allgather", t, dtype, self.size, async_op, (dim,), self._allgather,
+                          t, dim, async_op, out)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy rank `src`'s `t` into every rank's `t` in place; return `t`."""
         dtype = self._check("broadcast", t)
         self._check_rank("broadcast", src, "src")
-        nbytes = t.numel() * t.element_size()
-        self._count("broadcast", nbytes)
-        return self._call("broadcast", t, dtype, nbytes, async_op, (src,), self._broadcast, t, src,
+        return self._call("broadcast", t, dtype, 1, async_op, (src,), self._broadcast, t, src,
                           async_op)
 
     def alltoall(
@@ -366,9 +348,7 @@ class Communicator(abc.ABC):
             shape[split_dim] //= self.size
             shape[concat_dim] *= self.size
             self._check_out("alltoall", t, out, shape)
-        nbytes = t.numel() * t.element_size()
-        self._count("alltoall", nbytes)
-        return self._call("alltoall", t, dtype, nbytes, async_op, (split_dim, concat_dim),
+        return self._call("alltoall", t, dtype, 1, async_op, (split_dim, concat_dim),
                           self._alltoall, t, split_dim,
                           concat_dim, async_op, out)
 
@@ -400,7 +380,7 @@ class Communicator(abc.ABC):
         row = t.numel() // max(t.shape[dim], 1) * t.element_size()
         off_rank = sum(s for j, s in enumerate(send_sizes) if j != self.rank)
         self._count("alltoallv", off_rank * row)
-        return self._call("alltoallv", t, dtype, t.numel() * t.element_size(), async_op,
+        return self._call("alltoallv", t, dtype, 0, async_op,
                           (dim, send_sizes, recv_sizes), self._alltoallv, t, send_sizes,
                           recv_sizes, dim, async_op)
 
@@ -421,27 +401,25 @@ class Communicator(abc.ABC):
         return self._p2p("irecv", t, src, tag, True)
 
     def _p2p(self, op: str, t: torch.Tensor, peer: int, tag: int, async_op: bool):
-        """send, recv, isend, irecv: check, count, record, hand to the backend."""
+        """send, recv, isend, irecv: check, record, count, hand to the backend."""
         sending = op in ("send", "isend")
         dtype = self._check_p2p(op, t, peer, "dst" if sending else "src")
-        nbytes = t.numel() * t.element_size()
-        self._count("send" if sending else "recv", nbytes if sending else 0)
         if sending:
             fn = self._send_debug if self.debug else self._send
         else:
             fn = self._recv_debug if self.debug else self._recv
         rec = self.recorder
         if rec is None:
+            self._count("send" if sending else "recv", t.nbytes if sending else 0)
             out = fn(t, peer, tag, async_op)
             if async_op:
                 out._entry = (self, op, t, peer)
             return out
-        # FlightRecorder.p2p, written out: one call less on every p2p op
-        rec.p2p_seq = s = rec.p2p_seq + 1
-        (rec.sent if sending else rec.recvd)[peer] += 1
-        e = [s, op, t.shape, dtype, nbytes, peer, _now(), 0.0, 0.0, _STARTED]
-        rec.p2p_ring[s & rec.mask] = e
-        return self._recorded(rec, e, async_op, fn, t, peer, tag, async_op)
+        out = rec.run(op, t, dtype, peer, sending, async_op, fn, (t, peer, tag, async_op))
+        self._count("send" if sending else "recv", rec.nbytes if sending else 0)
+        if async_op:
+            out._rec, out._entry = rec, rec.current()
+        return out
 
     def _send_debug(self, t, dst, tag, async_op):
         """_send with SOAPSTONE_DEBUG_COLLECTIVES: the descriptor travels beside the data."""

@@ -2,13 +2,16 @@
 
 Every collective and p2p call of a Communicator (communicator.py) records one entry before it
 reaches the backend and completes it afterwards (or, for `async_op=True`, in `Work.wait()`).
-An entry is a plain list, written on the hot path without formatting anything:
+The entries live in C (flight_ring.c, the base class of FlightRecorder): preallocated structs
+that a call fills with numbers, so recording allocates nothing that lives on. A handle (an int)
+names an entry; reading one gives a new plain list:
 
     [seq, op, shape, dtype, bytes, peer, t_start, t_wait, t_end, state]
 
 - seq: collectives are numbered 1, 2, ... per communicator, so the n-th collective of every
   member rank is the same call (a mismatch is a divergence); p2p ops have their own counter.
-- shape, dtype: the tensor's torch.Size and torch.dtype (immutable; formatted only in a dump).
+- shape, dtype: the tensor's shape (a tuple) and torch.dtype; bytes: its size, which the
+  recorder works out from the two, so the call's byte counter does not ask the tensor again.
 - peer: -1 for a collective, else the peer rank of a send/recv in this communicator.
 - t_*: time.monotonic(); t_wait is when wait() started on an async op (0.0 before).
 - state: STARTED (in a blocking call), POSTED (async, not waited yet), WAITING (in wait()),
@@ -17,12 +20,10 @@ An entry is a plain list, written on the hot path without formatting anything:
 Collectives and p2p ops have a ring each, indexed by their seq, so the newest entry of either is
 found without a search: the watchdog reads it (a blocking call in progress is the newest entry,
 STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
-t_wait for a wait(). The hot path is written out in Communicator._call and _p2p and in
-Work.wait (one list, two clock reads, no method call; the dtype is the one the input check
-read): about 0.4 us per call, near the floor of a recorder written in Python (BENCHMARKS.md,
-"The watchdog's cost"; bench/bench_watchdog.py). Per-peer counters (`sent`, `recvd`) count
-every p2p message posted since the communicator was made, so a dump shows who stopped sending
-even after the ring has wrapped.
+t_wait for a wait(). The hot path (Communicator._call and _p2p, Work.wait) is two C calls per
+op: `start` then `done` (BENCHMARKS.md, "The watchdog's cost"; bench/bench_watchdog.py).
+Per-peer counters (`sent`, `recvd`) count every p2p message posted since the communicator was
+made, so a dump shows who stopped sending even after the ring has wrapped.
 
 SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
 to a power of two, so that a seq finds its slot with a mask); 0 turns recording off: nothing is
@@ -40,11 +41,11 @@ import threading
 import time
 import weakref
 
+from ._flight_ring import STATES, Ring
 from .errors import UserError
 
 SEQ, OP, SHAPE, DTYPE, NBYTES, PEER, T_START, T_WAIT, T_END, STATE = range(10)
-STARTED, POSTED, WAITING, ENQUEUED, DONE, FAILED = (
-    "started", "posted", "waiting", "enqueued", "done", "failed")
+STARTED, POSTED, WAITING, ENQUEUED, DONE, FAILED = STATES
 IN_FLIGHT = (STARTED, POSTED, WAITING, ENQUEUED)
 SENDS = ("send", "isend")
 DEFAULT_CAPACITY = 512
@@ -107,30 +108,25 @@ def new_recorder(comm) -> FlightRecorder:
     return rec
 
 
-class FlightRecorder:
-    """The ring of one communicator (see the module doc). `rank`, `size`: in the communicator;
+class FlightRecorder(Ring):
+    """The rings of one communicator (see the module doc). `rank`, `size`: in the communicator;
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
-    'data' or 'data+model', 'world', or 'split')."""
+    'data' or 'data+model', 'world', or 'split'). The storage and the recording methods are the
+    C base class's (flight_ring.c): `start`, `done`, `fail`, `post`, `wait_begin`, `wait_end`,
+    `enqueued`, `complete`, `entry`, `newest`, `entries`, and `seq`, `p2p_seq`, `active`,
+    `sent`, `recvd`. Entries are named by handles (ints); reading one gives a new list."""
 
-    __slots__ = ("ring", "p2p_ring", "capacity", "mask", "seq", "p2p_seq", "active", "rank",
-                 "size", "world_ranks", "label", "index", "sent", "recvd", "pending", "recording",
+    __slots__ = ("size", "rank", "world_ranks", "label", "index", "pending", "recording",
                  "comm_ref", "sampled", "barriers", "__weakref__")
 
     def __init__(self, capacity: int, rank: int, size: int, world_ranks: list[int],
                  label: str):
         self.recording = capacity > 0
         capacity = 1 << max(0, capacity - 1).bit_length() if capacity else 0  # a power of two
-        self.capacity, self.mask = capacity, capacity - 1
-        self.ring: list[list | None] = [None] * capacity  # collective seq s at [s % capacity]
-        self.p2p_ring: list[list | None] = [None] * capacity
-        self.seq = 0  # collectives started
-        self.p2p_seq = 0  # p2p ops started
-        self.active: list | None = None
+        super().__init__(capacity, size)
         self.rank, self.size = rank, size
         self.world_ranks = list(world_ranks)
-        self.sent = [0] * size
-        self.recvd = [0] * size
-        self.pending: list[list] = []  # NCCL: entries whose stream completion is not known yet
+        self.pending: list[tuple[int, object]] = []  # NCCL: (handle, CUDA event) not yet fired
         self.comm_ref = None  # the communicator (weak), for counts when not recording
         self.sampled: list | None = None  # not recording: the op the watchdog saw it blocked in
         self.barriers = 0  # not recording: barriers started (the byte counter has no row)
@@ -155,74 +151,60 @@ class FlightRecorder:
         ranks = ",".join(map(str, self.world_ranks))
         return f"{self.label}[{ranks}]" + (f"#{self.index}" if self.index else "")
 
-    # -- recording (the collective hot path is inlined in Communicator._call) -------------
-    def collective(self, op: str, t, nbytes: int, posted: bool) -> list:
-        """Record collective `op` on tensor `t` starting now (posted: async, not waited)."""
-        self.seq = s = self.seq + 1
-        e = [s, op, t.shape, t.dtype, nbytes, -1, _now(), 0.0, 0.0, POSTED if posted else STARTED]
-        self.ring[s % self.capacity] = e
-        return e
+    # -- recording by name (the hot path calls the C methods itself: Communicator._call) ---
+    def collective(self, op: str, t, posted: bool = False) -> int:
+        """Record collective `op` on tensor `t` starting now (posted: async, not waited); its
+        handle."""
+        self.start(op, t, t.dtype)
+        return self.post() if posted else self.current()
 
-    def p2p(self, op: str, t, peer: int, nbytes: int) -> list:
-        """Record a send or recv with `peer` (a rank of this communicator) starting now."""
-        self.p2p_seq = s = self.p2p_seq + 1
-        (self.sent if op in SENDS else self.recvd)[peer] += 1
-        e = [s, op, t.shape, t.dtype, nbytes, peer, _now(), 0.0, 0.0, STARTED]
-        self.p2p_ring[s % self.capacity] = e
-        return e
+    def p2p(self, op: str, t, peer: int) -> int:
+        """Record a send or recv with `peer` (a rank of this communicator) starting now; its
+        handle."""
+        self.start(op, t, t.dtype, peer, op in SENDS)
+        return self.current()
 
-    def end(self, e: list) -> None:
-        """The blocking call (or wait) of entry `e` returned."""
-        e[T_END] = _now()
-        e[STATE] = DONE
-        self.active = None
-
-    def wait(self, e: list) -> None:
-        """wait() on async entry `e` starts blocking now."""
-        e[T_WAIT] = _now()
-        e[STATE] = WAITING
-        self.active = e
-
-    def fail(self, e: list) -> None:
-        """The backend raised during entry `e`."""
-        e[T_END] = _now()
-        e[STATE] = FAILED
-        self.active = None
-
-    def enqueued(self, e: list, event) -> None:
-        """NCCL: `e` is on the stream; `event` (a CUDA event recorded after it) tells when it
-        completed. The watchdog polls it (state ENQUEUED until then)."""
-        e[STATE] = ENQUEUED
-        e.append(event)
-        self.pending.append(e)
+    def enqueue(self, h: int, event) -> None:
+        """NCCL: entry `h` is on the stream; `event` (a CUDA event recorded after it) tells
+        when it completed. The watchdog polls it (state ENQUEUED until then)."""
+        self.enqueued(h)
+        self.pending.append((h, event))
 
     def blocked(self) -> list | None:
         """The entry this rank is held up in on this communicator, if any: a wait(), the newest
         collective or p2p entry while STARTED, or (NCCL) the oldest op still on the stream."""
         if not self.recording:
             return self.sampled
-        e = self.active
-        if e is not None and e[STATE] == WAITING:
-            return e
-        for ring, s in ((self.ring, self.seq), (self.p2p_ring, self.p2p_seq)):
-            e = ring[s % self.capacity] if s else None
+        if self.active:
+            e = self.entry(self.active)
+            if e is not None and e[STATE] == WAITING:
+                return e
+        for p2p in (False, True):
+            e = self.entry(self.newest(p2p))
             if e is not None and e[STATE] == STARTED:
                 return e
         pending = self.pending
-        return pending[0] if pending else None
+        return self.entry(pending[0][0]) if pending else None
+
+    def last_activity(self) -> float:
+        """When this communicator's newest entries ended (or started, if still running): a
+        time.monotonic() value, 0.0 before any."""
+        if not self.recording:
+            return 0.0
+        times = [0.0]
+        for p2p in (False, True):
+            e = self.entry(self.newest(p2p))
+            if e is not None:
+                times.append(e[T_END] or e[T_START])
+        return max(times)
 
     # -- reading ------------------------------------------------------------------------------
     def entries(self) -> list[list]:
         """The kept entries of both rings, oldest first by start time (copies, safe to read from
         another thread)."""
-        out = []
         if not self.recording:
             return [list(self.sampled)] if self.sampled else []
-        for ring, n in ((self.ring, self.seq), (self.p2p_ring, self.p2p_seq)):
-            for i in range(max(1, n - self.capacity + 1), n + 1):
-                e = ring[i % self.capacity]
-                if e is not None and e[SEQ] == i:
-                    out.append(list(e[:STATE + 1]))
+        out = super().entries()
         out.sort(key=lambda e: e[T_START])
         return out
 
@@ -232,8 +214,7 @@ class FlightRecorder:
         if not self.recording:
             e = self.sampled
             return None if e is None or e[PEER] >= 0 else list(e)
-        e = self.ring[self.seq % self.capacity] if self.seq else None
-        return None if e is None else list(e[:STATE + 1])
+        return self.entry(self.newest(False))
 
     def counts(self) -> tuple[int, int]:
         """(collectives, p2p ops) started on this communicator: the recorder's seqs, or, not
@@ -254,7 +235,7 @@ class FlightRecorder:
         out = {
             "key": self.key, "label": self.label, "world_ranks": self.world_ranks,
             "rank": self.rank, "size": self.size, "seq": seq, "p2p_seq": p2p_seq,
-            "recording": self.recording, "sent": list(self.sent), "recvd": list(self.recvd),
+            "recording": self.recording, "sent": self.sent, "recvd": self.recvd,
             "active": None if active is None else describe(active, now),
         }
         last = self.last_collective()

@@ -119,22 +119,20 @@ class NCCLCommunicator(Communicator):
     # NCCL calls return once enqueued: the flight-recorder entry stays ENQUEUED until a CUDA
     # event recorded after it fires, which the watchdog thread polls (the same deadline). The
     # Work of an async op has nothing to wait for on the host, so it is not tracked.
-    def _call(self, op, t, dtype, nbytes, async_op, check, fn, *args):
-        return self._enqueued(super()._call(op, t, dtype, nbytes, async_op, check, fn, *args),
-                              False)
+    def _call(self, op, t, dtype, times, async_op, check, fn, *args):
+        return self._enqueued(super()._call(op, t, dtype, times, async_op, check, fn, *args))
 
     def _p2p(self, op, t, peer, tag, async_op):
-        return self._enqueued(super()._p2p(op, t, peer, tag, async_op), True)
+        return self._enqueued(super()._p2p(op, t, peer, tag, async_op))
 
-    def _enqueued(self, out, p2p: bool):
+    def _enqueued(self, out):
         rec = self.recorder
         if rec is None:
             return out
-        ring, seq = (rec.p2p_ring, rec.p2p_seq) if p2p else (rec.ring, rec.seq)
         event = torch.cuda.Event()  # on the stream the call went to: fires when it is done
         event.record(self._side if isinstance(out, Work) and self._side is not None
                      else torch.cuda.current_stream())
-        rec.enqueued(ring[seq % rec.capacity], event)
+        rec.enqueue(rec.current(), event)  # the entry the call just made
         if isinstance(out, Work):
             out._rec = out._entry = None
         return out

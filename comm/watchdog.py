@@ -58,10 +58,7 @@ from . import expected
 from .diagnose import comm_views, divergences, doing, missing_ranks, stack_tail
 from .errors import UserError
 from .flight_recorder import (
-    DONE,
     STARTED,
-    STATE,
-    T_END,
     T_START,
     T_WAIT,
     WAITING,
@@ -199,10 +196,7 @@ def status(reason: str, entries: bool = True) -> dict:
         e = rec.blocked()
         if e is not None:
             active = {"key": rec.key, **describe(e, now)}
-        for ring, seq in ((rec.ring, rec.seq), (rec.p2p_ring, rec.p2p_seq)):
-            newest = ring[seq & rec.mask] if seq and rec.recording else None
-            if newest is not None:
-                last_end = max(last_end, newest[T_END] or newest[T_START])
+        last_end = max(last_end, rec.last_activity())
     return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
             "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
             "time": time.time(), "active": active,
@@ -455,7 +449,7 @@ class Watchdog:
         sample_blocked(now)
         for rec in live_recorders():
             if rec.pending:
-                self._poll_events(rec, now)
+                self._poll_events(rec)
             e = rec.blocked()
             if e is not None and self.timeout > 0:
                 waited = now - (e[T_WAIT] or e[T_START])
@@ -464,15 +458,13 @@ class Watchdog:
                     return
 
     @staticmethod
-    def _poll_events(rec, now: float) -> None:
+    def _poll_events(rec) -> None:
         """NCCL: mark DONE the enqueued entries whose CUDA event has fired (oldest first; the
         stream runs them in order). Not exercised here: no GPU on the machines tested."""
         pending = rec.pending
         done = 0
-        while done < len(pending) and pending[done][-1].query():
-            e = pending[done]
-            e[T_END], e[STATE] = now, DONE
-            del e[-1]
+        while done < len(pending) and pending[done][1].query():
+            rec.complete(pending[done][0])
             done += 1
         del pending[:done]
 

@@ -14,6 +14,8 @@ from soapstone.comm.flight_recorder import (
     POSTED,
     STARTED,
     STATE,
+    T_END,
+    T_START,
     WAITING,
     FlightRecorder,
     RecorderError,
@@ -31,36 +33,80 @@ def test_ring_keeps_the_newest_entries_in_order():
     r = rec(capacity=4)
     t = torch.ones(3, 2)
     for _ in range(6):
-        r.end(r.collective("allreduce", t, 24, False))
+        r.done(r.collective("allreduce", t))
     kept = r.entries()
     assert [e[0] for e in kept] == [3, 4, 5, 6]
     assert all(e[STATE] == DONE for e in kept)
     snap = r.snapshot()
     assert snap["seq"] == 6 and snap["last_collective"]["seq"] == 6
     assert snap["entries"][0]["shape"] == [3, 2] and snap["entries"][0]["dtype"] == "float32"
+    assert snap["entries"][0]["bytes"] == 24  # worked out from the shape and dtype
+
+
+def test_an_entry_overwritten_by_the_wrapped_ring_is_gone():
+    r = rec(capacity=2)
+    t = torch.ones(2)
+    first = r.collective("allreduce", t)
+    for _ in range(2):
+        r.done(r.collective("allreduce", t))
+    assert r.entry(first) is None
+    r.done(first)  # a stale handle changes nothing
+    assert [e[0] for e in r.entries()] == [2, 3]
 
 
 def test_states_of_blocking_async_and_failed_ops():
     r = rec()
     t = torch.ones(2)
-    e = r.collective("allgather", t, 8, False)
-    assert e[STATE] == STARTED and r.blocked() is e
+    e = r.collective("allgather", t)
+    assert r.entry(e)[STATE] == STARTED and r.blocked()[:T_START] == r.entry(e)[:T_START]
     r.fail(e)
-    assert e[STATE] == FAILED and r.blocked() is None
-    w = r.collective("allreduce", t, 8, True)
-    assert w[STATE] == POSTED and r.blocked() is None  # posted, nobody blocked on it yet
-    r.wait(w)
-    assert w[STATE] == WAITING and r.blocked() is w
-    r.end(w)
-    assert r.blocked() is None and w[STATE] == DONE
+    assert r.entry(e)[STATE] == FAILED and r.blocked() is None
+    w = r.collective("allreduce", t, posted=True)
+    assert r.entry(w)[STATE] == POSTED and r.blocked() is None  # nobody blocked on it yet
+    r.wait_begin(w)
+    assert r.entry(w)[STATE] == WAITING and r.blocked()[:T_START] == r.entry(w)[:T_START]
+    assert r.active == w
+    r.wait_end(w)
+    assert r.blocked() is None and r.entry(w)[STATE] == DONE and r.active == 0
+
+
+def test_times_are_monotonic_clock_seconds():
+    import time
+
+    r = rec()
+    t = torch.ones(2)
+    before = time.monotonic()
+    h = r.collective("allreduce", t)
+    time.sleep(0.05)
+    r.done(h)
+    after = time.monotonic()
+    e = r.entry(h)
+    assert before - 1e-3 <= e[T_START] < e[T_END] <= after + 1e-3
+    assert e[T_END] - e[T_START] == pytest.approx(0.05, abs=0.04)
+
+
+def test_run_records_around_the_call_and_marks_what_it_raised():
+    r = rec()
+    t = torch.ones(4, dtype=torch.float64)
+    assert r.run("allreduce", t, t.dtype, -1, False, False, lambda x: x + 1, (t,))[0] == 2
+    assert r.nbytes == 32 and r.entry(r.current())[STATE] == DONE
+    with pytest.raises(ZeroDivisionError):
+        r.run("broadcast", t, t.dtype, -1, False, False, lambda: 1 / 0, ())
+    assert r.entry(r.current())[1:3] == ["broadcast", (4,)]
+    assert r.entry(r.current())[STATE] == FAILED
+    r.run("isend", t, t.dtype, 1, True, True, lambda: None, ())
+    assert r.entry(r.current())[STATE] == POSTED and r.sent == [0, 1] and r.p2p_seq == 1
+    big = torch.ones([1] * 10)  # more dims than an entry holds inline
+    r.run("allreduce", big, big.dtype, -1, False, False, lambda: None, ())
+    assert r.entry(r.current())[2] == (1,) * 10
 
 
 def test_p2p_counts_per_peer_and_its_own_seq():
     r = rec(size=3, rank=1)
     t = torch.ones(2)
-    r.end(r.p2p("isend", t, 2, 8))
-    r.end(r.p2p("irecv", t, 0, 8))
-    r.end(r.p2p("recv", t, 0, 8))
+    r.done(r.p2p("isend", t, 2))
+    r.done(r.p2p("irecv", t, 0))
+    r.done(r.p2p("recv", t, 0))
     assert r.sent == [0, 0, 1] and r.recvd == [2, 0, 0]
     assert r.seq == 0 and r.p2p_seq == 3
     text = entry_text(r.snapshot()["entries"][-1], "pipe")
@@ -159,16 +205,16 @@ def test_enqueued_entries_complete_in_stream_order():
     r = rec()
     t = torch.ones(2)
     events = [Event(True), Event(False), Event(True)]
-    entries = []
+    handles = []
     for ev in events:
-        e = r.collective("allreduce", t, 8, False)
-        r.end(e)
-        r.enqueued(e, ev)
-        entries.append(e)
-    assert r.blocked() is entries[0]
-    Watchdog._poll_events(r, 1.0)
-    assert entries[0][STATE] == DONE and len(entries[0]) == STATE + 1
-    assert r.blocked() is entries[1]  # the stream is stuck there: the third waits behind it
+        h = r.collective("allreduce", t)
+        r.done(h)
+        r.enqueue(h, ev)
+        handles.append(h)
+    assert r.blocked()[0] == 1
+    Watchdog._poll_events(r)
+    assert r.entry(handles[0])[STATE] == DONE
+    assert r.blocked()[0] == 2  # the stream is stuck there: the third waits behind it
     events[1].fired = True
-    Watchdog._poll_events(r, 2.0)
-    assert r.pending == [] and all(e[STATE] == DONE for e in entries)
+    Watchdog._poll_events(r)
+    assert r.pending == [] and all(r.entry(h)[STATE] == DONE for h in handles)
