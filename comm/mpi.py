@@ -10,6 +10,7 @@ Nonblocking variants use MPI's I-collectives so that communication overlaps comp
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,6 +26,7 @@ from .communicator import (
     gather_layout,
 )
 from .dtypes import SUPPORTED, mpi_op, mpi_type
+from .p2p import GroupedP2P
 
 _fromaddress = MPI.buffer.fromaddress
 _TYPES = {d: mpi_type(d) for d in SUPPORTED}  # datatypes looked up once, not per call
@@ -43,10 +45,11 @@ def _waiter(reqs):
     return lambda: MPI.Request.Waitall(reqs)
 
 
-class MPICommunicator(Communicator):
+class MPICommunicator(GroupedP2P, Communicator):
     """Collectives over an mpi4py communicator (default: MPI.COMM_WORLD) on CPU tensors."""
 
     device_type = "cpu"
+    _synchronous = False  # isend as Issend (inside batch_p2p(..., synchronous=True))
 
     def __init__(self, mpi_comm: MPI.Comm | None = None):
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -125,9 +128,19 @@ class MPICommunicator(Communicator):
         return self._run(c.Alltoallv, c.Ialltoallv, args, recv, async_op, finish,
                          keep=(send, recv))
 
+    @contextlib.contextmanager
+    def _p2p_group(self, synchronous: bool):
+        """batch_p2p's bracket: MPI needs no group; synchronous sends for its duration."""
+        self._synchronous = synchronous
+        try:
+            yield
+        finally:
+            self._synchronous = False
+
     def _send(self, t, dst, tag, async_op):
         if async_op:
-            return Work(self.mpi.Isend(_spec(t), dst, tag).Wait, None, keep=t)
+            post = self.mpi.Issend if self._synchronous else self.mpi.Isend
+            return Work(post(_spec(t), dst, tag).Wait, None, keep=t)
         self.mpi.Send(_spec(t), dst, tag)
         return None
 

@@ -18,6 +18,7 @@ many GPUs exercises real NCCL traffic.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -32,6 +33,7 @@ from .communicator import (
     flat_view,
     gather_layout,
 )
+from .p2p import GroupedP2P
 
 # ncclDataType_t and ncclRedOp_t values, used when a cupy build lacks the named constant.
 _NCCL_TYPES = {
@@ -89,7 +91,7 @@ def select_local_device() -> int:
     return dev
 
 
-class NCCLCommunicator(Communicator):
+class NCCLCommunicator(GroupedP2P, Communicator):
     """Collectives over NCCL on CUDA tensors; `mpi_comm` (same ranks) carries the set-up."""
 
     device_type = "cuda"
@@ -104,6 +106,8 @@ class NCCLCommunicator(Communicator):
         uid = self.mpi.bcast(uid, root=0)  # passed through unchanged: bytes or tuple
         self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         self._side: torch.cuda.Stream | None = None  # async ops' stream (made on first use)
+        # inside batch_p2p: events to record on the side stream once the group is enqueued
+        self._grouped: list | None = None
         self._types = {d: getattr(nccl, n, v) for d, (n, v) in _NCCL_TYPES.items()}
         self._ops = {o: getattr(nccl, n, v) for o, (n, v) in _NCCL_OPS.items()}
 
@@ -130,9 +134,13 @@ class NCCLCommunicator(Communicator):
         if rec is None:
             return out
         event = torch.cuda.Event()  # on the stream the call went to: fires when it is done
-        event.record(self._side if isinstance(out, Work) and self._side is not None
-                     else torch.cuda.current_stream())
-        rec.enqueue(rec.current(), event)  # the entry the call just made
+        h = rec.current()  # the entry the call just made
+        if self._grouped is not None:  # enqueued only at groupEnd: recorded after it
+            self._grouped.append((event, lambda: rec.enqueue(h, event)))
+        else:
+            event.record(self._side if isinstance(out, Work) and self._side is not None
+                         else torch.cuda.current_stream())
+            rec.enqueue(h, event)
         if isinstance(out, Work):
             out._rec = out._entry = None
         return out
@@ -153,7 +161,10 @@ class NCCLCommunicator(Communicator):
         # stream: wait() orders the current stream after it (an event), then finishes.
         if async_op:
             event = torch.cuda.Event()
-            event.record(self._side)
+            if self._grouped is not None:  # recorded after groupEnd (_p2p_group)
+                self._grouped.append((event, None))
+            else:
+                event.record(self._side)
             return Work(lambda: torch.cuda.current_stream().wait_event(event), result, finish,
                         keep=keep)
         return finish() if finish is not None else result
@@ -245,6 +256,26 @@ class NCCLCommunicator(Communicator):
         self._comm.recv(t.data_ptr(), t.numel(), self._types[t.dtype], src,
                         self._stream(async_op))
         return self._done(t, async_op)
+
+    @contextlib.contextmanager
+    def _p2p_group(self, synchronous: bool):
+        """batch_p2p's bracket (NOT YET RUN ON A GPU): the sends and receives between
+        nccl.groupStart() and groupEnd() are enqueued together at groupEnd, on the side stream
+        (each after its own wait_stream, as any async op). The events of their Works and of
+        the flight recorder are recorded only after groupEnd: recorded inside the group they
+        would fire before the communication is even enqueued. NCCL sends are rendezvous
+        already: `synchronous` changes nothing."""
+        self._grouped = pending = []
+        self._nccl.groupStart()
+        try:
+            yield
+        finally:
+            self._grouped = None
+            self._nccl.groupEnd()
+            for event, then in pending:
+                event.record(self._side)
+                if then is not None:
+                    then()
 
     def _barrier(self):
         torch.cuda.current_stream().synchronize()

@@ -13,10 +13,21 @@ Each virtual stage this rank runs is a `ShardedModel` of its stage Program on th
 the pipe axis, so collectives inside a stage are those of the single-program runtime. Without a
 pipe axis there is one stage and no p2p; its microbatches (`schedule ..., microbatches = k`)
 are gradient accumulation, by the same code as a pipeline's. The schedule
-(shard/plan/schedules.py) is a list of actions; receives are posted ahead as non-blocking
-irecvs into buffers of the compile-time boundary shapes, sends are non-blocking isends waited
-on at the end of the step, so a rank computes while its messages travel. Every message has a
-tag naming (direction, edge, microbatch, tensor), so matching never depends on arrival order.
+(shard/plan/schedules.py) is a list of actions, and its p2p runs in one of two modes:
+
+- `ahead` (the default on CPU): receives are posted ahead as non-blocking irecvs into buffers
+  of the compile-time boundary shapes, sends are non-blocking isends waited on at the end of
+  the step, so a rank computes while its messages travel. Every message has a tag naming
+  (direction, edge, microbatch, tensor), so matching never depends on arrival order.
+- `grouped` (always on CUDA; `p2p="grouped"` or SOAPSTONE_P2P=grouped on CPU): NCCL has no
+  tags and runs a rank's p2p in issue order, so each rank issues its sends and receives in
+  the groups of shard/plan/p2p_groups.py (one `batch_p2p` each, a receive at the compute
+  reading it), proven deadlock-free and FIFO-paired by its rendezvous simulation. A group
+  starts once the one before it is complete, and the compute reading a receive waits for the
+  whole group, as on NCCL's single side stream. Messages pair by order alone (one tag); on
+  MPI the sends are synchronous (Issend), which complete only when matched, as NCCL's do: a
+  CPU run then has NCCL's blocking structure.
+
 Before sending, the actual tensor is checked against the stage graph (ShapeMismatch, which
 aborts the MPI job through the failure handler instead of leaving the receiver hanging).
 
@@ -33,11 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 
+from soapstone.comm.errors import UserError
 from soapstone.shard import trace as tr
-from soapstone.shard.plan import schedules
+from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel, check_mesh
@@ -67,17 +80,60 @@ class SubMesh:
         return self.mesh.size(axis)
 
 
-def check_device(graph: StageGraph, device: torch.device) -> None:
-    """DeviceError for a layout this device cannot run yet: a pipeline on CUDA. Its receives
-    are posted ahead of the sends they wait for (schedules.with_comm), which MPI matches by
-    tag but NCCL runs in order on one stream: both stages would wait on each other. Grouped
-    send/recv per schedule step is what it needs; not built."""
-    if device.type == "cuda" and graph.pipe > 1:
-        from soapstone.comm.device import DeviceError
+P2P_MODES = ("ahead", "grouped")
+GROUPED_TAG = 0  # grouped mode pairs messages by order alone, as NCCL does
 
-        raise DeviceError(f"layout {graph.parallel}: pipeline stages (pipe = {graph.pipe}) do "
-                          "not run on --device cuda yet (their p2p over NCCL is not built); "
-                          "run it with --device cpu, or pick a layout without `operator`")
+
+class P2PModeError(UserError, ValueError):
+    """An unknown p2p mode, or one the device cannot run."""
+
+
+def p2p_mode(choice: str | None, device: torch.device) -> str:
+    """The p2p mode to run: `choice`, else SOAPSTONE_P2P, else grouped on CUDA and ahead on
+    CPU. CUDA runs grouped only: posting receives ahead needs tags, which NCCL lacks."""
+    where = "p2p" if choice is not None else "SOAPSTONE_P2P"
+    if choice is None:
+        choice = os.environ.get("SOAPSTONE_P2P", "").strip() or None
+    if choice is None:
+        return "grouped" if device.type == "cuda" else "ahead"
+    if choice not in P2P_MODES:
+        raise P2PModeError(f"{where} = {choice!r}: unknown p2p mode; use one of "
+                           f"{', '.join(P2P_MODES)}")
+    if device.type == "cuda" and choice != "grouped":
+        raise P2PModeError(f"{where} = {choice!r} cannot run on --device cuda: NCCL has no tags "
+                           "to match receives posted ahead; use grouped")
+    return choice
+
+
+def _graph_ntensors(graph: StageGraph):
+    """ntensors(direction, edge) of p2p_groups: the edge's tensors (gradients: floats)."""
+    def count(direction: str, edge: int) -> int:
+        ts = graph.edges[edge].tensors
+        return len(ts) if direction == "A" else sum(1 for b in ts if b.is_float)
+    return count
+
+
+def check_device(graph: StageGraph, device: torch.device) -> None:
+    """DeviceError for a layout this device cannot run: on CUDA a pipeline runs its p2p in
+    groups (NCCL's in-order semantics, no tags), so its schedule must be one whose groups
+    p2p_groups proves deadlock-free and FIFO-paired, for training and for infer."""
+    if device.type != "cuda" or graph.pipe <= 1:
+        return
+    sched = schedules.build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
+    grouping, ntensors = p2p_groups.choose(sched), _graph_ntensors(graph)
+    if grouping is not None and all(
+            p2p_groups.check_fifo(p2p_groups.plans(sched, fo, grouping), ntensors) is None
+            for fo in (False, True)):
+        return
+    from soapstone.comm.device import DeviceError
+
+    why = p2p_groups.unproven(sched) or "its messages do not pair in order per tensor"
+    raise DeviceError(
+        f"layout {graph.parallel}: schedule {graph.schedule} (pipe = {graph.pipe}, "
+        f"microbatches = {graph.microbatches}, chunks = {graph.chunks}) cannot run on "
+        f"--device cuda: no grouping of its p2p is proven deadlock-free under NCCL's in-order "
+        f"rendezvous ({why}); run it with --device cpu, or pick another schedule or "
+        "microbatch count")
 
 
 class Executor:
@@ -85,7 +141,8 @@ class Executor:
 
     def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
-                 trace: bool = False, device: torch.device | str | None = None):
+                 trace: bool = False, device: torch.device | str | None = None,
+                 p2p: str | None = None):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
         self.graph = graph
@@ -105,7 +162,19 @@ class Executor:
                        for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
-        self.actions = self.schedule.with_comm(self.pipe_rank)
+        # p2p: "ahead" or "grouped" (the module doc; p2p_mode picks it when None)
+        self.p2p = p2p_mode(p2p, self.device)
+        if self.p2p == "grouped":
+            grouping = p2p_groups.choose(self.schedule)
+            if grouping is None:
+                raise P2PModeError(f"layout {graph.parallel}: p2p = grouped, but "
+                                   + (p2p_groups.unproven(self.schedule) or ""))
+            self.actions = p2p_groups.rank_plan(self.schedule, self.pipe_rank, False, grouping)
+            self._infer_actions = p2p_groups.rank_plan(self.schedule, self.pipe_rank, True,
+                                                       grouping)
+        else:
+            self.actions = self.schedule.with_comm(self.pipe_rank)
+            self._infer_actions = self.actions
         self.timeline = tr.Timeline(self.pipe_rank)
         self.last_loss: float | None = None
         self.optimizers: dict[int, object] = {}
@@ -285,10 +354,13 @@ class Executor:
         store: dict[tuple[int, int], tuple[dict, list]] = {}
         pending: dict[tuple[str, int, int], list] = {}
         sends: list = []
+        inflight: list = []  # grouped: the works of the last group issued
         losses: dict[int, torch.Tensor] = {}
         weights: dict[tuple[int, int], WeightPass] = {}  # zb1p: B done, W to run
         for a in self.actions:
-            if a.kind == "RA":
+            if isinstance(a, p2p_groups.Group):
+                self._issue(a, lambda x: self._outgoing(x, store), pending, inflight)
+            elif a.kind == "RA":
                 pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
             elif a.kind == "RG":
                 pending[("G", a.mb, a.stage)] = self._post_recv(a.mb, a.stage, "G")
@@ -347,24 +419,30 @@ class Executor:
                         stack.enter_context(opt.one_backward())
                     weights.pop((a.mb, a.stage)).run()
                 self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind == "SA":
-                _, outs = store[(a.mb, a.stage)]
-                edge = g.edges[a.stage]
-                sends += self._send(edge.tensors, outs, edge.dst_rank, "A", a.mb, a.stage,
-                                    a.stage)
-            elif a.kind == "SG":
-                leaves, _ = store.pop((a.mb, a.stage))
-                edge = g.edges[a.stage - 1]
-                floats = [b for b in edge.tensors if b.is_float]
-                grads = [leaves[b.name].grad if leaves[b.name].grad is not None
-                         else torch.zeros_like(leaves[b.name]) for b in floats]
-                sends += self._send(floats, grads, edge.src_rank, "G", a.mb, a.stage,
-                                    a.stage - 1)
+            elif a.kind in ("SA", "SG"):
+                sends += self._send(*self._outgoing(a, store), a.kind[1], a.mb, a.stage)
+        for w in inflight:
+            w.wait()
         for w, _ in sends:
             w.wait()
         store.clear()
         self.last_loss = self._loss(losses)
         return self.last_loss
+
+    def _outgoing(self, a, store: dict) -> tuple[list, list, int, int]:
+        """What send action `a` (SA | SG) of a training step sends: (boundary values,
+        tensors, destination pipe rank, edge index); SG drops the microbatch's stored values."""
+        g = self.graph
+        if a.kind == "SA":
+            _, outs = store[(a.mb, a.stage)]
+            edge = g.edges[a.stage]
+            return edge.tensors, outs, edge.dst_rank, a.stage
+        leaves, _ = store.pop((a.mb, a.stage))
+        edge = g.edges[a.stage - 1]
+        floats = [b for b in edge.tensors if b.is_float]
+        grads = [leaves[b.name].grad if leaves[b.name].grad is not None
+                 else torch.zeros_like(leaves[b.name]) for b in floats]
+        return floats, grads, edge.src_rank, a.stage - 1
 
     def _backward_input(self, a, leaves: dict, outs: list, got: list,
                         scale: int) -> WeightPass:
@@ -392,9 +470,10 @@ class Executor:
         (collective). Parameters, gradients and optimizer state are left as they were."""
         g = self.graph
         mbs = self.microbatches(batch)
-        pending: dict[tuple[int, int], list] = {}
+        pending: dict[tuple[str, int, int], list] = {}
         kept: dict[tuple[int, int], list] = {}
         sends: list = []
+        inflight: list = []
         losses: dict[int, torch.Tensor] = {}
         pieces: dict[str, list[torch.Tensor]] = {n: [] for n in gather}
         with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -403,11 +482,13 @@ class Executor:
             for m in self.models.values():
                 m.ctx.training = False
                 stack.callback(setattr, m.ctx, "training", True)
-            for a in self.actions:
-                if a.kind == "RA":
-                    pending[(a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
+            for a in self._infer_actions:
+                if isinstance(a, p2p_groups.Group):
+                    self._issue(a, lambda x: self._outgoing_infer(x, kept), pending, inflight)
+                elif a.kind == "RA":
+                    pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
                 elif a.kind == "F":
-                    got = [(b, w.wait()) for b, _, w in pending.pop((a.mb, a.stage), [])]
+                    got = self._received(pending.pop(("A", a.mb, a.stage), []))
                     model, stage = self.models[a.stage], self.stages[a.stage]
                     window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
                         if g.microbatches > 1 else None
@@ -422,12 +503,17 @@ class Executor:
                     else:
                         kept[(a.mb, a.stage)] = [outs[n] for n in stage.send]
                 elif a.kind == "SA":
-                    edge = g.edges[a.stage]
-                    sends += self._send(edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank,
-                                        "A", a.mb, a.stage, a.stage)
+                    sends += self._send(*self._outgoing_infer(a, kept), "A", a.mb, a.stage)
+            for w in inflight:
+                w.wait()
             for w, _ in sends:
                 w.wait()
         return self._loss(losses), {n: self._from_last(n, p) for n, p in pieces.items()}
+
+    def _outgoing_infer(self, a, kept: dict) -> tuple[list, list, int, int]:
+        """What SA sends in infer (as _outgoing)."""
+        edge = self.graph.edges[a.stage]
+        return edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank, a.stage
 
     def _from_last(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """A last-stage output's full value (microbatches joined on the batch dim), sent from
@@ -462,32 +548,76 @@ class Executor:
         d = 0 if direction == "A" else 1
         return ((d * max(len(g.edges), 1) + edge) * g.microbatches + mb) * self._ntensors + i
 
-    def _post_recv(self, mb: int, edge_index: int, direction: str) -> list:
+    def _recv_buffers(self, edge_index: int, direction: str) -> tuple[list, int]:
+        """Fresh buffers of the compiled boundary shapes for one receive: [(value, buffer)],
+        and the source pipe rank (gradients: of the float values only)."""
         edge = self.graph.edges[edge_index]
         if direction == "A":
             tensors, src = edge.tensors, edge.src_rank
         else:
             tensors, src = [b for b in edge.tensors if b.is_float], edge.dst_rank
-        out = []
-        for i, b in enumerate(tensors):
-            buf = torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype),
-                              device=self.device)
-            work = self.pipe_comm.irecv(buf, src, self._tag(direction, mb, edge_index, i))
-            out.append((b, buf, work))
-        return out
+        return [(b, torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype),
+                                device=self.device)) for b in tensors], src
+
+    def _post_recv(self, mb: int, edge_index: int, direction: str) -> list:
+        bufs, src = self._recv_buffers(edge_index, direction)
+        return [(b, buf, self.pipe_comm.irecv(buf, src, self._tag(direction, mb, edge_index, i)))
+                for i, (b, buf) in enumerate(bufs)]
+
+    def _issue(self, group: p2p_groups.Group, outgoing, pending: dict, inflight: list) -> None:
+        """Grouped mode: once the group before is complete (NCCL runs a rank's groups in
+        order on one stream), issue `group` as one batch_p2p: each receive into fresh buffers,
+        registered in `pending` for the compute reading it together with the group's sends
+        (that compute waits for the whole group, as on NCCL: one event after the group), and
+        each send of what `outgoing(action)` gives (as _outgoing). Leaves the group's works
+        in `inflight`."""
+        for w in inflight:
+            w.wait()
+        inflight.clear()
+        ops, recvs, sent = [], [], []
+        for o in group.ops:
+            a = o.action
+            if o.sending:
+                bounds, tensors, dst, _ = outgoing(a)
+                for buf in self._checked(bounds, tensors, o.direction, a.mb, a.stage):
+                    ops.append(("isend", buf, dst, GROUPED_TAG))
+                    sent.append(len(ops) - 1)
+            else:
+                bufs, src = self._recv_buffers(a.stage - 1 if a.kind == "RA" else a.stage,
+                                               o.direction)
+                recvs.append(((o.direction, a.mb, a.stage), bufs, len(ops)))
+                ops.extend(("irecv", buf, src, GROUPED_TAG) for _, buf in bufs)
+        works = self.pipe_comm.batch_p2p(ops, synchronous=True)
+        sends = [(None, None, works[i]) for i in sent]
+        for key, bufs, at in recvs:
+            pending[key] = [(b, buf, works[at + i]) for i, (b, buf) in enumerate(bufs)] + sends
+        inflight.extend(works)
+
+    @staticmethod
+    def _received(posted: list) -> list[tuple[Value, torch.Tensor]]:
+        """Wait for posted receives (and, grouped, their group's sends: value None); the
+        received (value, tensor) pairs."""
+        got = [(b, w.wait()) for b, _, w in posted]
+        return [(b, t) for b, t in got if b is not None]
 
     def _wait(self, posted: list | None, a) -> list[tuple[Value, torch.Tensor]]:
         if not posted:
             return []
         t0 = self.timeline.now()
-        got = [(b, w.wait()) for b, _, w in posted]
+        got = self._received(posted)
         self.timeline.record("R", a.mb, a.stage, t0, self.timeline.now())
         return got
 
-    def _send(self, bounds, tensors, dst: int, direction: str, mb: int, stage: int,
-              edge_index: int) -> list:
+    def _send(self, bounds, tensors, dst: int, edge_index: int, direction: str, mb: int,
+              stage: int) -> list:
+        return [(self.pipe_comm.isend(buf, dst, self._tag(direction, mb, edge_index, i)), buf)
+                for i, buf in enumerate(self._checked(bounds, tensors, direction, mb, stage))]
+
+    def _checked(self, bounds, tensors, direction: str, mb: int, stage: int) -> list:
+        """The tensors to send, contiguous, after checking each against its compiled
+        boundary shape and dtype (ShapeMismatch: the receiver allocates the compiled one)."""
         out = []
-        for i, (b, t) in enumerate(zip(bounds, tensors, strict=True)):
+        for b, t in zip(bounds, tensors, strict=True):
             want = self._float_dtype(b.dtype)
             if tuple(t.shape) != b.local_shape or t.dtype != want:
                 what = "activation" if direction == "A" else "gradient"
@@ -496,9 +626,7 @@ class Executor:
                     f"{t.dtype} {list(t.shape)}, but the stage graph compiled {want} "
                     f"{list(b.local_shape)} (dims {', '.join(b.dims)}); the receiver allocates "
                     "the compiled shape, so this is refused before sending")
-            buf = t.detach().contiguous()
-            work = self.pipe_comm.isend(buf, dst, self._tag(direction, mb, edge_index, i))
-            out.append((work, buf))
+            out.append(t.detach().contiguous())
         return out
 
     def _loss(self, losses: dict[int, torch.Tensor]) -> float:

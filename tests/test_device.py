@@ -89,14 +89,55 @@ def test_bench_comm_nccl_without_a_gpu_is_exit_2():
     assert "Traceback" not in r.stderr, r.report()
 
 
-def test_pipelines_are_refused_on_cuda_until_their_p2p_is_grouped():
+def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
+    """check_device lets a pipeline onto CUDA when p2p_groups proves its grouped p2p (every
+    pipeline layout of the examples and test specs); otherwise a DeviceError (exit 2) that
+    names the layout and schedule and offers the CPU."""
+    from pathlib import Path
+
     from soapstone import dsl
     from soapstone.dsl.stages import lower_graph
     from soapstone.shard.executor import check_device
+    from soapstone.shard.plan import p2p_groups
 
+    piped = 0
+    for path in sorted([*Path("examples").glob("*.par"), *Path("tests/specs").glob("*.par")]):
+        if "operator" not in path.read_text():
+            continue
+        dsl.custom.load_plugin("examples/custom_layer.py")
+        spec = dsl.load(path)
+        for par in spec.parallels.values():
+            graph = lower_graph(spec.model(par.model), par)
+            if graph.pipe > 1:
+                check_device(graph, torch.device("cuda"))
+                piped += 1
+    assert piped >= 10, piped
     spec = dsl.load("examples/gpt2.par")
     pipe = lower_graph(spec.model(), spec.parallel("pp2"))
     check_device(pipe, torch.device("cpu"))
-    check_device(lower_graph(spec.model(), spec.parallel("tp2")), torch.device("cuda"))
-    with pytest.raises(DeviceError, match=r"pp2: pipeline stages \(pipe = 2\).*--device cpu"):
+    monkeypatch.setattr(p2p_groups, "choose", lambda sched: None)  # a schedule none proves
+    with pytest.raises(DeviceError) as e:
         check_device(pipe, torch.device("cuda"))
+    text = str(e.value)
+    assert text.startswith("layout pp2: schedule 1f1b (pipe = 2, microbatches = ") and \
+        "cannot run on --device cuda" in text and "--device cpu" in text, text
+    assert "deadlock" in text, text
+
+
+def test_p2p_mode_choice_and_bad_values(monkeypatch):
+    from soapstone.comm.errors import UserError
+    from soapstone.shard.executor import P2PModeError, p2p_mode
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("SOAPSTONE_P2P", raising=False)
+    assert (p2p_mode(None, cpu), p2p_mode(None, cuda)) == ("ahead", "grouped")
+    assert p2p_mode("grouped", cpu) == "grouped"
+    monkeypatch.setenv("SOAPSTONE_P2P", "grouped")
+    assert p2p_mode(None, cpu) == "grouped" and p2p_mode("ahead", cpu) == "ahead"
+    assert issubclass(P2PModeError, UserError)  # exit 2
+    with pytest.raises(P2PModeError, match="cannot run on --device cuda.*use grouped"):
+        p2p_mode("ahead", cuda)
+    monkeypatch.setenv("SOAPSTONE_P2P", "eager")
+    with pytest.raises(P2PModeError, match="SOAPSTONE_P2P = 'eager': unknown p2p mode; use "
+                                           "one of ahead, grouped"):
+        p2p_mode(None, cpu)

@@ -1,7 +1,7 @@
 """The CUDA path for real: skipped without a CUDA GPU and cupy's NCCL (`pip install
 'soapstone[gpu]'`). With one GPU: the sharded init on the GPU equals the CPU's bit for bit,
 golden records reproduce at world size 1 over NCCL, training's loss falls; with two or more:
-tensor, data and pipeline layouts reproduce their records over NCCL."""
+tensor, data and pipeline layouts (grouped NCCL p2p) reproduce their records over NCCL."""
 
 from __future__ import annotations
 
@@ -56,7 +56,14 @@ def test_golden_check_two_gpus(layout):
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-def test_pipeline_on_gpus_is_refused_until_its_p2p_is_grouped():
-    r = run_mpi(2, [*CLI, "golden", "check", "examples/gpt2.par", "tests/golden/runs/gpt2.npz",
-                    "--parallel", "pp2", "--device", "cuda"], timeout=300)
-    assert r.returncode == 2 and "p2p over NCCL is not built" in r.stderr, r.report()
+@pytest.mark.parametrize("spec,layout,record", [
+    ("examples/gpt2.par", "pp2", "gpt2"),  # 1F1B
+    ("tests/specs/pipe_layouts.par", "pp2inter", "gpt"),  # interleaved: the `pairs` groups
+    ("tests/specs/zb_layouts.par", "pp2zb", "gpt"),  # zb1p
+])
+def test_pipeline_on_gpus_reproduces_its_record_with_grouped_nccl_p2p(spec, layout, record):
+    """Pipelines on CUDA issue their p2p in p2p_groups' groups (batch_p2p: one NCCL group
+    each); never run yet: the CPU proof is tests/test_pipeline.py's grouped cases."""
+    r = run_mpi(2, [*CLI, "golden", "check", spec, f"tests/golden/runs/{record}.npz",
+                    "--parallel", layout, "--device", "cuda"], timeout=300)
+    assert r.ok, r.report()

@@ -107,3 +107,26 @@ def test_boundary_shape_mismatch_fails_instead_of_hanging():
     assert res.returncode != 0, res.report()
     assert "ShapeMismatch" in res.stderr and "stage graph compiled" in res.stderr, res.report()
     assert "no error raised" not in res.stdout
+
+
+GROUPED = "tests/cases/pipe_grouped_cases.py"
+
+
+@pytest.mark.parametrize("case,n", case_params(GROUPED))
+def test_grouped_p2p_with_synchronous_sends_reproduces_the_records(comm_runs, case, n):
+    """NCCL's structure on MPI (p2p_groups' groups, Issend, order-only matching): the golden
+    records, bitwise equality with posting ahead, the verifier's grouped order."""
+    comm_runs(n, GROUPED).check(case)
+
+
+def test_grouped_p2p_that_the_simulator_refuses_hangs_on_mpi_too():
+    """The control: interleaved grouped with receives at their consumer (`consume`), which
+    p2p_groups.simulate shows deadlocking (both ranks in a send the other receives later),
+    hangs the same way over MPI with synchronous sends; the watchdog names it."""
+    res = run_mpi(2, [str(ROOT / GROUPED), "consume"], timeout=90,
+                  env={"SOAPSTONE_COLLECTIVE_TIMEOUT": "3"})
+    assert not res.timed_out and res.returncode != 0, res.report()
+    assert "no deadlock" not in res.stdout, res.report()
+    text = res.stdout + res.stderr
+    assert "rank 0 is blocked in isend to rank 1" in text, res.report()
+    assert "is blocked in isend to rank 0" in text, res.report()

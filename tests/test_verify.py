@@ -62,6 +62,39 @@ def test_every_layout_verifies(path):
         assert got.ranks == par.world_size
 
 
+@pytest.mark.parametrize("path", [p for p in SPECS if "operator" in p.read_text()],
+                         ids=lambda p: p.name)
+def test_every_pipeline_layout_verifies_with_grouped_p2p(path):
+    """The executor's grouped p2p order (NCCL's): every pipeline layout's sequences pair in
+    order and complete; the same messages as posting ahead, in another order."""
+    s = _spec(path)
+    for par in s.parallels.values():
+        graph = lower_graph(s.model(par.model), par)
+        if graph.pipe <= 1:
+            continue
+        reps = representatives(graph)
+        got = verify_layout(graph, ranks=reps, p2p="grouped")
+        assert got.messages == verify_layout(graph, ranks=reps).messages
+        for r in reps:
+            ahead, grouped = (expected_by_comm(rank_sequence(graph, r, p2p=m))
+                              for m in ("ahead", "grouped"))
+            assert ahead.keys() == grouped.keys()
+            for key in ahead:
+                assert ahead[key]["collective"] == grouped[key]["collective"]
+                assert sorted(map(str, ahead[key]["p2p"])) == sorted(
+                    map(str, grouped[key]["p2p"]))
+
+
+def test_grouped_p2p_of_a_swapped_schedule_is_refused(pp2):
+    s = schedules.build(pp2.schedule, 2, pp2.microbatches)
+    r1 = list(s.ranks[1])
+    i, j = r1.index(Action("F", 0, 1)), r1.index(Action("F", 1, 1))
+    r1[i], r1[j] = r1[j], r1[i]
+    swapped = Schedule(s.kind, s.pipe, s.microbatches, s.chunks, (s.ranks[0], tuple(r1)))
+    with pytest.raises(VerifyError, match="message 1 from rank 0 to rank 1"):
+        verify_layout(pp2, schedule=swapped, p2p="grouped")
+
+
 def test_sequence_fields(dp2tp2):
     seq = rank_sequence(dp2tp2, 0)
     first = seq[0]

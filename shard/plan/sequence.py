@@ -6,7 +6,10 @@ communicator (mesh axes and world ranks), the tensor it passes (shape, dtype), t
 sends in the comm layer's `stats` convention (so the sums are explain's figures), the phase,
 virtual stage and microbatch, and the spec step that produced it. Order, per rank:
 
-- the schedule's actions (schedules.Schedule.with_comm): receives posted (RA/RG), forward (F:
+- the schedule's actions (schedules.Schedule.with_comm; with p2p="grouped" the groups of
+  p2p_groups.rank_plan, each group's messages posted together once the group before is
+  waited for, and waited for by the compute reading one of them, as executor.py's grouped
+  mode does): receives posted (RA/RG), forward (F:
   the stage Program's redistributions and distributed statistics in step order; ZeRO-3's
   bucket gathers at their first use), backward (B: the same in reverse order, each step's
   transposed collective; a gradient bucket starts once its parameters' gradients have all
@@ -37,7 +40,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.plan import schedules
+from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.activations import _saved
 from soapstone.shard.plan.buckets import plan_buckets
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
@@ -570,10 +573,11 @@ def _backward_comm(p: Program, s) -> bool:
 
 
 def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | None = None,
-                  locate=None, mesh: _Mesh | None = None) -> tuple[Op, ...]:
+                  locate=None, mesh: _Mesh | None = None, p2p: str = "ahead") -> tuple[Op, ...]:
     """World rank `rank`'s calls in one training step (the module doc's order). `schedule`:
     the pipeline schedule to play (default the graph's); `locate(name)`: a spec location for
-    a value name ("" when unknown); `mesh`: shared by the calls for every rank."""
+    a value name ("" when unknown); `mesh`: shared by the calls for every rank; `p2p`: the
+    executor's p2p mode (ahead | grouped)."""
     mesh = mesh or _Mesh(graph.mesh)
     sched = schedule or schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
@@ -587,8 +591,24 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
     rows: dict = {}  # (action kind, stage) -> its p2p ops but for the microbatch
     posted: dict[tuple, list[Op]] = {}  # (direction, stage, mb) -> receives to wait for
     sends: list[Op] = []
-    for a in sched.with_comm(pipe_rank):
-        if a.kind in ("RA", "RG", "SA", "SG"):
+    inflight: list[Op] = []  # grouped: the last group's messages not yet waited for
+    if p2p == "grouped":
+        # an unproven schedule is played as consume: the simulation names its deadlock
+        items = p2p_groups.rank_plan(sched, pipe_rank, False,
+                                     p2p_groups.choose(sched) or "consume")
+    else:
+        items = sched.with_comm(pipe_rank)
+    for a in items:
+        if isinstance(a, p2p_groups.Group):  # the group before is complete first
+            out.extend(_wait(o) for o in inflight)
+            inflight = []
+            for x in a.ops:
+                ops = _p2p(graph, mesh, rank, x.action, rows, locate)
+                out.extend(ops)
+                inflight.extend(ops)
+                if not x.sending:
+                    posted[(x.direction, x.action.stage, x.action.mb)] = ops
+        elif a.kind in ("RA", "RG", "SA", "SG"):
             ops = _p2p(graph, mesh, rank, a, rows, locate)
             out.extend(ops)
             if a.kind in ("SA", "SG"):
@@ -601,6 +621,9 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
             # the compute waits for the receives it reads (executor._wait)
             got = posted.pop(("A" if a.kind == "F" else "G", a.stage, a.mb), [])
             out.extend(_wait(o) for o in got)
+            if got and inflight:  # grouped: the whole group, as on NCCL
+                out.extend(_wait(o) for o in inflight if not any(o is g for g in got))
+                inflight = []
             st = stages[a.stage]
             if a.kind == "F":
                 out.extend(st.forward(a.mb))
@@ -608,7 +631,7 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
                 out.extend(st.backward_input(a.mb) if sched.split
                            else st.backward(a.mb, states[a.stage]))
     # the step's end waits for its sends
-    out.extend(_wait(o) for o in sends)
+    out.extend(_wait(o) for o in inflight + sends)
     if last_stage in stages:
         for mb in range(graph.microbatches):
             out.extend(stages[last_stage].loss(mb))
@@ -697,10 +720,10 @@ def _width(dtype: str) -> int:
 
 
 def rank_sequences(graph: StageGraph, schedule: schedules.Schedule | None = None,
-                   locate=None, ranks=None) -> dict[int, tuple[Op, ...]]:
+                   locate=None, ranks=None, p2p: str = "ahead") -> dict[int, tuple[Op, ...]]:
     """Every world rank's sequence (rank_sequence for each; `ranks`: only those)."""
     mesh = _Mesh(graph.mesh)
-    return {r: rank_sequence(graph, r, schedule, locate, mesh)
+    return {r: rank_sequence(graph, r, schedule, locate, mesh, p2p)
             for r in (range(graph.world_size) if ranks is None else ranks)}
 
 

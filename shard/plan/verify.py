@@ -328,7 +328,7 @@ def representatives(graph) -> tuple[int, ...]:
 
 
 def verify_layout(graph, schedule=None, locate=None, optimizer: str = "adamw",
-                  ranks: tuple[int, ...] | None = None) -> Verified:
+                  ranks: tuple[int, ...] | None = None, p2p: str = "ahead") -> Verified:
     """Derive every rank's sequence of `graph` (under `schedule`, default the graph's) and
     prove it (verify_sequences), and that its bytes are explain's; VerifyError otherwise.
 
@@ -337,8 +337,9 @@ def verify_layout(graph, schedule=None, locate=None, optimizer: str = "adamw",
     it runs) and the names of its communicators and peers, so ranks that differ off the pipe
     axis make the same calls on their own copies of each communicator: every such
     communicator's members agree by construction, they enter each collective together (the
-    simulation counts the members derived), and all p2p stays within one pipe column."""
-    seqs = rank_sequences(graph, schedule, locate, ranks)
+    simulation counts the members derived), and all p2p stays within one pipe column.
+    p2p: the executor's p2p mode whose order to prove (ahead | grouped)."""
+    seqs = rank_sequences(graph, schedule, locate, ranks, p2p)
     out = verify_sequences(seqs)
     check_bytes(graph, seqs, optimizer)
     return attrs.evolve(out, ranks=graph.world_size, derived=len(seqs))

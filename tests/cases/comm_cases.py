@@ -180,6 +180,54 @@ def case_send_recv_ring():
         same(W.recv(torch.empty(3, device=DEV), R - 1), inp(R - 1, (3,)), "send/recv pair")
 
 
+@ranks(2, 4)
+def case_batch_p2p_ring_in_order_counted_and_recorded():
+    """batch_p2p (comm/p2p.py): one group with a receive listed before its send, two messages
+    to one peer under one tag (paired in issue order), through isend/irecv's counters and
+    flight recorder; a bad op is refused before anything is posted."""
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    for synchronous in (False, True):
+        for dt in DTYPES:
+            a, b = torch.empty(4, 2, dtype=dt, device=DEV), torch.empty(3, dtype=dt, device=DEV)
+            W.reset_stats()
+            seq = W.recorder.p2p_seq if W.recorder else 0
+            works = W.batch_p2p([("irecv", a, prv), ("isend", inp(R, (4, 2), dt), nxt),
+                                 ("isend", inp(R, (3,), dt, 1), nxt), ("irecv", b, prv)],
+                                synchronous=synchronous)
+            got = [w.wait() for w in works]
+            same(got[0], inp(prv, (4, 2), dt), f"batch_p2p first message {dt}")
+            same(got[3], inp(prv, (3,), dt, 1), f"batch_p2p second message {dt}")
+            size = torch.empty(0, dtype=dt).element_size()
+            assert W.stats["send"].bytes == 11 * size and W.stats["send"].calls == 2
+            if W.recorder:
+                ops = [e["op"] for e in W.recorder.snapshot()["entries"]
+                       if e["kind"] == "p2p" and e["seq"] > seq]
+                assert ops == ["irecv", "isend", "isend", "irecv"], ops
+    seq = W.recorder.p2p_seq if W.recorder else 0
+    for bad, match in (([("isend", inp(R, (2,)), nxt), ("put", inp(R, (2,)), nxt)], "unknown"),
+                       ([("irecv", torch.empty(2, device=DEV), prv),
+                         ("isend", inp(R, (2,)), N)], "not a rank")):
+        try:
+            W.batch_p2p(bad)
+        except CommError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"batch_p2p took {bad}")
+    assert W.recorder is None or W.recorder.p2p_seq == seq, "a refused batch posted ops"
+    if W.device_type == "cpu":
+        # synchronous: an Issend stays incomplete until its receive is posted (NCCL's
+        # rendezvous), where a small Isend completes at once (eager)
+        if R == 0:
+            (w,) = W.batch_p2p([("isend", inp(0, (2,)), 1)], synchronous=True)
+            assert not w._wait.__self__.Test(), "a synchronous send completed unmatched"
+        W.mpi.Barrier()
+        if R == 1:
+            W.recv(torch.empty(2), 0)
+        if R == 0:
+            w.wait()
+        assert not W._synchronous
+
+
 @ranks(1, 2, 4)
 def case_async_ops_match_blocking():
     x = inp(R, (2 * N, 4), torch.float32)

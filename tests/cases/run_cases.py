@@ -67,9 +67,10 @@ def _wild(row: tuple, plan: tuple) -> tuple:
     return op, tuple(-1 if w == -1 else g for g, w in zip(shape, plan[1], strict=True)), dtype
 
 
-def _assert_sequence(graph, marks: dict, layout: str) -> None:
-    """The calls each communicator recorded since `marks` are the plan's for this rank."""
-    want = expected_by_comm(rank_sequence(graph, W.rank))
+def _assert_sequence(graph, marks: dict, layout: str, p2p: str = "ahead") -> None:
+    """The calls each communicator recorded since `marks` are the plan's for this rank (its
+    p2p in the executor's mode `p2p`)."""
+    want = expected_by_comm(rank_sequence(graph, W.rank, p2p=p2p))
     assert set(want) <= set(marks) or not marks, f"{layout}: plan names {sorted(want)}"
     for key, (c, seq0, p2p0) in marks.items():
         got = {"collective": [], "p2p": []}
@@ -177,7 +178,7 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
         c.reset_stats()
     marks = _recorder_marks(mesh)
     t.step(1)
-    _assert_sequence(graph, marks, layout)
+    _assert_sequence(graph, marks, layout, t.executor.p2p)
     measured: dict[tuple[str, str], int] = {}
     for axes, c in comms.items():
         for op, st in c.stats.items():
