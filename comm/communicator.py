@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._flight_ring import use_shape_getter
+from ._flight_ring import use_tensor_getters
 from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 from .errors import UserError
@@ -40,8 +40,9 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
-# the recorder reads shapes through torch's own getter (half the cost of the attribute lookup)
-use_shape_getter(next(c.__dict__["shape"] for c in type(_NOTHING).__mro__ if "shape" in c.__dict__))
+# the recorder reads tensors through torch's own getters (half the cost of attribute lookups)
+use_tensor_getters(*(next(c.__dict__[name] for c in type(_NOTHING).__mro__ if name in c.__dict__)
+                     for name in ("shape", "ndim", "nbytes")))
 
 
 class CommError(UserError, ValueError):

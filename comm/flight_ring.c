@@ -42,16 +42,22 @@ typedef struct {
     long long seq[2];
     long long capacity, mask;
     long long cur;    /* handle of the entry started last (0: none yet) */
-    long long nbytes; /* that entry's bytes */
+    PyObject *nbytes; /* that entry's bytes (an object: Python reads it as a plain slot) */
     long long active; /* handle of the entry a wait() is blocked in (0: none) */
     long long *sent, *recvd; /* per peer: p2p messages posted since the start */
     Py_ssize_t size;
 } Ring;
 
-/* torch.Tensor.shape's getter, called directly: the attribute lookup costs as much again */
-static getter shape_get;
-static void *shape_closure;
-static PyTypeObject *shape_type;
+/* torch.Tensor's getters for shape, ndim and nbytes, called directly (the attribute lookup
+ * costs as much again). A torch.Size costs 2.5x what ndim or nbytes cost to get (callgrind:
+ * ~1000 instructions with its allocation and release, against ~300), so a tensor of at most
+ * one dim is recorded from ndim and nbytes, which the byte counter needs anyway. */
+typedef struct {
+    getter get;
+    void *closure;
+} Getter;
+static Getter get_shape, get_ndim, get_nbytes;
+static PyTypeObject *tensor_type; /* the class the getters belong to */
 static PyObject *shape_name, *itemsize_name;
 
 /* dtype -> itemsize, looked up once per dtype (the dtypes are torch's immortal singletons) */
@@ -159,6 +165,7 @@ static void ring_dealloc(Ring *r) {
     }
     PyMem_Free(r->sent);
     PyMem_Free(r->recvd);
+    Py_CLEAR(r->nbytes);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -190,9 +197,50 @@ static int ring_init(Ring *r, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-static PyObject *read_shape(PyObject *t) {
-    if (shape_get != NULL && PyObject_TypeCheck(t, shape_type)) return shape_get(t, shape_closure);
-    return PyObject_GetAttr(t, shape_name);
+static long long get_int(Getter g, PyObject *t) {
+    PyObject *v = g.get(t, g.closure);
+    if (v == NULL) return -1;
+    long long n = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return n;
+}
+
+/* t's dims into e (the tuple itself too when they do not fit) and its size in bytes, or -1
+ * with an exception set */
+static long long read_shape(Entry *e, PyObject *t, long long size) {
+    int fast = tensor_type != NULL && PyObject_TypeCheck(t, tensor_type);
+    if (fast) {
+        long long n = get_int(get_ndim, t);
+        if (n < 0) return -1;
+        if (n <= 1) {
+            long long nbytes = get_int(get_nbytes, t);
+            if (nbytes < 0) return -1;
+            e->ndim = (int)n;
+            e->dims[0] = nbytes / size;
+            return nbytes;
+        }
+    }
+    PyObject *shape = fast ? get_shape.get(t, get_shape.closure) : PyObject_GetAttr(t, shape_name);
+    if (shape == NULL) return -1;
+    if (!PyTuple_Check(shape)) {
+        Py_DECREF(shape);
+        PyErr_SetString(PyExc_TypeError, "t.shape is not a tuple");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    long long numel = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (i < MAXDIM) e->dims[i] = d;
+        numel *= d;
+    }
+    e->ndim = (int)n;
+    if (n > MAXDIM) {
+        e->shape = shape; /* keeps the reference */
+    } else {
+        Py_DECREF(shape);
+    }
+    return numel * size;
 }
 
 /* A new entry for op on tensor t, STARTED now: a collective (peer < 0) or a p2p op with its
@@ -207,40 +255,27 @@ static Entry *begin(Ring *r, PyObject *op, PyObject *t, PyObject *dtype, int pee
         PyErr_SetString(PyExc_ValueError, "peer out of range");
         return NULL;
     }
-    PyObject *shape = read_shape(t);
-    if (shape == NULL) return NULL;
-    if (!PyTuple_Check(shape)) {
-        Py_DECREF(shape);
-        PyErr_SetString(PyExc_TypeError, "t.shape is not a tuple");
-        return NULL;
-    }
     long long size = itemsize(dtype);
-    if (size < 0) {
-        Py_DECREF(shape);
+    if (size <= 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dtype of itemsize 0");
         return NULL;
     }
-    long long seq = ++r->seq[kind];
+    long long seq = r->seq[kind] + 1;
     Entry *e = &r->ring[kind][seq & r->mask];
     clear_entry(e); /* the entry capacity ops ago */
-    Py_ssize_t n = PyTuple_GET_SIZE(shape);
-    long long numel = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-        if (i < MAXDIM) e->dims[i] = d;
-        numel *= d;
-    }
-    if (n > MAXDIM) {
-        e->shape = shape; /* keeps the reference */
-    } else {
-        Py_DECREF(shape);
-    }
+    e->seq = 0;     /* not an entry until it is whole */
+    long long nbytes = read_shape(e, t, size);
+    if (nbytes < 0) return NULL;
+    r->seq[kind] = seq;
     Py_INCREF(op);
     Py_INCREF(dtype);
     e->seq = seq;
     e->op = op;
     e->dtype = dtype;
-    e->ndim = (int)n;
-    e->nbytes = r->nbytes = numel * size;
+    e->nbytes = nbytes;
+    PyObject *n = PyLong_FromLongLong(nbytes);
+    if (n == NULL) return NULL;
+    Py_XSETREF(r->nbytes, n);
     e->peer = peer;
     e->state = STARTED;
     e->t_start = stamp();
@@ -483,7 +518,7 @@ static PyMemberDef ring_members[] = {
      "p2p ops started"},
     {"capacity", T_LONGLONG, offsetof(Ring, capacity), READONLY, "entries kept per ring"},
     {"mask", T_LONGLONG, offsetof(Ring, mask), READONLY, "capacity - 1"},
-    {"nbytes", T_LONGLONG, offsetof(Ring, nbytes), READONLY,
+    {"nbytes", T_OBJECT_EX, offsetof(Ring, nbytes), READONLY,
      "bytes of the entry started last"},
     {"active", T_LONGLONG, offsetof(Ring, active), READONLY,
      "handle of the entry a wait() is blocked in (0: none)"},
@@ -507,23 +542,47 @@ static PyTypeObject RingType = {
     .tp_getset = ring_getset,
 };
 
-/* use_shape_getter(descriptor): read shapes through this getset descriptor (torch.Tensor's
- * `shape`) for instances of its type */
-static PyObject *use_shape_getter(PyObject *m, PyObject *desc) {
+static int getter_of(PyObject *desc, Getter *g) {
     if (!PyObject_TypeCheck(desc, &PyGetSetDescr_Type)) {
         PyErr_SetString(PyExc_TypeError, "expected a getset descriptor");
-        return NULL;
+        return -1;
     }
     PyGetSetDescrObject *d = (PyGetSetDescrObject *)desc;
+    if (tensor_type != NULL && d->d_common.d_type != tensor_type) {
+        PyErr_SetString(PyExc_TypeError, "the descriptors must be of one class");
+        return -1;
+    }
     Py_INCREF(desc); /* keeps the getter's owner alive for good */
-    shape_type = d->d_common.d_type;
-    shape_closure = d->d_getset->closure;
-    shape_get = d->d_getset->get;
+    tensor_type = d->d_common.d_type;
+    g->get = d->d_getset->get;
+    g->closure = d->d_getset->closure;
+    return 0;
+}
+
+/* use_tensor_getters(shape, ndim, nbytes): read tensors through these getset descriptors
+ * (torch.Tensor's, all of one class) for instances of their class */
+static PyObject *use_tensor_getters(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "use_tensor_getters(shape, ndim, nbytes)");
+        return NULL;
+    }
+    Getter g[3];
+    PyTypeObject *before = tensor_type;
+    for (int i = 0; i < 3; i++) {
+        if (getter_of(args[i], &g[i]) < 0) {
+            tensor_type = before;
+            return NULL;
+        }
+    }
+    get_shape = g[0];
+    get_ndim = g[1];
+    get_nbytes = g[2];
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
-    {"use_shape_getter", use_shape_getter, METH_O, "read shapes through this descriptor"},
+    {"use_tensor_getters", (PyCFunction)(void (*)(void))use_tensor_getters, METH_FASTCALL,
+     "use_tensor_getters(shape, ndim, nbytes): read tensors through these descriptors"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flight_ring",
