@@ -13,9 +13,9 @@ calls: one process (1 rank), the same 8-byte tensor through two communicators ov
 MPI communicator, one recording and one not. Each call is timed alone (perf_counter_ns), in
 turns of 200 calls per communicator with the order rotating, the first 20 calls of a turn not
 counted (they pay for switching communicators); figures are medians. A load of other jobs
-shows up as outliers, which the median leaves out. Then the parts a recorded entry is made of,
-each timed alone in a loop (minus the empty loop; the lowest of many loops, since load only
-adds time): the floor of a Python recorder.
+shows up as outliers, which the median leaves out. Then the parts of a recorded call, each
+timed alone in a loop (the lowest of many loops, since load only adds time): the C recorder's
+`run` around a call that does nothing, and the tensor reads the two paths differ by.
 
 dp: bench_dp's model (gpt scaled to ~21M parameters, AdamW, 2 ranks, data parallel) as ZeRO 0
 (buckets overlapped with backward) and ZeRO 3, each built twice, recorded and not, the twins
@@ -54,42 +54,50 @@ def per_call_ns(fns: dict, rounds: int) -> dict:
 
 
 def part_ns(rounds: int, n: int = 2000) -> dict:
-    """{part of a recorded entry: ns}, each timed alone in a loop of n, minus the empty loop;
-    the lowest of `rounds` loops (another job's load only ever adds time)."""
+    """{part of a recorded call: ns}, each timed alone in a loop of n, minus the empty loop;
+    the lowest of `rounds` loops (another job's load only ever adds time). The recorder's own
+    share is `rec.run` around a call that does nothing, minus that call made directly."""
     import torch
 
-    now = time.monotonic
-    t = torch.zeros(2)
+    from soapstone.comm.flight_recorder import FlightRecorder
 
-    def func():
+    rec = FlightRecorder(512, 0, 2, [0, 1], "bench")
+    t, t3 = torch.zeros(2), torch.zeros(2, 2, 2)
+    dtype, args = t.dtype, (t,)
+
+    def func(_):
         return None
 
     def empty():
         for _ in range(n):
             pass
 
-    def call():
+    def direct():
         for _ in range(n):
-            func()
+            func(*args)
 
-    def clock():
+    def run():
         for _ in range(n):
-            now()
+            rec.run("allreduce", t, dtype, -1, False, False, func, args)
+
+    def run3():
+        for _ in range(n):
+            rec.run("allreduce", t3, dtype, -1, False, False, func, (t3,))
+
+    def nbytes():
+        for _ in range(n):
+            t.nbytes  # noqa: B018
+
+    def recorded_nbytes():
+        for _ in range(n):
+            rec.nbytes  # noqa: B018
 
     def shape():
         for _ in range(n):
-            t.shape  # noqa: B018
+            t3.shape  # noqa: B018
 
-    def dtype():
-        for _ in range(n):
-            t.dtype  # noqa: B018
-
-    def entry():
-        for i in range(n):
-            [i, "allreduce", t, t, 8, -1, 0.5, 0.0, 0.0, "started"]  # noqa: B018
-
-    parts = {"empty": empty, "a Python function call": call, "time.monotonic()": clock,
-             "t.shape": shape, "t.dtype": dtype, "a 10-item list": entry}
+    parts = {"empty": empty, "direct": direct, "run": run, "run3": run3, "t.nbytes": nbytes,
+             "rec.nbytes": recorded_nbytes, "t.shape": shape}
     times: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(rounds):
         for name, fn in parts.items():
@@ -97,7 +105,11 @@ def part_ns(rounds: int, n: int = 2000) -> dict:
             fn()
             times[name].append((time.perf_counter_ns() - t0) / n)
     low = {k: min(v) for k, v in times.items()}
-    return {k: v - low["empty"] for k, v in low.items() if k != "empty"}
+    return {"rec.run around a no-op, 1-d tensor (less the direct call)": low["run"] - low["direct"],
+            "the same, 3-d tensor": low["run3"] - low["direct"],
+            "t.nbytes (what the unrecorded path asks instead)": low["t.nbytes"] - low["empty"],
+            "rec.nbytes": low["rec.nbytes"] - low["empty"],
+            "t.shape (3-d)": low["t.shape"] - low["empty"]}
 
 
 def calls(rounds: int) -> None:
@@ -124,7 +136,7 @@ def calls(rounds: int) -> None:
         a, b = med[("unrecorded", key)], med[("recorded", key)]
         print(f"{label:34s} {a:10.0f} {b:9.0f} {b - a:+6.0f} {b / a:7.3f}x")
     parts = part_ns(10 * rounds)
-    print("# the parts of a recorded entry, each alone (ns, lowest of many loops): "
+    print("# the parts of a recorded call, each alone (ns, lowest of many loops): "
           + "; ".join(f"{k} {v:.0f}" for k, v in parts.items()))
 
 
