@@ -1,6 +1,7 @@
 """Data parallel and ZeRO-3 vs PyTorch DDP and FSDP2 (gloo), side by side in one job.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_dp.py [--steps 5]
+            [--device cpu|cuda]
 
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers,
 seq 64, global batch 4), AdamW, the same batches everywhere. Rows (rank 0 prints, medians
@@ -12,6 +13,9 @@ torch's rows are run twice: with torch.optim.AdamW's default (for-loop) kernel a
 fused=True, the kernel soapstone's flat AdamW calls.
 Memory: bytes of parameters + gradients + optimizer state each rank holds after a step,
 counted from the tensors (each storage once), for both frameworks; plus ru_maxrss.
+--device cuda: both on NCCL, each rank on the GPU of its node-local rank (`start`, which
+bench_tp and bench_pipe share), steps timed between torch.cuda.synchronize() calls. Not yet run
+on a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from mpi4py import MPI
@@ -34,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 from torch_gpt import GPT  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
-from soapstone.comm import Mesh, init  # noqa: E402
+from soapstone.comm import Communicator, Mesh, init  # noqa: E402
 from soapstone.comm.bench import init_gloo  # noqa: E402
 from soapstone.dsl.lower import lower  # noqa: E402
 from soapstone.shard.memory import memory_report  # noqa: E402
@@ -45,6 +50,48 @@ DIMS = dict(hidden=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=4)
 LAYERS = 4
 
 
+class BenchDevice(NamedTuple):
+    """Where a bench runs: soapstone's world communicator, torch.distributed, this rank's
+    torch device."""
+
+    world: Communicator
+    dist: object
+    device: torch.device
+
+    def sync(self) -> None:
+        """Wait for the GPU's queued work (nothing to wait for on the CPU): GPU calls return
+        once enqueued, so a clock read without it times the launches, not the work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def label(self) -> str:
+        """The device for headers and JSON: `cpu`, or e.g. `cuda:0 (NVIDIA H100 80GB HBM3)`."""
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return "cpu"
+
+
+def start(device: str) -> BenchDevice:
+    """soapstone and torch.distributed for --device: MPI and gloo on the CPU; NCCL for both on
+    cuda (collective). A cuda this machine cannot run ends every rank with exit 2 and one line
+    naming the fix, before any NCCL call (the check `soapstone run --device cuda` makes)."""
+    mpi = MPI.COMM_WORLD
+    if device == "cpu":
+        world = init("mpi")
+        return BenchDevice(world, init_gloo(mpi), torch.device("cpu"))
+    from soapstone.comm.bench_nccl import init_torch_nccl
+    from soapstone.comm.device import DeviceError, pick
+    from soapstone.dsl.commands import fail
+
+    try:
+        dev = pick("cuda")  # every rank reaches the same verdict, so none waits for another
+    except DeviceError as e:
+        raise SystemExit(fail(e, mpi.Get_rank())) from None
+    world = init("nccl")
+    return BenchDevice(world, init_torch_nccl(mpi, dev), dev)
+
+
 def batches(n):
     g = torch.Generator().manual_seed(0)
     return [(torch.randint(0, DIMS["vocab"], (DIMS["batch"], DIMS["seq"]), generator=g),
@@ -52,12 +99,14 @@ def batches(n):
             for _ in range(n)]
 
 
-def timed(step, data, warmup=2):
+def timed(step, data, bench, warmup=2):
     times = []
     for i, b in enumerate(data):
+        bench.sync()
         MPI.COMM_WORLD.Barrier()
         t0 = time.perf_counter()
         step(b)
+        bench.sync()
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
@@ -84,13 +133,13 @@ def torch_bytes(model, opt) -> int:
     return tensor_bytes(ps) + tensor_bytes(p.grad for p in ps) + tensor_bytes(state)
 
 
-def soapstone_model(zero, overlap=True, world=None):
+def soapstone_model(zero, overlap=True, world=None, device=None):
     """(train step on a batch, model, optimizer) of soapstone's data-parallel gpt on the mesh
-    data=2 over `world` (default: init's world communicator)."""
+    data=2 over `world` (default: init's world communicator), on `device` (default cpu)."""
     spec = dsl.load(ROOT / "examples/gpt.par", dims=DIMS, check=False)
     par = spec.parallel("dp2")
     w = init("mpi") if world is None else world
-    m = ShardedModel(lower(spec.model(), par), Mesh(w, data=2), seed=0)
+    m = ShardedModel(lower(spec.model(), par), Mesh(w, data=2), seed=0, device=device)
     opt = build_optimizer(m, "adamw", lr=1e-4, zero=zero, overlap=overlap)
 
     def step(b):
@@ -102,15 +151,15 @@ def soapstone_model(zero, overlap=True, world=None):
     return step, m, opt
 
 
-def soapstone_row(zero, data, overlap=True):
-    step, m, opt = soapstone_model(zero, overlap)
-    t = timed(step, data)
+def soapstone_row(zero, data, bench, overlap=True):
+    step, m, opt = soapstone_model(zero, overlap, bench.world, bench.device)
+    t = timed(step, data, bench)
     return t, memory_report(m, opt)["total"]
 
 
-def torch_model():
-    torch.manual_seed(0)
-    return GPT(DIMS["vocab"], DIMS["hidden"], DIMS["heads"], DIMS["ffn"], LAYERS)
+def torch_model(device="cpu"):
+    torch.manual_seed(0)  # drawn on the CPU, so every device starts from the same weights
+    return GPT(DIMS["vocab"], DIMS["hidden"], DIMS["heads"], DIMS["ffn"], LAYERS).to(device)
 
 
 def local(b):
@@ -118,25 +167,28 @@ def local(b):
     return b[0].chunk(n)[r], b[1].chunk(n)[r]
 
 
-def ddp_row(data, fused=False):
+def ddp_row(data, bench, fused=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return torch_row(DDP(torch_model(), bucket_cap_mb=25), data, fused)
+    dev = bench.device
+    ids = [dev.index] if dev.type == "cuda" else None
+    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25), data, bench,
+                     fused)
 
 
-def fsdp_row(data, fused=False):
+def fsdp_row(data, bench, fused=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (MPI.COMM_WORLD.size,))
-    model = torch_model()
+    mesh = init_device_mesh(bench.device.type, (MPI.COMM_WORLD.size,))
+    model = torch_model(bench.device)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return torch_row(model, data, fused)
+    return torch_row(model, data, bench, fused)
 
 
-def torch_row(model, data, fused):
+def torch_row(model, data, bench, fused):
     """(step time, bytes held) of a torch-parallelised model under AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
 
@@ -145,7 +197,7 @@ def torch_row(model, data, fused):
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    t = timed(step, data)
+    t = timed(step, data, bench)
     return t, torch_bytes(model, opt)
 
 
@@ -153,23 +205,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", help="write the rows here (rank 0)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_gloo(MPI.COMM_WORLD)
-    data = batches(args.steps + 2)
+    bench = start(args.device)
+    # on the device before timing, as a training loop's prefetch would have them
+    data = [(a.to(bench.device), b.to(bench.device)) for a, b in batches(args.steps + 2)]
     rows = {}
-    rows["soapstone zero 0"] = soapstone_row(0, data)
-    rows["torch DDP"] = ddp_row(data)
-    # soapstone's flat AdamW runs torch's fused CPU kernel; torch can too, so show both
-    rows["torch DDP, AdamW(fused=True)"] = ddp_row(data, fused=True)
-    rows["soapstone zero 0, reduce after backward"] = soapstone_row(0, data, overlap=False)
-    rows["soapstone zero 3"] = soapstone_row(3, data)
-    rows["torch FSDP2"] = fsdp_row(data)
-    rows["torch FSDP2, AdamW(fused=True)"] = fsdp_row(data, fused=True)
+    rows["soapstone zero 0"] = soapstone_row(0, data, bench)
+    rows["torch DDP"] = ddp_row(data, bench)
+    # soapstone's flat AdamW runs torch's fused kernel; torch can too, so show both
+    rows["torch DDP, AdamW(fused=True)"] = ddp_row(data, bench, fused=True)
+    rows["soapstone zero 0, reduce after backward"] = soapstone_row(0, data, bench,
+                                                                    overlap=False)
+    rows["soapstone zero 3"] = soapstone_row(3, data, bench)
+    rows["torch FSDP2"] = fsdp_row(data, bench)
+    rows["torch FSDP2, AdamW(fused=True)"] = fsdp_row(data, bench, fused=True)
     rss = MPI.COMM_WORLD.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, MPI.MAX)
     if MPI.COMM_WORLD.rank == 0:
         n = sum(p.numel() for p in torch_model().parameters())
-        print(f"gpt {n / 1e6:.1f}M params, {MPI.COMM_WORLD.size} ranks, AdamW, "
+        on = f" on {bench.label} (NCCL)" if bench.device.type == "cuda" else ""
+        print(f"gpt {n / 1e6:.1f}M params, {MPI.COMM_WORLD.size} ranks{on}, AdamW, "
               f"median of {args.steps} steps")
         print(f"{'config':42s} {'step s':>8s} {'MiB/rank (p+g+opt)':>20s}")
         for k, (t, mem) in rows.items():
@@ -184,7 +241,8 @@ def main() -> int:
               f"overlap saves {100 * (1 - z0 / nov):.1f}% of the step; max RSS "
               f"{rss / 1024:.0f} MiB")
         if args.json:
-            Path(args.json).write_text(json.dumps({k: {"step_s": t, "bytes": m}
+            Path(args.json).write_text(json.dumps({k: {"step_s": t, "bytes": m,
+                                                       "device": bench.label}
                                                    for k, (t, m) in rows.items()}, indent=1))
     torch.distributed.destroy_process_group()
     return 0

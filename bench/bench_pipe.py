@@ -1,7 +1,7 @@
 """Pipeline parallel at 2 ranks: soapstone 1F1B vs torch.distributed.pipelining Schedule1F1B.
 
     mpiexec -n 2 .venv/bin/python bench/bench_pipe.py [--iters 10] [--microbatches 8]
-            [--trace pipe.json] [--png pipe.png] [--json out.json]
+            [--trace pipe.json] [--png pipe.png] [--json out.json] [--device cpu|cuda]
 
 Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
 batch 16, 4 layers: layers 0-1 with the embedding on rank 0, layers 2-3 with the head and loss
@@ -11,6 +11,10 @@ plain-torch GPT of tests/torch_gpt.py cut at the same place, PipelineStage + Sch
 gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
 median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
 The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
+--device cuda: both on NCCL with the stages and batch on each rank's GPU (bench_dp.start;
+soapstone's p2p grouped, as on any GPU), each step timed between torch.cuda.synchronize()
+calls. No bubble, trace or PNG there: the timeline's host clock times kernel launches, not the
+GPU's work. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 DIMS = {"batch": 16, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
 
-def soapstone_pipe(world, microbatches: int):
+def soapstone_pipe(world, microbatches: int, device=None):
+    import torch
+
     from soapstone import dsl
     from soapstone.comm import Mesh
     from soapstone.dsl import ir
@@ -42,10 +48,14 @@ def soapstone_pipe(world, microbatches: int):
                                 ir.StageAssignment(b[2:], "pipe", 1)),
                       schedule=ir.Schedule("1f1b", microbatches))
     graph = lower_pipeline(model, par)
-    return model, graph, Executor(graph, Mesh(world, pipe=2), seed=0, trace=True)
+    device = torch.device("cpu" if device is None else device)
+    # the trace's per-step barrier is part of the CPU figures; on a GPU it would add a stream
+    # synchronise that torch's step lacks
+    return model, graph, Executor(graph, Mesh(world, pipe=2), seed=0,
+                                  trace=device.type == "cpu", device=device)
 
 
-def torch_stage(model_spec, graph, rank: int, microbatches: int):
+def torch_stage(model_spec, graph, rank: int, microbatches: int, device=None):
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -84,8 +94,9 @@ def torch_stage(model_spec, graph, rank: int, microbatches: int):
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    module = First() if rank == 0 else Last()
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    device = torch.device("cpu" if device is None else device)
+    module = (First() if rank == 0 else Last()).to(device)
+    stage = PipelineStage(module, rank, 2, device)
     return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
@@ -97,28 +108,33 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", help="write soapstone's last step as a Chrome trace here")
     ap.add_argument("--png", help="draw soapstone's last step here (needs matplotlib)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and (args.trace or args.png):
+        ap.error("--trace and --png need --device cpu: on a GPU the timeline's host clock "
+                 "times kernel launches, not the work")
 
     import torch
+    from bench_dp import start
     from mpi4py import MPI
 
-    from soapstone.comm import init
-    from soapstone.comm.bench import init_gloo
     from soapstone.shard import trace as tr
 
     torch.set_num_threads(1)
-    world = init("mpi")
+    bench = start(args.device)
+    world, dist, device = bench.world, bench.dist, bench.device
+    cpu = device.type == "cpu"
     if world.size != 2:
         raise SystemExit("run with mpiexec -n 2")
     mpi = MPI.COMM_WORLD
-    dist = init_gloo(mpi)
     rank = world.rank
-    model, graph, pm = soapstone_pipe(world, args.microbatches)
-    sched = torch_stage(model, graph, rank, args.microbatches)
+    model, graph, pm = soapstone_pipe(world, args.microbatches, device)
+    sched = torch_stage(model, graph, rank, args.microbatches, device)
     g = torch.Generator().manual_seed(0)
     shape = (DIMS["batch"], DIMS["seq"])
-    batch = {"tokens": torch.randint(0, DIMS["vocab"], shape, generator=g),
-             "targets": torch.randint(0, DIMS["vocab"], shape, generator=g)}
+    batch = {"tokens": torch.randint(0, DIMS["vocab"], shape, generator=g).to(device),
+             "targets": torch.randint(0, DIMS["vocab"], shape, generator=g).to(device)}
 
     def run_soapstone():
         loss = pm.train_step(batch)
@@ -140,30 +156,34 @@ def main(argv=None) -> int:
     bubbles = []
     for it in range(args.warmup + args.iters):
         for name, fn in (("soapstone", run_soapstone), ("torch", run_torch)):
+            bench.sync()
             mpi.Barrier()
             t0 = time.perf_counter()
             loss = fn()
+            bench.sync()
             dt = mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             if it == 0:
                 first[name] = loss
             if it >= args.warmup:
                 times[name].append(dt)
-        if it >= args.warmup:
+        if it >= args.warmup and cpu:
             bubbles.append(pm.bubble()[0])
     torch_loss = mpi.bcast(first["torch"], root=1)
     say = print if rank == 0 else (lambda *a, **k: None)
     ok = abs(first["soapstone"] - torch_loss) <= 1e-4 * abs(torch_loss)
     soap, peer = statistics.median(times["soapstone"]), statistics.median(times["torch"])
     theory = pm.schedule.theory_bubble()
-    bubble = statistics.median(bubbles)
+    bubble = statistics.median(bubbles) if cpu else None
+    on = "" if cpu else f", NCCL on {bench.label}"
     say(f"# bench_pipe: gpt {DIMS}, 2 stages, 1F1B, {args.microbatches} microbatches, "
-        f"median of {args.iters} steps (fwd+bwd, slowest rank)")
+        f"median of {args.iters} steps (fwd+bwd, slowest rank){on}")
     say(f"first-step loss: soapstone {first['soapstone']:.6f}  torch {torch_loss:.6f}  "
         f"{'equal' if ok else 'DIFFERENT'}")
     say(f"step time: soapstone {soap * 1e3:.1f} ms   torch.distributed.pipelining "
         f"{peer * 1e3:.1f} ms   torch/soapstone {peer / soap:.2f}x")
-    say(f"soapstone bubble: measured {bubble:.1%}  theory (p-1)/(m+p-1) = {theory:.1%}")
-    events = pm.events()
+    measured = f"measured {bubble:.1%}" if cpu else "not measured on a GPU"
+    say(f"soapstone bubble: {measured}  theory (p-1)/(m+p-1) = {theory:.1%}")
+    events = pm.events() if cpu else []
     if args.trace and rank == 0:
         tr.write_chrome_trace(args.trace, events, "bench_pipe soapstone 1f1b")
         say(f"wrote {args.trace}")
@@ -174,8 +194,9 @@ def main(argv=None) -> int:
             say("no PNG: matplotlib is not installed (pip install matplotlib)")
     if args.json and rank == 0:
         Path(args.json).write_text(json.dumps({
-            "dims": DIMS, "microbatches": args.microbatches, "soapstone_s": soap,
-            "torch_s": peer, "bubble_measured": bubble, "bubble_theory": theory,
+            "dims": DIMS, "device": bench.label, "microbatches": args.microbatches,
+            "soapstone_s": soap, "torch_s": peer, "bubble_measured": bubble,
+            "bubble_theory": theory,
             "loss_soapstone": first["soapstone"], "loss_torch": torch_loss}, indent=1))
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -1,6 +1,7 @@
 """Tensor parallel at 2 ranks: soapstone vs PyTorch DTensor (Colwise/RowwiseParallel on gloo).
 
     mpiexec -n 2 .venv/bin/python bench/bench_tp.py [--iters 20] [--json out.json]
+            [--device cpu|cuda]
 
 Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
 batch 8, 4 layers) with the same weights and batch, in one job, alternating. soapstone uses
@@ -9,6 +10,8 @@ torchtitan-style plan: q/k/v and the MLP's up projection column-parallel, the at
 and down projection row-parallel, the embedding row-parallel over vocab, the head
 column-parallel with `loss_parallel` so neither side gathers the logits. Timed: forward +
 backward of one step, median over iterations after warm-up. The losses are checked equal.
+--device cuda: both on NCCL with the model and batch on each rank's GPU (bench_dp.start), each
+step timed between torch.cuda.synchronize() calls. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
 
-def dtensor_model(ref_params, world):
-    """The plain-torch GPT, loaded with soapstone's weights, parallelised with DTensor."""
+def dtensor_model(ref_params, world, device=None):
+    """The plain-torch GPT, loaded with soapstone's weights, on `device` (default cpu),
+    parallelised with DTensor."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -40,7 +44,9 @@ def dtensor_model(ref_params, world):
 
     model = GPT(DIMS["vocab"], DIMS["hidden"], DIMS["heads"], DIMS["ffn"], layers=4)
     load_from_soapstone(model, ref_params)
-    mesh = init_device_mesh("cpu", (world,))
+    device = torch.device("cpu" if device is None else device)
+    model.to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for blk in model.blocks:
         parallelize_module(blk, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(),
                                        "v": ColwiseParallel(), "o": RowwiseParallel(),
@@ -58,36 +64,37 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
     args = parser.parse_args()
 
     import torch
     import torch.nn.functional as F
+    from bench_dp import start
     from torch.distributed.tensor.parallel import loss_parallel
 
     from soapstone import comm, dsl
-    from soapstone.comm.bench import init_gloo
     from soapstone.dsl.lower import lower
     from soapstone.shard.optim import build_optimizer
     from soapstone.shard.runtime import ShardedModel
 
     torch.set_num_threads(1)  # two ranks on two cores
-    world = comm.init("mpi")
-    from mpi4py import MPI
-
-    init_gloo(MPI.COMM_WORLD)
+    bench = start(args.device)
+    world, device = bench.world, bench.device
     spec = dsl.load(ROOT / "examples/gpt.par", dims=DIMS)
     par = spec.parallel("tp2")
-    ours = ShardedModel(lower(spec.model(), par), comm.Mesh(world, **dict(par.mesh)), seed=0)
+    ours = ShardedModel(lower(spec.model(), par), comm.Mesh(world, **dict(par.mesh)), seed=0,
+                        device=device)
     # the runtime's one gradient path (buckets summed over the axes the Program names);
     # no update is timed, as for DTensor
     reducer = build_optimizer(ours, "sgd", lr=0.0).reducer
     full = ours.full_state_dict()
-    theirs, _ = dtensor_model(full, world.size)
+    theirs, _ = dtensor_model(full, world.size, device)
 
     g = torch.Generator().manual_seed(0)
     shape = (DIMS["batch"], DIMS["seq"])
-    batch = {"tokens": torch.randint(0, DIMS["vocab"], shape, generator=g),
-             "targets": torch.randint(0, DIMS["vocab"], shape, generator=g)}
+    batch = {"tokens": torch.randint(0, DIMS["vocab"], shape, generator=g).to(device),
+             "targets": torch.randint(0, DIMS["vocab"], shape, generator=g).to(device)}
 
     def step_soapstone():
         reducer.zero_grad()
@@ -109,21 +116,25 @@ def main() -> int:
     times = {"soapstone": [], "dtensor": []}
     for i in range(args.warmup + args.iters):
         for name, fn in (("soapstone", step_soapstone), ("dtensor", step_dtensor)):
+            bench.sync()
             world.barrier()
             t0 = time.perf_counter()
             fn()
+            bench.sync()
             world.barrier()
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
     if world.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"gpt {DIMS} tensor parallel over {world.size} ranks (gloo / MPI on CPU)")
+        on = f"NCCL on {bench.label}" if device.type == "cuda" else "gloo / MPI on CPU"
+        print(f"gpt {DIMS} tensor parallel over {world.size} ranks ({on})")
         print(f"loss at init: soapstone {losses['soapstone']:.6f}  dtensor {losses['dtensor']:.6f}")
         for k, v in med.items():
             print(f"  {k:<10} fwd+bwd step {v * 1e3:8.1f} ms")
         print(f"  dtensor / soapstone step time: {med['dtensor'] / med['soapstone']:.2f}x")
         if args.json:
             Path(args.json).write_text(json.dumps({"dims": DIMS, "ranks": world.size,
+                                                   "device": bench.label,
                                                    "median_s": med, "losses": losses}))
     return 0
 

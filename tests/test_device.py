@@ -89,6 +89,18 @@ def test_bench_comm_nccl_without_a_gpu_is_exit_2():
     assert "Traceback" not in r.stderr, r.report()
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
+@pytest.mark.parametrize("bench", ["bench_dp", "bench_tp", "bench_pipe"])
+def test_peer_bench_device_cuda_without_a_gpu_is_exit_2(bench):
+    """The benches against DDP/FSDP2, DTensor and pipelining refuse --device cuda on every rank
+    with the fix, before any model is built (so in seconds) and before any NCCL call."""
+    r = run_mpi(2, [f"bench/{bench}.py", "--device", "cuda"], timeout=60)
+    assert r.returncode == 2, r.report()
+    assert r.stderr.count("error: --device cuda:") == 1, r.report()
+    assert "soapstone[gpu]" in r.stderr and "--device cpu" in r.stderr, r.report()
+    assert "Traceback" not in r.stdout + r.stderr and r.stdout == "", r.report()
+
+
 def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
     """check_device lets a pipeline onto CUDA when p2p_groups proves its grouped p2p (every
     pipeline layout of the examples and test specs); otherwise a DeviceError (exit 2) that
