@@ -226,7 +226,7 @@ class Communicator(abc.ABC):
         byte counter counts `t`'s bytes times this (allgather: the size; 0: the caller counts).
         `check`: the op's arguments for the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES),
         run under the entry too, since it communicates. Recording is one C call, `run`, which
-        calls `fn` between the entry's start and end and leaves `t`'s bytes (read off the
+        calls `fn` between the entry's start and end and leaves `t`'s bytes (read with the
         shape it records) in `rec.nbytes`: this is every collective's hot path."""
         rec = self.recorder
         if rec is None:
