@@ -218,3 +218,25 @@ def test_enqueued_entries_complete_in_stream_order():
     events[1].fired = True
     Watchdog._poll_events(r)
     assert r.pending == [] and all(r.entry(h)[STATE] == DONE for h in handles)
+
+
+def test_the_rings_hold_what_they_keep_and_release_what_they_overwrite():
+    """The C rings own a reference to each kept entry's op name and dtype (and its shape, past
+    eight dims): wrapping many times leaves no reference behind."""
+    import sys
+
+    r = rec(capacity=4)
+    op = "".join(["all", "reduce"])  # a string of its own, not the interned literal
+    t, big = torch.ones(3), torch.ones([1] * 10)
+
+    def record(ring, n):
+        for _ in range(n):
+            ring.run(op, t, t.dtype, -1, False, False, lambda: None, ())
+            ring.run(op, big, big.dtype, -1, False, False, lambda: None, ())
+
+    record(r, 10)
+    before = sys.getrefcount(op)
+    record(r, 1000)
+    assert sys.getrefcount(op) == before  # 4 entries hold it, whatever came before
+    del r
+    assert sys.getrefcount(op) == before - 4
