@@ -1,10 +1,11 @@
 """Which device a rank computes on: `cpu`, `cuda` (one GPU per rank, over NCCL) or `auto`.
 
 A CUDA rank takes the GPU of its node-local rank (the ranks sharing its memory:
-MPI.COMM_TYPE_SHARED), so a node's ranks never share a GPU unless asked to (`share=True`): more
-ranks on a node than GPUs is bad input naming both numbers. Every check runs before any NCCL
-call, and the verdict is agreed over the world, so every rank fails together (exit 2) instead
-of some waiting in a collective for the others.
+MPI.COMM_TYPE_SHARED): more ranks on a node than GPUs is bad input naming both numbers. There
+is no sharing: NCCL (2.5 and later) refuses two ranks of one communicator on one GPU
+("Duplicate GPU detected"), and the world communicator holds every rank. Every check runs
+before any NCCL call, and the verdict is agreed over the world, so every rank fails together
+(exit 2) instead of some waiting in a collective for the others.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ class DeviceError(UserError, ValueError):
     """A device that cannot be used here: says why and how to get it, or to use the CPU."""
 
 
-def gpus_per_node_error(local_ranks: int, gpus: int, share: bool, host: str,
+def gpus_per_node_error(local_ranks: int, gpus: int, host: str,
                         flag: str = "--device cuda") -> str | None:
-    """The message for a node with more ranks than GPUs (None when it fits or sharing is
-    allowed; no GPU at all is an error even then). `flag`: what asked for CUDA."""
+    """The message for a node with no GPU or more ranks than GPUs (None when it fits).
+    `flag`: what asked for CUDA."""
     if gpus == 0:
         return f"{flag}: node {host} has no GPU that torch can see; use --device cpu"
-    if local_ranks > gpus and not share:
+    if local_ranks > gpus:
         return (f"{flag}: {local_ranks} ranks on node {host} but {gpus} GPU"
                 f"{'s' if gpus != 1 else ''}; launch at most {gpus} rank"
-                f"{'s' if gpus != 1 else ''} per node, or pass --share-gpus to put several "
-                "ranks on one GPU")
+                f"{'s' if gpus != 1 else ''} per node (NCCL refuses two ranks on one GPU), "
+                "or use --device cpu")
     return None
 
 
@@ -63,7 +64,7 @@ def resolve(choice: str) -> str:
     return choice
 
 
-def pick(choice: str, share: bool = False, flag: str = "--device cuda",
+def pick(choice: str, flag: str = "--device cuda",
          instead: str = "--device cpu") -> torch.device:
     """This rank's device for a --device choice (collective over the MPI world when CUDA is
     asked for: the ranks agree on the verdict, then each takes its node-local GPU). Raises
@@ -82,14 +83,14 @@ def pick(choice: str, share: bool = False, flag: str = "--device cuda",
         node.Free()
     problem = cuda_problem(flag, instead)
     if problem is None:
-        problem = gpus_per_node_error(local_size, torch.cuda.device_count(), share,
+        problem = gpus_per_node_error(local_size, torch.cuda.device_count(),
                                       socket.gethostname(), flag)
     # the first rank's problem, if any rank has one, so every rank raises the same error
     problems = world.allgather(problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         raise DeviceError(first)
-    index = local % torch.cuda.device_count()
+    index = local
     torch.cuda.set_device(index)
     import cupy
 

@@ -60,13 +60,13 @@ def world(device=None):
     return init("nccl" if device is not None and device.type == "cuda" else "mpi")
 
 
-def pick_device(choice: str = "cpu", share_gpus: bool = False):
-    """This rank's torch device for --device CHOICE (cpu, cuda, auto) and --share-gpus
-    (DeviceError, a UserError, on every rank alike when it cannot be used; collective when
-    CUDA is asked for)."""
+def pick_device(choice: str = "cpu"):
+    """This rank's torch device for --device CHOICE (cpu, cuda, auto) (DeviceError, a
+    UserError, on every rank alike when it cannot be used; collective when CUDA is asked
+    for)."""
     from soapstone.comm.device import pick
 
-    return pick(choice, share_gpus)
+    return pick(choice)
 
 
 def custom_layers() -> dict:

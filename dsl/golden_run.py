@@ -82,13 +82,13 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
 def check_run(spec_path: str, parallel: str | None, record_file: str, *,
               plugins: tuple[str, ...] = (), tol=None,
               on_step: Callable[[int, float, float], None] | None = None,
-              device: str = "cpu", share_gpus: bool = False):
+              device: str = "cpu"):
     """Train `parallel` (on this process's MPI world) as the record says and compare.
 
     Returns the first Mismatch, or None when every step matches. Bad input raises a UserError
     (SpecError, BadInput or golden.GoldenError; all ranks alike) before training starts."""
-    return prepare_check(spec_path, parallel, record_file, plugins=plugins, device=device,
-                         share_gpus=share_gpus).run(tol, on_step)
+    return prepare_check(spec_path, parallel, record_file, plugins=plugins,
+                         device=device).run(tol, on_step)
 
 
 class GoldenCheck:
@@ -117,8 +117,7 @@ class GoldenCheck:
 
 
 def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
-                  plugins: tuple[str, ...] = (), device: str = "cpu",
-                  share_gpus: bool = False) -> GoldenCheck:
+                  plugins: tuple[str, ...] = (), device: str = "cpu") -> GoldenCheck:
     """Read the record and build `parallel` on this process's world (MPI, or NCCL for
     `device` cuda), untrained.
 
@@ -131,7 +130,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     from .layout_proof import prove_layout
     from .spec import load
 
-    comm = world(pick_device(device, share_gpus))
+    comm = world(pick_device(device))
     record = golden.load(record_file)
     header = record.header
     load_plugins(list(plugins))

@@ -47,12 +47,11 @@ def test_device_auto_without_a_gpu_is_the_cpu():
 
 
 def test_more_ranks_than_gpus_names_both_numbers():
-    msg = gpus_per_node_error(8, 4, share=False, host="node7")
-    assert "8 ranks on node node7 but 4 GPUs" in msg and "--share-gpus" in msg
-    assert gpus_per_node_error(8, 4, share=True, host="node7") is None
-    assert gpus_per_node_error(4, 4, share=False, host="node7") is None
-    assert "1 GPU;" in gpus_per_node_error(2, 1, share=False, host="h")
-    assert "no GPU" in gpus_per_node_error(1, 0, share=True, host="h")
+    msg = gpus_per_node_error(8, 4, host="node7")
+    assert "8 ranks on node node7 but 4 GPUs" in msg and "NCCL refuses two ranks" in msg
+    assert gpus_per_node_error(4, 4, host="node7") is None
+    assert "1 GPU;" in gpus_per_node_error(2, 1, host="h")
+    assert "no GPU" in gpus_per_node_error(1, 0, host="h")
 
 
 def test_unknown_device_is_a_user_error():

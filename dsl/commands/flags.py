@@ -89,10 +89,7 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device and --share-gpus: where each rank computes (soapstone.comm.device)."""
+    """--device: where each rank computes (soapstone.comm.device)."""
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu (MPI), cuda (a GPU per rank, NCCL; needs the gpu extra) or "
                              "auto (cuda when torch sees a GPU); default cpu")
-    parser.add_argument("--share-gpus", action="store_true",
-                        help="with --device cuda: allow more ranks on a node than it has GPUs "
-                             "(ranks share GPUs round-robin)")

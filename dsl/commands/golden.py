@@ -57,7 +57,7 @@ def _record(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         if not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
-        comm = world(pick_device(args.device, args.share_gpus))
+        comm = world(pick_device(args.device))
         if comm.size != 1:
             raise BadInput(f"golden record runs on one rank; this run has {comm.size} "
                            "(drop mpiexec)")
@@ -77,7 +77,7 @@ def _check(args: argparse.Namespace) -> int:
     from ..golden_run import prepare_check
 
     try:
-        comm = world(pick_device(args.device, args.share_gpus))
+        comm = world(pick_device(args.device))
     except UserError as e:
         from soapstone.comm.failure import world_rank
 
@@ -92,7 +92,7 @@ def _check(args: argparse.Namespace) -> int:
 
     try:
         job = prepare_check(args.spec, args.parallel, args.record, plugins=tuple(args.plugin),
-                            device=args.device, share_gpus=args.share_gpus)
+                            device=args.device)
     except UserError as e:
         return fail(e, rank)
     # not inside the try: an error while training is on one rank, not all; it aborts the job

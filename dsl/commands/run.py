@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad
         # SOAPSTONE_* watchdog setting is bad input too
-        comm = world(pick_device(args.device, args.share_gpus))
+        comm = world(pick_device(args.device))
         watch(args)
     except UserError as e:
         from soapstone.comm.failure import world_rank
