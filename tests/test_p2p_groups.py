@@ -59,15 +59,24 @@ def test_consume_is_megatrons_1f1b_and_every_receive_is_at_its_consumer():
             for i, item in enumerate(plan):
                 if isinstance(item, pg.Group):
                     for o in item.ops:
-                        if not o.sending:  # read by the very next action
-                            nxt = plan[i + 1]
+                        if not o.sending:  # read by the next F or B (a W reads no message)
+                            nxt = next(x for x in plan[i + 1:] if x.kind != "W")
                             assert (nxt.kind, nxt.mb, nxt.stage) == (
                                 "F" if o.direction == "A" else "B", o.action.mb,
                                 o.action.stage)
-                elif item.kind in ("F", "B"):  # its sends go right after it
-                    sends = [o for o in plan[i + 1].ops if o.sending] \
-                        if i + 1 < len(plan) and isinstance(plan[i + 1], pg.Group) else []
-                    assert [o.action.mb for o in sends] == [item.mb] * len(sends)
+                elif item.kind in ("F", "B"):  # what it sends leaves right after it
+                    sends = item.stage < s.stages - 1 if item.kind == "F" else item.stage > 0
+                    if sends:
+                        nxt = plan[i + 1]
+                        assert isinstance(nxt, pg.Group), (r, i, item, nxt)
+                        assert any(o.sending and (o.action.mb, o.action.stage) ==
+                                   (item.mb, item.stage) for o in nxt.ops), (r, i, item, nxt)
+
+
+def test_zb1p_sends_the_input_gradient_before_w_runs():
+    s = schedules.build("zb1p", 4, 8)
+    text = " ".join(str(x) for x in pg.rank_plan(s, 1))
+    assert "B1@1 [SG1@1, RA4@1] W0@1" in text, text  # not B1@1 W0@1 [SG1@1, ...]
 
 
 def test_pairs_is_megatrons_interleaved_steady_state():

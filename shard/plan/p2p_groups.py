@@ -132,14 +132,24 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     compute = [a for a in sched.ranks[rank] if not forward_only or a.kind == "F"]
     out: list[Item] = []
     pending: list[Action] = []  # sends of the unit just run
+    weights: list[Action] = []  # its trailing W actions
     for unit in _units(sched, compute, grouping):
         ops = pending + [r for r in (_recv_of(sched, a) for a in unit) if r is not None]
         if ops:
             out.append(Group(tuple(p2p_of(sched, x) for x in ops)))
-        out.extend(unit)
+        # a W runs after the group carrying its unit's sends, not before: zb1p's point is that
+        # B's input gradient leaves at once while W fills the wait (W has no p2p, so the
+        # order of groups, which is what the proof checks, is the same)
+        out.extend(weights)
+        k = len(unit)
+        while k and unit[k - 1].kind == "W":
+            k -= 1
+        out.extend(unit[:k])
+        weights = unit[k:]
         pending = [s for a in unit for s in _sends_of(sched, a)]
     if pending:
         out.append(Group(tuple(p2p_of(sched, x) for x in pending)))
+    out.extend(weights)
     return tuple(out)
 
 
