@@ -568,23 +568,26 @@ class Executor:
         """Grouped mode: once the group before is complete (NCCL runs a rank's groups in
         order on one stream), issue `group` as one batch_p2p: each receive into fresh buffers,
         registered in `pending` for the compute reading it together with the group's sends
-        (that compute waits for the whole group, as on NCCL: one event after the group), and
-        each send of what `outgoing(action)` gives (as _outgoing). Leaves the group's works
-        in `inflight`."""
+        (that compute waits for its receives and the group's sends; on NCCL every work of a
+        group waits on one event after it, so this is the whole group there), and each send
+        of what `outgoing(action)` gives (as _outgoing). Leaves the group's works in
+        `inflight`."""
         for w in inflight:
             w.wait()
         inflight.clear()
         ops, recvs, sent = [], [], []
         for o in group.ops:
             a = o.action
+            # the message goes to the peer the proof paired it with (p2p_groups.P2P)
             if o.sending:
                 bounds, tensors, dst, _ = outgoing(a)
+                assert dst == o.peer, (a, dst, o.peer)
                 for buf in self._checked(bounds, tensors, o.direction, a.mb, a.stage):
                     ops.append(("isend", buf, dst, GROUPED_TAG))
                     sent.append(len(ops) - 1)
             else:
-                bufs, src = self._recv_buffers(a.stage - 1 if a.kind == "RA" else a.stage,
-                                               o.direction)
+                bufs, src = self._recv_buffers(o.edge, o.direction)
+                assert src == o.peer, (a, src, o.peer)
                 recvs.append(((o.direction, a.mb, a.stage), bufs, len(ops)))
                 ops.extend(("irecv", buf, src, GROUPED_TAG) for _, buf in bufs)
         works = self.pipe_comm.batch_p2p(ops, synchronous=True)
