@@ -264,7 +264,10 @@ class NCCLCommunicator(GroupedP2P, Communicator):
         (each after its own wait_stream, as any async op). The events of their Works and of
         the flight recorder are recorded only after groupEnd: recorded inside the group they
         would fire before the communication is even enqueued. NCCL sends are rendezvous
-        already: `synchronous` changes nothing."""
+        already: `synchronous` changes nothing. An exception inside the group (or from
+        groupEnd) leaves this rank's p2p out of step with its peers' for good: it must end the
+        job, as soapstone's failure handler does (a partial group is still ended, so NCCL is
+        not left inside groupStart)."""
         self._grouped = pending = []
         self._nccl.groupStart()
         try:
