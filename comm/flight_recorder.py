@@ -11,7 +11,7 @@ names an entry; reading one gives a new plain list:
 - seq: collectives are numbered 1, 2, ... per communicator, so the n-th collective of every
   member rank is the same call (a mismatch is a divergence); p2p ops have their own counter.
 - shape, dtype: the tensor's shape (a tuple) and torch.dtype; bytes: its size, which the
-  recorder works out from the two, so the call's byte counter does not ask the tensor again.
+  recorder reads with the shape, so the call's byte counter does not ask the tensor again.
 - peer: -1 for a collective, else the peer rank of a send/recv in this communicator.
 - t_*: time.monotonic(); t_wait is when wait() started on an async op (0.0 before).
 - state: STARTED (in a blocking call), POSTED (async, not waited yet), WAITING (in wait()),
@@ -20,8 +20,9 @@ names an entry; reading one gives a new plain list:
 Collectives and p2p ops have a ring each, indexed by their seq, so the newest entry of either is
 found without a search: the watchdog reads it (a blocking call in progress is the newest entry,
 STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
-t_wait for a wait(). The hot path (Communicator._call and _p2p, Work.wait) is two C calls per
-op: `start` then `done` (BENCHMARKS.md, "The watchdog's cost"; bench/bench_watchdog.py).
+t_wait for a wait(). The hot path (Communicator._call and _p2p) is one C call per op, `run`,
+which starts the entry, calls the backend and ends it; Work.wait adds `wait_begin` and
+`wait_end` (BENCHMARKS.md, "The watchdog's cost"; bench/bench_watchdog.py).
 Per-peer counters (`sent`, `recvd`) count every p2p message posted since the communicator was
 made, so a dump shows who stopped sending even after the ring has wrapped.
 
@@ -112,7 +113,8 @@ class FlightRecorder(Ring):
     """The rings of one communicator (see the module doc). `rank`, `size`: in the communicator;
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
     'data' or 'data+model', 'world', or 'split'). The storage and the recording methods are the
-    C base class's (flight_ring.c): `start`, `done`, `fail`, `post`, `wait_begin`, `wait_end`,
+    C base class's (flight_ring.c): `run`, `start`, `done`, `fail`, `post`, `wait_begin`,
+    `wait_end`,
     `enqueued`, `complete`, `entry`, `newest`, `entries`, and `seq`, `p2p_seq`, `active`,
     `sent`, `recvd`. Entries are named by handles (ints); reading one gives a new list."""
 
