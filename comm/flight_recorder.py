@@ -114,9 +114,9 @@ class FlightRecorder(Ring):
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
     'data' or 'data+model', 'world', or 'split'). The storage and the recording methods are the
     C base class's (flight_ring.c): `run`, `start`, `done`, `fail`, `post`, `wait_begin`,
-    `wait_end`,
-    `enqueued`, `complete`, `entry`, `newest`, `entries`, and `seq`, `p2p_seq`, `active`,
-    `sent`, `recvd`. Entries are named by handles (ints); reading one gives a new list."""
+    `wait_end`, `enqueued`, `complete`, `entry`, `newest`, `entries`, and `seq`, `p2p_seq`,
+    `active`, `sent`, `recvd`. Entries are named by handles (ints); reading one gives a new
+    list."""
 
     __slots__ = ("size", "rank", "world_ranks", "label", "index", "pending", "recording",
                  "comm_ref", "sampled", "barriers", "__weakref__")
