@@ -85,12 +85,18 @@ def test_every_pipeline_layout_verifies_with_grouped_p2p(path):
                     map(str, grouped[key]["p2p"]))
 
 
-def test_grouped_p2p_of_a_swapped_schedule_is_refused(pp2):
+def _first_microbatches_swapped_on_rank_1(pp2) -> Schedule:
+    """pp2's schedule with pipe rank 1 running the forwards of microbatches 0 and 1 in the
+    other order."""
     s = schedules.build(pp2.schedule, 2, pp2.microbatches)
     r1 = list(s.ranks[1])
     i, j = r1.index(Action("F", 0, 1)), r1.index(Action("F", 1, 1))
     r1[i], r1[j] = r1[j], r1[i]
-    swapped = Schedule(s.kind, s.pipe, s.microbatches, s.chunks, (s.ranks[0], tuple(r1)))
+    return Schedule(s.kind, s.pipe, s.microbatches, s.chunks, (s.ranks[0], tuple(r1)))
+
+
+def test_grouped_p2p_of_a_swapped_schedule_is_refused(pp2):
+    swapped = _first_microbatches_swapped_on_rank_1(pp2)
     with pytest.raises(VerifyError, match="message 1 from rank 0 to rank 1"):
         verify_layout(pp2, schedule=swapped, p2p="grouped")
 
@@ -150,11 +156,7 @@ def test_a_failure_names_the_spec_location_of_each_side(pp2):
 
 def test_swapped_microbatch_order(pp2):
     """Pipe rank 1 runs microbatches 0 and 1 in the other order: NCCL would pair them wrong."""
-    s = schedules.build(pp2.schedule, 2, pp2.microbatches)
-    r1 = list(s.ranks[1])
-    i, j = r1.index(Action("F", 0, 1)), r1.index(Action("F", 1, 1))
-    r1[i], r1[j] = r1[j], r1[i]
-    swapped = Schedule(s.kind, s.pipe, s.microbatches, s.chunks, (s.ranks[0], tuple(r1)))
+    swapped = _first_microbatches_swapped_on_rank_1(pp2)
     with pytest.raises(VerifyError) as e:
         verify_layout(pp2, schedule=swapped)
     text = str(e.value)
