@@ -12,11 +12,13 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade pip
 
 # torch first, pinned: an open range would pull GBs of CUDA builds. The editable install
-# compiles the flight recorder's C rings (comm/flight_ring.c) in place, so a change to them
-# installs again.
-$(STAMP): $(BIN)/python pyproject.toml comm/flight_ring.c
-	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e ".[mpi,dev]"
+# compiles the flight recorder's C parts in place (setup.py), so a change to them installs
+# again. It builds without isolation, in this venv, because the tensor reader compiles
+# against this torch's headers.
+$(STAMP): $(BIN)/python pyproject.toml setup.py comm/flight_ring.c comm/tensor_reader.cpp \
+		comm/tensor_reader.h
+	$(BIN)/pip install "$(TORCH)" "setuptools>=69" wheel
+	$(BIN)/pip install --no-build-isolation -e ".[mpi,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._flight_ring import use_tensor_getters
+from ._flight_ring import use_tensor_getters, use_tensor_reader
 from .accounting import bus_bytes
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 from .errors import UserError
@@ -40,9 +40,28 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
-# the recorder reads tensors through torch's own getters (half the cost of attribute lookups)
-use_tensor_getters(*(next(c.__dict__[name] for c in type(_NOTHING).__mro__ if name in c.__dict__)
-                     for name in ("shape", "ndim", "nbytes")))
+
+
+def _connect_tensor_reading() -> str:
+    """Give the flight recorder's rings the fastest way to read a tensor this install has;
+    returns how they read (benchmarks print it)."""
+    # torch's own getters, called directly (half the cost of attribute lookups): always there
+    use_tensor_getters(*(next(c.__dict__[n] for c in type(_NOTHING).__mro__ if n in c.__dict__)
+                         for n in ("shape", "ndim", "nbytes")))
+    use_tensor_reader(None)
+    try:  # the C++ reader (setup.py builds it when torch is there at build time)
+        from . import _tensor_reader
+    except ImportError:
+        return "torch's Python getters (the C++ tensor reader was not built)"
+    running = torch.__version__.split("+")[0]
+    if _tensor_reader.built_for != running:  # another torch's layouts: never read with it
+        return (f"torch's Python getters (the C++ tensor reader was built for torch "
+                f"{_tensor_reader.built_for}, this is {running}: reinstall soapstone)")
+    use_tensor_reader(_tensor_reader.reader)
+    return f"torch's C++ tensor (reader built for torch {running})"
+
+
+TENSOR_READING = _connect_tensor_reading()
 
 
 class CommError(UserError, ValueError):

@@ -11,7 +11,9 @@ from soapstone.comm import diagnose
 from soapstone.comm.flight_recorder import (
     DONE,
     FAILED,
+    NBYTES,
     POSTED,
+    SHAPE,
     STARTED,
     STATE,
     T_END,
@@ -240,3 +242,48 @@ def test_the_rings_hold_what_they_keep_and_release_what_they_overwrite():
     assert sys.getrefcount(op) == before  # 4 entries hold it, whatever came before
     del r
     assert sys.getrefcount(op) == before - 4
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+TENSORS = {
+    "0-d": torch.tensor(3.0), "1-d": torch.zeros(5), "3-d": torch.zeros(2, 3, 4),
+    "empty": torch.zeros(0, 3), "strided view": torch.zeros(4, 6)[:, :2],
+    "bfloat16": torch.zeros(3, dtype=torch.bfloat16),
+    "Parameter": torch.nn.Parameter(torch.zeros(7, 2)),
+    "subclass": torch.zeros(3, 2).as_subclass(_Subclass), "9 dims": torch.zeros([1] * 9),
+}
+
+
+def _recorded_shapes():
+    r = rec(capacity=16)
+    out = {}
+    for name, t in TENSORS.items():
+        nbytes = r.start("allreduce", t, t.dtype)
+        e = r.entry(r.current())
+        out[name] = (tuple(e[SHAPE]), e[NBYTES], nbytes)
+    return out
+
+
+def test_entries_hold_torchs_shape_and_bytes_for_every_kind_of_tensor():
+    assert _recorded_shapes() == {k: (tuple(t.shape), t.nbytes, t.nbytes)
+                                  for k, t in TENSORS.items()}
+
+
+def test_this_install_reads_tensors_from_cpp_and_another_torchs_reader_is_never_used(
+        monkeypatch):
+    """`make install` builds the C++ tensor reader against this torch and the rings use it; a
+    reader built for another torch is left alone, and shapes then come from torch's getters."""
+    from soapstone.comm import _tensor_reader, communicator
+
+    assert communicator.TENSOR_READING.startswith("torch's C++ tensor")
+    monkeypatch.setattr(_tensor_reader, "built_for", "1.0.0")
+    try:
+        how = communicator._connect_tensor_reading()
+        assert "built for torch 1.0.0" in how and "reinstall soapstone" in how
+        test_entries_hold_torchs_shape_and_bytes_for_every_kind_of_tensor()
+    finally:
+        monkeypatch.undo()
+        assert communicator._connect_tensor_reading() == communicator.TENSOR_READING
