@@ -6,16 +6,18 @@
 
 The watchdog's per-call work is the flight recorder's entry: the deadline runs from that entry
 (a blocking call in progress is the ring's newest entry), so nothing else is armed per call.
-Unrecorded communicators (SOAPSTONE_FLIGHT_RECORDER=0) do no per-call work; the watchdog thread
-runs in both cases (it wakes once a poll, at most once a second by default).
+Unrecorded communicators (SOAPSTONE_FLIGHT_RECORDER=0) go through the same C call, which
+numbers and counts the op but keeps no entry; the watchdog thread runs in both cases (it wakes
+once a poll, at most once a second by default).
 
 calls: one process (1 rank), the same 8-byte tensor through two communicators over the same
 MPI communicator, one recording and one not. Each call is timed alone (perf_counter_ns), in
 turns of 200 calls per communicator with the order rotating, the first 20 calls of a turn not
 counted (they pay for switching communicators); figures are medians. A load of other jobs
 shows up as outliers, which the median leaves out. Then the parts of a recorded call, each
-timed alone in a loop (the lowest of many loops, since load only adds time): the C recorder's
-`run` around a call that does nothing, and the tensor reads the two paths differ by.
+timed alone in a loop (the lowest of many loops, since load only adds time): the rings' `run`
+around a call that does nothing, keeping no entry (what every call costs: it numbers and counts
+the op) and keeping one (the difference is what recording costs).
 
 dp: bench_dp's model (gpt scaled to ~21M parameters, AdamW, 2 ranks, data parallel) as ZeRO 0
 (buckets overlapped with backward) and ZeRO 3, each built twice, recorded and not, the twins
@@ -54,50 +56,36 @@ def per_call_ns(fns: dict, rounds: int) -> dict:
 
 
 def part_ns(rounds: int, n: int = 2000) -> dict:
-    """{part of a recorded call: ns}, each timed alone in a loop of n, minus the empty loop;
-    the lowest of `rounds` loops (another job's load only ever adds time). The recorder's own
-    share is `rec.run` around a call that does nothing, minus that call made directly."""
+    """{part of a comm call: ns}, each timed alone in a loop of n, minus the loop it replaces;
+    the lowest of `rounds` loops (another job's load only ever adds time). Every call goes
+    through the rings' `run` (it numbers and counts the op); recording adds the entry."""
     import torch
 
+    from soapstone.comm.accounting import COUNTED_OPS, bus_factor
     from soapstone.comm.flight_recorder import FlightRecorder
 
-    rec = FlightRecorder(512, 0, 2, [0, 1], "bench")
+    kept, bare = (FlightRecorder(c, 0, 2, [0, 1], "bench") for c in (512, 0))
+    for ring in (kept, bare):
+        for op in COUNTED_OPS:
+            ring.count_as(op, *bus_factor(op, 2))
     t, t3 = torch.zeros(2), torch.zeros(2, 2, 2)
     dtype, args = t.dtype, (t,)
 
     def func(_):
         return None
 
-    def empty():
-        for _ in range(n):
-            pass
-
     def direct():
         for _ in range(n):
             func(*args)
 
-    def run():
-        for _ in range(n):
-            rec.run("allreduce", t, dtype, -1, False, False, func, args)
+    def loop(ring, x):
+        def go():
+            for _ in range(n):
+                ring.run("allreduce", x, dtype, -1, False, 1, False, func, (x,))
+        return go
 
-    def run3():
-        for _ in range(n):
-            rec.run("allreduce", t3, dtype, -1, False, False, func, (t3,))
-
-    def nbytes():
-        for _ in range(n):
-            t.nbytes  # noqa: B018
-
-    def recorded_nbytes():
-        for _ in range(n):
-            rec.nbytes  # noqa: B018
-
-    def shape():
-        for _ in range(n):
-            t3.shape  # noqa: B018
-
-    parts = {"empty": empty, "direct": direct, "run": run, "run3": run3, "t.nbytes": nbytes,
-             "rec.nbytes": recorded_nbytes, "t.shape": shape}
+    parts = {"direct": direct, "bare": loop(bare, t), "kept": loop(kept, t),
+             "bare3": loop(bare, t3), "kept3": loop(kept, t3)}
     times: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(rounds):
         for name, fn in parts.items():
@@ -105,11 +93,10 @@ def part_ns(rounds: int, n: int = 2000) -> dict:
             fn()
             times[name].append((time.perf_counter_ns() - t0) / n)
     low = {k: min(v) for k, v in times.items()}
-    return {"rec.run around a no-op, 1-d tensor (less the direct call)": low["run"] - low["direct"],
-            "the same, 3-d tensor": low["run3"] - low["direct"],
-            "t.nbytes (what the unrecorded path asks instead)": low["t.nbytes"] - low["empty"],
-            "rec.nbytes": low["rec.nbytes"] - low["empty"],
-            "t.shape (3-d)": low["t.shape"] - low["empty"]}
+    return {"run, nothing kept (numbered, counted), less the direct call":
+            low["bare"] - low["direct"],
+            "the entry (run kept less run not kept), 1-d tensor": low["kept"] - low["bare"],
+            "the same, 3-d tensor": low["kept3"] - low["bare3"]}
 
 
 def calls(rounds: int) -> None:
@@ -121,7 +108,7 @@ def calls(rounds: int) -> None:
 
     world = init("mpi")
     bare = MPICommunicator(world.mpi)
-    bare.recorder = None  # the same MPI communicator, nothing recorded per call
+    bare.flight.keep(0)  # the same MPI communicator, nothing recorded per call
     x = torch.zeros(2)
     fns = {("unrecorded", "allreduce"): lambda: bare.allreduce(x),
            ("recorded", "allreduce"): lambda: world.allreduce(x),

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._flight_ring import use_tensor_getters, use_tensor_reader
-from .accounting import bus_bytes
+from .accounting import COUNTED_OPS, bus_factor
 from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
 from .errors import UserError
 from .flight_recorder import new_recorder
@@ -136,11 +136,11 @@ class Communicator(abc.ABC):
         self.size = size
         self.debug = _debug_from_env()
         self._freed = False
-        self._stats: dict[str, list[int]] = {}
-        #: names this communicator in reports and dumps, and records its ops when recording
+        #: numbers and counts every op, records the last ones (SOAPSTONE_FLIGHT_RECORDER) and
+        #: names this communicator in reports and dumps
         self.flight = new_recorder(self)
-        #: the recorder the hot path writes to (None: SOAPSTONE_FLIGHT_RECORDER=0)
-        self.recorder = self.flight if self.flight.recording else None
+        for op in COUNTED_OPS:
+            self.flight.count_as(op, *bus_factor(op, size))
 
     @property
     def label(self) -> str:
@@ -153,21 +153,15 @@ class Communicator(abc.ABC):
         self.flight.set_label(value)
 
     # -- the byte counter ------------------------------------------------------------------
+    # (kept in the flight recorder's C rings, which count every op as it passes)
     @property
     def stats(self) -> dict[str, OpStats]:
-        """op name -> OpStats(calls, bus bytes sent by this rank)."""
-        return {k: OpStats(v[0], v[1]) for k, v in self._stats.items()}
+        """op name -> OpStats(calls, bus bytes sent by this rank (accounting.bus_bytes))."""
+        return {k: OpStats(*v) for k, v in self.flight.stats().items()}
 
     def reset_stats(self) -> None:
         """Zero the byte counter."""
-        self._stats.clear()
-
-    def _count(self, op: str, nbytes: int) -> None:
-        s = self._stats.get(op)
-        if s is None:
-            s = self._stats[op] = [0, 0]
-        s[0] += 1
-        s[1] += bus_bytes(op, nbytes, self.size)
+        self.flight.reset_stats()
 
     # -- input checks (before the backend is called) --------------------------------------
     def _check(self, op: str, t: Any, name: str = "t") -> torch.dtype:
@@ -239,51 +233,29 @@ class Communicator(abc.ABC):
 
     def _call(self, op: str, t: torch.Tensor, dtype, times: int, async_op: bool, check, fn,
               *args):
-        """Run backend call `fn(*args)` for collective `op` on `t` under the flight recorder:
-        an entry before, completed after (async: in the Work's wait()). The watchdog watches
-        the entry this rank is blocked in. `dtype`: `t`'s, as `_check` read it. `times`: the
-        byte counter counts `t`'s bytes times this (allgather: the size; 0: the caller counts).
-        `check`: the op's arguments for the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES),
-        run under the entry too, since it communicates. Recording is one C call, `run`, which
-        calls `fn` between the entry's start and end and leaves `t`'s bytes (read with the
-        shape it records) in `rec.nbytes`: this is every collective's hot path."""
-        rec = self.recorder
-        if rec is None:
-            if times:
-                self._count(op, t.nbytes * times)
-            if self.debug and check is not None:
-                self._debug(op, t, *check)
-            out = fn(*args)
-            if async_op:  # so that the watchdog can name a wait() it finds blocked
-                out._entry = (self, op, t, -1)
-            return out
+        """Run backend call `fn(*args)` for collective `op` on `t` through the flight
+        recorder's one C call, `run`: it numbers the op, counts `t`'s bytes times `times` (the
+        byte counter; allgather: the size; 0: the caller counts) and, when recording, writes
+        an entry before and completes it after (async: in the Work's wait()), which the
+        watchdog watches. `dtype`: `t`'s, as `_check` read it. `check`: the op's arguments for
+        the debug cross-check (SOAPSTONE_DEBUG_COLLECTIVES), run inside the call too, since it
+        communicates. This is every collective's hot path, the same Python whether or not the
+        ops are recorded."""
+        rec = self.flight
         if self.debug and check is not None:
-            nbytes = rec.start(op, t, dtype)
-            if times:
-                self._count(op, nbytes * times)
-            return self._recorded(rec, rec.current(), async_op, self._debug_then, op, t, check,
-                                  fn, args)
-        out = rec.run(op, t, dtype, -1, False, async_op, fn, args)
-        if times:
-            self._count(op, rec.nbytes * times)
+            fn, args = self._debug_then, (op, t, check, fn, args)
+        out = rec.run(op, t, dtype, -1, False, times, async_op, fn, args)
         if async_op:
-            out._rec, out._entry = rec, rec.current()
+            self._track(out, rec, op, t, -1)
         return out
 
-    @staticmethod
-    def _recorded(rec, h: int, async_op: bool, fn, *args):
-        """Run `fn(*args)` under entry `h` of `rec`: FAILED if it raises; DONE when it returns,
-        or POSTED with the Work carrying the entry to its wait() (async)."""
-        try:
-            out = fn(*args)
-        except BaseException:
-            rec.fail(h)
-            raise
-        if async_op:
-            out._rec, out._entry = rec, rec.post(h)
+    def _track(self, work: Work, rec, op: str, t: torch.Tensor, peer: int) -> None:
+        """Let an async op's wait() time its entry; unrecorded, let the watchdog name the
+        wait() it finds blocked."""
+        if rec.recording:
+            work._rec, work._entry = rec, rec.current()
         else:
-            rec.done(h)
-        return out
+            work._entry = (self, op, t, peer)
 
     def _debug_then(self, op, t, check, fn, args):
         self._debug(op, t, *check)
@@ -399,7 +371,7 @@ class Communicator(abc.ABC):
             )
         row = t.numel() // max(t.shape[dim], 1) * t.element_size()
         off_rank = sum(s for j, s in enumerate(send_sizes) if j != self.rank)
-        self._count("alltoallv", off_rank * row)
+        self.flight.count("alltoallv", off_rank * row)
         return self._call("alltoallv", t, dtype, 0, async_op,
                           (dim, send_sizes, recv_sizes), self._alltoallv, t, send_sizes,
                           recv_sizes, dim, async_op)
@@ -428,17 +400,10 @@ class Communicator(abc.ABC):
             fn = self._send_debug if self.debug else self._send
         else:
             fn = self._recv_debug if self.debug else self._recv
-        rec = self.recorder
-        if rec is None:
-            self._count("send" if sending else "recv", t.nbytes if sending else 0)
-            out = fn(t, peer, tag, async_op)
-            if async_op:
-                out._entry = (self, op, t, peer)
-            return out
-        out = rec.run(op, t, dtype, peer, sending, async_op, fn, (t, peer, tag, async_op))
-        self._count("send" if sending else "recv", rec.nbytes if sending else 0)
+        rec = self.flight
+        out = rec.run(op, t, dtype, peer, sending, 1, async_op, fn, (t, peer, tag, async_op))
         if async_op:
-            out._rec, out._entry = rec, rec.current()
+            self._track(out, rec, op, t, peer)
         return out
 
     def _send_debug(self, t, dst, tag, async_op):
@@ -476,7 +441,6 @@ class Communicator(abc.ABC):
         """Block until every rank of this communicator has reached the barrier."""
         if self._freed:
             raise CommError("barrier: this communicator was freed; use one that is still alive")
-        self.flight.barriers += 1
         self._call("barrier", _NOTHING, _NOTHING_DTYPE, 0, False, None, self._barrier)
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

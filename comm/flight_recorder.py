@@ -10,8 +10,8 @@ names an entry; reading one gives a new plain list:
 
 - seq: collectives are numbered 1, 2, ... per communicator, so the n-th collective of every
   member rank is the same call (a mismatch is a divergence); p2p ops have their own counter.
-- shape, dtype: the tensor's shape (a tuple) and torch.dtype; bytes: its size, which the
-  recorder reads with the shape, so the call's byte counter does not ask the tensor again.
+- shape, dtype: the tensor's shape (a tuple) and torch.dtype; bytes: its size, read with the
+  shape from torch's C++ tensor where the install built the reader (tensor_reader.cpp).
 - peer: -1 for a collective, else the peer rank of a send/recv in this communicator.
 - t_*: time.monotonic(); t_wait is when wait() started on an async op (0.0 before).
 - state: STARTED (in a blocking call), POSTED (async, not waited yet), WAITING (in wait()),
@@ -21,17 +21,20 @@ Collectives and p2p ops have a ring each, indexed by their seq, so the newest en
 found without a search: the watchdog reads it (a blocking call in progress is the newest entry,
 STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
 t_wait for a wait(). The hot path (Communicator._call and _p2p) is one C call per op, `run`,
-which starts the entry, calls the backend and ends it; Work.wait adds `wait_begin` and
-`wait_end` (BENCHMARKS.md, "The watchdog's cost"; bench/bench_watchdog.py).
-Per-peer counters (`sent`, `recvd`) count every p2p message posted since the communicator was
-made, so a dump shows who stopped sending even after the ring has wrapped.
+which numbers and counts the op, starts the entry, calls the backend and ends it; Work.wait
+adds `wait_begin` and `wait_end` (BENCHMARKS.md, "The watchdog's cost"; bench_watchdog.py).
+
+The rings are also the communicator's byte counter (`stats`, `count_as`, `count`) and number
+every op (`seq`, `p2p_seq`) and every p2p message per peer (`sent`, `recvd`: a dump shows who
+stopped sending even after the ring has wrapped) whether or not entries are kept. So the Python
+of a comm call is the same recorded or not, and recording costs only the entry.
 
 SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
-to a power of two, so that a seq finds its slot with a mask); 0 turns recording off: nothing is
-written per op, and the watchdog still works from samples of the main thread's stack (see
-watchdog.sample_blocked) with sequence numbers from the communicator's byte counter; dumps then
-hold the op each rank is in, not a history, and p2p reports cannot count messages per peer.
-A recorder object exists either way (`recording` says which): it names the communicator.
+to a power of two, so that a seq finds its slot with a mask); 0 keeps none, and the watchdog
+then works from samples of the main thread's stack (see watchdog.sample_blocked); dumps hold
+the op each rank is in, its number and the per-peer counts, not a history. `keep(N)` changes
+it for one communicator. A recorder exists either way (`recording` says which): it names the
+communicator.
 Reading (dumps, the watchdog's status replies): `snapshot()` turns a recorder into JSON data.
 """
 
@@ -83,10 +86,6 @@ def live_recorders() -> list[FlightRecorder]:
     return [r for _, r in items]
 
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
-               "alltoallv", "barrier")
-
-
 def new_recorder(comm) -> FlightRecorder:
     """The recorder of a new communicator (not recording when SOAPSTONE_FLIGHT_RECORDER=0); its
     world ranks come from `comm.mpi`, the MPI communicator over the same ranks."""
@@ -104,9 +103,11 @@ def new_recorder(comm) -> FlightRecorder:
             finally:
                 group.Free()
                 world_group.Free()
-    rec = FlightRecorder(capacity, comm.rank, comm.size, ranks, label)
-    rec.comm_ref = weakref.ref(comm)
-    return rec
+    return FlightRecorder(capacity, comm.rank, comm.size, ranks, label)
+
+
+def _power_of_two(capacity: int) -> int:
+    return 1 << max(0, capacity - 1).bit_length() if capacity > 0 else 0
 
 
 class FlightRecorder(Ring):
@@ -119,19 +120,16 @@ class FlightRecorder(Ring):
     list."""
 
     __slots__ = ("size", "rank", "world_ranks", "label", "index", "pending", "recording",
-                 "comm_ref", "sampled", "barriers", "__weakref__")
+                 "sampled", "__weakref__")
 
     def __init__(self, capacity: int, rank: int, size: int, world_ranks: list[int],
                  label: str):
         self.recording = capacity > 0
-        capacity = 1 << max(0, capacity - 1).bit_length() if capacity else 0  # a power of two
-        super().__init__(capacity, size)
+        super().__init__(_power_of_two(capacity), size)
         self.rank, self.size = rank, size
         self.world_ranks = list(world_ranks)
         self.pending: list[tuple[int, object]] = []  # NCCL: (handle, CUDA event) not yet fired
-        self.comm_ref = None  # the communicator (weak), for counts when not recording
         self.sampled: list | None = None  # not recording: the op the watchdog saw it blocked in
-        self.barriers = 0  # not recording: barriers started (the byte counter has no row)
         self.label = ""
         self.index = 0
         self.set_label(label)
@@ -219,14 +217,15 @@ class FlightRecorder(Ring):
         return self.entry(self.newest(False))
 
     def counts(self) -> tuple[int, int]:
-        """(collectives, p2p ops) started on this communicator: the recorder's seqs, or, not
-        recording, the communicator's byte counter's calls (every op counts before it starts)."""
-        if self.recording:
-            return self.seq, self.p2p_seq
-        comm = self.comm_ref() if self.comm_ref is not None else None
-        stats = comm._stats if comm is not None else {}
-        coll = self.barriers + sum(v[0] for k, v in stats.items() if k in COLLECTIVES)
-        return coll, sum(v[0] for k, v in stats.items() if k not in COLLECTIVES)
+        """(collectives, p2p ops) started on this communicator, recorded or not."""
+        return self.seq, self.p2p_seq
+
+    def keep(self, capacity: int) -> None:
+        """Keep the last `capacity` ops from now on (0: none, as SOAPSTONE_FLIGHT_RECORDER=0;
+        rounded up to a power of two), dropping the entries kept so far; numbering and the
+        byte counter go on."""
+        super().keep(_power_of_two(capacity))
+        self.recording = capacity > 0
 
     def snapshot(self, now: float | None = None, entries: bool = True) -> dict:
         """This recorder as JSON data: identity, counters, the active op and the entries

@@ -8,7 +8,10 @@
  * nothing but the shape tuple torch hands out, which is read and dropped at once.
  *
  * One Ring holds two rings, collectives and p2p ops, each indexed by its own sequence number
- * (seq & mask). A handle names an entry across both: seq * 2 + (1 for p2p). An entry whose
+ * (seq & mask). It is also the communicator's byte counter: every op passes through `run`
+ * whether or not it is recorded (capacity 0 keeps no entries but still numbers and counts
+ * the ops), so the Python around a comm call is the same either way and recording costs only
+ * the entry itself. A handle names an entry across both: seq * 2 + (1 for p2p). An entry whose
  * slot has been reused since (the ring wrapped) is gone: updates through a stale handle do
  * nothing and reading it gives None. Every method runs under the GIL and none releases it,
  * so the watchdog thread always reads whole entries.
@@ -38,16 +41,26 @@ typedef struct {
     double t_start, t_wait, t_end;
 } Entry;
 
+/* The byte counter's row of one op: calls, and bus bytes sent by this rank, each call's bytes
+ * being num * nbytes / den (the op's factor for this communicator's size, from
+ * accounting.bus_factor, given once per op by count_as). */
+#define NCOUNTED 16
+typedef struct {
+    PyObject *op;
+    long long num, den, calls, bytes;
+} Counter;
+
 typedef struct {
     PyObject_HEAD
-    Entry *ring[2]; /* [0] collectives, [1] p2p ops */
+    Entry *ring[2]; /* [0] collectives, [1] p2p ops (NULL: capacity 0, nothing kept) */
     long long seq[2];
     long long capacity, mask;
     long long cur;    /* handle of the entry started last (0: none yet) */
-    PyObject *nbytes; /* that entry's bytes (an object: Python reads it as a plain slot) */
     long long active; /* handle of the entry a wait() is blocked in (0: none) */
     long long *sent, *recvd; /* per peer: p2p messages posted since the start */
     Py_ssize_t size;
+    Counter counted[NCOUNTED];
+    int ncounted;
 } Ring;
 
 /* torch.Tensor's getters for shape, ndim and nbytes, called directly (the attribute lookup
@@ -60,7 +73,7 @@ typedef struct {
 } Getter;
 static Getter get_shape, get_ndim, get_nbytes;
 static PyTypeObject *tensor_type; /* the class the getters belong to */
-static PyObject *shape_name, *itemsize_name;
+static PyObject *shape_name, *itemsize_name, *send_name, *recv_name;
 /* torch's C++ tensor read directly (tensor_reader.cpp), when the comm layer hands it over:
  * ~5 ns for what the getters take ~95 ns to tell */
 static soap_tensor_reader reader;
@@ -170,8 +183,37 @@ static void ring_dealloc(Ring *r) {
     }
     PyMem_Free(r->sent);
     PyMem_Free(r->recvd);
-    Py_CLEAR(r->nbytes);
+    for (int i = 0; i < r->ncounted; i++) Py_CLEAR(r->counted[i].op);
     Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* Keep the last `capacity` entries per ring from now on (0: none), dropping those kept so
+ * far; numbering, counters and the byte counter go on. */
+static int set_capacity(Ring *r, long long capacity) {
+    if (capacity < 0 || (capacity & (capacity - 1))) {
+        PyErr_SetString(PyExc_ValueError, "capacity: 0 or a power of two");
+        return -1;
+    }
+    Entry *fresh[2] = {NULL, NULL};
+    for (int k = 0; k < 2 && capacity; k++) {
+        fresh[k] = PyMem_Calloc((size_t)capacity, sizeof(Entry));
+        if (fresh[k] == NULL) {
+            PyMem_Free(fresh[0]);
+            return PyErr_NoMemory(), -1;
+        }
+    }
+    for (int k = 0; k < 2; k++) {
+        if (r->ring[k] == NULL) continue;
+        for (long long i = 0; i < r->capacity; i++) clear_entry(&r->ring[k][i]);
+        PyMem_Free(r->ring[k]);
+        r->ring[k] = fresh[k];
+    }
+    r->ring[0] = fresh[0];
+    r->ring[1] = fresh[1];
+    r->capacity = capacity;
+    r->mask = capacity - 1;
+    r->cur = r->active = 0; /* handles into the old rings name nothing now */
+    return 0;
 }
 
 static int ring_init(Ring *r, PyObject *args, PyObject *kwds) {
@@ -179,23 +221,16 @@ static int ring_init(Ring *r, PyObject *args, PyObject *kwds) {
     Py_ssize_t size;
     static char *kw[] = {"capacity", "size", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ln", kw, &capacity, &size)) return -1;
-    if (capacity < 0 || (capacity & (capacity - 1)) || size < 1) {
-        PyErr_SetString(PyExc_ValueError, "capacity: 0 or a power of two; size >= 1");
+    if (size < 1) {
+        PyErr_SetString(PyExc_ValueError, "size >= 1");
         return -1;
     }
-    if (r->ring[0] != NULL || r->sent != NULL) {
+    if (r->sent != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Ring.__init__ called twice");
         return -1;
     }
-    r->capacity = capacity;
-    r->mask = capacity - 1;
+    if (set_capacity(r, capacity) < 0) return -1;
     r->size = size;
-    if (capacity) {
-        for (int k = 0; k < 2; k++) {
-            r->ring[k] = PyMem_Calloc((size_t)capacity, sizeof(Entry));
-            if (r->ring[k] == NULL) return PyErr_NoMemory(), -1;
-        }
-    }
     r->sent = PyMem_Calloc((size_t)size, sizeof(long long));
     r->recvd = PyMem_Calloc((size_t)size, sizeof(long long));
     if (r->sent == NULL || r->recvd == NULL) return PyErr_NoMemory(), -1;
@@ -252,46 +287,72 @@ static long long read_shape(Entry *e, PyObject *t, long long size) {
     return numel * size;
 }
 
-/* A new entry for op on tensor t, STARTED now: a collective (peer < 0) or a p2p op with its
- * peer and whether it sends (the per-peer counters). NULL with an exception set on bad input. */
-static Entry *begin(Ring *r, PyObject *op, PyObject *t, PyObject *dtype, int peer, int sending) {
-    if (r->ring[0] == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "this recorder does not record (capacity 0)");
-        return NULL;
+/* op's row of the byte counter, or NULL with an exception when count_as never named it */
+static Counter *counter(Ring *r, PyObject *op) {
+    for (int i = 0; i < r->ncounted; i++)
+        if (r->counted[i].op == op) return &r->counted[i]; /* op names are interned */
+    for (int i = 0; i < r->ncounted; i++) {
+        int eq = PyObject_RichCompareBool(r->counted[i].op, op, Py_EQ);
+        if (eq < 0) return NULL;
+        if (eq) return &r->counted[i];
     }
+    PyErr_Format(PyExc_KeyError, "the byte counter has no row for %R (count_as names it)", op);
+    return NULL;
+}
+
+static inline void count_call(Counter *c, long long nbytes) {
+    c->calls++;
+    c->bytes += c->num * nbytes / c->den;
+}
+
+/* A new op on tensor t: a collective (peer < 0) or a p2p op with its peer and whether it sends
+ * (the per-peer counters). It is numbered, counted in row c (if any) with t's bytes times
+ * `times`, and when the rings keep entries it gets one, STARTED now, into *out (else NULL).
+ * -1 with an exception set on bad input, before anything is changed. */
+static int begin(Ring *r, PyObject *op, PyObject *t, PyObject *dtype, int peer, int sending,
+                 Counter *c, long long times, Entry **out) {
     int kind = peer >= 0;
+    *out = NULL;
     if (peer >= r->size) {
         PyErr_SetString(PyExc_ValueError, "peer out of range");
-        return NULL;
+        return -1;
     }
     long long size = itemsize(dtype);
     if (size <= 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dtype of itemsize 0");
-        return NULL;
+        return -1;
     }
     long long seq = r->seq[kind] + 1;
-    Entry *e = &r->ring[kind][seq & r->mask];
-    clear_entry(e); /* the entry capacity ops ago */
-    e->seq = 0;     /* not an entry until it is whole */
-    long long nbytes = read_shape(e, t, size);
-    if (nbytes < 0) return NULL;
+    long long nbytes = 0;
+    Entry *e = NULL;
+    if (r->ring[0] != NULL) {
+        e = &r->ring[kind][seq & r->mask];
+        clear_entry(e); /* the entry capacity ops ago */
+        e->seq = 0;     /* not an entry until it is whole */
+        nbytes = read_shape(e, t, size);
+    } else if (c != NULL) { /* counted, not kept: the bytes only */
+        Entry scratch = {0};
+        nbytes = read_shape(&scratch, t, size);
+        clear_entry(&scratch);
+    }
+    if (nbytes < 0) return -1;
     r->seq[kind] = seq;
+    if (kind) (sending ? r->sent : r->recvd)[peer]++;
+    if (c != NULL) count_call(c, nbytes * times);
+    if (e == NULL) return 0;
     Py_INCREF(op);
     Py_INCREF(dtype);
     e->seq = seq;
     e->op = op;
     e->dtype = dtype;
     e->nbytes = nbytes;
-    PyObject *n = PyLong_FromLongLong(nbytes);
-    if (n == NULL) return NULL;
-    Py_XSETREF(r->nbytes, n);
     e->peer = peer;
     e->state = STARTED;
     e->t_start = stamp();
     e->t_wait = e->t_end = 0.0;
-    if (kind) (sending ? r->sent : r->recvd)[peer]++;
     r->cur = seq * 2 + kind;
-    return e;
+    *out = e;
+    return 0;
 }
 
 static int peer_args(PyObject *const *args, int *peer, int *sending) {
@@ -311,28 +372,46 @@ static PyObject *ring_start(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     if (nargs == 5 && peer_args(args + 3, &peer, &sending) < 0) return NULL;
-    Entry *e = begin(r, args[0], args[1], args[2], peer, sending);
-    return e == NULL ? NULL : PyLong_FromLongLong(e->nbytes);
+    if (r->ring[0] == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "this recorder does not record (capacity 0)");
+        return NULL;
+    }
+    Entry *e;
+    if (begin(r, args[0], args[1], args[2], peer, sending, NULL, 0, &e) < 0) return NULL;
+    return PyLong_FromLongLong(e->nbytes);
 }
 
-/* run(op, t, dtype, peer, sending, async_op, fn, args) -> fn(*args), recorded: the entry
- * starts, fn runs, and the entry is DONE (async_op: POSTED, for wait() to finish) or FAILED
- * if fn raised. The hot path of every comm call in one call; `nbytes` is then t's size. */
+/* run(op, t, dtype, peer, sending, times, async_op, fn, args) -> fn(*args), numbered, counted
+ * and recorded: the entry starts, fn runs, and the entry is DONE (async_op: POSTED, for wait()
+ * to finish) or FAILED if fn raised. Every comm call's hot path in one call. The byte counter
+ * counts a collective's bytes times `times` under op (0: not counted), a p2p op's under
+ * "send" or "recv". */
 static PyObject *ring_run(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     int peer, sending;
-    if (nargs != 8 || !PyTuple_Check(args[7])) {
+    if (nargs != 9 || !PyTuple_Check(args[8])) {
         PyErr_SetString(PyExc_TypeError,
-                        "run(op, t, dtype, peer, sending, async_op, fn, args: tuple)");
+                        "run(op, t, dtype, peer, sending, times, async_op, fn, args: tuple)");
         return NULL;
     }
     if (peer_args(args + 3, &peer, &sending) < 0) return NULL;
-    int async_op = PyObject_IsTrue(args[5]);
+    long long times = PyLong_AsLongLong(args[5]);
+    if (times == -1 && PyErr_Occurred()) return NULL;
+    int async_op = PyObject_IsTrue(args[6]);
     if (async_op < 0) return NULL;
-    Entry *e = begin(r, args[0], args[1], args[2], peer, sending);
-    if (e == NULL) return NULL;
-    long long seq = e->seq;
-    PyObject *out = PyObject_Call(args[6], args[7], NULL);
-    if (e->seq != seq) return out; /* the ring wrapped inside fn: the entry is gone */
+    Counter *c = NULL;
+    if (peer >= 0) {
+        c = counter(r, sending ? send_name : recv_name);
+        times = 1;
+    } else if (times) {
+        c = counter(r, args[0]);
+    }
+    if ((peer >= 0 || times) && c == NULL) return NULL;
+    Entry *e;
+    if (begin(r, args[0], args[1], args[2], peer, sending, c, times, &e) < 0) return NULL;
+    long long h = e == NULL ? 0 : r->cur;
+    PyObject *out = PyObject_Call(args[7], args[8], NULL);
+    e = find(r, h); /* fn may have wrapped the ring, or resized it */
+    if (e == NULL) return out;
     if (out == NULL) {
         e->t_end = stamp();
         e->state = FAILED;
@@ -386,6 +465,80 @@ static PyObject *ring_post(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     Entry *e = find(r, h);
     if (e != NULL) e->state = POSTED;
     return PyLong_FromLongLong(h);
+}
+
+/* count_as(op, num, den): op's row of the byte counter; a call with nbytes counts
+ * num * nbytes // den bus bytes (accounting.bus_factor) */
+static PyObject *ring_count_as(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "count_as(op: str, num, den)");
+        return NULL;
+    }
+    long long num = PyLong_AsLongLong(args[1]), den = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (num < 0 || den < 1) {
+        PyErr_SetString(PyExc_ValueError, "count_as: num >= 0 and den >= 1");
+        return NULL;
+    }
+    Counter *c = counter(r, args[0]);
+    if (c == NULL) {
+        PyErr_Clear();
+        if (r->ncounted == NCOUNTED) {
+            PyErr_SetString(PyExc_ValueError, "count_as: too many ops");
+            return NULL;
+        }
+        PyObject *op = args[0];
+        Py_INCREF(op);
+        PyUnicode_InternInPlace(&op); /* the hot path finds interned names by pointer */
+        c = &r->counted[r->ncounted++];
+        c->op = op;
+        c->calls = c->bytes = 0;
+    }
+    c->num = num;
+    c->den = den;
+    Py_RETURN_NONE;
+}
+
+/* count(op, nbytes): one call of op moving nbytes, counted without a record (alltoallv's
+ * caller knows the bytes that leave the rank) */
+static PyObject *ring_count(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "count(op, nbytes)");
+        return NULL;
+    }
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    Counter *c = counter(r, args[0]);
+    if (c == NULL) return NULL;
+    count_call(c, nbytes);
+    Py_RETURN_NONE;
+}
+
+/* stats() -> {op: (calls, bus bytes)} for every op called since the last reset */
+static PyObject *ring_stats(Ring *r, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyDict_New();
+    for (int i = 0; out != NULL && i < r->ncounted; i++) {
+        Counter *c = &r->counted[i];
+        if (c->calls == 0) continue;
+        PyObject *row = Py_BuildValue("(LL)", c->calls, c->bytes);
+        if (row == NULL || PyDict_SetItem(out, c->op, row) < 0) Py_CLEAR(out);
+        Py_XDECREF(row);
+    }
+    return out;
+}
+
+/* reset_stats(): zero the byte counter */
+static PyObject *ring_reset_stats(Ring *r, PyObject *Py_UNUSED(ignored)) {
+    for (int i = 0; i < r->ncounted; i++) r->counted[i].calls = r->counted[i].bytes = 0;
+    Py_RETURN_NONE;
+}
+
+/* keep(capacity): keep the last `capacity` entries per ring from now on (0: none) */
+static PyObject *ring_keep(Ring *r, PyObject *arg) {
+    long long capacity = PyLong_AsLongLong(arg);
+    if (capacity == -1 && PyErr_Occurred()) return NULL;
+    if (set_capacity(r, capacity) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* current() -> handle of the entry started last (0 before the first) */
@@ -502,7 +655,14 @@ static PyObject *ring_get_recvd(Ring *r, void *c) { return counters(r->recvd, r-
 
 static PyMethodDef ring_methods[] = {
     {"run", (PyCFunction)(void (*)(void))ring_run, METH_FASTCALL,
-     "run(op, t, dtype, peer, sending, async_op, fn, args) -> fn(*args), recorded"},
+     "run(op, t, dtype, peer, sending, times, async_op, fn, args) -> fn(*args), recorded"},
+    {"count_as", (PyCFunction)(void (*)(void))ring_count_as, METH_FASTCALL,
+     "count_as(op, num, den): op's row of the byte counter (num * nbytes // den a call)"},
+    {"count", (PyCFunction)(void (*)(void))ring_count, METH_FASTCALL,
+     "count(op, nbytes): count one call of op without recording it"},
+    {"stats", (PyCFunction)ring_stats, METH_NOARGS, "stats() -> {op: (calls, bus bytes)}"},
+    {"reset_stats", (PyCFunction)ring_reset_stats, METH_NOARGS, "zero the byte counter"},
+    {"keep", (PyCFunction)ring_keep, METH_O, "keep(capacity): entries kept per ring from now"},
     {"start", (PyCFunction)(void (*)(void))ring_start, METH_FASTCALL,
      "start(op, t, dtype[, peer, sending]) -> nbytes: record a call starting now"},
     {"done", (PyCFunction)(void (*)(void))ring_done, METH_FASTCALL,
@@ -527,8 +687,6 @@ static PyMemberDef ring_members[] = {
      "p2p ops started"},
     {"capacity", T_LONGLONG, offsetof(Ring, capacity), READONLY, "entries kept per ring"},
     {"mask", T_LONGLONG, offsetof(Ring, mask), READONLY, "capacity - 1"},
-    {"nbytes", T_OBJECT_EX, offsetof(Ring, nbytes), READONLY,
-     "bytes of the entry started last"},
     {"active", T_LONGLONG, offsetof(Ring, active), READONLY,
      "handle of the entry a wait() is blocked in (0: none)"},
     {NULL}};
@@ -616,7 +774,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_flight_ring",
 PyMODINIT_FUNC PyInit__flight_ring(void) {
     shape_name = PyUnicode_InternFromString("shape");
     itemsize_name = PyUnicode_InternFromString("itemsize");
-    if (shape_name == NULL || itemsize_name == NULL) return NULL;
+    send_name = PyUnicode_InternFromString("send");
+    recv_name = PyUnicode_InternFromString("recv");
+    if (shape_name == NULL || itemsize_name == NULL || send_name == NULL || recv_name == NULL)
+        return NULL;
     tsc_setup();
     PyObject *names = PyTuple_New(NSTATES);
     if (names == NULL) return NULL;

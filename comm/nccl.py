@@ -130,8 +130,8 @@ class NCCLCommunicator(GroupedP2P, Communicator):
         return self._enqueued(super()._p2p(op, t, peer, tag, async_op))
 
     def _enqueued(self, out):
-        rec = self.recorder
-        if rec is None:
+        rec = self.flight
+        if not rec.recording:
             return out
         event = torch.cuda.Event()  # on the stream the call went to: fires when it is done
         h = rec.current()  # the entry the call just made

@@ -325,7 +325,8 @@ def _sampled_call(frame, name: str):
         comm, op, t, peer = info
     else:
         comm = obj
-        if getattr(comm, "recorder", 1) is not None:
+        flight = getattr(comm, "flight", None)
+        if flight is None or flight.recording:
             return None
         op = local.get("op", name) if name == "_p2p" else name
         t, peer = local.get("t"), local.get("peer", -1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from soapstone.comm import diagnose
+from soapstone.comm.accounting import COUNTED_OPS, bus_factor
 from soapstone.comm.flight_recorder import (
     DONE,
     FAILED,
@@ -28,7 +29,10 @@ from soapstone.comm.watchdog import WatchdogError, check_timeout, timeout_from_e
 
 
 def rec(capacity=4, rank=0, size=2, label="data"):
-    return FlightRecorder(capacity, rank, size, list(range(size)), label)
+    r = FlightRecorder(capacity, rank, size, list(range(size)), label)
+    for op in COUNTED_OPS:  # as a Communicator does
+        r.count_as(op, *bus_factor(op, size))
+    return r
 
 
 def test_ring_keeps_the_newest_entries_in_order():
@@ -90,16 +94,16 @@ def test_times_are_monotonic_clock_seconds():
 def test_run_records_around_the_call_and_marks_what_it_raised():
     r = rec()
     t = torch.ones(4, dtype=torch.float64)
-    assert r.run("allreduce", t, t.dtype, -1, False, False, lambda x: x + 1, (t,))[0] == 2
-    assert r.nbytes == 32 and r.entry(r.current())[STATE] == DONE
+    assert r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda x: x + 1, (t,))[0] == 2
+    assert r.entry(r.current())[NBYTES] == 32 and r.entry(r.current())[STATE] == DONE
     with pytest.raises(ZeroDivisionError):
-        r.run("broadcast", t, t.dtype, -1, False, False, lambda: 1 / 0, ())
+        r.run("broadcast", t, t.dtype, -1, False, 1, False, lambda: 1 / 0, ())
     assert r.entry(r.current())[1:3] == ["broadcast", (4,)]
     assert r.entry(r.current())[STATE] == FAILED
-    r.run("isend", t, t.dtype, 1, True, True, lambda: None, ())
+    r.run("isend", t, t.dtype, 1, True, 1, True, lambda: None, ())
     assert r.entry(r.current())[STATE] == POSTED and r.sent == [0, 1] and r.p2p_seq == 1
     big = torch.ones([1] * 10)  # more dims than an entry holds inline
-    r.run("allreduce", big, big.dtype, -1, False, False, lambda: None, ())
+    r.run("allreduce", big, big.dtype, -1, False, 1, False, lambda: None, ())
     assert r.entry(r.current())[2] == (1,) * 10
 
 
@@ -233,8 +237,8 @@ def test_the_rings_hold_what_they_keep_and_release_what_they_overwrite():
 
     def record(ring, n):
         for _ in range(n):
-            ring.run(op, t, t.dtype, -1, False, False, lambda: None, ())
-            ring.run(op, big, big.dtype, -1, False, False, lambda: None, ())
+            ring.run(op, t, t.dtype, -1, False, 1, False, lambda: None, ())
+            ring.run(op, big, big.dtype, -1, False, 1, False, lambda: None, ())
 
     record(r, 10)
     before = sys.getrefcount(op)
@@ -287,3 +291,60 @@ def test_this_install_reads_tensors_from_cpp_and_another_torchs_reader_is_never_
     finally:
         monkeypatch.undo()
         assert communicator._connect_tensor_reading() == communicator.TENSOR_READING
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_the_byte_counter_counts_accountings_bus_bytes_whether_or_not_it_records(size):
+    """The rings count every op as it passes, with accounting's formula (which explain uses to
+    predict the counters), and number it, with entries kept or not."""
+    from soapstone.comm.accounting import bus_bytes
+
+    for capacity in (4, 0):
+        r = rec(capacity=capacity, size=size)
+        want: dict[str, list[int]] = {}
+        t = torch.ones(3, 5)  # 60 bytes: not a multiple of most sizes, so rounding shows
+        for op, times in (("allreduce", 1), ("allreduce", 1), ("allgather", size),
+                          ("reduce_scatter", 1), ("alltoall", 1), ("broadcast", 1)):
+            r.run(op, t, t.dtype, -1, False, times, False, lambda: None, ())
+            row = want.setdefault(op, [0, 0])
+            row[0], row[1] = row[0] + 1, row[1] + bus_bytes(op, 60 * times, size)
+        r.run("barrier", t, t.dtype, -1, False, 0, False, lambda: None, ())  # numbered only
+        r.count("alltoallv", 7)
+        want["alltoallv"] = [1, bus_bytes("alltoallv", 7, size)]
+        if size > 1:
+            r.run("isend", t, t.dtype, 1, True, 1, True, lambda: None, ())
+            r.run("recv", t, t.dtype, 1, False, 1, False, lambda: None, ())
+            want["send"], want["recv"] = [1, 60], [1, 0]
+        assert r.stats() == {k: tuple(v) for k, v in want.items()}
+        assert (r.seq, r.p2p_seq) == (7, 2 if size > 1 else 0) == r.counts()
+        assert len(r.entries()) == min(capacity, 7) + min(capacity, r.p2p_seq)
+        r.reset_stats()
+        assert r.stats() == {} and r.seq == 7
+
+
+def test_an_op_the_counter_has_no_row_for_is_refused_before_anything_changes():
+    r = rec()
+    t = torch.ones(2)
+    with pytest.raises(KeyError, match="no row for 'allsum'"):
+        r.run("allsum", t, t.dtype, -1, False, 1, False, lambda: None, ())
+    assert (r.seq, r.entries(), r.stats()) == (0, [], {})
+
+
+def test_keep_turns_recording_on_and_off_and_numbering_goes_on():
+    r = rec(capacity=0)
+    t = torch.ones(2)
+
+    def call():
+        r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda: None, ())
+
+    call()
+    assert not r.recording and r.entries() == [] and r.current() == 0
+    r.keep(3)  # rounded up to 4
+    assert r.recording and r.capacity == 4
+    for _ in range(6):
+        call()
+    assert [e[0] for e in r.entries()] == [4, 5, 6, 7]
+    r.keep(0)
+    call()
+    assert not r.recording and r.entries() == [] and r.seq == 8
+    assert r.stats()["allreduce"][0] == 8

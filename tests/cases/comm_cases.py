@@ -190,7 +190,7 @@ def case_batch_p2p_ring_in_order_counted_and_recorded():
         for dt in DTYPES:
             a, b = torch.empty(4, 2, dtype=dt, device=DEV), torch.empty(3, dtype=dt, device=DEV)
             W.reset_stats()
-            seq = W.recorder.p2p_seq if W.recorder else 0
+            seq = W.flight.p2p_seq
             works = W.batch_p2p([("irecv", a, prv), ("isend", inp(R, (4, 2), dt), nxt),
                                  ("isend", inp(R, (3,), dt, 1), nxt), ("irecv", b, prv)],
                                 synchronous=synchronous)
@@ -199,11 +199,11 @@ def case_batch_p2p_ring_in_order_counted_and_recorded():
             same(got[3], inp(prv, (3,), dt, 1), f"batch_p2p second message {dt}")
             size = torch.empty(0, dtype=dt).element_size()
             assert W.stats["send"].bytes == 11 * size and W.stats["send"].calls == 2
-            if W.recorder:
-                ops = [e["op"] for e in W.recorder.snapshot()["entries"]
+            if W.flight.recording:
+                ops = [e["op"] for e in W.flight.snapshot()["entries"]
                        if e["kind"] == "p2p" and e["seq"] > seq]
                 assert ops == ["irecv", "isend", "isend", "irecv"], ops
-    seq = W.recorder.p2p_seq if W.recorder else 0
+    seq = W.flight.p2p_seq
     for bad, match in (([("isend", inp(R, (2,)), nxt), ("put", inp(R, (2,)), nxt)], "unknown"),
                        ([("irecv", torch.empty(2, device=DEV), prv),
                          ("isend", inp(R, (2,)), N)], "not a rank")):
@@ -213,7 +213,7 @@ def case_batch_p2p_ring_in_order_counted_and_recorded():
             assert match in str(e), e
         else:
             raise AssertionError(f"batch_p2p took {bad}")
-    assert W.recorder is None or W.recorder.p2p_seq == seq, "a refused batch posted ops"
+    assert W.flight.p2p_seq == seq, "a refused batch posted ops"
     if W.device_type == "cpu":
         # synchronous: an Issend stays incomplete until its receive is posted (NCCL's
         # rendezvous), where a small Isend completes at once (eager)

@@ -14,12 +14,12 @@ R, N = W.rank, W.size
 
 
 def newest(comm, n=1):
-    return comm.recorder.snapshot()["entries"][-n:]
+    return comm.flight.snapshot()["entries"][-n:]
 
 
 @ranks(2)
 def case_every_collective_leaves_one_entry_with_its_fields():
-    rec = W.recorder
+    rec = W.flight
     start = rec.seq
     x = torch.ones(2 * N, 3)
     W.allreduce(x)
@@ -53,7 +53,7 @@ def case_async_entry_is_posted_until_waited():
 
 @ranks(2)
 def case_p2p_entries_and_per_peer_counters():
-    rec = W.recorder
+    rec = W.flight
     peer = (R + 1) % N
     src = (R - 1) % N
     sent, recvd = rec.sent[peer], rec.recvd[src]
@@ -100,7 +100,7 @@ def case_mesh_communicators_are_named_by_their_axes():
     with Mesh(W, pipe=2, data=N // 2) as mesh:
         data = mesh.comm("data")
         assert data.label == "data" and mesh.comm("pipe", "data").label == "pipe+data"
-        snap = data.recorder.snapshot()
+        snap = data.flight.snapshot()
         assert snap["world_ranks"] == [mesh.rank_of(data=i) for i in range(N // 2)]
         data.allreduce(torch.ones(1))
         assert newest(data)[0]["op"] == "allreduce"
@@ -111,5 +111,5 @@ def case_status_holds_every_live_recorder_and_the_stack():
     st = wd.status("test")
     assert st["rank"] == R and st["size"] == N
     keys = {c["key"] for c in st["comms"]}
-    assert W.recorder.key in keys and st["active"] is None
+    assert W.flight.key in keys and st["active"] is None
     assert any("case_status_holds_every_live_recorder" in line for line in st["main_stack"])

@@ -54,9 +54,9 @@ P2P = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
 
 def _recorder_marks(mesh) -> dict:
     """Each recording communicator of the mesh by its key, with its (collective, p2p) counts."""
-    comms = {c.recorder.key.split("#")[0]: c for c in (mesh._comms.values() if mesh else ())
-             if c.size > 1 and c.recorder is not None and c.recorder.recording}
-    return {k: (c, c.recorder.seq, c.recorder.p2p_seq) for k, c in comms.items()}
+    comms = {c.flight.key.split("#")[0]: c for c in (mesh._comms.values() if mesh else ())
+             if c.size > 1 and c.flight.recording}
+    return {k: (c, c.flight.seq, c.flight.p2p_seq) for k, c in comms.items()}
 
 
 def _wild(row: tuple, plan: tuple) -> tuple:
@@ -74,7 +74,7 @@ def _assert_sequence(graph, marks: dict, layout: str, p2p: str = "ahead") -> Non
     assert set(want) <= set(marks) or not marks, f"{layout}: plan names {sorted(want)}"
     for key, (c, seq0, p2p0) in marks.items():
         got = {"collective": [], "p2p": []}
-        for e in c.recorder.snapshot()["entries"]:
+        for e in c.flight.snapshot()["entries"]:
             if e["seq"] > (seq0 if e["kind"] == "collective" else p2p0):
                 op = e["op"] if e["kind"] == "collective" else P2P[e["op"]]
                 got[e["kind"]].append((op, tuple(e["shape"]), e["dtype"]))
