@@ -102,14 +102,7 @@ class Work:
             if rec is None:
                 self._complete()
             else:  # the entry's wait, timed by the recorder (see Communicator._call)
-                h = self._entry
-                rec.wait_begin(h)
-                try:
-                    self._complete()
-                except BaseException:
-                    rec.fail(h)
-                    raise
-                rec.wait_end(h)
+                rec.wait(self._entry, self._complete)
         return self._result
 
     def _complete(self) -> None:
@@ -253,7 +246,7 @@ class Communicator(abc.ABC):
         """Let an async op's wait() time its entry; unrecorded, let the watchdog name the
         wait() it finds blocked."""
         if rec.recording:
-            work._rec, work._entry = rec, rec.current()
+            work._rec, work._entry = rec, rec.current
         else:
             work._entry = (self, op, t, peer)
 

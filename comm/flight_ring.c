@@ -330,10 +330,11 @@ static int begin(Ring *r, PyObject *op, PyObject *t, PyObject *dtype, int peer, 
         clear_entry(e); /* the entry capacity ops ago */
         e->seq = 0;     /* not an entry until it is whole */
         nbytes = read_shape(e, t, size);
-    } else if (c != NULL) { /* counted, not kept: the bytes only */
-        Entry scratch = {0};
+    } else if (c != NULL) { /* counted, not kept: the bytes only (read_shape writes nothing
+                             * but dims, ndim and, past MAXDIM dims, shape) */
+        static Entry scratch;
         nbytes = read_shape(&scratch, t, size);
-        clear_entry(&scratch);
+        Py_CLEAR(scratch.shape);
     }
     if (nbytes < 0) return -1;
     r->seq[kind] = seq;
@@ -541,14 +542,14 @@ static PyObject *ring_keep(Ring *r, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* current() -> handle of the entry started last (0 before the first) */
-static PyObject *ring_current(Ring *r, PyObject *Py_UNUSED(ignored)) {
-    return PyLong_FromLongLong(r->cur);
-}
-
-/* wait_begin(h): wait() on async entry h starts blocking now */
-static PyObject *ring_wait_begin(Ring *r, PyObject *arg) {
-    long long h = PyLong_AsLongLong(arg);
+/* wait(h, fn) -> fn(): Work.wait() on async entry h in one call: WAITING (and the entry a
+ * wait() is blocked in) while fn runs, then DONE, or FAILED if fn raised */
+static PyObject *ring_wait(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wait(h, fn)");
+        return NULL;
+    }
+    long long h = PyLong_AsLongLong(args[0]);
     if (h == -1 && PyErr_Occurred()) return NULL;
     Entry *e = find(r, h);
     if (e != NULL) {
@@ -556,15 +557,14 @@ static PyObject *ring_wait_begin(Ring *r, PyObject *arg) {
         e->state = WAITING;
     }
     r->active = h;
-    Py_RETURN_NONE;
-}
-
-/* wait_end(h): that wait() returned */
-static PyObject *ring_wait_end(Ring *r, PyObject *arg) {
-    long long h = PyLong_AsLongLong(arg);
-    if (h == -1 && PyErr_Occurred()) return NULL;
-    r->active = 0;
-    return set_state(r, h, DONE, 1);
+    PyObject *out = PyObject_CallNoArgs(args[1]);
+    if (r->active == h) r->active = 0;
+    e = find(r, h); /* fn may have wrapped the ring */
+    if (e != NULL) {
+        e->t_end = stamp();
+        e->state = out == NULL ? FAILED : DONE;
+    }
+    return out;
 }
 
 /* enqueued(h): NCCL: entry h is on the stream, not known complete */
@@ -671,9 +671,8 @@ static PyMethodDef ring_methods[] = {
      "fail([h]): the backend raised during entry h"},
     {"post", (PyCFunction)(void (*)(void))ring_post, METH_FASTCALL,
      "post([h]) -> h: entry h (default: the newest started) is async, not waited"},
-    {"current", (PyCFunction)ring_current, METH_NOARGS, "current() -> the newest's handle"},
-    {"wait_begin", (PyCFunction)ring_wait_begin, METH_O, "wait_begin(h): wait() blocks now"},
-    {"wait_end", (PyCFunction)ring_wait_end, METH_O, "wait_end(h): wait() returned"},
+    {"wait", (PyCFunction)(void (*)(void))ring_wait, METH_FASTCALL,
+     "wait(h, fn) -> fn(): async entry h waited on while fn runs"},
     {"enqueued", (PyCFunction)ring_enqueued, METH_O, "enqueued(h): on the CUDA stream"},
     {"complete", (PyCFunction)ring_complete, METH_O, "complete(h): its CUDA event fired"},
     {"entry", (PyCFunction)ring_entry, METH_O, "entry(h) -> list or None"},
@@ -685,6 +684,8 @@ static PyMemberDef ring_members[] = {
     {"seq", T_LONGLONG, offsetof(Ring, seq), READONLY, "collectives started"},
     {"p2p_seq", T_LONGLONG, offsetof(Ring, seq) + sizeof(long long), READONLY,
      "p2p ops started"},
+    {"current", T_LONGLONG, offsetof(Ring, cur), READONLY,
+     "handle of the entry started last (0: none)"},
     {"capacity", T_LONGLONG, offsetof(Ring, capacity), READONLY, "entries kept per ring"},
     {"mask", T_LONGLONG, offsetof(Ring, mask), READONLY, "capacity - 1"},
     {"active", T_LONGLONG, offsetof(Ring, active), READONLY,

@@ -134,7 +134,7 @@ class NCCLCommunicator(GroupedP2P, Communicator):
         if not rec.recording:
             return out
         event = torch.cuda.Event()  # on the stream the call went to: fires when it is done
-        h = rec.current()  # the entry the call just made
+        h = rec.current  # the entry the call just made
         if self._grouped is not None:  # enqueued only at groupEnd: recorded after it
             self._grouped.append((event, lambda: rec.enqueue(h, event)))
         else:

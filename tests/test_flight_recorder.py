@@ -69,11 +69,18 @@ def test_states_of_blocking_async_and_failed_ops():
     assert r.entry(e)[STATE] == FAILED and r.blocked() is None
     w = r.collective("allreduce", t, posted=True)
     assert r.entry(w)[STATE] == POSTED and r.blocked() is None  # nobody blocked on it yet
-    r.wait_begin(w)
-    assert r.entry(w)[STATE] == WAITING and r.blocked()[:T_START] == r.entry(w)[:T_START]
-    assert r.active == w
-    r.wait_end(w)
+    seen = []
+
+    def waiting():  # what the watchdog sees while a wait() blocks
+        seen.append((r.entry(w)[STATE], r.blocked()[:T_START] == r.entry(w)[:T_START], r.active))
+        return "result"
+
+    assert r.wait(w, waiting) == "result" and seen == [(WAITING, True, w)]
     assert r.blocked() is None and r.entry(w)[STATE] == DONE and r.active == 0
+    w = r.collective("allreduce", t, posted=True)
+    with pytest.raises(ZeroDivisionError):
+        r.wait(w, lambda: 1 / 0)
+    assert r.blocked() is None and r.entry(w)[STATE] == FAILED and r.active == 0
 
 
 def test_times_are_monotonic_clock_seconds():
@@ -95,16 +102,16 @@ def test_run_records_around_the_call_and_marks_what_it_raised():
     r = rec()
     t = torch.ones(4, dtype=torch.float64)
     assert r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda x: x + 1, (t,))[0] == 2
-    assert r.entry(r.current())[NBYTES] == 32 and r.entry(r.current())[STATE] == DONE
+    assert r.entry(r.current)[NBYTES] == 32 and r.entry(r.current)[STATE] == DONE
     with pytest.raises(ZeroDivisionError):
         r.run("broadcast", t, t.dtype, -1, False, 1, False, lambda: 1 / 0, ())
-    assert r.entry(r.current())[1:3] == ["broadcast", (4,)]
-    assert r.entry(r.current())[STATE] == FAILED
+    assert r.entry(r.current)[1:3] == ["broadcast", (4,)]
+    assert r.entry(r.current)[STATE] == FAILED
     r.run("isend", t, t.dtype, 1, True, 1, True, lambda: None, ())
-    assert r.entry(r.current())[STATE] == POSTED and r.sent == [0, 1] and r.p2p_seq == 1
+    assert r.entry(r.current)[STATE] == POSTED and r.sent == [0, 1] and r.p2p_seq == 1
     big = torch.ones([1] * 10)  # more dims than an entry holds inline
     r.run("allreduce", big, big.dtype, -1, False, 1, False, lambda: None, ())
-    assert r.entry(r.current())[2] == (1,) * 10
+    assert r.entry(r.current)[2] == (1,) * 10
 
 
 def test_p2p_counts_per_peer_and_its_own_seq():
@@ -266,7 +273,7 @@ def _recorded_shapes():
     out = {}
     for name, t in TENSORS.items():
         nbytes = r.start("allreduce", t, t.dtype)
-        e = r.entry(r.current())
+        e = r.entry(r.current)
         out[name] = (tuple(e[SHAPE]), e[NBYTES], nbytes)
     return out
 
@@ -338,7 +345,7 @@ def test_keep_turns_recording_on_and_off_and_numbering_goes_on():
         r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda: None, ())
 
     call()
-    assert not r.recording and r.entries() == [] and r.current() == 0
+    assert not r.recording and r.entries() == [] and r.current == 0
     r.keep(3)  # rounded up to 4
     assert r.recording and r.capacity == 4
     for _ in range(6):
