@@ -206,7 +206,6 @@ static int set_capacity(Ring *r, long long capacity) {
         if (r->ring[k] == NULL) continue;
         for (long long i = 0; i < r->capacity; i++) clear_entry(&r->ring[k][i]);
         PyMem_Free(r->ring[k]);
-        r->ring[k] = fresh[k];
     }
     r->ring[0] = fresh[0];
     r->ring[1] = fresh[1];
@@ -308,7 +307,7 @@ static inline void count_call(Counter *c, long long nbytes) {
 /* A new op on tensor t: a collective (peer < 0) or a p2p op with its peer and whether it sends
  * (the per-peer counters). It is numbered, counted in row c (if any) with t's bytes times
  * `times`, and when the rings keep entries it gets one, STARTED now, into *out (else NULL).
- * -1 with an exception set on bad input, before anything is changed. */
+ * -1 with an exception set on bad input, before the op is numbered or counted. */
 static int begin(Ring *r, PyObject *op, PyObject *t, PyObject *dtype, int peer, int sending,
                  Counter *c, long long times, Entry **out) {
     int kind = peer >= 0;

@@ -48,8 +48,8 @@ def ended(res) -> str:
     return res.stdout + res.stderr
 
 
-# recorder "0": no flight recorder; the watchdog finds the call on the stack and numbers it from
-# the byte counter
+# recorder "0": no entries kept; the watchdog finds the call on the stack, and the rings, which
+# number every op recorded or not, give its number
 @pytest.mark.parametrize("recorder", ["512", "0"])
 def test_a_skipped_collective_is_reported_with_the_op_each_rank_called(recorder):
     res = run_mpi(2, [JOBS, "skip"], timeout=120,
