@@ -50,7 +50,7 @@ import torch
 
 from soapstone.comm.errors import UserError
 from soapstone.shard import trace as tr
-from soapstone.shard.plan import p2p_groups, schedules
+from soapstone.shard.plan import p2p_groups, p2p_proof, schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime import TORCH_DTYPES, ShapeMismatch, ShardedModel, check_mesh
@@ -108,13 +108,13 @@ def p2p_mode(choice: str | None, device: torch.device) -> str:
 def check_device(graph: StageGraph, device: torch.device) -> None:
     """DeviceError for a layout this device cannot run: on CUDA a pipeline runs its p2p in
     groups (NCCL's in-order semantics, no tags), so its schedule must be one whose groups
-    p2p_groups proves deadlock-free and FIFO-paired, for training and for infer. The proof
+    p2p_proof proves deadlock-free and FIFO-paired, for training and for infer. The proof
     counts one message per action; an edge's several tensors go as consecutive messages in
     the same order on both sides, so they pair whenever the actions do."""
     if device.type != "cuda" or graph.pipe <= 1:
         return
     sched = schedules.build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
-    why = p2p_groups.unproven(sched)
+    why = p2p_proof.unproven(sched)
     if why is None:
         return
     from soapstone.comm.device import DeviceError
@@ -156,10 +156,10 @@ class Executor:
         # p2p: "ahead" or "grouped" (the module doc; p2p_mode picks it when None)
         self.p2p = p2p_mode(p2p, self.device)
         if self.p2p == "grouped":
-            grouping = p2p_groups.choose(self.schedule)
+            grouping = p2p_proof.choose(self.schedule)
             if grouping is None:
                 raise P2PModeError(f"layout {graph.parallel}: p2p = grouped, but "
-                                   + (p2p_groups.unproven(self.schedule) or ""))
+                                   + (p2p_proof.unproven(self.schedule) or ""))
             self.actions = p2p_groups.rank_plan(self.schedule, self.pipe_rank, False, grouping)
             self._infer_actions = p2p_groups.rank_plan(self.schedule, self.pipe_rank, True,
                                                        grouping)

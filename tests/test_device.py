@@ -101,7 +101,7 @@ def test_peer_bench_device_cuda_without_a_gpu_is_exit_2(bench):
 
 
 def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
-    """check_device lets a pipeline onto CUDA when p2p_groups proves its grouped p2p (every
+    """check_device lets a pipeline onto CUDA when p2p_proof proves its grouped p2p (every
     pipeline layout of the examples and test specs); otherwise a DeviceError (exit 2) that
     names the layout and schedule and offers the CPU."""
     from pathlib import Path
@@ -109,7 +109,7 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
     from soapstone import dsl
     from soapstone.dsl.stages import lower_graph
     from soapstone.shard.executor import check_device
-    from soapstone.shard.plan import p2p_groups
+    from soapstone.shard.plan import p2p_proof
 
     piped = 0
     for path in sorted([*Path("examples").glob("*.par"), *Path("tests/specs").glob("*.par")]):
@@ -126,13 +126,14 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
     spec = dsl.load("examples/gpt2.par")
     pipe = lower_graph(spec.model(), spec.parallel("pp2"))
     check_device(pipe, torch.device("cpu"))
-    monkeypatch.setattr(p2p_groups, "choose", lambda sched: None)  # a schedule none proves
+    monkeypatch.setattr(p2p_proof, "unproven",  # a schedule no grouping is proven for
+                        lambda sched: "consume: p2p deadlock under NCCL's in-order rendezvous")
     with pytest.raises(DeviceError) as e:
         check_device(pipe, torch.device("cuda"))
     text = str(e.value)
     assert text.startswith("layout pp2: schedule 1f1b (pipe = 2, microbatches = ") and \
         "cannot run on --device cuda" in text and "--device cpu" in text, text
-    assert "deadlock" in text, text
+    assert "(consume: p2p deadlock under NCCL's in-order rendezvous)" in text, text
 
 
 def test_p2p_mode_choice_and_bad_values(monkeypatch):

@@ -1,8 +1,8 @@
-"""Pipeline p2p in groups (shard/plan/p2p_groups.py): every schedule at pipe 2..8 and
-microbatches 1..16 has a grouping that the rendezvous simulator (NCCL's in-order, tagless
-semantics) runs to the end with FIFO-paired messages, for training and for infer; bad
-groupings (receives first and ungrouped, the tag-matched posting ahead, swapped messages) are
-caught with the ranks and ops named. Pure data: no torch, no MPI."""
+"""Pipeline p2p in groups (shard/plan/p2p_groups.py, proven by p2p_proof.py): every schedule
+at pipe 2..8 and microbatches 1..16 has a grouping that the rendezvous simulator (NCCL's
+in-order, tagless semantics) runs to the end with FIFO-paired messages, for training and for
+infer; bad groupings (receives first and ungrouped, the tag-matched posting ahead, swapped
+messages) are caught with the ranks and ops named. Pure data: no torch, no MPI."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 from soapstone.shard.plan import p2p_groups as pg
+from soapstone.shard.plan import p2p_proof as proof
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules import Action
 
@@ -28,14 +29,14 @@ def _all_schedules():
 def test_every_schedule_has_a_proven_grouping():
     seen = {}
     for s in _all_schedules():
-        g = pg.choose(s)
+        g = proof.choose(s)
         assert g is not None, f"{s.kind} p={s.pipe} m={s.microbatches} c={s.chunks}: " \
-                              + pg.unproven(s)
+                              + proof.unproven(s)
         for fo in (False, True):
             ps = pg.plans(s, fo, g)
-            assert pg.simulate(ps).ok and pg.check_fifo(ps) is None
+            assert proof.simulate(ps).ok and proof.check_fifo(ps) is None
             # two tensors per activation, one per gradient: still paired in order
-            assert pg.check_fifo(ps, lambda d, e: 2 if d == "A" else 1) is None
+            assert proof.check_fifo(ps, lambda d, e: 2 if d == "A" else 1) is None
         seen.setdefault((s.kind, g), 0)
         seen[(s.kind, g)] += 1
     # Megatron's choices: consume for the linear pipelines, pairs for interleaved except
@@ -100,7 +101,7 @@ def _ungrouped_receives_first(plan):
 def test_receives_first_and_ungrouped_deadlock_and_name_the_ranks():
     s = schedules.build("1f1b", 2, 4)
     bad = {r: _ungrouped_receives_first(p) for r, p in pg.plans(s).items()}
-    got = pg.simulate(bad)
+    got = proof.simulate(bad)
     assert not got.ok
     text = got.describe()
     # rank 0 waits in its receive of the first gradient, rank 1 in the next activation's
@@ -117,16 +118,16 @@ def test_posting_ahead_as_mpi_does_deadlocks_under_nccl():
         s = schedules.build(kind, p, m, c)
         ahead = {r: tuple(pg.Group((pg.p2p_of(s, a),)) if a.kind[0] in "RS" else a
                           for a in s.with_comm(r)) for r in range(p)}
-        assert not pg.simulate(ahead).ok, (kind, p, m)
+        assert not proof.simulate(ahead).ok, (kind, p, m)
 
 
 def test_interleaved_with_receives_at_the_consumer_deadlocks_so_pairs_is_chosen():
     s = schedules.build("interleaved", 2, 4, 2)
-    got = pg.simulate(pg.plans(s, grouping="consume"))
+    got = proof.simulate(pg.plans(s, grouping="consume"))
     assert not got.ok
     # both ranks stuck in a send whose receive the other posts later: the ring of stages
     assert all(any(o.sending for o in x.unmatched) for x in got.stuck), got.describe()
-    assert pg.choose(s) == "pairs"
+    assert proof.choose(s) == "pairs"
 
 
 def test_fifo_catches_messages_out_of_order():
@@ -145,7 +146,7 @@ def test_fifo_catches_messages_out_of_order():
     plan[i] = swap(plan[i], Action("RA", 1, 1), Action("RA", 2, 1))
     plan[j] = swap(plan[j], Action("RA", 2, 1), Action("RA", 1, 1))
     ps[1] = tuple(plan)
-    bad = pg.check_fifo(ps)
+    bad = proof.check_fifo(ps)
     assert bad == ("message 2 from pipe rank 0 to 1: rank 0 sends the activation of "
                    "microbatch 1 over edge 0, tensor 0, rank 1 receives it as the activation "
                    "of microbatch 2 over edge 0, tensor 0"), bad
@@ -153,8 +154,8 @@ def test_fifo_catches_messages_out_of_order():
     last = pg.p2p_of(s, Action("RA", 3, 1))
     ps[1] = tuple(pg.Group(tuple(o for o in x.ops if o != last)) if isinstance(x, pg.Group)
                   else x for x in pg.plans(s)[1])
-    assert "sends 4 messages to rank 1, which receives 3" in pg.check_fifo(ps)
-    got = pg.simulate(ps)
+    assert "sends 4 messages to rank 1, which receives 3" in proof.check_fifo(ps)
+    got = proof.simulate(ps)
     assert not got.ok and got.stuck[0].rank == 0
 
 
@@ -162,7 +163,7 @@ def test_fifo_catches_messages_out_of_order():
                                         ("zb1p", 8, 16, 1), ("interleaved", 4, 4, 2)])
 def test_forward_only_plans_are_proven_too(kind, p, m, c):
     s = schedules.build(kind, p, m, c)
-    ps = pg.plans(s, True, pg.choose(s))
+    ps = pg.plans(s, True, proof.choose(s))
     assert all(x.kind == "F" for plan in ps.values() for x in plan
                if not isinstance(x, pg.Group))
-    assert pg.simulate(ps).ok and pg.check_fifo(ps) is None
+    assert proof.simulate(ps).ok and proof.check_fifo(ps) is None

@@ -40,7 +40,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.plan import p2p_groups, schedules
+from soapstone.shard.plan import p2p_groups, p2p_proof, schedules
 from soapstone.shard.plan.activations import _saved
 from soapstone.shard.plan.buckets import plan_buckets
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
@@ -595,7 +595,7 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
     if p2p == "grouped":
         # an unproven schedule is played as consume: the simulation names its deadlock
         items = p2p_groups.rank_plan(sched, pipe_rank, False,
-                                     p2p_groups.choose(sched) or "consume")
+                                     p2p_proof.choose(sched) or "consume")
     else:
         items = sched.with_comm(pipe_rank)
     for a in items:

@@ -86,9 +86,9 @@ def consume_main() -> None:
     """The control: pp2inter grouped as `consume` (receives at their consumer), which the
     simulator proves deadlocks on NCCL (tests/test_p2p_groups.py). With synchronous sends the
     MPI run must hang the same way; the watchdog (SOAPSTONE_COLLECTIVE_TIMEOUT) ends it."""
-    from soapstone.shard.plan import p2p_groups
+    from soapstone.shard.plan import p2p_proof
 
-    p2p_groups.choose = lambda sched: "consume"
+    p2p_proof.choose = lambda sched: "consume"
     spec = dsl.load(PIPE)
     model, par = spec.model(), spec.parallel("pp2inter")
     ex = Executor(lower_pipeline(model, par), Mesh(W, **dict(par.mesh)))
