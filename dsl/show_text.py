@@ -25,11 +25,13 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     graph = lower_graph(model, par) if par is not None else None
     staged = graph is not None and graph.axis is not None
     program = graph.program if graph is not None and not staged else None
-    schedule = None
+    schedule = grouping = None
     if staged:
+        from soapstone.shard.plan import p2p_groups, p2p_proof
         from soapstone.shard.plan.schedules import build
 
         schedule = build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
+        grouping = p2p_proof.choose(schedule)
     if as_json:
         data = {"model": to_data(model)}
         if par is not None:
@@ -39,12 +41,19 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
                 data["stage_graph"] = graph.to_data(par.zero)
                 data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
                                     for r in range(schedule.pipe)]
+                data["p2p_grouping"] = grouping  # None: cannot run on cuda
+                data["p2p_grouped"] = None if grouping is None else [
+                    [str(x) for x in p2p_groups.rank_plan(schedule, r, False, grouping)]
+                    for r in range(schedule.pipe)]
         return json.dumps(data, indent=1) + "\n"
     text = format_model(model)
     if par is not None:
         text += "\n" + format_parallel(par) + "\n"
         if staged:
             text += graph.format(programs=False) + "\n" + schedule.format()
+            # the schedule above posts receives ahead (MPI tags); NCCL runs p2p in groups
+            text += (p2p_groups.format_plans(schedule, grouping) if grouping is not None else
+                     f"p2p: cannot run on cuda ({p2p_proof.unproven(schedule)})\n")
             for s in graph.stages:
                 text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
                 text += format_program(s.program, par.zero, graph.deferred(s), stage=True)

@@ -167,3 +167,32 @@ def test_forward_only_plans_are_proven_too(kind, p, m, c):
     assert all(x.kind == "F" for plan in ps.values() for x in plan
                if not isinstance(x, pg.Group))
     assert proof.simulate(ps).ok and proof.check_fifo(ps) is None
+
+
+def test_format_plans_draws_each_ranks_groups_with_chunks_and_weights():
+    """`show`'s grouped p2p lines: groups in brackets, chunk suffixes under interleaved, and a
+    zb1p W after the group that carries its unit's sends."""
+    inter = pg.format_plans(schedules.build("interleaved", 2, 2, 2), "pairs").splitlines()
+    assert inter[0] == ("p2p on cuda or SOAPSTONE_P2P=grouped (pairs grouping; [...] = one NCCL "
+                        "group):")
+    assert inter[1].startswith("  rank 0 | F0:0 [SA0:0] F1:0 [SA1:0 RA0:1] F0:1")
+    zb = pg.format_plans(schedules.build("zb1p", 2, 2), "consume").splitlines()
+    assert zb[1] == "  rank 0 | F0 [SA0] F1 [SA1 RG0] B0 [RG1] W0 B1 W1", zb
+
+
+def test_show_prints_the_grouped_p2p_or_why_a_pipeline_cannot_run_on_cuda(monkeypatch):
+    import json
+
+    from soapstone import dsl
+    from soapstone.dsl.show_text import render
+    from soapstone.shard.plan import p2p_proof
+
+    spec = dsl.load("examples/gpt2.par")
+    assert "  rank 1 | [RA0] F0 B0 [SG0 RA1] F1 B1" in render(spec, parallel="pp2")
+    data = json.loads(render(spec, parallel="pp2", as_json=True))
+    assert data["p2p_grouping"] == "consume"
+    assert data["p2p_grouped"][1][:3] == ["[RA0@1]", "F0@1", "B0@1"]
+    monkeypatch.setattr(p2p_proof, "choose", lambda sched: None)
+    monkeypatch.setattr(p2p_proof, "unproven", lambda sched: "consume: a deadlock")
+    assert "p2p: cannot run on cuda (consume: a deadlock)\n" in render(spec, parallel="pp2")
+    assert json.loads(render(spec, parallel="pp2", as_json=True))["p2p_grouped"] is None

@@ -147,3 +147,20 @@ def plans(sched: Schedule, forward_only: bool = False,
           grouping: str = "consume") -> dict[int, tuple[Item, ...]]:
     """Every pipe rank's rank_plan."""
     return {r: rank_plan(sched, r, forward_only, grouping) for r in range(sched.pipe)}
+
+
+def format_plans(sched: Schedule, grouping: str) -> str:
+    """Every pipe rank's grouped plan as text, one line each: compute actions as in
+    Schedule.format (`F3`, `B3`, `W3`; `:c` the chunk) and each group in brackets."""
+    def label(a: Action) -> str:
+        return f"{a.kind}{a.mb}" + (f":{a.stage // sched.pipe}" if sched.chunks > 1 else "")
+
+    def item(x: Item) -> str:
+        return "[" + " ".join(label(o.action) for o in x.ops) + "]" if isinstance(x, Group) \
+            else label(x)
+
+    lines = [f"p2p on cuda or SOAPSTONE_P2P=grouped ({grouping} grouping; [...] = one NCCL "
+             "group):"]
+    lines += [f"  rank {r} | " + " ".join(item(x) for x in rank_plan(sched, r, False, grouping))
+              for r in range(sched.pipe)]
+    return "\n".join(lines) + "\n"
