@@ -355,3 +355,15 @@ def test_keep_turns_recording_on_and_off_and_numbering_goes_on():
     call()
     assert not r.recording and r.entries() == [] and r.seq == 8
     assert r.stats()["allreduce"][0] == 8
+
+
+def test_handles_from_before_keep_name_nothing_and_their_wait_still_runs():
+    """`keep` drops the entries kept so far: an op in flight across it (the backend call that
+    resized the rings, or an async op posted before) finishes without an entry."""
+    r = rec(capacity=4)
+    t = torch.ones(2)
+    h = r.collective("allreduce", t, posted=True)
+    assert r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda: r.keep(8) or "ok",
+                 ()) == "ok"
+    assert r.entry(h) is None and r.entries() == [] and r.capacity == 8
+    assert r.wait(h, lambda: "done") == "done" and r.active == 0 and r.entries() == []
