@@ -102,7 +102,14 @@ class Work:
             if rec is None:
                 self._complete()
             else:  # the entry's wait, timed by the recorder (see Communicator._call)
-                rec.wait(self._entry, self._complete)
+                h = self._entry
+                rec.wait_begin(h)
+                try:
+                    self._complete()
+                except BaseException:
+                    rec.fail(h)
+                    raise
+                rec.wait_end(h)
         return self._result
 
     def _complete(self) -> None:

@@ -22,7 +22,7 @@ found without a search: the watchdog reads it (a blocking call in progress is th
 STARTED) and `active`, the entry a wait() is blocked on; the deadline runs from its t_start, or
 t_wait for a wait(). The hot path (Communicator._call and _p2p) is one C call per op, `run`,
 which numbers and counts the op, starts the entry, calls the backend and ends it; Work.wait
-adds one more, `wait` (BENCHMARKS.md, "The watchdog's cost"; bench_watchdog.py).
+adds `wait_begin` and `wait_end` (BENCHMARKS.md, "The watchdog's cost"; bench_watchdog.py).
 
 The rings are also the communicator's byte counter (`stats`, `count_as`, `count`) and number
 every op (`seq`, `p2p_seq`) and every p2p message per peer (`sent`, `recvd`: a dump shows who
@@ -114,10 +114,11 @@ class FlightRecorder(Ring):
     """The rings of one communicator (see the module doc). `rank`, `size`: in the communicator;
     `world_ranks[i]`: the world rank of its rank i; `label`: what it is (a mesh axis name like
     'data' or 'data+model', 'world', or 'split'). The storage and the recording methods are the
-    C base class's (flight_ring.c): `run`, `start`, `done`, `fail`, `post`, `wait`,
-    `enqueued`, `complete`, `entry`, `newest`, `entries`, `keep`, and `seq`, `p2p_seq`,
-    `current`, `active`, `sent`, `recvd`; the byte counter's `count_as`, `count`, `stats`,
-    `reset_stats`. Entries are named by handles (ints); reading one gives a new list."""
+    C base class's (flight_ring.c): `run`, `start`, `done`, `fail`, `post`, `wait_begin`,
+    `wait_end`, `enqueued`, `complete`, `entry`, `newest`, `entries`, `keep`, and `seq`,
+    `p2p_seq`, `current`, `active`, `sent`, `recvd`; the byte counter's `count_as`, `count`,
+    `stats`, `reset_stats`. Entries are named by handles (ints); reading one gives a new
+    list."""
 
     __slots__ = ("size", "rank", "world_ranks", "label", "index", "pending", "recording",
                  "sampled", "__weakref__")

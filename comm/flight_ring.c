@@ -541,14 +541,11 @@ static PyObject *ring_keep(Ring *r, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* wait(h, fn) -> fn(): Work.wait() on async entry h in one call: WAITING (and the entry a
- * wait() is blocked in) while fn runs, then DONE, or FAILED if fn raised */
-static PyObject *ring_wait(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "wait(h, fn)");
-        return NULL;
-    }
-    long long h = PyLong_AsLongLong(args[0]);
+/* wait_begin(h): wait() on async entry h starts blocking now (two calls around the wait,
+ * not one taking it as a function: C calling back into the interpreter costs more, ~500
+ * instructions a call under callgrind) */
+static PyObject *ring_wait_begin(Ring *r, PyObject *arg) {
+    long long h = PyLong_AsLongLong(arg);
     if (h == -1 && PyErr_Occurred()) return NULL;
     Entry *e = find(r, h);
     if (e != NULL) {
@@ -556,14 +553,15 @@ static PyObject *ring_wait(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
         e->state = WAITING;
     }
     r->active = h;
-    PyObject *out = PyObject_CallNoArgs(args[1]);
-    if (r->active == h) r->active = 0;
-    e = find(r, h); /* fn may have wrapped the ring */
-    if (e != NULL) {
-        e->t_end = stamp();
-        e->state = out == NULL ? FAILED : DONE;
-    }
-    return out;
+    Py_RETURN_NONE;
+}
+
+/* wait_end(h): that wait() returned */
+static PyObject *ring_wait_end(Ring *r, PyObject *arg) {
+    long long h = PyLong_AsLongLong(arg);
+    if (h == -1 && PyErr_Occurred()) return NULL;
+    r->active = 0;
+    return set_state(r, h, DONE, 1);
 }
 
 /* enqueued(h): NCCL: entry h is on the stream, not known complete */
@@ -670,8 +668,8 @@ static PyMethodDef ring_methods[] = {
      "fail([h]): the backend raised during entry h"},
     {"post", (PyCFunction)(void (*)(void))ring_post, METH_FASTCALL,
      "post([h]) -> h: entry h (default: the newest started) is async, not waited"},
-    {"wait", (PyCFunction)(void (*)(void))ring_wait, METH_FASTCALL,
-     "wait(h, fn) -> fn(): async entry h waited on while fn runs"},
+    {"wait_begin", (PyCFunction)ring_wait_begin, METH_O, "wait_begin(h): wait() blocks now"},
+    {"wait_end", (PyCFunction)ring_wait_end, METH_O, "wait_end(h): wait() returned"},
     {"enqueued", (PyCFunction)ring_enqueued, METH_O, "enqueued(h): on the CUDA stream"},
     {"complete", (PyCFunction)ring_complete, METH_O, "complete(h): its CUDA event fired"},
     {"entry", (PyCFunction)ring_entry, METH_O, "entry(h) -> list or None"},

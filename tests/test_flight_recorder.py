@@ -69,17 +69,14 @@ def test_states_of_blocking_async_and_failed_ops():
     assert r.entry(e)[STATE] == FAILED and r.blocked() is None
     w = r.collective("allreduce", t, posted=True)
     assert r.entry(w)[STATE] == POSTED and r.blocked() is None  # nobody blocked on it yet
-    seen = []
-
-    def waiting():  # what the watchdog sees while a wait() blocks
-        seen.append((r.entry(w)[STATE], r.blocked()[:T_START] == r.entry(w)[:T_START], r.active))
-        return "result"
-
-    assert r.wait(w, waiting) == "result" and seen == [(WAITING, True, w)]
+    r.wait_begin(w)
+    assert r.entry(w)[STATE] == WAITING and r.blocked()[:T_START] == r.entry(w)[:T_START]
+    assert r.active == w
+    r.wait_end(w)
     assert r.blocked() is None and r.entry(w)[STATE] == DONE and r.active == 0
     w = r.collective("allreduce", t, posted=True)
-    with pytest.raises(ZeroDivisionError):
-        r.wait(w, lambda: 1 / 0)
+    r.wait_begin(w)
+    r.fail(w)  # what Work.wait does when the backend's wait raises
     assert r.blocked() is None and r.entry(w)[STATE] == FAILED and r.active == 0
 
 
@@ -366,4 +363,6 @@ def test_handles_from_before_keep_name_nothing_and_their_wait_still_runs():
     assert r.run("allreduce", t, t.dtype, -1, False, 1, False, lambda: r.keep(8) or "ok",
                  ()) == "ok"
     assert r.entry(h) is None and r.entries() == [] and r.capacity == 8
-    assert r.wait(h, lambda: "done") == "done" and r.active == 0 and r.entries() == []
+    r.wait_begin(h)
+    r.wait_end(h)
+    assert r.active == 0 and r.entries() == []
