@@ -117,8 +117,11 @@ def calls(rounds: int) -> None:
            ("unrecorded", "async"): lambda: bare.allreduce(x, async_op=True).wait(),
            ("recorded", "async"): lambda: world.allreduce(x, async_op=True).wait()}
     med = per_call_ns(fns, rounds)
+    from soapstone.comm.communicator import TENSOR_READING
+
     print(f"# the flight recorder per comm call: 1 process, median ns of single calls "
-          f"({rounds} rounds of {BLOCK}-call turns); load average {os.getloadavg()[0]:.1f}")
+          f"({rounds} rounds of {BLOCK}-call turns); load average {os.getloadavg()[0]:.1f}; "
+          f"shapes read through {TENSOR_READING}")
     print(f"{'call':34s} {'unrecorded':>10s} {'recorded':>9s} {'+ns':>6s} {'ratio':>7s}")
     for key, label in (("allreduce", "allreduce 8 B"),
                        ("async", "allreduce 8 B async_op, then wait()")):

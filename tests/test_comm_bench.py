@@ -34,3 +34,14 @@ def test_bench_comm_json_into_a_missing_folder_is_a_usage_error():
     out = res.stdout + res.stderr
     assert res.returncode == 2 and "/nonexistent" in res.stderr, res.report()
     assert "does not exist" in res.stderr and "Traceback" not in out, res.report()
+
+
+def test_bench_comm_watchdog_times_an_unrecorded_twin_and_says_how_shapes_are_read():
+    """--watchdog: the same communicator with its entries not kept, timed beside soapstone,
+    and the ratio per size (the figures themselves are BENCHMARKS.md's)."""
+    res = run_mpi(2, ["-c", RUN, "bench", "comm", "--watchdog", "--sizes", "8,4KiB", "--ops",
+                      "allreduce", "--iters", "20"], timeout=120, check=True)
+    out = res.stdout
+    assert "rec/none" in out and "no-recorder us" in out, res.report()
+    assert "#   allreduce 8 B: " in out and "#   allreduce 4.0 KiB: " in out, res.report()
+    assert "# the recorder reads shapes through torch's C++ tensor" in out, res.report()

@@ -140,8 +140,11 @@ def main(args: argparse.Namespace) -> int:
                         f"({soap['time_us'] - none_us:+.2f} us per call)")
         say(_fmt_row(op, nbytes, cells, ratios), flush=True)
     if cost:
+        from soapstone.comm.communicator import TENSOR_READING
+
         say("# the watchdog's cost: soapstone recorded / unrecorded, same communicator "
-            "(rec/none; the bar is under 1.02x)", *cost, sep="\n")
+            "(rec/none; the bar is under 1.02x)", *cost,
+            f"# the recorder reads shapes through {TENSOR_READING}", sep="\n")
     if args.json and world.rank == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
