@@ -36,7 +36,7 @@ def _spec(t: torch.Tensor) -> list:
     """The MPI buffer spec of a contiguous CPU tensor's own memory. No count: mpi4py derives
     it from the byte length (and divides by the size for the per-rank sides of allgather,
     alltoall and reduce_scatter_block)."""
-    return [_fromaddress(t.data_ptr(), t.numel() * t.element_size()), _TYPES[t.dtype]]
+    return [_fromaddress(t.data_ptr(), t.nbytes), _TYPES[t.dtype]]  # nbytes: one torch call
 
 
 def _waiter(reqs):
@@ -121,8 +121,8 @@ class MPICommunicator(GroupedP2P, Communicator):
         typ = _TYPES[t.dtype]
         sc = [s * row for s in send_sizes]
         rc = [s * row for s in recv_sizes]
-        sbuf = _fromaddress(send.data_ptr(), send.numel() * send.element_size())
-        rbuf = _fromaddress(recv.data_ptr(), recv.numel() * recv.element_size())
+        sbuf = _fromaddress(send.data_ptr(), send.nbytes)
+        rbuf = _fromaddress(recv.data_ptr(), recv.nbytes)
         args = ([sbuf, (sc, _displs(sc)), typ], [rbuf, (rc, _displs(rc)), typ])
         finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
         return self._run(c.Alltoallv, c.Ialltoallv, args, recv, async_op, finish,
