@@ -152,7 +152,9 @@ class FlightRecorder(Ring):
         ranks = ",".join(map(str, self.world_ranks))
         return f"{self.label}[{ranks}]" + (f"#{self.index}" if self.index else "")
 
-    # -- recording by name (the hot path calls the C methods itself: Communicator._call) ---
+    # -- recording by name, step by step: an entry can be left STARTED, as a rank blocked in
+    # a call looks (the in-process tests build their divergences so). The comm layer does
+    # not use these: every op goes through `run` (Communicator._call and _p2p).
     def collective(self, op: str, t, posted: bool = False) -> int:
         """Record collective `op` on tensor `t` starting now (posted: async, not waited); its
         handle."""
