@@ -15,8 +15,8 @@ $(BIN)/python:
 # compiles the flight recorder's C parts in place (setup.py), so a change to them installs
 # again. It builds without isolation, in this venv, because the tensor reader compiles
 # against this torch's headers.
-$(STAMP): $(BIN)/python pyproject.toml setup.py comm/flight_ring.c comm/tensor_reader.cpp \
-		comm/tensor_reader.h
+$(STAMP): $(BIN)/python pyproject.toml setup.py comm/observe/flight_ring.c comm/observe/tensor_reader.cpp \
+		comm/observe/tensor_reader.h
 	$(BIN)/pip install "$(TORCH)" "setuptools>=69" wheel
 	$(BIN)/pip install --no-build-isolation -e ".[mpi,dev]"
 	touch $(STAMP)

@@ -31,7 +31,7 @@ NEEDLES = ("[rank 2] RuntimeError: boom from rank 2", "[rank 0] soapstone: rank 
 # The rank-side wrapper for the undrained way: the job as shipped, minus the drain.
 UNDRAINED = (
     "import runpy, sys\n"
-    "import soapstone.comm.watchdog as w\n"
+    "import soapstone.comm.observe.watchdog as w\n"
     "w.drain_stdio = lambda *a, **k: (sys.stdout.flush(), sys.stderr.flush())\n"
     f"sys.argv = [{str(CASE)!r}, 'raise']\n"
     f"runpy.run_path({str(CASE)!r}, run_name='__main__')\n"

@@ -31,12 +31,12 @@ from mpi4py import MPI
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.comm.bench import init_gloo
-from soapstone.dsl.stages import lower_graph
+from soapstone.comm.bench.collectives import init_gloo
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.checkpoint import resume, save
 from soapstone.shard.checkpoint.holdings import holdings
-from soapstone.shard.data import SyntheticTask
-from soapstone.shard.train import Trainer
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DIMS = dict(hidden=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=8)

@@ -36,15 +36,14 @@ from mpi4py import MPI
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
-from torch_gpt import GPT  # noqa: E402
-
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Communicator, Mesh, init  # noqa: E402
-from soapstone.comm.bench import init_gloo  # noqa: E402
-from soapstone.dsl.lower import lower  # noqa: E402
-from soapstone.shard.memory import memory_report  # noqa: E402
-from soapstone.shard.optim import build_optimizer  # noqa: E402
-from soapstone.shard.runtime import ShardedModel  # noqa: E402
+from soapstone.comm.bench.collectives import init_gloo  # noqa: E402
+from soapstone.dsl.compile.lower import lower  # noqa: E402
+from soapstone.shard.runtime.memory import memory_report  # noqa: E402
+from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
+from soapstone.shard.train.optim import build_optimizer  # noqa: E402
+from soapstone.shard.train.reference_gpt import GPT  # noqa: E402
 
 DIMS = dict(hidden=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=4)
 LAYERS = 4
@@ -80,7 +79,7 @@ def start(device: str) -> BenchDevice:
     if device == "cpu":
         world = init("mpi")
         return BenchDevice(world, init_gloo(mpi), torch.device("cpu"))
-    from soapstone.comm.bench_nccl import init_torch_nccl
+    from soapstone.comm.bench.nccl import init_torch_nccl
     from soapstone.comm.device import DeviceError, pick
     from soapstone.dsl.commands import fail
 

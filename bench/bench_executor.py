@@ -1,7 +1,7 @@
 """What the one executor costs: a training step of examples/gpt.par (bench_tp's dims) on one
 rank, three ways.
 
-- torch: the plain-torch GPT (tests/torch_gpt.py) with torch.optim.AdamW(fused=True): the
+- torch: the plain-torch GPT (shard/train/reference_gpt.py) with torch.optim.AdamW(fused=True): the
   floor, a loop anyone would write;
 - by hand: soapstone's ShardedModel forward/backward and build_optimizer's step, called
   directly (the stage runtime alone);
@@ -37,13 +37,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from torch_gpt import GPT, load_from_soapstone
 
     from soapstone import dsl
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.executor import Executor
-    from soapstone.shard.optim import build_optimizer
-    from soapstone.shard.runtime import ShardedModel
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.runtime.executor import Executor
+    from soapstone.shard.runtime.sharded_model import ShardedModel
+    from soapstone.shard.train.optim import build_optimizer
+    from soapstone.shard.train.reference_gpt import GPT, load_from_soapstone
 
     spec = dsl.load(ROOT / "examples/gpt.par", dims=DIMS)
     model = spec.model()

@@ -38,10 +38,10 @@ def side_by_side(kind: str, iters: int, warmup: int) -> dict:
     import transformers
 
     from soapstone import dsl
-    from soapstone.dsl import hf
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import Executor
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.dsl.interop import hf
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.executor import Executor
 
     torch.manual_seed(0)
     conf = (transformers.GPT2Config if kind == "gpt2" else transformers.LlamaConfig)(**HF[kind])

@@ -58,10 +58,10 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
 
     from soapstone.comm import Mesh
     from soapstone.dsl import load
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import Executor
-    from soapstone.shard.plan.explain import estimate_pipeline
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.plan.analysis.explain import estimate_pipeline
+    from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=dims)
     par = loaded.parallel(layout) if layout else None
@@ -129,7 +129,7 @@ def main() -> int:
     import torch
 
     from soapstone.comm import init
-    from soapstone.dsl.build import parse_dims
+    from soapstone.dsl.app.build import parse_dims
 
     torch.set_num_threads(1)
     _exact_rss()

@@ -4,7 +4,7 @@ and the dispatch's alltoallv against raw mpi4py Alltoallv on the same row counts
 examples/moe.par at larger dims, each layout an Executor on the same 2 MPI ranks, their steps
 (forward, backward, AdamW) taken in turn so machine load falls on all alike; rank 0 prints the
 median seconds per step and the ratio to dp2 (the same model with every expert on every rank).
-Then the row counts dpep's dispatch sent in its last step (shard/moe.py records them) are
+Then the row counts dpep's dispatch sent in its last step (shard/ops/moe.py records them) are
 exchanged again, in turn: soapstone's communicator alltoallv (what the kernel calls, through
 its autograd wrapper) and mpi4py's Alltoallv into a buffer allocated per call, as soapstone's
 is; median microseconds per call and the ratio.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from soapstone.comm import Mesh, init
 from soapstone.dsl import load
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.data import make_task
-from soapstone.shard.executor import Executor
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.data.tasks import make_task
+from soapstone.shard.runtime.executor import Executor
 
 SPEC = str(Path(__file__).resolve().parents[1] / "examples/moe.par")
 DIMS = {"batch": 8, "seq": 64, "hidden": 128, "experts": 8, "ffn": 512, "vocab": 256}

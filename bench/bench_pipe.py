@@ -7,8 +7,8 @@ Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, 
 batch 16, 4 layers: layers 0-1 with the embedding on rank 0, layers 2-3 with the head and loss
 on rank 1) with the same weights and batch, in one job, alternating. soapstone: a 2-stage
 pipeline layout compiled by lower_pipeline, the Executor over MPI p2p. PyTorch: the
-plain-torch GPT of tests/torch_gpt.py cut at the same place, PipelineStage + Schedule1F1B on
-gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
+plain-torch GPT of shard/train/reference_gpt.py cut at the same place, PipelineStage + Schedule1F1B
+on gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
 median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
 The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
 --device cuda: both on NCCL with the stages and batch on each rank's GPU (bench_dp.start;
@@ -37,9 +37,9 @@ def soapstone_pipe(world, microbatches: int, device=None):
 
     from soapstone import dsl
     from soapstone.comm import Mesh
-    from soapstone.dsl import ir
-    from soapstone.dsl.stages import lower_pipeline
-    from soapstone.shard.executor import Executor
+    from soapstone.dsl.compile.stages import lower_pipeline
+    from soapstone.dsl.model import ir
+    from soapstone.shard.runtime.executor import Executor
 
     model = dsl.load(ROOT / "examples/gpt.par", dims=DIMS).model()
     b = model.blocks
@@ -60,9 +60,9 @@ def torch_stage(model_spec, graph, rank: int, microbatches: int, device=None):
     import torch.nn.functional as F
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch_gpt import GPT, load_from_soapstone
 
-    from soapstone.shard.runtime import init_full
+    from soapstone.shard.runtime.sharded_model import init_full
+    from soapstone.shard.train.reference_gpt import GPT, load_from_soapstone
 
     d = DIMS
     full = GPT(d["vocab"], d["hidden"], d["heads"], d["ffn"], len(model_spec.blocks))
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from bench_dp import start
     from mpi4py import MPI
 
-    from soapstone.shard import trace as tr
+    from soapstone.shard.runtime import trace as tr
 
     torch.set_num_threads(1)
     bench = start(args.device)

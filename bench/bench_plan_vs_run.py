@@ -58,11 +58,11 @@ def main() -> int:
 
     from soapstone.comm import Mesh, init
     from soapstone.dsl import load
-    from soapstone.dsl.plan_search import Planner, candidates, to_parallel
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.data import make_task
-    from soapstone.shard.plan.hardware import load_profile
-    from soapstone.shard.train import Trainer
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.dsl.search.plan_search import Planner, candidates, to_parallel
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.plan.analysis.hardware import load_profile
+    from soapstone.shard.train.trainer import Trainer
 
     torch.set_num_threads(1)
     world = init("mpi")

@@ -1,7 +1,7 @@
 """Activation recompute: memory saved and time paid, soapstone beside plain torch.
 
 On one rank, gpt.par's model (tests/specs/recompute_layouts.par: `single` and `rc_single`,
-`recompute layer`) against the plain-torch GPT of tests/torch_gpt.py with and without
+`recompute layer`) against the plain-torch GPT of shard/train/reference_gpt.py with and without
 torch.utils.checkpoint around each block (non-reentrant, as soapstone uses it). For each:
 the step's peak resident memory above what the process held before it (bench_memory.py's
 method), explain's activations + working set for soapstone, and the median time of a training
@@ -33,9 +33,9 @@ def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
     """A function running the next training step of `layout` of `spec` (one rank, or this
     rank's share on `mesh`)."""
     from soapstone.dsl import load
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import Executor
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=DIMS)
     par = loaded.parallel(layout)
@@ -64,7 +64,8 @@ def torch_step(recompute: bool):
     """A function running the next training step of the plain-torch GPT."""
     import torch
     from torch.utils.checkpoint import checkpoint
-    from torch_gpt import GPT
+
+    from soapstone.shard.train.reference_gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(DIMS["vocab"], DIMS["hidden"], DIMS["heads"], DIMS["ffn"], 4)

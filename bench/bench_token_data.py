@@ -2,7 +2,7 @@
 
 - nanoGPT: train.py's get_batch as it stands (a new np.memmap per batch, a Python loop of
   slices, torch.stack of per-row int64 copies, x and y stacked apart);
-- soapstone: TokenMemmap.batch (shard/token_memmap.py), one fancy-index read of every row's
+- soapstone: TokenMemmap.batch (shard/data/token_memmap.py), one fancy-index read of every row's
   window, reading every row (one rank of one), and as one of 8 data-parallel ranks reads it
   (its 1/8 of the rows).
 
@@ -51,8 +51,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from soapstone import dsl
-    from soapstone.dsl.lower import lower
-    from soapstone.shard.token_memmap import TokenMemmap
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.data.token_memmap import TokenMemmap
 
     tmp = Path(tempfile.mkdtemp())
     path = str(tmp / "train.bin")

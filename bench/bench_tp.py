@@ -40,7 +40,8 @@ def dtensor_model(ref_params, world, device=None):
         RowwiseParallel,
         parallelize_module,
     )
-    from torch_gpt import GPT, load_from_soapstone
+
+    from soapstone.shard.train.reference_gpt import GPT, load_from_soapstone
 
     model = GPT(DIMS["vocab"], DIMS["hidden"], DIMS["heads"], DIMS["ffn"], layers=4)
     load_from_soapstone(model, ref_params)
@@ -74,9 +75,9 @@ def main() -> int:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from soapstone import comm, dsl
-    from soapstone.dsl.lower import lower
-    from soapstone.shard.optim import build_optimizer
-    from soapstone.shard.runtime import ShardedModel
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.runtime.sharded_model import ShardedModel
+    from soapstone.shard.train.optim import build_optimizer
 
     torch.set_num_threads(1)  # two ranks on two cores
     bench = start(args.device)

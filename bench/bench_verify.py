@@ -1,4 +1,5 @@
-"""How long proving a layout before launch takes (shard/plan/verify.py via dsl/layout_proof.py,
+"""How long proving a layout before launch takes (shard/plan/verify/prove.py via
+dsl/compile/layout_proof.py,
 what `check --verify`, `run` and `golden check` call): examples/gpt.par's 8-rank layout gpt8
 (pipe 2 x data 2 x model 2, 1F1B, 4 microbatches, ZeRO-1) and a 128-block GPT cut into 64
 pipeline stages (two blocks each, 1F1B, 128 microbatches, on 64 ranks), and that times 4
@@ -17,8 +18,8 @@ import time
 from pathlib import Path
 
 from soapstone.dsl import load
-from soapstone.dsl.layout_proof import prove_layout
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.layout_proof import prove_layout
+from soapstone.dsl.compile.stages import lower_graph
 
 REPEATS = 5
 STAGES, BLOCKS, MICROBATCHES = 64, 128, 128

@@ -64,7 +64,7 @@ def part_ns(rounds: int, n: int = 2000) -> dict:
     import torch
 
     from soapstone.comm.accounting import COUNTED_OPS, bus_factor
-    from soapstone.comm.flight_recorder import FlightRecorder
+    from soapstone.comm.observe.flight_recorder import FlightRecorder
 
     kept, bare = (FlightRecorder(c, 0, 2, [0, 1], "bench") for c in (512, 0))
     for ring in (kept, bare):
@@ -106,7 +106,7 @@ def calls(rounds: int) -> None:
     import torch
 
     from soapstone.comm import init
-    from soapstone.comm.mpi import MPICommunicator
+    from soapstone.comm.backends.mpi import MPICommunicator
 
     world = init("mpi")
     bare = MPICommunicator(world.mpi)
@@ -141,8 +141,8 @@ def dp(steps: int) -> None:
     from bench_dp import batches, soapstone_model
 
     from soapstone.comm import init
-    from soapstone.comm.flight_recorder import live_recorders
-    from soapstone.comm.mpi import MPICommunicator
+    from soapstone.comm.backends.mpi import MPICommunicator
+    from soapstone.comm.observe.flight_recorder import live_recorders
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = init("mpi")

@@ -7,13 +7,13 @@ One job runs, alternating, one training step's forward and backward (no optimize
 examples/gpt.par (hidden 256, 8 heads, ffn 1024, vocab 256, seq 128, batch 32, its 4 layers
 cut evenly over the ranks, the embedding on the first and the head and loss on the last) by:
 - soapstone 1f1b and soapstone zb1p: the same stage graph but for the schedule, the Executor
-  over MPI p2p; the bubble is read from each step's trace (shard/trace.py): per rank, the
+  over MPI p2p; the bubble is read from each step's trace (shard/runtime/trace.py): per rank, the
   time it computed nothing (F, B and W are work; waiting for a message and the executor's
   bookkeeping are not) over the step's span;
 - torch Schedule1F1B and ScheduleInterleavedZeroBubble with one stage per rank (torch's ZB1P
   generator, the same ZB-H1 order as zb1p), PipelineStage on gloo, the plain-torch GPT of
-  tests/torch_gpt.py with the same weights and batch; its bubble is measured the same way, by
-  timing the stage's forward, input-backward and weight-backward calls.
+  shard/train/reference_gpt.py with the same weights and batch; its bubble is measured the same
+  way, by timing the stage's forward, input-backward and weight-backward calls.
 Step time: median over iterations after warm-up, slowest rank. The first step's losses of all
 four are checked equal. Last, what the split costs: per rank, zb1p's B + W time over 1F1B's
 whole backward time (the traces' medians).
@@ -38,9 +38,9 @@ def soapstone_pipes(world, pipe: int, microbatches: int):
     """The model, and an Executor per schedule on the same stage cut."""
     from soapstone import dsl
     from soapstone.comm import Mesh
-    from soapstone.dsl import ir
-    from soapstone.dsl.stages import lower_pipeline
-    from soapstone.shard.executor import Executor
+    from soapstone.dsl.compile.stages import lower_pipeline
+    from soapstone.dsl.model import ir
+    from soapstone.shard.runtime.executor import Executor
 
     model = dsl.load(ROOT / "examples/gpt.par", dims=DIMS).model()
     b, per = model.blocks, len(model.blocks) // pipe
@@ -65,9 +65,9 @@ def torch_schedules(model_spec, graph, rank: int, pipe: int, microbatches: int):
         Schedule1F1B,
         ScheduleInterleavedZeroBubble,
     )
-    from torch_gpt import GPT, load_from_soapstone
 
-    from soapstone.shard.runtime import init_full
+    from soapstone.shard.runtime.sharded_model import init_full
+    from soapstone.shard.train.reference_gpt import GPT, load_from_soapstone
 
     d = DIMS
     layers = len(model_spec.blocks)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from soapstone.comm import init
-    from soapstone.comm.bench import init_gloo
+    from soapstone.comm.bench.collectives import init_gloo
 
     torch.set_num_threads(1)
     world = init("mpi")

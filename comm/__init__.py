@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from soapstone.comm import moved
+
 _EXPORTS = {
     "Communicator": "communicator",
     "CommError": "communicator",
@@ -15,9 +17,9 @@ _EXPORTS = {
     "Work": "communicator",
     "OpStats": "communicator",
     "bus_bytes": "accounting",
-    "MPICommunicator": "mpi",
-    "NCCLCommunicator": "nccl",
-    "nccl_available": "nccl",
+    "MPICommunicator": "backends.mpi",
+    "NCCLCommunicator": "backends.nccl",
+    "nccl_available": "backends.nccl",
     "Mesh": "mesh",
     "init": "world",
     "install_failure_handler": "failure",
@@ -28,7 +30,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def _export(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'soapstone.comm' has no attribute {name!r}")
     module = _EXPORTS[name]
@@ -37,3 +39,16 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
+
+
+# modules that moved rooms (0.2): their old paths work until 0.3, with a DeprecationWarning
+__getattr__ = moved.keep_old_paths(__name__, {
+    "bench_nccl": "bench.nccl",
+    "debug": "observe.debug",
+    "diagnose": "observe.diagnose",
+    "expected": "observe.expected",
+    "flight_recorder": "observe.flight_recorder",
+    "mpi": "backends.mpi",
+    "nccl": "backends.nccl",
+    "watchdog": "observe.watchdog",
+}, names=_export)

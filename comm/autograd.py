@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .communicator import CommError, Communicator
+from soapstone.comm.communicator import CommError, Communicator
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._flight_ring import use_tensor_getters, use_tensor_reader
-from .accounting import COUNTED_OPS, bus_factor
-from .dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
-from .errors import UserError
-from .flight_recorder import new_recorder
+from soapstone.comm.accounting import COUNTED_OPS, bus_factor
+from soapstone.comm.dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
+from soapstone.comm.errors import UserError
+from soapstone.comm.observe._flight_ring import use_tensor_getters, use_tensor_reader
+from soapstone.comm.observe.flight_recorder import new_recorder
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -50,7 +50,7 @@ def _connect_tensor_reading() -> str:
                          for n in ("shape", "ndim", "nbytes")))
     use_tensor_reader(None)
     try:  # the C++ reader (setup.py builds it when torch is there at build time)
-        from . import _tensor_reader
+        from soapstone.comm.observe import _tensor_reader
     except ImportError:
         return "torch's Python getters (the C++ tensor reader was not built)"
     running = torch.__version__.split("+")[0]
@@ -262,10 +262,10 @@ class Communicator(abc.ABC):
         return fn(*args)
 
     def _debug(self, op: str, t: torch.Tensor, *args) -> None:
-        from .debug import check_agree
+        from soapstone.comm.observe.debug import check_agree
 
         if op == "alltoallv":
-            from .debug import check_alltoallv_sizes
+            from soapstone.comm.observe.debug import check_alltoallv_sizes
 
             dim, send_sizes, recv_sizes = args
             check_agree(self, op, t, (dim,))
@@ -408,7 +408,7 @@ class Communicator(abc.ABC):
 
     def _send_debug(self, t, dst, tag, async_op):
         """_send with SOAPSTONE_DEBUG_COLLECTIVES: the descriptor travels beside the data."""
-        from .debug import send_descriptor
+        from soapstone.comm.observe.debug import send_descriptor
 
         sent = send_descriptor(self, t, dst, tag)
         work = self._send(t, dst, tag, async_op)
@@ -421,7 +421,7 @@ class Communicator(abc.ABC):
         """_recv with SOAPSTONE_DEBUG_COLLECTIVES: the sender's descriptor is compared with `t`
         (irecv: non-blockingly, in wait(); a blocking receive here would deadlock neighbours
         that post their receives ahead, as pipelines do)."""
-        from .debug import recv_descriptor
+        from soapstone.comm.observe.debug import recv_descriptor
 
         pending = recv_descriptor(self, "irecv" if async_op else "recv", t, src, tag)
         if not async_op:

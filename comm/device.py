@@ -14,7 +14,7 @@ import socket
 
 import torch
 
-from .errors import UserError
+from soapstone.comm.errors import UserError
 
 DEVICES = ("cpu", "cuda", "auto")
 GPU_EXTRA = "pip install 'soapstone[gpu]' (cupy-cuda12x and NCCL) with a CUDA build of torch"
@@ -46,7 +46,7 @@ def cuda_problem(flag: str = "--device cuda", instead: str = "--device cpu") -> 
             f"with CUDA {torch.version.cuda}, but it sees no GPU"
         return f"{flag}: torch {torch.__version__} is built {build}; {GPU_EXTRA}, " \
                f"or use {instead}"
-    from .nccl import nccl_module
+    from soapstone.comm.backends.nccl import nccl_module
 
     try:
         nccl_module()

@@ -34,7 +34,7 @@ def abort_on_exception(exc_type, exc, tb) -> None:
         sys.stderr.write(f"{prefix}aborting the MPI job (soapstone.comm failure handler)\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        from . import watchdog
+        from soapstone.comm.observe import watchdog
 
         dog = watchdog.get()
         try:

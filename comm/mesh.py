@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from .communicator import CommError, Communicator
+from soapstone.comm.communicator import CommError, Communicator
 
 
 class Mesh:

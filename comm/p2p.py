@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .communicator import CommError, Work
+from soapstone.comm.communicator import CommError, Work
 
 OPS = ("isend", "irecv")
 

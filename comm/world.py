@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .communicator import CommError, Communicator
-from .failure import install_failure_handler
+from soapstone.comm.communicator import CommError, Communicator
+from soapstone.comm.failure import install_failure_handler
 
 BACKENDS = ("mpi", "nccl", "auto")
 _world: Communicator | None = None
@@ -30,23 +30,23 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
                 "call init() once per process"
             )
         return _world
-    from . import watchdog
-    from .flight_recorder import capacity_from_env
+    from soapstone.comm.observe import watchdog
+    from soapstone.comm.observe.flight_recorder import capacity_from_env
 
     capacity_from_env(), watchdog.timeout_from_env(), watchdog.trace_dir_from_env()
     if failure_handler:
         install_failure_handler()
     if backend == "auto":
-        from .nccl import nccl_available
+        from soapstone.comm.backends.nccl import nccl_available
 
         backend = "nccl" if nccl_available() else "mpi"
     if backend == "nccl":
-        from .nccl import NCCLCommunicator, select_local_device
+        from soapstone.comm.backends.nccl import NCCLCommunicator, select_local_device
 
         select_local_device()
         _world = NCCLCommunicator()
     else:
-        from .mpi import MPICommunicator
+        from soapstone.comm.backends.mpi import MPICommunicator
 
         _world = MPICommunicator()
     from mpi4py import MPI

@@ -9,12 +9,12 @@
 
 `assert_matches_golden` trains the layout on this process's MPI world exactly as the record
 says (steps, seed, optimizer, lr, precision, dims, data) and raises AssertionError naming the
-first step and tensor that left the record (tolerances: shard/golden.py).
+first step and tensor that left the record (tolerances: shard/train/golden.py).
 """
 
 from __future__ import annotations
 
-from .golden_run import check_run, record_run
+from soapstone.dsl.app.golden_run import check_run, record_run
 
 __all__ = ["assert_matches_golden", "record_golden"]
 
@@ -34,7 +34,7 @@ def assert_matches_golden(spec: str, parallel: str | None, record_file: str, *,
                           param_rtol: float | None = None) -> None:
     """Assert that layout `parallel` of `spec` reproduces the recorded run (collective: call it
     on every rank of a world of the layout's size)."""
-    from soapstone.shard import golden
+    from soapstone.shard.train import golden
 
     tol = None
     if loss_rtol is not None or param_rtol is not None:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import attrs
 
-from soapstone.dsl import custom, load
-from soapstone.dsl.show_text import render
+from soapstone.dsl import load
+from soapstone.dsl.app.show_text import render
+from soapstone.dsl.layers import custom
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -9,7 +9,7 @@ import pytest
 from mpirun import run_mpi
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 
 SPEC = "tests/specs/accumulate_layouts.par"
 RECORD = "tests/golden/runs/mlp.npz"

@@ -12,11 +12,11 @@ import torch
 from mpirun import case_params
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.checkpoint import CheckpointError, load_params, resume, save
 from soapstone.shard.checkpoint.boxes import Box, flat_boxes
-from soapstone.shard.data import SyntheticTask
-from soapstone.shard.train import Trainer
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

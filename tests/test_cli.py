@@ -35,9 +35,10 @@ def test_cli_imports_no_command_until_one_is_chosen():
 
 
 @pytest.mark.parametrize("where", [
-    "soapstone.dsl.errors:SpecError", "soapstone.dsl.lower:LoweringError",
-    "soapstone.dsl.errors:BadInput", "soapstone.shard.data:DataError",
-    "soapstone.shard.golden:GoldenError", "soapstone.shard.runtime:ShapeMismatch",
+    "soapstone.dsl.lang.errors:SpecError", "soapstone.dsl.compile.lower:LoweringError",
+    "soapstone.dsl.lang.errors:BadInput", "soapstone.shard.data.tasks:DataError",
+    "soapstone.shard.train.golden:GoldenError",
+    "soapstone.shard.runtime.sharded_model:ShapeMismatch",
     "soapstone.comm:CommError",
 ])
 def test_bad_input_classes_are_user_errors(where):

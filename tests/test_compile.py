@@ -13,8 +13,8 @@ import attrs
 import pytest
 
 from soapstone import dsl
-from soapstone.dsl.lower import LoweringError, lower
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.lower import LoweringError, lower
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.plan.collectives import backward_op
 from soapstone.shard.plan.layout import R, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Redistribute
@@ -194,7 +194,7 @@ def test_a_received_replicated_tensor_feeding_split_work_gets_a_copy_to():
     """A stage's received residual stream, replicated over `model`, feeds the h2-split linear:
     backward would return per-rank terms, so lowering inserts CopyTo (allreduce backward) on
     the received tensor itself, as for any other value."""
-    from soapstone.dsl.stages import lower_pipeline
+    from soapstone.dsl.compile.stages import lower_pipeline
 
     spec = dsl.load(ROOT / "tests/specs/pipe_residual.par")
     graph = lower_pipeline(spec.model(), spec.parallel("pp2tp2res"))
@@ -250,7 +250,7 @@ def test_one_table_of_collective_kinds():
     table, and the runtime runs exactly those kinds (no second list to keep in step)."""
     from soapstone.shard.plan import collectives
     from soapstone.shard.plan.layout import Owned, Partial, Replicate, transition
-    from soapstone.shard.runtime import REDISTRIBUTE
+    from soapstone.shard.runtime.sharded_model import REDISTRIBUTE
 
     placements = (Replicate(), Partial(), Split("a"), Split("b"), Owned(0))
     produced = {transition(s, d) for s in placements for d in placements} - {None, "invalid"}

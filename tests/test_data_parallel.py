@@ -10,9 +10,9 @@ import torch
 from mpirun import case_params
 
 from soapstone import dsl
-from soapstone.dsl.lower import lower
-from soapstone.shard.optim import build_optimizer
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.shard.runtime.sharded_model import ShardedModel
+from soapstone.shard.train.optim import build_optimizer
 
 CASES = "tests/cases/dp_cases.py"
 ROOT = Path(__file__).resolve().parents[1]

@@ -61,10 +61,10 @@ def test_unknown_device_is_a_user_error():
 
 def test_python_api_device_argument():
     from soapstone import dsl
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.data import random_inputs
-    from soapstone.shard.executor import Executor
-    from soapstone.shard.runtime import ShardedModel
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.data.tasks import random_inputs
+    from soapstone.shard.runtime.executor import Executor
+    from soapstone.shard.runtime.sharded_model import ShardedModel
 
     graph = lower_graph(dsl.load("examples/mlp.par").model(), None)
     losses = []
@@ -107,9 +107,9 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
     from pathlib import Path
 
     from soapstone import dsl
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.executor import check_device
-    from soapstone.shard.plan import p2p_proof
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.verify import p2p_proof
+    from soapstone.shard.runtime.executor import check_device
 
     piped = 0
     for path in sorted([*Path("examples").glob("*.par"), *Path("tests/specs").glob("*.par")]):
@@ -138,7 +138,7 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
 
 def test_p2p_mode_choice_and_bad_values(monkeypatch):
     from soapstone.comm.errors import UserError
-    from soapstone.shard.executor import P2PModeError, p2p_mode
+    from soapstone.shard.runtime.executor import P2PModeError, p2p_mode
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("SOAPSTONE_P2P", raising=False)

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 import soapstone.dsl as dsl
-from soapstone.dsl import SpecError, custom, ir, load
+from soapstone.dsl import SpecError, load
 from soapstone.dsl.cli import main as cli
+from soapstone.dsl.layers import custom
+from soapstone.dsl.model import ir
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from soapstone.dsl import SpecError, load
-from soapstone.dsl.lower import lower
-from soapstone.dsl.stages import lower_pipeline
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.compile.stages import lower_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SOURCES = [(EXAMPLES / n).read_text() for n in ("gpt.par", "mlp.par")]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from soapstone.dsl import layers
-from soapstone.shard.plan import dtypes, explain, layout
-from soapstone.shard.runtime import TORCH_DTYPES
+from soapstone.dsl.layers import registry as layers
+from soapstone.shard.plan import dtypes, layout
+from soapstone.shard.plan.analysis import explain
+from soapstone.shard.runtime.sharded_model import TORCH_DTYPES
 
 
 def test_the_table_matches_torch():

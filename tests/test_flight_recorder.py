@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soapstone.comm import diagnose
 from soapstone.comm.accounting import COUNTED_OPS, bus_factor
-from soapstone.comm.flight_recorder import (
+from soapstone.comm.observe import diagnose
+from soapstone.comm.observe.flight_recorder import (
     DONE,
     FAILED,
     NBYTES,
@@ -25,7 +25,7 @@ from soapstone.comm.flight_recorder import (
     capacity_from_env,
     entry_text,
 )
-from soapstone.comm.watchdog import WatchdogError, check_timeout, timeout_from_env
+from soapstone.comm.observe.watchdog import WatchdogError, check_timeout, timeout_from_env
 
 
 def rec(capacity=4, rank=0, size=2, label="data"):
@@ -203,7 +203,7 @@ def test_a_rank_without_status_is_reported_as_silent():
 
 def test_enqueued_entries_complete_in_stream_order():
     """The NCCL bookkeeping (events stand in for CUDA events: no GPU needed)."""
-    from soapstone.comm.watchdog import Watchdog
+    from soapstone.comm.observe.watchdog import Watchdog
 
     class Event:
         def __init__(self, fired):
@@ -284,7 +284,7 @@ def test_this_install_reads_tensors_from_cpp_and_another_torchs_reader_is_never_
         monkeypatch):
     """`make install` builds the C++ tensor reader against this torch and the rings use it; a
     reader built for another torch is left alone, and shapes then come from torch's getters."""
-    from soapstone.comm import _tensor_reader, communicator
+    from soapstone.comm.observe import _tensor_reader, communicator
 
     assert communicator.TENSOR_READING.startswith("torch's C++ tensor")
     monkeypatch.setattr(_tensor_reader, "built_for", "1.0.0")

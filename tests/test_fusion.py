@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from soapstone import dsl
-from soapstone.dsl import ir
-from soapstone.dsl.lower import lower
-from soapstone.shard.data import random_inputs
-from soapstone.shard.fusion import find_attention, find_linear
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.model import ir
+from soapstone.shard.data.tasks import random_inputs
+from soapstone.shard.runtime.fusion import find_attention, find_linear
+from soapstone.shard.runtime.sharded_model import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = dsl.load(ROOT / "tests/specs/gpt_layouts.par")

@@ -66,7 +66,7 @@ def test_sampled_generation_is_identical_under_tp2(checkpoint):
 def test_next_id():
     import torch
 
-    from soapstone.shard.generate import next_id
+    from soapstone.shard.train.generate import next_id
 
     scores = torch.tensor([0.0, 3.0, 1.0, 2.0], dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def test_tokenize_bytes(tmp_path):
 def test_tokenize_with_a_tokenizer_json(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from soapstone.shard.tokenizer import load_tokenizer, write_token_file
+    from soapstone.shard.data.tokenizer import load_tokenizer, write_token_file
 
     text = "the cat sat on the mat\nthe dog sat on the log\n" * 50
     (tmp_path / "t.txt").write_text(text)

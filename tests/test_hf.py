@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and LLaMA in and out (soapstone.dsl.hf; transformers only here).
+"""Hugging Face GPT-2 and LLaMA in and out (soapstone.dsl.interop.hf; transformers only here).
 
 Random-init GPT2LMHeadModel and LlamaForCausalLM (grouped-query: 4 heads, 2 kv heads; every
 parameter random, biases and norms too) saved with save_pretrained are imported into the
@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from mpirun import case_params, run_mpi
 
 from soapstone import dsl
-from soapstone.dsl import hf
-from soapstone.dsl.ir import Output
-from soapstone.dsl.lower import lower
-from soapstone.shard.data import make_task
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.interop import hf
+from soapstone.dsl.model.ir import Output
+from soapstone.shard.data.tasks import make_task
+from soapstone.shard.runtime.sharded_model import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = "tests/cases/hf_cases.py"

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from soapstone import dsl
-from soapstone.dsl.errors import SpecError
-from soapstone.dsl.lower import lower
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.executor import Executor
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.dsl.lang.errors import SpecError
+from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.runtime.sharded_model import ShardedModel
 
 SPEC = """
 model m {{

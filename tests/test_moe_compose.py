@@ -11,10 +11,10 @@ import pytest
 from mpirun import case_names, case_params
 
 from soapstone import dsl
-from soapstone.dsl.errors import BadInput
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.dsl.lang.errors import BadInput
 from soapstone.dsl.testing import record_golden
-from soapstone.shard.plan.explain import estimate
+from soapstone.shard.plan.analysis.explain import estimate
 
 CASES = "tests/cases/moe_compose_cases.py"
 SPEC = "tests/specs/moe_compose.par"

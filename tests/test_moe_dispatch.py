@@ -10,8 +10,8 @@ import pytest
 from mpirun import case_names, case_params
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.plan.explain import estimate, format_estimate
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.plan.analysis.explain import estimate, format_estimate
 from soapstone.shard.plan.layout import Layout
 from soapstone.shard.plan.program import Compute, Redistribute
 from soapstone.shard.plan.program_text import format_program
@@ -91,9 +91,9 @@ def test_explain_counts_what_the_moe_kernel_saves_for_backward():
     rank: this model keeps every expert full, so the bound is what runs."""
     import torch
 
-    from soapstone.dsl.lower import lower
-    from soapstone.shard.data import make_task
-    from soapstone.shard.runtime import ShardedModel
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.sharded_model import ShardedModel
 
     dims = {"batch": 4, "seq": 64, "hidden": 64, "experts": 4, "ffn": 256, "vocab": 128}
     program = lower(dsl.load(SPEC, dims=dims).model(), None)

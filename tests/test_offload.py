@@ -1,5 +1,6 @@
-"""`offload optimizer` (shard/offload.py, shard/plan/offload.py). On a CPU run it is a no-op
-that says so (check, show, run) and trains exactly as without it; explain reports the device
+"""`offload optimizer` (shard/parallel/offload.py, shard/parallel/offload_plan.py). On a CPU run it
+is a no-op that says so (check, show, run) and trains exactly as without it; explain reports the
+device
 memory with and without it. The GPU path (host master copies and state, the update on the
 CPU) is tested where CUDA is present and skipped elsewhere."""
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.plan.explain import estimate
-from soapstone.shard.plan.offload import CPU_RUN_NOTE, NOTE, offload_figures
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.parallel.offload_plan import CPU_RUN_NOTE, NOTE, offload_figures
+from soapstone.shard.plan.analysis.explain import estimate
 
 SPEC = "tests/specs/selective_layouts.par"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -67,7 +68,7 @@ def test_explain_moves_the_optimizer_state_to_host(capsys):
 
 
 def test_on_cpu_the_optimizer_keeps_its_ordinary_path():
-    from soapstone.shard.executor import Executor
+    from soapstone.shard.runtime.executor import Executor
 
     spec = dsl.load(SPEC)
     ex = Executor(lower_graph(spec.model("gpt"), spec.parallel("offload_single")), None)
@@ -80,9 +81,9 @@ def test_host_step_equals_the_device_update():
     """Segments on the GPU: the update through host memory (pinned copies, the CPU's fused
     AdamW) leaves the device masters where the same update on the device does, its state
     lives on the host, and a write to a master between steps (a resume) is picked up."""
-    from soapstone.shard.data_parallel import Segment
-    from soapstone.shard.offload import HostStep
-    from soapstone.shard.optim import FlatAdamW
+    from soapstone.shard.parallel.data_parallel import Segment
+    from soapstone.shard.parallel.offload import HostStep
+    from soapstone.shard.train.optim import FlatAdamW
 
     g = torch.Generator().manual_seed(0)
     sizes = (1000, 4096, 17)

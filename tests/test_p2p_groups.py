@@ -10,9 +10,9 @@ import attrs
 import pytest
 
 from soapstone.shard.plan import p2p_groups as pg
-from soapstone.shard.plan import p2p_proof as proof
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules import Action
+from soapstone.shard.plan.verify import p2p_proof as proof
 
 
 def _all_schedules():
@@ -184,8 +184,8 @@ def test_show_prints_the_grouped_p2p_or_why_a_pipeline_cannot_run_on_cuda(monkey
     import json
 
     from soapstone import dsl
-    from soapstone.dsl.show_text import render
-    from soapstone.shard.plan import p2p_proof
+    from soapstone.dsl.app.show_text import render
+    from soapstone.shard.plan.verify import p2p_proof
 
     spec = dsl.load("examples/gpt2.par")
     assert "  rank 1 | [RA0] F0 B0 [SG0 RA1] F1 B1" in render(spec, parallel="pp2")

@@ -1,5 +1,5 @@
-"""Sharded initialisation (shard/param_init.py over shard/counter_rng.py): any box of a
-parameter equals the same box of the whole tensor bit for bit, the work is the box's, and
+"""Sharded initialisation (shard/runtime/param_init.py over shard/runtime/counter_rng.py): any box
+of a parameter equals the same box of the whole tensor bit for bit, the work is the box's, and
 the schemes keep their statistics; under mpiexec, every layout's shards equal the single-rank
 model's slices (tests/cases/init_cases.py)."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from mpirun import case_params
 
-from soapstone.shard import counter_rng
-from soapstone.shard.param_init import init_full, init_shard
 from soapstone.shard.plan.layout import Layout
 from soapstone.shard.plan.program import ParamSpec
+from soapstone.shard.runtime import counter_rng
+from soapstone.shard.runtime.param_init import init_full, init_shard
 
 CASES = "tests/cases/init_cases.py"
 

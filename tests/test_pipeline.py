@@ -9,8 +9,8 @@ import pytest
 from mpirun import case_params, run_mpi
 
 from soapstone import dsl
-from soapstone.dsl.lower import LoweringError, lower
-from soapstone.dsl.stages import lower_pipeline
+from soapstone.dsl.compile.lower import LoweringError, lower
+from soapstone.dsl.compile.stages import lower_pipeline
 from soapstone.shard.plan import schedules
 
 CASES = "tests/cases/pipe_cases.py"
@@ -88,7 +88,7 @@ def test_lower_refuses_pipeline_layouts_and_points_to_stages():
 
 
 def test_show_prints_stage_graph_and_schedule():
-    from soapstone.dsl.show_text import render
+    from soapstone.dsl.app.show_text import render
 
     text = render(SPEC, parallel="pp2f1b")
     assert "stage graph: 2 virtual stages over pipe=2" in text

@@ -1,5 +1,5 @@
-"""`soapstone plan` and what it stands on: hardware profiles (shard/plan/hardware.py), the cost
-model (shard/plan/cost.py), the search (dsl/plan_search.py) and the command."""
+"""`soapstone plan` and what it stands on: hardware profiles (shard/plan/analysis/hardware.py), the
+cost model (shard/plan/analysis/cost.py), the search (dsl/search/plan_search.py) and the command."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl import load
-from soapstone.shard.plan.hardware import (
+from soapstone.shard.plan.analysis.hardware import (
     ProfileError,
     load_profile,
     presets,
@@ -74,7 +74,7 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
 # ---- the cost model ----------------------------------------------------------------------
 
 def test_axes_are_laid_out_innermost_first_inside_a_node():
-    from soapstone.shard.plan.cost import link_of
+    from soapstone.shard.plan.analysis.cost import link_of
 
     prof = load_profile("a100-40gb")  # 8 devices per node
     mesh = {"pipe": 4, "data": 2, "model": 4}
@@ -86,9 +86,9 @@ def test_axes_are_laid_out_innermost_first_inside_a_node():
 
 
 def test_step_time_of_one_rank_is_its_compute_and_its_update():
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.plan.cost import program_work, step_time
-    from soapstone.shard.plan.explain import estimate_pipeline
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work, step_time
+    from soapstone.shard.plan.analysis.explain import estimate_pipeline
 
     model = load("examples/mlp.par").model()
     graph = lower_graph(model, None)
@@ -103,8 +103,8 @@ def test_step_time_of_one_rank_is_its_compute_and_its_update():
 
 
 def test_recompute_costs_the_blocks_forward_once_more():
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.plan.cost import program_work
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work
 
     text = gpt(4)
     plain = lower_graph(load(text).model(), None).program
@@ -129,7 +129,7 @@ def gpt(layers: int) -> str:
 
 
 def test_layout_dims_are_megatrons_split():
-    from soapstone.dsl.plan_search import layout_dims
+    from soapstone.dsl.search.plan_search import layout_dims
 
     dims = layout_dims(load(gpt(4)).model())
     assert (dims.batch, dims.tensor, dims.sequence) == ("batch", ("ffn", "heads", "vocab"),
@@ -142,7 +142,7 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
     """The probes (1 and 2 blocks, 1 and 2 samples, re-estimated per data degree and ZeRO
     stage) give the same explain figures and step time as compiling the whole model, for every
     candidate layout of a 12-block GPT on 8 devices."""
-    from soapstone.dsl.plan_search import Planner, candidates
+    from soapstone.dsl.search.plan_search import Planner, candidates
 
     model = load(gpt(12)).model()
     planner = Planner(model, load_profile("a100-40gb"))
@@ -177,7 +177,7 @@ def test_the_working_set_under_recompute_is_the_full_compiles():
     linear extrapolation of the peak got 21% low)."""
     import attrs
 
-    from soapstone.dsl.plan_search import Candidate, Planner, candidates
+    from soapstone.dsl.search.plan_search import Candidate, Planner, candidates
 
     model = load(gpt(12)).model()
     planner = Planner(model, load_profile("a100-40gb"))
@@ -198,7 +198,7 @@ def test_the_working_set_under_recompute_is_the_full_compiles():
 
 def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
     from soapstone.dsl.cli import main
-    from soapstone.dsl.stages import lower_graph
+    from soapstone.dsl.compile.stages import lower_graph
 
     out = tmp_path / "planned.par"
     assert main(["plan", "examples/gpt.par", "--world", "4", "--profile", "a100-40gb",
@@ -229,7 +229,7 @@ def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
 def test_recompute_is_not_costed_where_it_cannot_pay():
     """Recompute only adds work: where a layout fits at ZeRO 0 it is never costed with it, so
     a model that fits everywhere searches exactly the layouts a search without it does."""
-    from soapstone.dsl.plan_search import Planner, search
+    from soapstone.dsl.search.plan_search import Planner, search
 
     model = load(gpt(12)).model()
     profile = load_profile("a100-40gb")
@@ -246,7 +246,7 @@ def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys
     from mpirun import run_mpi
 
     from soapstone.dsl.cli import main
-    from soapstone.dsl.plan_search import PlanError, Planner, search
+    from soapstone.dsl.search.plan_search import PlanError, Planner, search
 
     profile = tmp_path / "small.json"
     profile.write_text(json.dumps(load_profile("cpu-2core").to_data() | {
@@ -310,7 +310,7 @@ def test_a_profile_file_missing_a_field_is_exit_2(tmp_path, capsys):
 
 def test_every_candidate_prints_as_a_block_that_loads_back_equal():
     from soapstone.dsl import format_parallel
-    from soapstone.dsl.plan_search import Candidate, layout_dims, to_parallel
+    from soapstone.dsl.search.plan_search import Candidate, layout_dims, to_parallel
 
     text = gpt(12)
     model = load(text).model()
@@ -329,7 +329,7 @@ def test_context_parallel_is_searched_only_where_the_batch_does_not_divide():
     with a batch of 2 it is, its probes extrapolate exactly, and it prints as a block that
     loads back equal."""
     from soapstone.dsl import format_parallel
-    from soapstone.dsl.plan_search import Planner, candidates, to_parallel
+    from soapstone.dsl.search.plan_search import Planner, candidates, to_parallel
 
     profile = load_profile("a100-40gb")
     model = load(gpt(12)).model()
@@ -410,9 +410,9 @@ def test_golden_check_refuses_what_cannot_fit(tmp_path):
 
 
 def test_the_trainer_refuses_before_allocating():
-    from soapstone.dsl.stages import lower_graph
-    from soapstone.shard.plan.fit import DoesNotFit
-    from soapstone.shard.train import Trainer
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.fit import DoesNotFit
+    from soapstone.shard.train.trainer import Trainer
 
     graph = lower_graph(load("examples/mlp.par", dims={"batch": 400_000_000}).model(), None)
     with pytest.raises(DoesNotFit, match="does not fit: it needs .* but a rank has"):
@@ -426,7 +426,7 @@ def test_seed_004_a_1t_model_on_4096_a100s_plans_to_tensor_8_pipeline_64_data_8(
     (inside a node) x 64-way pipeline x 8-way data parallel. At 256 the planner reaches the
     seed's configuration by itself, and says why; at Megatron's sequence 2048 nothing fits
     40 GB without activation recompute, so the plan recomputes (checked below)."""
-    from soapstone.dsl.plan_search import Planner, decisions, search
+    from soapstone.dsl.search.plan_search import Planner, decisions, search
 
     profile = load_profile("a100-40gb")
     model = load("tests/specs/gpt_1t.par", dims={"seq": 256}).model()
@@ -475,7 +475,7 @@ def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
 def test_a_layout_the_compiler_refuses_is_skipped_with_its_reason():
     """examples/moe.par: splitting `hidden` leaves the moe op no sharding, so those
     candidates are rejected with the compiler's message; the rest is planned."""
-    from soapstone.dsl.plan_search import Planner, search
+    from soapstone.dsl.search.plan_search import Planner, search
 
     model = load("examples/moe.par").model()
     plan = search(Planner(model, load_profile("cpu-2core")), 4)

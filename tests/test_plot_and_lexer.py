@@ -40,7 +40,7 @@ def test_lexer_is_found_by_pygments_and_lexes_every_example():
     from pygments.lexers import get_lexer_by_name, get_lexer_for_filename
     from pygments.token import Error, Keyword, Name, Number
 
-    from soapstone.dsl.par_lexer import ParLexer
+    from soapstone.dsl.lang.lexer import ParLexer
 
     assert isinstance(get_lexer_for_filename("examples/gpt.par"), ParLexer)
     assert isinstance(get_lexer_by_name("par"), ParLexer)

@@ -14,8 +14,8 @@ import pytest
 from mpirun import case_names, case_params
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.plan.explain import estimate
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.plan.analysis.explain import estimate
 from soapstone.shard.plan.program import Compute
 from soapstone.shard.plan.program_text import format_program
 

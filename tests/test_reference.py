@@ -1,4 +1,5 @@
-"""The single-rank soapstone run equals an independent plain-torch model (tests/torch_gpt.py).
+"""The single-rank soapstone run equals an independent plain-torch model
+(shard/train/reference_gpt.py).
 
 Each reference uses torch's own building blocks (nn.Embedding, nn.LayerNorm, nn.RMSNorm,
 nn.Linear, scaled_dot_product_attention, F.cross_entropy), takes soapstone's initial
@@ -16,11 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_gpt import GPT, transformer_map
 
 from soapstone import dsl
-from soapstone.dsl.lower import lower
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.shard.runtime.sharded_model import ShardedModel
+from soapstone.shard.train.reference_gpt import GPT, transformer_map
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import torch
 from mpirun import run_mpi
 
 from soapstone import dsl
-from soapstone.dsl.lower import lower
-from soapstone.shard.data import SyntheticTask, make_task
+from soapstone.dsl.compile.lower import lower
+from soapstone.shard.data.tasks import SyntheticTask, make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ["-m", "soapstone.dsl.cli"]

@@ -1,7 +1,7 @@
 """Selective recompute (`recompute selective` in a parallel block): the compiler drops the
-values that are cheap to rebuild per byte kept (shard/plan/selective.py), the runtime frees
-them after forward and rebuilds them for backward (shard/selective.py). It trains exactly as
-without it (golden records, dropout masks), keeps less (explain's figure against a measured
+values that are cheap to rebuild per byte kept (shard/parallel/selective_plan.py), the runtime frees
+them after forward and rebuilds them for backward (shard/parallel/selective.py). It trains exactly
+as without it (golden records, dropout masks), keeps less (explain's figure against a measured
 step), and makes no collective more. mpiexec cases: tests/cases/selective_cases.py.
 """
 
@@ -15,9 +15,9 @@ import pytest
 from mpirun import case_names, case_params
 
 from soapstone import dsl
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.plan.cost import program_work
-from soapstone.shard.plan.explain import estimate
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.plan.analysis.cost import program_work
+from soapstone.shard.plan.analysis.explain import estimate
 from soapstone.shard.plan.program_text import format_program
 
 CASES = "tests/cases/selective_cases.py"
@@ -57,7 +57,7 @@ def test_the_rule_drops_cheap_outputs_a_matmul_keeps():
 def test_a_dropped_value_is_rebuilt_through_unsaved_intermediates():
     """dropout(gelu(h)): the mask-applied output is what the next matmul keeps; gelu's output
     is kept by no one, so rebuilding runs gelu then dropout again from the kept h."""
-    from soapstone.shard.plan.selective import rebuild_steps
+    from soapstone.shard.parallel.selective_plan import rebuild_steps
 
     p = _program("dropsel_acc2_sel")
     kinds = {s.out: s.kind for s in p.steps}

@@ -26,8 +26,11 @@ except ImportError:
 else:
     sys.exit("the torch blocker did not block")
 import soapstone.dsl, soapstone.shard.plan  # noqa: E401
-from soapstone.shard.plan import buckets, explain, layout, program, program_text  # noqa: F401
-from soapstone.shard.plan import schedules, sequence, stage_graph, verify  # noqa: F401
+from soapstone.shard.parallel import bucket_plan as buckets  # noqa: F401
+from soapstone.shard.plan.analysis import explain
+from soapstone.shard.plan import layout, program, program_text
+from soapstone.shard.plan import schedules, stage_graph  # noqa: F401
+from soapstone.shard.plan.verify import prove as verify, sequence
 from soapstone.dsl.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -16,12 +16,12 @@ import torch
 from mpirun import case_params, run_mpi
 
 from soapstone import dsl
-from soapstone.dsl.lower import lower
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.data import DataError, SyntheticTask
-from soapstone.shard.executor import Executor
-from soapstone.shard.lr_schedule import LRSchedule
-from soapstone.shard.token_memmap import TokenMemmap, open_tokens
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.data.tasks import DataError, SyntheticTask
+from soapstone.shard.data.token_memmap import TokenMemmap, open_tokens
+from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.lr_schedule import LRSchedule
 
 CASES = "tests/cases/training_cases.py"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""The static verifier (shard/plan/verify.py) and the per-rank sequences it proves
-(shard/plan/sequence.py): every example and test layout verifies; broken stage graphs and
+"""The static verifier (shard/plan/verify/prove.py) and the per-rank sequences it proves
+(shard/plan/verify/sequence.py): every example and test layout verifies; broken stage graphs and
 sequences are refused with the right ranks and positions. That the sequences are what a real
 step calls, in order, is checked under mpiexec with the explain cases (tests/cases/run_cases.py:
 every communicator's flight recorder during the step explain's counters measure)."""
@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 
 from soapstone import dsl
 from soapstone.comm.errors import UserError
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules import Action, Schedule
-from soapstone.shard.plan.sequence import expected_by_comm, rank_sequence, rank_sequences
-from soapstone.shard.plan.verify import (
+from soapstone.shard.plan.verify.prove import (
     VerifyError,
     check_bytes,
     representatives,
     verify_layout,
     verify_sequences,
 )
+from soapstone.shard.plan.verify.sequence import expected_by_comm, rank_sequence, rank_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted([*ROOT.glob("examples/*.par"), *ROOT.glob("tests/specs/*.par")])
@@ -138,7 +138,7 @@ def test_receive_of_another_shape(pp2):
 
 
 def test_a_failure_names_the_spec_location_of_each_side(pp2):
-    from soapstone.dsl.layout_proof import prove_layout
+    from soapstone.dsl.compile.layout_proof import prove_layout
 
     st1 = pp2.stages[1]
     name = pp2.edges[0].tensors[0].name
@@ -179,7 +179,7 @@ def test_one_pipe_column_proves_the_rest(pp2):
 
 
 def test_a_large_world_is_proved_from_one_pipe_column():
-    from soapstone.dsl.layout_proof import EVERY_RANK_UP_TO, prove_layout
+    from soapstone.dsl.compile.layout_proof import EVERY_RANK_UP_TO, prove_layout
 
     s = dsl.load((ROOT / "examples/gpt.par").read_text() + """
 parallel big for gpt on mesh(pipe = 2, data = 64) {
@@ -445,7 +445,7 @@ def test_an_indivisible_batch_lists_the_data_sizes():
 
 # -- what the watchdog is handed --------------------------------------------------------------
 def test_positions_in_the_plan(dp2tp2):
-    from soapstone.comm import expected
+    from soapstone.comm.observe import expected
 
     plan = expected_by_comm(rank_sequence(dp2tp2, 0))
     ops = plan["model[0,1]"]["collective"]

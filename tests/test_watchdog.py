@@ -84,7 +84,7 @@ def test_a_rank_stuck_in_a_custom_layer_is_named_with_its_stack(tmp_path, capsys
     assert " in allreduce #" in report.split("\n")[0] and "on model[0,1]" in report, report
     assert "[rank 0]   did not arrive: rank 1\n" in report, report
     assert "in swiglu" in report and "time.sleep(600)" in report, report  # rank 1's stack
-    # where the layout's plan (comm/expected.py, handed down by run) puts each rank
+    # where the layout's plan (comm/observe/expected.py, handed down by run) puts each rank
     assert "[rank 0]   where the layout's plan puts each rank (calls of one step):" in report
     at = report[report.index("[rank 0]     rank 0 on model[0,1]: in call "):]
     assert "of the step's 14 collectives, which the plan says is allreduce (8, 16, 32) f32 " \

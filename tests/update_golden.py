@@ -38,7 +38,7 @@ def update_shows() -> None:
 
 def record_runs(names: list[str]) -> None:
     """Record the single-rank run of each named example (or of every one, for `all`)."""
-    from soapstone.dsl.golden_run import record_run
+    from soapstone.dsl.app.golden_run import record_run
 
     if names == ["all"]:
         names = [p.stem for p in sorted(EXAMPLES.glob("*.par"))]

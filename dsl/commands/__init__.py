@@ -1,8 +1,8 @@
 """soapstone.dsl.commands: one module per `soapstone` subcommand (dsl/cli.py dispatches).
 
 Each module has `configure(parser)` and `main(args) -> int`; it parses flags, calls library
-code (dsl/build.py, dsl/golden_run.py, dsl/show_text.py, ...), prints and returns the exit
-code: 0 ok, 2 bad input, 1 anything else. Bad input is any UserError; `fail` prints it once.
+code (dsl/app/build.py, dsl/app/golden_run.py, dsl/app/show_text.py, ...), prints and returns the
+exit code: 0 ok, 2 bad input, 1 anything else. Bad input is any UserError; `fail` prints it once.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """`[mpiexec -n N] soapstone bench comm [--sizes S] [--ops O] [--json F]`: soapstone's
 collectives vs raw mpi4py (the floor) vs torch gloo, nccl-tests style rows on rank 0: size,
 time_us, algbw and busbw per implementation, and the ratios soapstone/mpi4py and
-gloo/soapstone. The measuring: soapstone.comm.bench.
+gloo/soapstone. The measuring: soapstone.comm.bench.collectives.
 
 `[mpiexec -n 2] soapstone bench calibrate -o PROFILE.json`: this machine's matmul throughput,
 memory bandwidth and collective alpha-beta as a hardware profile for `soapstone plan`
-(shard/calibrate.py).
+(shard/runtime/calibrate.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import re
 
-from soapstone.comm.bench import OPS  # imports neither torch nor MPI
+from soapstone.comm.bench.collectives import OPS  # imports neither torch nor MPI
 
 DEFAULT_SIZES = "8,64,512,4KiB,32KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
 WATCHDOG_ITERS, WATCHDOG_ROUNDS = 2000, 20  # --watchdog: the ratio wants many short turns
@@ -99,11 +99,10 @@ def main(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from soapstone.comm import init
-    from soapstone.comm.bench import init_gloo, measure
+    from soapstone.comm.bench.collectives import init_gloo, measure
     from soapstone.comm.errors import UserError
-    from soapstone.shard.plan.explain import format_bytes
-
-    from . import fail
+    from soapstone.dsl.commands import fail
+    from soapstone.shard.plan.analysis.explain import format_bytes
 
     try:
         world = init("mpi")
@@ -155,16 +154,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _nccl(args: argparse.Namespace) -> int:
     """--backend nccl: soapstone's NCCL communicator vs torch.distributed's NCCL on CUDA
-    buffers (soapstone.comm.bench_nccl); no usable GPU is bad input (exit 2) on every rank."""
+    buffers (soapstone.comm.bench.nccl); no usable GPU is bad input (exit 2) on every rank."""
     import torch
     from mpi4py import MPI
 
     from soapstone.comm import init
-    from soapstone.comm.bench_nccl import IMPLS, init_torch_nccl, measure
+    from soapstone.comm.bench.nccl import IMPLS, init_torch_nccl, measure
     from soapstone.comm.device import pick
     from soapstone.comm.errors import UserError
-
-    from . import fail
+    from soapstone.dsl.commands import fail
 
     try:
         device = pick("cuda", flag="bench comm --backend nccl", instead="--backend mpi")
@@ -197,18 +195,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     """Measure, print and (rank 0) write the profile."""
     from soapstone.comm import init
     from soapstone.comm.errors import UserError
-    from soapstone.shard.calibrate import PROBE_SPEC, calibrate
-    from soapstone.shard.plan.hardware import save_profile
-
-    from ..errors import BadInput
-    from . import fail
+    from soapstone.dsl.commands import fail
+    from soapstone.dsl.lang.errors import BadInput
+    from soapstone.shard.plan.analysis.hardware import save_profile
+    from soapstone.shard.runtime.calibrate import PROBE_SPEC, calibrate
 
     world = init("mpi")
     if not args.output:
         return fail(BadInput("bench calibrate needs -o PROFILE.json"), world.rank)
     try:
-        from ..spec import load
-        from ..stages import lower_graph
+        from soapstone.dsl.compile.stages import lower_graph
+        from soapstone.dsl.lang.spec import load
 
         probe = lower_graph(load(PROBE_SPEC).model(), None)
         profile = calibrate(world, probe)

@@ -1,6 +1,6 @@
 """`soapstone check SPEC... [--parallel P] [--verify] [--dim name=value] [--plugin P]`: parse and
 validate, no torch. --verify also proves each layout (or --parallel's) before any launch: every
-rank's collectives and p2p messages match and complete (dsl/layout_proof.py)."""
+rank's collectives and p2p messages match and complete (dsl/compile/layout_proof.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import argparse
 import sys
 
 from soapstone.comm.errors import UserError
-
-from ..build import load_plugins, parse_dims
-from . import fail
-from .flags import add_spec_options
+from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_spec_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Check every spec (a bad one does not stop the rest); 2 if any is bad."""
-    from ..spec import load
+    from soapstone.dsl.lang.spec import load
 
     try:
         dims = parse_dims(args.dim)
@@ -48,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"ok: {path} (models: {models}, parallels: {pars})")
             offloaded = [p.name for p in chosen if p.offload]
             if offloaded:
-                from soapstone.shard.plan.offload import NOTE
+                from soapstone.shard.parallel.offload_plan import NOTE
 
                 print(f"note: {', '.join(offloaded)}: {NOTE}", file=sys.stderr)
             if args.verify:
@@ -60,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
 
 def verify(spec, layouts) -> None:
     """Prove each layout, one line each (VerifyError, a UserError, at the first that fails)."""
-    from ..layout_proof import prove_layout
-    from ..stages import lower_graph
+    from soapstone.dsl.compile.layout_proof import prove_layout
+    from soapstone.dsl.compile.stages import lower_graph
 
     for par in layouts:
         model = spec.model(par.model)

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from . import fail
+from soapstone.dsl.commands import fail
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
         index = ix.read(d)
         verify(d, index)
         if args.action == "export" and not args.output:
-            from ..errors import BadInput
+            from soapstone.dsl.lang.errors import BadInput
 
             raise BadInput("ckpt export: give the output file, -o model.safetensors")
     except UserError as e:
@@ -59,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
 
 def describe(d: Path, index: dict) -> list[str]:
     """inspect's text."""
-    from soapstone.shard.plan.explain import format_bytes
+    from soapstone.shard.plan.analysis.explain import format_bytes
 
     mesh = " x ".join(f"{a}={n}" for a, n in index.get("mesh", {}).items()) or "one rank"
     opt = index["optimizer"]

@@ -5,7 +5,7 @@ exception or SIGUSR1 (`SOAPSTONE_TRACE_DIR=DIR` or `run --debug-dir DIR`; soapst
 watchdog.py). Printed: the first divergence (a rank behind in a communicator, ranks calling
 different collectives, a message waited for and never sent), then each rank: what it is doing,
 where the layout's plan puts it (which call of the step it is in or makes next, when the run
-handed the watchdog its plan: comm/expected.py), its newest operations and where its Python
+handed the watchdog its plan: comm/observe/expected.py), its newest operations and where its Python
 stack is. No MPI, no torch: run it anywhere.
 """
 
@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from . import fail
+from soapstone.dsl.commands import fail
 
 
 class DumpError(UserError):
@@ -57,9 +56,9 @@ def load_dumps(folder: str) -> dict[int, dict]:
 
 def hang_report(dumps: dict[int, dict], ops: int = 4) -> list[str]:
     """The text of `soapstone debug hang` for these dumps."""
-    from soapstone.comm.diagnose import divergences, doing, stack_tail
-    from soapstone.comm.expected import position_lines
-    from soapstone.comm.flight_recorder import entry_text
+    from soapstone.comm.observe.diagnose import divergences, doing, stack_tail
+    from soapstone.comm.observe.expected import position_lines
+    from soapstone.comm.observe.flight_recorder import entry_text
 
     size = max([d.get("size", 0) for d in dumps.values()] + [max(dumps) + 1])
     missing = [r for r in range(size) if r not in dumps]

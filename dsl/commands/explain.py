@@ -1,11 +1,11 @@
 """`soapstone explain SPEC [--parallel P] [--json]`: per-rank memory, communication bytes per
 training step per mesh axis and collective, pipeline bubble and stage imbalance, before any
-process starts (the estimates and their conventions: shard/plan/explain.py).
+process starts (the estimates and their conventions: shard/plan/analysis/explain.py).
 
 A pipeline layout (operator statements) is lowered to its StageGraph: explain prints the
 figures of the pipe rank holding the most memory, then every pipe rank's memory (activations:
 microbatches in flight under the schedule), p2p bytes per edge, the pipe-axis collectives,
-the bubble and the stage imbalance (shard/plan/explain.py, estimate_pipeline).
+the bubble and the stage imbalance (shard/plan/analysis/explain.py, estimate_pipeline).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import json
 import sys
 
 from soapstone.comm.errors import UserError
-
-from ..build import compile_layout, load_layout
-from . import fail
-from .flags import add_model_options
+from soapstone.dsl.app.build import compile_layout, load_layout
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_model_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
-    from soapstone.shard.plan.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline, format_estimate
 
     try:
         model, par = load_layout(args)
@@ -48,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
-    from soapstone.shard.plan.checkpoint_size import checkpoint_bytes, format_checkpoint
+    from soapstone.shard.plan.analysis.checkpoint_size import checkpoint_bytes, format_checkpoint
 
     ckpt = checkpoint_bytes(graph, args.optimizer)
     if args.json:
@@ -56,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
         if par is not None and par.offload:  # device and host bytes on a GPU run
             import attrs
 
-            from soapstone.shard.plan.offload import offload_figures
+            from soapstone.shard.parallel.offload_plan import offload_figures
 
             extra["offload"] = attrs.asdict(offload_figures(est))
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
@@ -65,13 +64,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_estimate(est))
         if par is not None and par.offload:
-            from soapstone.shard.plan.explain import format_bytes
-            from soapstone.shard.plan.offload import format_offload, offload_figures
+            from soapstone.shard.parallel.offload_plan import format_offload, offload_figures
+            from soapstone.shard.plan.analysis.explain import format_bytes
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt))
     if not fits:
-        from soapstone.shard.plan.explain import format_bytes
+        from soapstone.shard.plan.analysis.explain import format_bytes
 
         print(f"warning: this layout does not fit: it needs {format_bytes(est.total_bytes)} "
               f"per rank, but a rank has {format_bytes(limit)} ({where}); `run` would refuse "
@@ -82,8 +81,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _memory_limit(profile: str | None, ranks: int) -> tuple[int, str]:
     """(bytes a rank may hold, whose): the profile's usable memory, else this host's share."""
-    from soapstone.shard.plan.fit import host_memory_per_rank
-    from soapstone.shard.plan.hardware import load_profile
+    from soapstone.shard.plan.analysis.fit import host_memory_per_rank
+    from soapstone.shard.plan.analysis.hardware import load_profile
 
     if profile:
         p = load_profile(profile)

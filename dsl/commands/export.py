@@ -1,10 +1,10 @@
 """`soapstone export SPEC [--init SOURCE] --hf DIR`: a model's weights as a Hugging Face
 save_pretrained directory (config.json + model.safetensors) that transformers loads.
 
-The weights are those `run --init SOURCE` would start from (dsl/init_weights.py: a checkpoint
+The weights are those `run --init SOURCE` would start from (dsl/app/init_weights.py: a checkpoint
 directory, a .safetensors file of full parameters, hf:DIR), or without --init the model's
 seeded initialisation (--seed). The model must be a GPT-2 or LLaMA written as
-examples/gpt2.par and examples/llama.par are (dsl/hf.py checks it op by op before writing).
+examples/gpt2.par and examples/llama.par are (dsl/interop/hf.py checks it op by op before writing).
 One rank; no mpiexec needed.
 """
 
@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 
 from soapstone.comm.errors import UserError
-
-from ..build import compile_layout, load_layout, world
-from . import fail
-from .flags import add_spec_options
+from soapstone.dsl.app.build import compile_layout, load_layout, world
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_spec_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Build the model on one rank, load its weights, write the Hugging Face directory."""
-    from soapstone.shard.executor import Executor
-
-    from .. import hf
-    from ..init_weights import check_init, load_init
+    from soapstone.dsl.app.init_weights import check_init, load_init
+    from soapstone.dsl.interop import hf
+    from soapstone.shard.runtime.executor import Executor
 
     try:
         comm = world()

@@ -1,4 +1,5 @@
-"""The command-line flags several commands share (argparse only; what they mean: dsl/build.py)."""
+"""The command-line flags several commands share (argparse only; what they mean:
+dsl/app/build.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def add_schedule_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
-    """--save, --save-every, --keep, --resume, --init (what they do: dsl/run_checkpoints.py)."""
+    """--save, --save-every, --keep, --resume, --init (what they do: dsl/app/run_checkpoints.py)."""
     parser.add_argument("--save", metavar="DIR",
                         help="save checkpoints under DIR (DIR/step-NNNNNNNN) after the last step, "
                              "every --save-every steps, and on SIGTERM/SIGINT")

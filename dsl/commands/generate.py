@@ -1,7 +1,7 @@
 """`[mpiexec -n N] soapstone generate SPEC --init SOURCE --prompt TEXT [--tokens N] ...`:
 sample from a trained language model, on one rank or under any layout (--parallel).
 
-SOURCE is what `run --init` takes (dsl/init_weights.py: a checkpoint directory, a safetensors
+SOURCE is what `run --init` takes (dsl/app/init_weights.py: a checkpoint directory, a safetensors
 file of full parameters, or a registered scheme such as hf:DIR). The prompt is encoded as
 UTF-8 bytes (a model trained on byte-level data, vocab >= 256) or by --tokenizer's
 tokenizer.json, and the continuation printed as text (rank 0). Every rank checks the flags on
@@ -14,11 +14,10 @@ import argparse
 import sys
 
 from soapstone.comm.errors import UserError
-
-from ..build import build_program, compile_layout, custom_layers, world
-from ..errors import BadInput
-from . import fail
-from .flags import add_model_options
+from soapstone.dsl.app.build import build_program, compile_layout, custom_layers, world
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_model_options
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +50,9 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Check everything on every rank, load the weights, sample, print (rank 0)."""
-    from soapstone.shard.tokenizer import load_tokenizer
-
-    from ..init_weights import check_init, load_init
-    from ..language_model import language_model
+    from soapstone.dsl.app.init_weights import check_init, load_init
+    from soapstone.dsl.model.language_model import language_model
+    from soapstone.shard.data.tokenizer import load_tokenizer
 
     try:
         comm = world()
@@ -84,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
 def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     """Build the layout, load --init, generate, print the text on rank 0."""
     from soapstone.comm import Mesh
-    from soapstone.shard.executor import Executor
-    from soapstone.shard.generate import generate
+    from soapstone.shard.runtime.executor import Executor
+    from soapstone.shard.train.generate import generate
 
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers())

@@ -1,12 +1,13 @@
 """`soapstone golden record SPEC -o FILE` and `mpiexec -n N soapstone golden check SPEC
 --parallel P FILE`: pin a single-rank training run, then prove a layout reproduces it.
 
-record trains the model on one rank (SGD with momentum by default, see shard/golden.py on why)
+record trains the model on one rank (SGD with momentum by default, see shard/train/golden.py on why)
 and writes the loss of every step and digests of every parameter after every step (plus the
 full final parameters of small models) to a no-pickle .npz. check reads the run's settings
 (steps, seed, optimizer, lr, precision, --dim overrides, data) from the record, trains the
 layout the same way and compares step by step; exit 0, or 1 naming the first diverging step
-and tensor. Bad input (spec, flags, launch, record file) exits 2. The library: dsl/golden_run.py.
+and tensor. Bad input (spec, flags, launch, record file) exits 2. The library:
+dsl/app/golden_run.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import argparse
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from ..build import check_train_flags, parse_dims, pick_device, world
-from ..errors import BadInput
-from ..golden_run import DEFAULT_STEPS
-from . import fail
-from .flags import add_device_options, add_plugin_option, add_spec_options, add_train_options
+from soapstone.dsl.app.build import check_train_flags, parse_dims, pick_device, world
+from soapstone.dsl.app.golden_run import DEFAULT_STEPS
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import (
+    add_device_options,
+    add_plugin_option,
+    add_spec_options,
+    add_train_options,
+)
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _record(args: argparse.Namespace) -> int:
-    from ..golden_run import record_run
+    from soapstone.dsl.app.golden_run import record_run
 
     try:
         check_train_flags(args)
@@ -74,7 +79,7 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..golden_run import prepare_check
+    from soapstone.dsl.app.golden_run import prepare_check
 
     try:
         comm = world(pick_device(args.device))

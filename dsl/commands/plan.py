@@ -4,8 +4,9 @@ choose a layout for the model on N devices of a hardware profile.
 Searches data x tensor (with or without sequence parallelism) x pipeline (stages, schedule,
 microbatches, virtual stages) x ZeRO x activation recompute, drops the layouts that do not fit
 the device's memory (explain's estimate), ranks the rest by the cost model's step time
-(dsl/plan_search.py, shard/plan/cost.py), prints the table with a reason per row, explains the
-winner in seed 004's order, and prints it as a `parallel` block that check, explain and run
+(dsl/search/plan_search.py, shard/plan/analysis/cost.py), prints the table with a reason per row,
+explains the winner in seed 004's order, and prints it as a `parallel` block that check, explain
+and run
 accept; `-o FILE` writes a spec that includes SPEC and holds the block. Nothing that fits:
 exit 2 saying what is missing (memory, or which dim does not divide). No torch.
 """
@@ -20,11 +21,10 @@ import time
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from ..build import load_plugins, parse_dims
-from ..errors import BadInput
-from . import fail
-from .flags import add_spec_options
+from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_spec_options
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Plan, print, and write the block."""
-    from soapstone.shard.plan.hardware import load_profile
-
-    from ..plan_search import Planner, search
-    from ..spec import load
+    from soapstone.dsl.lang.spec import load
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.shard.plan.analysis.hardware import load_profile
 
     t0 = time.perf_counter()
     try:

@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from ..errors import BadInput
-from . import fail
+from soapstone.dsl.commands import fail
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

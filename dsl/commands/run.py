@@ -9,7 +9,8 @@ Rank 0 draws the progress bar and writes --metrics; other ranks print only when 
 Every comm op runs under the watchdog's deadline (--collective-timeout, default
 SOAPSTONE_COLLECTIVE_TIMEOUT or 600 s; a timeout ends the job with a report naming the op and
 the ranks that did not arrive), dumps go to --debug-dir (`soapstone debug hang DIR` reads them),
-and SIGTERM/SIGINT to mpiexec end every rank promptly with one line (soapstone.comm.watchdog).
+and SIGTERM/SIGINT to mpiexec end every rank promptly with one line
+(soapstone.comm.observe.watchdog).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import sys
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-
-from ..build import (
+from soapstone.dsl.app.build import (
     build_program,
     check_memory,
     check_trace_flag,
@@ -35,9 +35,9 @@ from ..build import (
     single_program,
     world,
 )
-from ..run_checkpoints import after_step, begin, checkpoint_plan
-from . import fail
-from .flags import (
+from soapstone.dsl.app.run_checkpoints import after_step, begin, checkpoint_plan
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import (
     add_checkpoint_options,
     add_device_options,
     add_model_options,
@@ -74,7 +74,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _seconds(text: str) -> float:
-    from soapstone.comm.watchdog import WatchdogError, check_timeout
+    from soapstone.comm.observe.watchdog import WatchdogError, check_timeout
 
     try:
         return check_timeout(text, "--collective-timeout")
@@ -84,10 +84,9 @@ def _seconds(text: str) -> float:
 
 def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import check_device
-
-    from ..layout_proof import prove_layout
+    from soapstone.dsl.compile.layout_proof import prove_layout
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.executor import check_device
 
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad
@@ -118,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
 
 def watch(args) -> None:
     """The watchdog as the flags say; SIGTERM/SIGINT end every rank promptly."""
-    from soapstone.comm import watchdog
+    from soapstone.comm.observe import watchdog
 
     watchdog.configure(timeout=args.collective_timeout, trace_dir=args.debug_dir)
     dog = watchdog.get()
@@ -131,7 +130,7 @@ def check_tensorboard(logdir: str | None) -> None:
     loads it) and a directory it can create."""
     import importlib.util
 
-    from ..errors import BadInput
+    from soapstone.dsl.lang.errors import BadInput
 
     if not logdir:
         return
@@ -144,10 +143,10 @@ def check_tensorboard(logdir: str | None) -> None:
 
 def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
     """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports."""
-    from soapstone.comm import Mesh, expected
-    from soapstone.shard.train import Trainer
-
-    from ..layout_proof import expected_calls
+    from soapstone.comm import Mesh
+    from soapstone.comm.observe import expected
+    from soapstone.dsl.compile.layout_proof import expected_calls
+    from soapstone.shard.train.trainer import Trainer
 
     rank = comm.rank
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and program.world_size > 1 else None
@@ -167,7 +166,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               file=sys.stderr, flush=True)
     start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
     if rank == 0 and par is not None and par.offload and comm.device.type != "cuda":
-        from soapstone.shard.plan.offload import CPU_RUN_NOTE
+        from soapstone.shard.parallel.offload_plan import CPU_RUN_NOTE
 
         print(f"note: {CPU_RUN_NOTE}", file=sys.stderr, flush=True)
     if mesh is not None and args.accumulate == 1:  # the plan is one step of the layout
@@ -224,7 +223,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
 
 def write_trace(pipe, path: str, rank: int) -> None:
     """The last step's timeline: Chrome trace JSON (+ .png) and the bubble (collective)."""
-    from soapstone.shard import trace as tr
+    from soapstone.shard.runtime import trace as tr
 
     events = pipe.events()
     measured, theory = tr.bubble(events, pipe.graph.pipe), pipe.schedule.theory_bubble()

@@ -7,10 +7,9 @@ import argparse
 import sys
 
 from soapstone.comm.errors import UserError
-
-from ..build import load_plugins, parse_dims
-from . import fail
-from .flags import add_spec_options
+from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.commands import fail
+from soapstone.dsl.commands.flags import add_spec_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the spec's IR (and the layout's plan)."""
-    from ..show_text import render
-    from ..spec import load
+    from soapstone.dsl.app.show_text import render
+    from soapstone.dsl.lang.spec import load
 
     try:
         dims = parse_dims(args.dim)
@@ -36,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
         return fail(e)
     sys.stdout.write(out)
     if args.parallel and spec.parallel(args.parallel).offload:
-        from soapstone.shard.plan.offload import NOTE
+        from soapstone.shard.parallel.offload_plan import NOTE
 
         print(f"note: {NOTE}", file=sys.stderr)
     return 0

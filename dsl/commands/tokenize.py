@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 
 from soapstone.comm.errors import UserError
-
-from . import fail
+from soapstone.dsl.commands import fail
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Encode the texts; print what was written and how to train on it."""
-    from soapstone.shard.tokenizer import load_tokenizer, write_token_file
+    from soapstone.shard.data.tokenizer import load_tokenizer, write_token_file
 
     try:
         tok = load_tokenizer(args.tokenizer)

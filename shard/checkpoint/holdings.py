@@ -5,7 +5,7 @@ tensor-parallel shard, or under ZeRO the flat range of that shard its optimizer 
 into boxes) and the flat views they live in: the fp32 master values and each optimizer state
 buffer. Save writes the views; load fills them. Several ranks hold the same box (replicas over
 an axis the parameter is not split on); `writer` marks the one that writes it (the rule of
-shard/plan/checkpoint_size.py, which explain counts with: replicated parameters spread over
+shard/plan/analysis/checkpoint_size.py, which explain counts with: replicated parameters spread over
 their replicas), the first virtual stage of a weight tied across pipeline stages.
 """
 
@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from soapstone.shard.checkpoint.boxes import Box, flat_boxes
-from soapstone.shard.plan.checkpoint_size import writes
+from soapstone.shard.plan.analysis.checkpoint_size import writes
 from soapstone.shard.plan.layout import Split
 
 

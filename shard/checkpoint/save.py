@@ -27,7 +27,7 @@ from soapstone.shard.checkpoint.holdings import holdings
 
 def optimizer_name(executor) -> str | None:
     """"adamw" | "sgd" | None (no optimizer)."""
-    from soapstone.shard.optim import FlatAdamW
+    from soapstone.shard.train.optim import FlatAdamW
 
     opt = next(iter(executor.optimizers.values()), None)
     if opt is None:

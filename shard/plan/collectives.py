@@ -9,7 +9,7 @@ side's bytes are the collective's payload in the comm layer's convention
 broadcast, the output for allgather). Everything that counts or prints traffic goes through
 `forward_op` / `backward_op`, so the compiler's model, `show`'s step list and `explain`'s rows
 cannot disagree about what a step moves; the runtime dispatches on the same kinds
-(shard/runtime.py REDISTRIBUTE, tested to cover this table exactly).
+(shard/runtime/sharded_model.py REDISTRIBUTE, tested to cover this table exactly).
 """
 
 from __future__ import annotations

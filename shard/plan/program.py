@@ -107,8 +107,8 @@ class CopyTo:
 Step = Compute | Redistribute | CopyTo
 
 # The allreduces of statistics a distributed form runs per split axis, in order: (reduce op,
-# whether backward allreduces it too). `show` and `explain` count them; shard/ops.py takes its
-# reductions from here one by one (ops._Stats), so the two cannot drift.
+# whether backward allreduces it too). `show` and `explain` count them; shard/ops/kernels.py takes
+# its reductions from here one by one (ops._Stats), so the two cannot drift.
 DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
     "layernorm": (("sum", True), ("sum", True)),
     "rmsnorm": (("sum", True),),
@@ -158,7 +158,7 @@ class Program:
     # backward keeps only the values it reads from before it and runs its forward again
     recompute: tuple[tuple[int, int], ...] = ()
     # `recompute selective`: values forward frees after their last use and backward computes
-    # again from their producer's inputs (shard/plan/selective.py decides which)
+    # again from their producer's inputs (shard/parallel/selective_plan.py decides which)
     dropped: tuple[str, ...] = ()
     # `offload optimizer`: the optimizer keeps its state in host memory on a GPU run
     offload: bool = False

@@ -2,8 +2,9 @@
 
 Every collective appears twice over: in place, in the step list (with its payload: the bytes
 of the tensor it moves), and totalled per phase, kind and mesh axis at the end. The totals are
-`soapstone explain`'s traffic rows (shard/plan/explain.py `estimate`, the one traffic model): calls
-and the bytes this rank sends per training step under the ring convention, gradient sync per
+`soapstone explain`'s traffic rows (shard/plan/analysis/explain.py `estimate`, the one traffic
+model): calls and the bytes this rank sends per training step under the ring convention, gradient
+sync per
 bucket under the layout's ZeRO stage.
 """
 
@@ -13,12 +14,12 @@ import json
 
 import attrs
 
+from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
+from soapstone.shard.parallel.selective_plan import rebuild_steps
+from soapstone.shard.plan.analysis.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.plan.collectives import backward_op
-from soapstone.shard.plan.dispatch import VARIES, Call, kernel_calls
-from soapstone.shard.plan.explain import Traffic, estimate, format_bytes, format_traffic
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
-from soapstone.shard.plan.selective import rebuild_steps
 
 
 def _shape(program: Program, name: str) -> str:
@@ -31,8 +32,10 @@ def _layout(layout: Layout) -> str:
     return "{" + str(layout) + "}"
 
 
-def traffic(program: Program, zero: int = 0, deferred: tuple[str, ...] = ()) -> list[Traffic]:
-    """This rank's collectives per training step: explain's rows (shard/plan/explain.py)."""
+def traffic(program: Program, zero: int = 0,
+            deferred: tuple[str, ...] = ()) -> list[Traffic]:
+    """This rank's collectives per training step: explain's rows
+    (shard/plan/analysis/explain.py)."""
     return estimate(program, zero=zero, deferred=deferred).traffic
 
 

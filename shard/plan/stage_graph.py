@@ -111,7 +111,7 @@ class StageGraph:
     def format(self, programs: bool = True, zero: int = 0) -> str:
         """The text `soapstone show` prints: stages, edges with bytes, then each program (its
         collective totals for one microbatch of that stage under ZeRO `zero`)."""
-        from soapstone.shard.plan.explain import format_bytes
+        from soapstone.shard.plan.analysis.explain import format_bytes
         from soapstone.shard.plan.program_text import format_program
 
         inner = [(a, n) for a, n in self.mesh if a != self.axis]

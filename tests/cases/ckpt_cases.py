@@ -30,12 +30,12 @@ from mpirun import ranks  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
-from soapstone.dsl.stages import lower_graph, lower_pipeline  # noqa: E402
+from soapstone.dsl.compile.stages import lower_graph, lower_pipeline  # noqa: E402
 from soapstone.shard.checkpoint import resume, save  # noqa: E402
 from soapstone.shard.checkpoint.holdings import holdings  # noqa: E402
-from soapstone.shard.data import SyntheticTask  # noqa: E402
-from soapstone.shard.plan.checkpoint_size import checkpoint_bytes  # noqa: E402
-from soapstone.shard.train import Trainer  # noqa: E402
+from soapstone.shard.data.tasks import SyntheticTask  # noqa: E402
+from soapstone.shard.plan.analysis.checkpoint_size import checkpoint_bytes  # noqa: E402
+from soapstone.shard.train.trainer import Trainer  # noqa: E402
 
 W = init("mpi")
 

@@ -16,7 +16,7 @@ import os
 import time
 
 import soapstone.dsl
-from soapstone.comm import watchdog
+from soapstone.comm.observe import watchdog
 
 MODE = os.environ.get("SOAPSTONE_TEST_HANG", "")
 DEADLINE_S = float(os.environ.get("SOAPSTONE_TEST_DEADLINE", "3"))

@@ -23,10 +23,10 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl import hf
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.data import make_task
-from soapstone.shard.train import Trainer
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.dsl.interop import hf
+from soapstone.shard.data.tasks import make_task
+from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 W = init("mpi")

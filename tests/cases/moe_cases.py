@@ -23,10 +23,10 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden, record_golden
-from soapstone.shard.data import SyntheticTask
-from soapstone.shard.train import Trainer
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_cases import _measure  # noqa: E402  (the explain cases' step measurement)

@@ -21,10 +21,10 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.lower import lower
-from soapstone.shard.data import random_inputs
-from soapstone.shard.optim import build_optimizer
-from soapstone.shard.runtime import ShardedModel
+from soapstone.dsl.compile.lower import lower
+from soapstone.shard.data.tasks import random_inputs
+from soapstone.shard.runtime.sharded_model import ShardedModel
+from soapstone.shard.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 W = init("mpi")

@@ -10,7 +10,7 @@ alone (one tag). What it proves, with the ahead mode's own checks:
   pp2 1F1B, pp2 interleaved (2 chunks), pp2 zb1p, and at 4 ranks pp2 x dp2 (1F1B) and
   pp2 x tp2 (zb1p);
 - grouped equals ahead bitwise (losses, gradients, parameters after AdamW steps, infer), and
-  each communicator's flight recorder holds the calls shard/plan/sequence.py lists for the
+  each communicator's flight recorder holds the calls shard/plan/verify/sequence.py lists for the
   grouped order (run_cases._measure_pipeline), with explain's bytes.
 """
 
@@ -30,11 +30,11 @@ from run_cases import W, _measure_pipeline  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh  # noqa: E402
-from soapstone.dsl.lower import lower  # noqa: E402
-from soapstone.dsl.stages import lower_pipeline  # noqa: E402
+from soapstone.dsl.compile.lower import lower  # noqa: E402
+from soapstone.dsl.compile.stages import lower_pipeline  # noqa: E402
 from soapstone.dsl.testing import assert_matches_golden  # noqa: E402
-from soapstone.shard.data import random_inputs  # noqa: E402
-from soapstone.shard.executor import Executor, p2p_mode  # noqa: E402
+from soapstone.shard.data.tasks import random_inputs  # noqa: E402
+from soapstone.shard.runtime.executor import Executor, p2p_mode  # noqa: E402
 
 PIPE = str(ROOT / "tests/specs/pipe_layouts.par")
 ZB = str(ROOT / "tests/specs/zb_layouts.par")
@@ -86,7 +86,7 @@ def consume_main() -> None:
     """The control: pp2inter grouped as `consume` (receives at their consumer), which the
     simulator proves deadlocks on NCCL (tests/test_p2p_groups.py). With synchronous sends the
     MPI run must hang the same way; the watchdog (SOAPSTONE_COLLECTIVE_TIMEOUT) ends it."""
-    from soapstone.shard.plan import p2p_proof
+    from soapstone.shard.plan.verify import p2p_proof
 
     p2p_proof.choose = lambda sched: "consume"
     spec = dsl.load(PIPE)

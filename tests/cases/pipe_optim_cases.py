@@ -25,11 +25,11 @@ from mpirun import ranks  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
-from soapstone.dsl.lower import lower  # noqa: E402
-from soapstone.dsl.stages import lower_pipeline, resolve_ties  # noqa: E402
-from soapstone.shard.data import random_inputs  # noqa: E402
-from soapstone.shard.executor import Executor  # noqa: E402
-from soapstone.shard.runtime import ShardedModel  # noqa: E402
+from soapstone.dsl.compile.lower import lower  # noqa: E402
+from soapstone.dsl.compile.stages import lower_pipeline, resolve_ties  # noqa: E402
+from soapstone.shard.data.tasks import random_inputs  # noqa: E402
+from soapstone.shard.runtime.executor import Executor  # noqa: E402
+from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
 
 W = init("mpi")
 SEED, STEPS, RTOL, LR, CLIP = 7, 4, 1e-5, 1e-3, 0.5

@@ -5,7 +5,7 @@ tests/specs/pipe_zero_layouts.par (2-stage 1F1B x data parallel 2):
   record (tests/golden/runs/gpt.npz);
 - explain vs counters (run_cases._measure_pipeline; ZeRO-3 with recompute too): every rank's
   communicator counters over one step equal explain's figures for its pipe rank, each flight
-  recorder holds the plan's calls in order (shard/plan/sequence.py), and param/grad/optimizer
+  recorder holds the plan's calls in order (shard/plan/verify/sequence.py), and param/grad/optimizer
   memory is within 10%;
 - tied weights (tests/specs/pipe_zero_tied.par, gpt2.par's head tied to its embedding): both,
   against gpt2.par's record.

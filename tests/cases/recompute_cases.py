@@ -7,7 +7,7 @@
   (whose buckets the second run of a range gathers again), the bytes each
   communicator's `stats` record over one step equal explain's figures, its "recompute" rows
   (the forward's collectives that backward runs again) included, and each flight recorder holds
-  the calls of the plan (shard/plan/sequence.py) in its order.
+  the calls of the plan (shard/plan/verify/sequence.py) in its order.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,8 +46,8 @@ def case_recompute_explain_matches_counters():
 def train_twice(layout: str, mesh=None, spec: str = SPEC) -> tuple[list[float], dict]:
     """Two SGD steps of `layout` of `spec` (here: of the drop model, dropout in every block):
     the losses and the full parameters after them."""
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import Executor
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.executor import Executor
 
     spec = dsl.load(spec)
     par = spec.parallel(layout)
@@ -77,8 +77,8 @@ def case_recompute_under_zero3_gathers_no_more():
     where a kernel's saved weight is unpacked."""
     import attrs
 
-    from soapstone.shard.data import make_task
-    from soapstone.shard.executor import Executor
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.runtime.executor import Executor
 
     spec = dsl.load(SPEC)
     par = spec.parallel("rc_zero3")

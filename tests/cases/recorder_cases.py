@@ -7,7 +7,7 @@ import torch
 from mpirun import ranks
 
 from soapstone.comm import Mesh, init
-from soapstone.comm import watchdog as wd
+from soapstone.comm.observe import watchdog as wd
 
 W = init("mpi")
 R, N = W.rank, W.size

@@ -7,8 +7,8 @@
   collective (calls and bytes; for pipelines bytes), ZeRO 2/3 layouts of
   tests/specs/zero_layouts.par included, and its param/grad/optimizer memory is within 10% of
   the measured tensors.
-- the expected sequence (shard/plan/sequence.py, what the static verifier proves): in the same
-  step, every communicator's flight recorder holds exactly the collectives and p2p messages
+- the expected sequence (shard/plan/verify/sequence.py, what the static verifier proves): in the
+  same step, every communicator's flight recorder holds exactly the collectives and p2p messages
   (op, shape, dtype) the plan lists for this rank, in its order.
 - golden: every example layout of this world size, pipelines included, reproduces its record
   (tests/golden/runs/<spec>.npz) through `soapstone.dsl.testing.assert_matches_golden`.
@@ -23,12 +23,12 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.stages import lower_graph
+from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.testing import assert_matches_golden
-from soapstone.shard.data import SyntheticTask
-from soapstone.shard.plan.explain import estimate
-from soapstone.shard.plan.sequence import expected_by_comm, rank_sequence
-from soapstone.shard.train import Trainer
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.plan.analysis.explain import estimate
+from soapstone.shard.plan.verify.sequence import expected_by_comm, rank_sequence
+from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 W = init("mpi")
@@ -95,7 +95,7 @@ def _assert_sequence(graph, marks: dict, layout: str, p2p: str = "ahead") -> Non
 
 
 def _measure(spec: str, layout: str, optimizer: str) -> None:
-    from soapstone.shard.memory import memory_report
+    from soapstone.shard.runtime.memory import memory_report
 
     s = _spec(spec)
     par = s.parallel(layout)
@@ -139,7 +139,7 @@ def _measure(spec: str, layout: str, optimizer: str) -> None:
 def _routed_bytes(model, program, predicted: dict) -> None:
     """Replace explain's expected alltoallv bytes (at the capacity bound) by what the step's
     routing sent: per moe op, its dispatch and combine rows off this rank, each moved once
-    forward, once back in backward and, in a recomputed range, once more forward (shard/moe.py
+    forward, once back in backward and, in a recomputed range, once more forward (shard/ops/moe.py
     records them)."""
     routed = getattr(model.ctx, "moe", {})
     again = {i for a, b in program.recompute for i in range(a, b)}
@@ -160,10 +160,10 @@ def _measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     explain's figures for its pipe rank (p2p sends, pipe-axis allreduces and each stage's
     collectives x microbatches), and its param/grad/optimizer memory is within 10% of the
     tensors its stages hold."""
-    from soapstone.dsl.build import single_program
-    from soapstone.shard.data import make_task
-    from soapstone.shard.memory import memory_report
-    from soapstone.shard.plan.explain import estimate_pipeline
+    from soapstone.dsl.app.build import single_program
+    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.plan.analysis.explain import estimate_pipeline
+    from soapstone.shard.runtime.memory import memory_report
 
     s = dsl.load(path)
     par = s.parallel(layout)
@@ -213,7 +213,7 @@ BRANCH_LAYOUTS = {2: ("gated_br2",), 4: ("br2tp2",)}
 ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 1-3: per-bucket scatters and gathers
 ZERO_LAYOUTS = {2: ("dp2z1", "dp2z2", "dp2z3"), 4: ("dp2tp2z3",)}
 # every distributed form (layernorm, rmsnorm, softmax, cross-entropy split over the dim they
-# reduce): the statistics allreduces shard/ops.py runs are the ones program.DIST_STATS lists
+# reduce): the statistics allreduces shard/ops/kernels.py runs are the ones program.DIST_STATS lists
 OPS_SPEC = "tests/specs/ops_layouts.par"
 OPS_LAYOUTS = {2: ("hid2", "cls2"), 4: ("dp2hid2",)}
 # gradient accumulation: a one-stage graph's microbatches (ZeRO 2 scatters each one)

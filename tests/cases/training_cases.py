@@ -24,12 +24,12 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh, init
-from soapstone.dsl.build import single_program
-from soapstone.dsl.stages import lower_graph
-from soapstone.shard.data import SyntheticTask
-from soapstone.shard.executor import Executor
-from soapstone.shard.token_memmap import TokenMemmap
-from soapstone.shard.train import Trainer
+from soapstone.dsl.app.build import single_program
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.data.token_memmap import TokenMemmap
+from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 W = init("mpi")

@@ -8,7 +8,7 @@ tests/specs/zb_layouts.par:
   same tensors as one backward), and the traced step holds one W per microbatch and stage;
 - explain vs counters (run_cases._measure_pipeline): every rank's communicator counters over
   a step equal explain's figures, and each flight recorder holds the plan's calls in the
-  order shard/plan/sequence.py gives for zb1p (B's collectives, then W's with the buckets).
+  order shard/plan/verify/sequence.py gives for zb1p (B's collectives, then W's with the buckets).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from mpirun import ranks
 
 from soapstone import dsl
 from soapstone.comm import Mesh
-from soapstone.dsl import ir
-from soapstone.dsl.lower import lower
-from soapstone.dsl.stages import lower_pipeline
+from soapstone.dsl.compile.lower import lower
+from soapstone.dsl.compile.stages import lower_pipeline
+from soapstone.dsl.model import ir
 from soapstone.dsl.testing import assert_matches_golden
-from soapstone.shard.data import random_inputs
-from soapstone.shard.executor import Executor
+from soapstone.shard.data.tasks import random_inputs
+from soapstone.shard.runtime.executor import Executor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_cases import W, _measure_pipeline  # noqa: E402  (the explain cases' measurement)

@@ -1,0 +1,1 @@
+"""Communicator backends: MPI (CPU) and NCCL (GPU)."""

@@ -1,0 +1,162 @@
+"""MPICommunicator: the Communicator over mpi4py on torch CPU tensors.
+
+Zero-copy: every MPI call gets `[MPI.buffer.fromaddress(t.data_ptr(), nbytes), count, type]`,
+a view of the tensor's own memory (no numpy conversion, no pickling). The only copies are the
+ones the layout math needs: gathering or scattering along a dim that is not outermost
+(the ranks' chunks are then not contiguous in memory, so they are rearranged once). With
+`out=`, allgather / reduce_scatter / alltoall in the flat layout receive straight into `out`.
+Nonblocking variants use MPI's I-collectives so that communication overlaps compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from mpi4py import MPI
+
+from soapstone.comm.communicator import (
+    Communicator,
+    Work,
+    chunks_first,
+    concat_from_first,
+    concat_into,
+    flat_view,
+    gather_layout,
+)
+from soapstone.comm.dtypes import SUPPORTED, mpi_op, mpi_type
+from soapstone.comm.p2p import GroupedP2P
+
+_fromaddress = MPI.buffer.fromaddress
+_TYPES = {d: mpi_type(d) for d in SUPPORTED}  # datatypes looked up once, not per call
+
+
+def _spec(t: torch.Tensor) -> list:
+    """The MPI buffer spec of a contiguous CPU tensor's own memory. No count: mpi4py derives
+    it from the byte length (and divides by the size for the per-rank sides of allgather,
+    alltoall and reduce_scatter_block)."""
+    return [_fromaddress(t.data_ptr(), t.nbytes), _TYPES[t.dtype]]  # nbytes: one torch call
+
+
+def _waiter(reqs):
+    if isinstance(reqs, MPI.Request):
+        return reqs.Wait
+    return lambda: MPI.Request.Waitall(reqs)
+
+
+class MPICommunicator(GroupedP2P, Communicator):
+    """Collectives over an mpi4py communicator (default: MPI.COMM_WORLD) on CPU tensors."""
+
+    device_type = "cpu"
+    _synchronous = False  # isend as Issend (inside batch_p2p(..., synchronous=True))
+
+    def __init__(self, mpi_comm: MPI.Comm | None = None):
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+
+    def _run(self, blocking, nonblocking, args, result, async_op, finish=None, keep=None):
+        # One place that chooses the blocking or the I-variant, so each op is written once.
+        if async_op:
+            return Work(_waiter(nonblocking(*args)), result, finish, keep=(args, keep))
+        blocking(*args)
+        return finish() if finish is not None else result
+
+    def _allreduce(self, t, op, async_op):
+        c = self.mpi
+        finish = (lambda: t.div_(self.size)) if op == "avg" else None
+        args = (MPI.IN_PLACE, _spec(t), mpi_op(t.dtype, op))
+        return self._run(c.Allreduce, c.Iallreduce, args, t, async_op, finish, keep=t)
+
+    def _reduce_scatter(self, t, dim, async_op, out=None):
+        c = self.mpi
+        src = chunks_first(t, dim, self.size)  # t itself when the chunks are contiguous
+        if out is None:  # this rank's chunk is always contiguous: `out` is written directly
+            out_shape = list(t.shape)
+            out_shape[dim] //= self.size
+            out = torch.empty(out_shape, dtype=t.dtype)
+        args = (_spec(src), _spec(out), mpi_op(t.dtype, "sum"))
+        return self._run(
+            c.Reduce_scatter_block, c.Ireduce_scatter_block, args, out, async_op, keep=src
+        )
+
+    def _allgather(self, t, dim, async_op, out=None):
+        c = self.mpi
+        out_shape, flat = gather_layout(t, dim, self.size)
+        if flat:  # zero-copy: MPI gathers straight into `out`
+            if out is None:
+                out = torch.empty(out_shape, dtype=t.dtype)
+            return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(out)), out, async_op,
+                             keep=t)
+        buf = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        finish = ((lambda: concat_from_first(buf, dim)) if out is None
+                  else (lambda: concat_into(buf, dim, out)))
+        return self._run(c.Allgather, c.Iallgather, (_spec(t), _spec(buf)), None, async_op,
+                         finish=finish, keep=(t, buf, out))
+
+    def _broadcast(self, t, src, async_op):
+        c = self.mpi
+        return self._run(c.Bcast, c.Ibcast, (_spec(t), src), t, async_op, keep=t)
+
+    def _alltoall(self, t, split_dim, concat_dim, async_op, out=None):
+        c = self.mpi
+        send = chunks_first(t, split_dim, self.size)
+        direct = None if out is None else flat_view(out, concat_dim, self.size)
+        if direct is not None:  # zero-copy: MPI receives straight into `out`
+            return self._run(c.Alltoall, c.Ialltoall, (_spec(send), _spec(direct)), out,
+                             async_op, keep=(send, out))
+        recv = torch.empty_like(send)
+        finish = ((lambda: concat_from_first(recv, concat_dim)) if out is None
+                  else (lambda: concat_into(recv, concat_dim, out)))
+        return self._run(c.Alltoall, c.Ialltoall, (_spec(send), _spec(recv)), None, async_op,
+                         finish=finish, keep=(send, recv, out))
+
+    def _alltoallv(self, t, send_sizes, recv_sizes, dim, async_op):
+        c = self.mpi
+        # MPI splits flat memory: put `dim` outermost so each rank's rows are contiguous.
+        send = t.movedim(dim, 0).contiguous() if dim else t
+        row_shape = list(send.shape[1:])
+        row = math.prod(row_shape)
+        recv = torch.empty([sum(recv_sizes), *row_shape], dtype=t.dtype)
+        typ = _TYPES[t.dtype]
+        sc = [s * row for s in send_sizes]
+        rc = [s * row for s in recv_sizes]
+        sbuf = _fromaddress(send.data_ptr(), send.nbytes)
+        rbuf = _fromaddress(recv.data_ptr(), recv.nbytes)
+        args = ([sbuf, (sc, _displs(sc)), typ], [rbuf, (rc, _displs(rc)), typ])
+        finish = (lambda: recv.movedim(0, dim).contiguous()) if dim else None
+        return self._run(c.Alltoallv, c.Ialltoallv, args, recv, async_op, finish,
+                         keep=(send, recv))
+
+    @contextlib.contextmanager
+    def _p2p_group(self, synchronous: bool):
+        """batch_p2p's bracket: MPI needs no group; synchronous sends for its duration."""
+        self._synchronous = synchronous
+        try:
+            yield
+        finally:
+            self._synchronous = False
+
+    def _send(self, t, dst, tag, async_op):
+        if async_op:
+            post = self.mpi.Issend if self._synchronous else self.mpi.Isend
+            return Work(post(_spec(t), dst, tag).Wait, None, keep=t)
+        self.mpi.Send(_spec(t), dst, tag)
+        return None
+
+    def _recv(self, t, src, tag, async_op):
+        if async_op:
+            return Work(self.mpi.Irecv(_spec(t), src, tag).Wait, t, keep=t)
+        self.mpi.Recv(_spec(t), src, tag)
+        return t
+
+    def _barrier(self):
+        self.mpi.Barrier()
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

@@ -1,0 +1,1 @@
+"""Watching the collectives: flight recorder, watchdog, diagnosis, argument checks."""

@@ -1,0 +1,640 @@
+"""The collective watchdog: deadlines on every comm op, dumps of every rank, reports that arrive.
+
+One daemon thread per process, started by `soapstone.comm.init()` (which every rank calls), does
+four things, waking every `poll_s` seconds (and at once on a signal):
+
+- Deadlines. The flight recorder (flight_recorder.py) marks the entry the main thread is blocked
+  in (a blocking collective or p2p call, or a Work's wait()); with recording off
+  (SOAPSTONE_FLIGHT_RECORDER=0) this thread finds that call on the main thread's stack instead
+  (sample_blocked: nothing on the hot path, the deadline good to one poll). When one has been
+  blocked longer
+  than SOAPSTONE_COLLECTIVE_TIMEOUT seconds (default 600; 0 disables; `run --collective-timeout`)
+  this rank reports: it asks every rank for its status over a side channel, prints one report
+  (the op, the communicator's mesh axis and world ranks, the sequence number, the ranks that did
+  not arrive, what they are doing and where their stacks are), and ends the job with MPI Abort.
+  NCCL ops are enqueued, not blocking: their CUDA events are polled here, the same deadline.
+- The side channel: a duplicate of MPI.COMM_WORLD, used only by this thread (and the failure
+  handler), tags NOTICE and REPLY. Blocking MPI calls in the main thread and probes here need
+  MPI_THREAD_MULTIPLE, which mpi4py requests by default (start() checks it; with less, no
+  watchdog runs and failures abort as before, without the other ranks' dumps). A rank that gets
+  a notice dumps its flight recorder and answers with its status. When several ranks time out
+  together, the lowest-numbered one reports; the others answer it and wait for its Abort.
+- Dumps: on a timeout, an uncaught exception (failure.py) or SIGUSR1 (to any rank, or to
+  mpiexec, which forwards it), a rank writes its flight recorders and Python stacks (faulthandler,
+  all threads) to `SOAPSTONE_TRACE_DIR/rank<R>.json` (or `run --debug-dir`) and a short form to
+  stderr. `soapstone debug hang DIR` reads them (diagnose.py).
+- Signals: with `exit_on_signals()` (the run command), SIGTERM/SIGINT end every rank promptly,
+  rank 0 printing one line, even when a rank is blocked inside MPI where Python signal handlers
+  cannot run (signal.set_wakeup_fd wakes this thread).
+
+Output that arrives: before Abort, a reporting rank flushes stdout/stderr and waits (bounded)
+until the launcher has read its pipes (FIONREAD on the pipe reaches 0), so the report is not lost
+when mpiexec tears the job down. The other ranks answer a notice only after the same drain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import fcntl
+import json
+import math
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import termios
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from soapstone.comm.errors import UserError
+from soapstone.comm.observe import expected
+from soapstone.comm.observe.diagnose import (
+    comm_views,
+    divergences,
+    doing,
+    missing_ranks,
+    stack_tail,
+)
+from soapstone.comm.observe.flight_recorder import (
+    STARTED,
+    T_START,
+    T_WAIT,
+    WAITING,
+    describe,
+    entry_text,
+    live_recorders,
+)
+
+DEFAULT_TIMEOUT_S = 600.0
+TAG_NOTICE, TAG_REPLY = 30571, 30572
+EXIT_CODE = 1  # the job's exit code after a watchdog or failure Abort
+DRAIN_S = 5.0  # at most this long for the launcher to read our stdout/stderr before Abort
+GATHER_S = 5.0  # at most this long for the other ranks' statuses
+
+
+class WatchdogError(UserError):
+    """A bad watchdog setting (timeout, trace directory)."""
+
+
+def check_timeout(value, source: str = "SOAPSTONE_COLLECTIVE_TIMEOUT") -> float:
+    """A collective timeout in seconds: a finite number >= 0 (0 disables), else WatchdogError."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (v >= 0 and math.isfinite(v)):
+        raise WatchdogError(
+            f"{source}={value!r} must be a number of seconds >= 0 (0 disables the collective "
+            f"watchdog; default {DEFAULT_TIMEOUT_S:g})")
+    return v
+
+
+def timeout_from_env() -> float:
+    """SOAPSTONE_COLLECTIVE_TIMEOUT (seconds; default 600; 0 disables)."""
+    text = os.environ.get("SOAPSTONE_COLLECTIVE_TIMEOUT", "").strip()
+    return DEFAULT_TIMEOUT_S if not text else check_timeout(text)
+
+
+def check_trace_dir(value, source: str = "SOAPSTONE_TRACE_DIR") -> str:
+    """A directory for dumps: created if missing; WatchdogError if it cannot be."""
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WatchdogError(f"{source}={str(value)!r}: cannot create the directory ({e.strerror});"
+                            " pick a writable path") from None
+    if not os.access(path, os.W_OK):
+        raise WatchdogError(f"{source}={str(value)!r} is not writable; pick a writable path")
+    return str(path)
+
+
+def trace_dir_from_env() -> str | None:
+    """SOAPSTONE_TRACE_DIR, or None (dumps go to stderr only)."""
+    text = os.environ.get("SOAPSTONE_TRACE_DIR", "").strip()
+    return check_trace_dir(text) if text else None
+
+
+_dog: Watchdog | None = None
+
+
+def get() -> Watchdog | None:
+    """The running watchdog of this process (None before init() or without MPI threads)."""
+    return _dog
+
+
+def start(world_mpi) -> Watchdog | None:
+    """Start this process's watchdog over the ranks of `world_mpi` (MPI.COMM_WORLD); collective
+    (every rank calls it, from init()). None when MPI is not thread-multiple."""
+    global _dog
+    from mpi4py import MPI
+
+    from soapstone.comm.observe.flight_recorder import capacity_from_env
+
+    timeout, trace_dir = timeout_from_env(), trace_dir_from_env()  # bad values: before any MPI
+    if _dog is not None:
+        return _dog
+    capacity_from_env()
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return None
+    _dog = Watchdog(world_mpi.Dup(), timeout, trace_dir)
+    return _dog
+
+
+def configure(timeout: float | None = None, trace_dir: str | None = None) -> None:
+    """Change the running watchdog's timeout (seconds; 0 disables) or dump directory (the run
+    command's --collective-timeout and --debug-dir); a no-op without a watchdog."""
+    if timeout is not None:
+        timeout = check_timeout(timeout, "--collective-timeout")
+    if trace_dir is not None:
+        trace_dir = check_trace_dir(trace_dir, "--debug-dir")
+    if _dog is not None:
+        if timeout is not None:
+            _dog.timeout = timeout
+        if trace_dir is not None:
+            _dog.trace_dir = trace_dir
+
+
+# -- this process's state ----------------------------------------------------------------------
+_COMM_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def main_stack() -> list[str]:
+    """The main thread's Python stack as traceback lines (outermost first), without the frames
+    inside soapstone.comm below the first (the call the program made; faulthandler's stacks
+    in the dump file have every frame)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    frames = traceback.extract_stack(frame)
+    while len(frames) > 1 and all(f.filename.startswith(_COMM_DIR) for f in frames[-2:]):
+        frames.pop()
+    if frames and frames[-1].filename.startswith(_COMM_DIR) and len(frames) > 1 and \
+            frames[-1].name in ("abort_on_exception", "_on_signals"):
+        frames.pop()  # the failure handler or the watchdog itself: not where the program is
+    return "".join(traceback.format_list(frames)).rstrip("\n").split("\n")
+
+
+def all_stacks() -> str:
+    """faulthandler's dump of every thread's stack (the text it writes to a file)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def status(reason: str, entries: bool = True) -> dict:
+    """This process's state for a dump or a reply (see diagnose.py for the format)."""
+    from mpi4py import MPI
+
+    now = time.monotonic()
+    sample_blocked(now)
+    comms, active, last_end = [], None, 0.0
+    for rec in live_recorders():
+        comms.append(rec.snapshot(now, entries))
+        e = rec.blocked()
+        if e is not None:
+            active = {"key": rec.key, **describe(e, now)}
+        last_end = max(last_end, rec.last_activity())
+    return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
+            "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
+            "time": time.time(), "active": active,
+            "idle_s": round(now - last_end, 3) if last_end else None,
+            "comms": comms, "main_stack": main_stack(),
+            "expected": expected.positions(comms, active)}  # the layout's plan, if handed one
+
+
+def drain_stdio(deadline_s: float = DRAIN_S) -> None:
+    """Flush stdout/stderr and wait (at most `deadline_s`) until whoever reads them as pipes
+    (mpiexec's proxy) has read everything: what is still in a pipe when the job is killed is
+    lost."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    end = time.monotonic() + deadline_s
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < end:
+                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+                if unread <= 0:
+                    break
+                time.sleep(0.005)
+        except OSError:
+            continue
+
+
+def _say(rank: int, lines, stream=None) -> None:
+    stream = stream or sys.stderr
+    with contextlib.suppress(Exception):
+        stream.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        stream.flush()
+
+
+def dump_lines(st: dict, limit: int = 4) -> list[str]:
+    """The short stderr form of a dump: what the rank is doing, its newest ops, its stack."""
+    lines = [f"flight recorder ({st['reason']}): {doing(st)}"]
+    newest = []
+    for snap in st["comms"]:
+        for e in snap.get("entries", ())[-limit:]:
+            newest.append((-e["started_s_ago"], snap["key"], e))
+    newest.sort(key=lambda x: x[0])
+    for _, key, e in newest[-limit:]:
+        lines.append("  " + entry_text(e, key))
+    lines.append("  main thread, innermost frames:")
+    lines.extend("  " + s for s in stack_tail(st, 4))
+    return lines
+
+
+def write_dump(st: dict, trace_dir: str | None) -> str | None:
+    """Write `st` (plus every thread's stack) to trace_dir/rank<R>.json; return the path."""
+    if not trace_dir:
+        return None
+    st = dict(st, stacks=all_stacks())
+    path = Path(trace_dir, f"rank{st['rank']}.json")
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(st, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        _say(st["rank"], [f"cannot write the dump {path}: {e}"])
+        return None
+    return str(path)
+
+
+# -- communicators that do not record: where the main thread is, from its stack -------------
+_sample: dict = {"frame": None, "rec": None}
+_codes: dict = {}
+
+
+def _blocking_codes() -> dict:
+    """The code objects of the comm calls a main thread can be found blocked in."""
+    if not _codes:
+        from soapstone.comm.communicator import Communicator, Work
+
+        for name in ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
+                     "alltoallv", "barrier", "_p2p"):
+            _codes[getattr(Communicator, name).__code__] = name
+        _codes[Work.wait.__code__] = "wait"
+    return _codes
+
+
+def sample_blocked(now: float) -> None:
+    """For communicators that do not record (SOAPSTONE_FLIGHT_RECORDER=0): find the comm call
+    the main thread is in from its stack and keep it as that recorder's `sampled` entry,
+    started when this call was first seen (the same frame object seen again is the same call,
+    still blocked). This costs the hot path nothing; the deadline is then good to a poll."""
+    codes = _blocking_codes()
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    found = None
+    for _ in range(64):
+        if frame is None:
+            break
+        name = codes.get(frame.f_code)
+        if name is not None:
+            found = _sampled_call(frame, name)
+            break
+        frame = frame.f_back
+    prev = _sample["rec"]
+    if found is None or found[0] is not prev or frame is not _sample["frame"]:
+        if prev is not None:
+            prev.sampled = None
+        _sample["frame"], _sample["rec"] = None, None
+        if found is None:
+            return
+        rec, entry = found
+        rec.sampled = entry
+        entry[T_START] = now
+        _sample["frame"], _sample["rec"] = frame, rec
+
+
+def _sampled_call(frame, name: str):
+    """(recorder, entry) for a comm call found on the stack, or None when it is recorded (the
+    recorder watches it) or cannot be attributed."""
+    import torch
+
+    local = frame.f_locals
+    obj = local.get("self")
+    if name == "wait":
+        info = getattr(obj, "_entry", None)
+        if getattr(obj, "_rec", None) is not None or not isinstance(info, tuple):
+            return None
+        comm, op, t, peer = info
+    else:
+        comm = obj
+        flight = getattr(comm, "flight", None)
+        if flight is None or flight.recording:
+            return None
+        op = local.get("op", name) if name == "_p2p" else name
+        t, peer = local.get("t"), local.get("peer", -1)
+    if not isinstance(t, torch.Tensor):
+        t = torch.empty(0)
+    coll, p2p = comm.flight.counts()
+    entry = [coll if peer < 0 else p2p, op, t.shape, t.dtype, t.numel() * t.element_size(),
+             peer, 0.0, 0.0, 0.0, WAITING if name == "wait" else STARTED]
+    return comm.flight, entry
+
+
+# -- the watchdog ------------------------------------------------------------------------------
+class Watchdog:
+    """The per-process watchdog thread over the side channel `side` (see the module doc)."""
+
+    def __init__(self, side, timeout: float, trace_dir: str | None):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.side = side
+        self.rank, self.size = side.Get_rank(), side.Get_size()
+        self.timeout = timeout
+        self.trace_dir = trace_dir
+        self.reporter: int | None = None  # the rank ending the job (this one or another)
+        self.ending = False  # a timeout or failure is being reported: no new reports
+        self._yielded = False  # a lower rank reports the same timeout: stop gathering
+        self._dumped = False
+        self._notified_at = 0.0
+        self._summary_printed = False
+        self._sends: list = []
+        self._stop = False
+        self._signal_exit: str | None = None  # exit_on_signals(): what to call the program
+        self._deferred = False  # defer_signals(): the first SIGTERM/SIGINT only sets stop_signal
+        self.stop_signal = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._install_signals()
+        self._thread = threading.Thread(target=self._loop, name="soapstone-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before mpi4py's MPI_Finalize (atexit runs LIFO)
+
+    @property
+    def poll_s(self) -> float:
+        """How often the thread wakes: a tenth of the timeout, between 0.05 and 1 s."""
+        return 1.0 if not self.timeout else min(1.0, max(0.05, self.timeout / 10))
+
+    def stop(self) -> None:
+        """End the thread (at exit, before MPI is finalized)."""
+        self._stop = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    # -- signals -------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGUSR1, _ignore)  # the C handler still writes to the wakeup fd
+
+    def exit_on_signals(self, program: str) -> None:
+        """SIGTERM/SIGINT end this rank promptly (exit 128+signal, rank 0 printing one line
+        `{program}: stopped by SIGTERM ...`), also while it is blocked in MPI. Main thread."""
+        self._signal_exit = program
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _ignore)  # handled by the watchdog thread, via the wakeup fd
+
+    def defer_signals(self) -> None:
+        """After exit_on_signals: the first SIGTERM/SIGINT only sets `stop_signal`, so the
+        program can stop at a point of its choosing (run saves a checkpoint); a second one
+        exits at once, as before."""
+        self._deferred = True
+
+    def _on_signals(self, data: bytes) -> None:
+        for signum in data:
+            if signum == signal.SIGUSR1:
+                st = status("SIGUSR1")
+                path = write_dump(st, self.trace_dir)
+                _say(self.rank, dump_lines(st) + ([f"  dump: {path}"] if path else []))
+            elif signum in (signal.SIGTERM, signal.SIGINT) and self._signal_exit:
+                name = signal.Signals(signum).name
+                if self._deferred and not self.stop_signal:
+                    self.stop_signal = signum
+                    if self.rank == 0:
+                        print(f"{self._signal_exit}: {name}: stopping after this step (a "
+                              "second signal stops at once)", file=sys.stderr, flush=True)
+                    continue
+                if self.rank == 0:
+                    print(f"{self._signal_exit}: stopped by {name}; every rank exits",
+                          file=sys.stderr, flush=True)
+                drain_stdio(1.0)
+                os._exit(128 + signum)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        broken = False
+        while not self._stop:
+            try:
+                ready = select.select([self._wake_r], [], [], self.poll_s)[0]
+                if self._stop:
+                    break
+                if ready:
+                    with contextlib.suppress(BlockingIOError):
+                        self._on_signals(os.read(self._wake_r, 64))
+                self._serve()
+                if self.reporter != self.rank:
+                    self._check(time.monotonic())
+                self._sends = [r for r in self._sends if not r.Test()]
+            except Exception:  # never let the watchdog itself take the job down
+                if not broken:
+                    broken = True
+                    _say(self.rank, ["soapstone watchdog: internal error (watching stops):"]
+                         + traceback.format_exc().rstrip().split("\n"))
+                time.sleep(self.poll_s)
+
+    def _check(self, now: float) -> None:
+        """Complete NCCL entries whose event fired; expire an op past the deadline."""
+        sample_blocked(now)
+        for rec in live_recorders():
+            if rec.pending:
+                self._poll_events(rec)
+            e = rec.blocked()
+            if e is not None and self.timeout > 0:
+                waited = now - (e[T_WAIT] or e[T_START])
+                if waited > self.timeout:
+                    self._expire(rec, e, waited)
+                    return
+
+    @staticmethod
+    def _poll_events(rec) -> None:
+        """NCCL: mark DONE the enqueued entries whose CUDA event has fired (oldest first; the
+        stream runs them in order). Not exercised here: no GPU on the machines tested."""
+        pending = rec.pending
+        done = 0
+        while done < len(pending) and pending[done][1].query():
+            rec.complete(pending[done][0])
+            done += 1
+        del pending[:done]
+
+    # -- the side channel ----------------------------------------------------------------------
+    def _notify(self, kind: str, what: str) -> None:
+        msg = {"kind": kind, "rank": self.rank, "what": what}
+        for r in range(self.size):
+            if r != self.rank:
+                self._sends.append(self.side.isend(msg, r, TAG_NOTICE))
+
+    def _serve(self) -> None:
+        """Answer every notice that has arrived: dump, drain, reply with this rank's status."""
+        MPI = self._MPI
+        st = MPI.Status()
+        while self.side.iprobe(MPI.ANY_SOURCE, TAG_NOTICE, st):
+            msg = self.side.recv(source=st.Get_source(), tag=TAG_NOTICE)
+            self._on_notice(msg)
+
+    def _on_notice(self, msg: dict) -> None:
+        src = msg["rank"]
+        if self.reporter is None:
+            self.reporter = src
+        elif self.reporter == self.rank and src < self.rank and msg["kind"] == "timeout":
+            self.reporter, self._yielded = src, True  # a lower rank reports this hang
+        self.ending = True
+        self._notified_at = time.monotonic()
+        lines = []
+        if msg["kind"] == "failure" and self.rank == 0 and not self._summary_printed:
+            self._summary_printed = True
+            lines.append(f"soapstone: rank {src} failed: {msg['what']}; aborting the job")
+        reason = f"{msg['kind']} on rank {src}"
+        st = status(reason, entries=not self._dumped)
+        if not self._dumped:  # one line here; the reporter prints what matters, the file all
+            self._dumped = True
+            path = write_dump(st, self.trace_dir)
+            lines.append(f"flight recorder ({reason}): {doing(st)}"
+                         + (f"; dump: {path}" if path else ""))
+        _say(self.rank, lines)
+        drain_stdio(2.0)
+        for snap in st["comms"]:
+            snap.pop("entries", None)
+        self._sends.append(self.side.isend(st, src, TAG_REPLY))
+
+    def _gather(self, wait_s: float, serve: bool) -> dict[int, dict]:
+        """The statuses that other ranks send back within `wait_s` (all of them, usually)."""
+        MPI = self._MPI
+        replies: dict[int, dict] = {}
+        st = MPI.Status()
+        end = time.monotonic() + wait_s
+        while len(replies) < self.size - 1 and time.monotonic() < end:
+            while self.side.iprobe(MPI.ANY_SOURCE, TAG_REPLY, st):
+                msg = self.side.recv(source=st.Get_source(), tag=TAG_REPLY)
+                replies[msg["rank"]] = msg
+            if serve:
+                self._serve()
+                if self._yielded:
+                    break
+            time.sleep(0.01)
+        return replies
+
+    # -- ending the job ------------------------------------------------------------------------
+    def _expire(self, rec, e: list, waited: float) -> None:
+        """This rank's op `e` on `rec`'s communicator is past the deadline: report, Abort."""
+        now = time.monotonic()
+        if self.reporter is not None and self.reporter != self.rank:
+            # another rank is reporting; report too only if it has not ended the job by now
+            if now - self._notified_at < GATHER_S + 2 * DRAIN_S + self.timeout:
+                return
+        self.reporter, self.ending = self.rank, True
+        entry = {"key": rec.key, **describe(e, now)}
+        what = entry_text(entry, rec.key)
+        self._notify("timeout", what)
+        replies = self._gather(GATHER_S, serve=True)
+        if self._yielded:
+            return  # a lower rank reports; its Abort ends this process too
+        mine = status(f"timeout on rank {self.rank}")
+        self._dumped = True
+        path = write_dump(mine, self.trace_dir)
+        statuses = {self.rank: mine, **replies}
+        lines = timeout_report(self.rank, self.timeout, waited, rec.key, entry, statuses,
+                               self.trace_dir)
+        mine_lines = [f"  rank {self.rank} (this rank): newest ops"] + dump_lines(mine)[1:]
+        lines += mine_lines + report_end(self.trace_dir)
+        _say(self.rank, lines)
+        if path:
+            with contextlib.suppress(OSError):
+                Path(self.trace_dir, "report.txt").write_text("\n".join(lines) + "\n")
+        self.abort()
+
+    def report_failure(self, summary: str) -> None:
+        """The failure handler's part (main thread, after it printed the traceback): every
+        other rank dumps and answers (bounded), rank 0 prints the one-line summary, then the
+        job is aborted."""
+        self.ending = True
+        if self.reporter is None:
+            self.reporter = self.rank
+        lines = []
+        if self.rank == 0 and not self._summary_printed:
+            self._summary_printed = True
+            lines.append(f"soapstone: rank 0 failed: {summary}; aborting the job")
+        mine = status(f"failure on rank {self.rank}: {summary}")
+        self._dumped = True
+        mine["failure"] = summary
+        path = write_dump(mine, self.trace_dir)
+        lines += dump_lines(mine)[:-1 - len(stack_tail(mine, 4))]  # the traceback is above
+        _say(self.rank, lines + ([f"  dump: {path}"] if path else []))
+        self._notify("failure", summary)
+        self._gather(GATHER_S, serve=False)
+        self.abort()
+
+    def abort(self) -> None:
+        """Let the launcher read everything printed, then MPI Abort the whole job."""
+        drain_stdio()
+        time.sleep(0.05)
+        self._MPI.COMM_WORLD.Abort(EXIT_CODE)
+
+
+def _ignore(signum, frame) -> None:
+    """A Python-level handler that does nothing: the watchdog thread acts on the signal."""
+
+
+def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: dict,
+                   statuses: dict[int, dict], trace_dir: str | None) -> list[str]:
+    """The watchdog's report for op `entry` on communicator `key` (this rank's, timed out),
+    given every rank's status, as lines."""
+    lines = [f"soapstone watchdog: collective timeout: rank {rank} waited {waited:.1f}s "
+             f"(SOAPSTONE_COLLECTIVE_TIMEOUT={timeout:g}) in "
+             + entry_text(entry, key).split(":")[0]]
+    behind, other, silent = missing_ranks(statuses, key, entry, rank)
+    if behind:
+        lines.append("  did not arrive: " + ", ".join(f"rank {r}" for r in behind))
+        for r in behind:
+            snap = comm_views(statuses).get(key, {}).get(r, {})
+            count = ("" if entry.get("kind") == "p2p" and not snap.get("recording", True) else
+                     f" it has sent {sum(snap.get('sent', []))} and posted "
+                     f"{sum(snap.get('recvd', []))} receives on {key};"
+                     if entry.get("kind") == "p2p" else
+                     f" it has started {snap.get('seq', '?')} collectives on {key};")
+            lines.append(f"    rank {r}:{count} it is {doing(statuses.get(r))}")
+    for r, e in other:
+        lines.append(f"  arrived in another op: rank {r} called {entry_text(e, key)}")
+    for r in silent:
+        lines.append(f"  no status from rank {r}: {doing(None)}")
+    plan = [line for r in sorted(statuses) for line in expected.position_lines(
+        r, statuses[r].get("expected") or {}, key, entry.get("kind"))]
+    if plan:
+        lines.append("  where the layout's plan puts each rank (calls of one step):")
+        lines.extend("    " + line for line in plan)
+    if not (behind or other or silent):
+        lines.append("  every rank of the communicator arrived (a hang inside the backend?)")
+    found = divergences(statuses, skip=key if entry.get("kind") != "p2p" else None)
+    if found:
+        lines.append("  divergences:")
+        lines.extend("    " + text for text in found[:6])
+    for r in behind + [r for r, _ in other]:
+        lines.append(f"  rank {r}'s stack, innermost frames:")
+        lines.extend("    " + s for s in stack_tail(statuses.get(r)))
+    return lines
+
+
+def report_end(trace_dir: str | None) -> list[str]:
+    """The last lines of a watchdog report: where the dumps are, and that the job ends."""
+    return [f"  per-rank dumps: {trace_dir} (read them with: soapstone debug hang {trace_dir})"
+            if trace_dir else
+            "  per-rank dumps: set SOAPSTONE_TRACE_DIR (or run --debug-dir) to keep them for "
+            "`soapstone debug hang DIR`", "  aborting the job"]

@@ -1,0 +1,1 @@
+"""The compiler: IR -> Program and StageGraph (lower, stages, sharding rules, proofs)."""

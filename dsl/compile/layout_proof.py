@@ -1,0 +1,40 @@
+"""A layout proved before launch: the static verifier (shard/plan/verify/prove.py) with the spec's
+locations, so a failure names the FILE:LINE:COL of the op whose collective or message it is.
+
+`check --verify` calls `prove_layout`; `run` and `golden check` call it too, before the fit
+check and before any mesh communicator exists (milliseconds for the examples, well under a
+second for a 64-stage pipeline: BENCHMARKS.md). `run` also hands each rank's expected calls
+to the watchdog (`expected_calls`), so a timeout report says where each rank should be.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from soapstone.shard.plan.verify.prove import Verified, representatives, verify_layout
+
+EVERY_RANK_UP_TO = 64  # worlds this large derive every rank; larger, one pipe column
+
+
+def locations(model) -> dict[str, str]:
+    """IR value name -> the spec location of the op that computes it."""
+    return {op.out: str(op.loc) for op in model.ops if op.loc is not None}
+
+
+def prove_layout(model, graph, optimizer: str = "adamw") -> Verified:
+    """Prove `graph` (a StageGraph of `model`): VerifyError (exit 2) naming both ranks, the
+    communicator, the position and each side's call with its spec location, else a summary.
+    Above EVERY_RANK_UP_TO ranks, from one rank per pipe coordinate (verify_layout says why
+    that proves the rest), so the cost grows with the pipeline, not the world."""
+    where = locations(model)
+    ranks = representatives(graph) if graph.world_size > EVERY_RANK_UP_TO else None
+    return verify_layout(graph, locate=lambda name: where.get(name, ""), optimizer=optimizer,
+                         ranks=ranks)
+
+
+def expected_calls(graph, rank: int, model=None) -> dict:
+    """World rank `rank`'s calls of one step per communicator, as the plain data the watchdog
+    takes (soapstone.comm.observe.expected.expect): comm may not import the plan."""
+    from soapstone.shard.plan.verify.sequence import expected_by_comm, rank_sequence
+
+    where = locations(model) if model is not None else {}
+    return expected_by_comm(rank_sequence(graph, rank, locate=lambda n: where.get(n, "")))

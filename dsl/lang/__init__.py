@@ -1,0 +1,1 @@
+"""The .par language: text -> syntax tree (parser, ast, spec loading, lexer, errors)."""

@@ -1,0 +1,89 @@
+"""Multi-head self-attention: projections, rope, grouped-query heads, causal mask, softmax."""
+
+from __future__ import annotations
+
+import math
+
+from soapstone.dsl.layers.positions import rope_op
+from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need_float
+
+
+@builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
+         Arg("kv_heads", "dim", None), Arg("rope", "float", 0.0), Arg("bias", "bool", True),
+         Arg("qkv_bias", "bool", False))
+def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
+    """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
+    wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
+    causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
+    kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
+    heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
+    global positions along S; bias = false drops bo; qkv_bias = true adds bq, bk, bv.
+    The primitives it emits are listed in ir.PRIMITIVES."""
+    need_float(ctx, x, "attention's input")
+    if len(x.dims) < 2:
+        ctx.error(f"attention needs x[..., seq, hidden], got {dims_text(x.dims)}")
+    lead, S, h = x.dims[:-2], x.dims[-2], x.dims[-1]
+    H = heads
+    if H in x.dims:
+        ctx.error(f"attention heads dim {H} is already a dim of the input {dims_text(x.dims)}")
+    hs, Hs = ctx.size(h), ctx.size(H)
+    if hs % Hs:
+        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        near = min(ok, key=lambda n: (abs(n - Hs), -n))
+        ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
+                  f"use {H} = {near} (head_dim = {hs // near})")
+    hd = ctx.derive("head_dim", hs // Hs, why=f"{h} / {H}")
+    Sk = ctx.derive(f"{S}_k", ctx.size(S), alias_of=S, why=f"the key positions of {S}")
+    if hd in x.dims or Sk in x.dims:
+        ctx.error(f"attention's derived dims {hd}, {Sk} clash with the input {dims_text(x.dims)}")
+    KV = kv_heads_dim(ctx, x, H, kv_heads)
+    wq = ctx.param("wq", (h, H, hd), "normal(0.02)")
+    wk = ctx.param("wk", (h, KV, hd), "normal(0.02)")
+    wv = ctx.param("wv", (h, KV, hd), "normal(0.02)")
+    wo = ctx.param("wo", (H, hd, h), "normal(0.02)")
+    dt = x.dtype
+    heads_dims = lead + (S, H, hd)
+
+    def project(w: Operand, nh: str, name: str) -> Operand:
+        if not qkv_bias:
+            return ctx.op("einsum", (x, w), lead + (S, nh, hd), dt, name=name)
+        y = ctx.op("einsum", (x, w), lead + (S, nh, hd), dt, name=f"{name}_mm")
+        b = ctx.param(f"b{name}", (nh, hd), "zeros")
+        return ctx.op("add", (y, b), y.dims, dt, name=name)
+
+    q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
+    if rope:
+        q = rope_op(ctx, q, S, hd, rope, name="q_rot")
+        k = rope_op(ctx, k, S, hd, rope, name="k_rot")
+    k2 = ctx.op("rename", (k,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="k2")
+    v2 = ctx.op("rename", (v,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="v2")
+    if KV != H:  # each kv head serves heads / kv_heads query heads
+        kdims = lead + (Sk, H, hd)
+        k2 = ctx.op("repeat_dim", (k2,), kdims, dt, {"dst": H, "src": KV}, name="k_rep")
+        v2 = ctx.op("repeat_dim", (v2,), kdims, dt, {"dst": H, "src": KV}, name="v_rep")
+    sdims = lead + (H, S, Sk)
+    s = ctx.op("einsum", (q, k2), sdims, dt, {"scale": 1.0 / math.sqrt(ctx.size(hd))},
+               name="scores")
+    if causal:
+        s = ctx.op("causal_mask", (s,), sdims, dt, {"key": Sk, "query": S}, name="masked")
+    p = ctx.op("softmax", (s,), sdims, dt, {"over": Sk}, name="probs")
+    o = ctx.op("einsum", (p, v2), heads_dims, dt, name="o")
+    if not bias:
+        return ctx.op("einsum", (o, wo), lead + (S, h), dt)
+    y = ctx.op("einsum", (o, wo), lead + (S, h), dt, name="y")
+    bo = ctx.param("bo", (h,), "zeros")
+    return ctx.op("add", (y, bo), lead + (S, h), dt)
+
+
+def kv_heads_dim(ctx, x: Operand, H: str, kv: str | None) -> str:
+    """The key/value heads dim: heads itself, or a dim whose size divides heads."""
+    if kv is None or kv == H:
+        return H
+    if kv in x.dims:
+        ctx.error(f"attention kv_heads dim {kv} is already a dim of the input {dims_text(x.dims)}")
+    hs, ks = ctx.size(H), ctx.size(kv)
+    if hs % ks:
+        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ctx.error(f"{kv} = {ks} does not divide {H} = {hs}: each kv head serves a whole group "
+                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok))}")
+    return kv

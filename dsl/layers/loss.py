@@ -1,0 +1,20 @@
+"""Losses: mean cross entropy of logits against integer targets."""
+
+from __future__ import annotations
+
+from soapstone.dsl.layers.registry import Arg, builtin, dims_text, last_dim, need_float
+from soapstone.shard.plan.dtypes import INTS
+
+
+@builtin("cross_entropy", Arg("logits", "tensor"), Arg("targets", "tensor"))
+def _cross_entropy(ctx, logits, targets):
+    """Mean cross entropy of logits[..., C] (float) against targets[...] (integer) -> f32[]."""
+    need_float(ctx, logits, "cross_entropy's logits")
+    C = last_dim(ctx, logits, "cross_entropy")
+    if targets.dtype not in INTS:
+        ctx.error(f"cross_entropy targets must be an integer tensor, got {targets.dtype}",
+                  "declare targets as i64[...]")
+    if targets.dims != logits.dims[:-1]:
+        ctx.error(f"cross_entropy targets {dims_text(targets.dims)} must have the logits' leading "
+                  f"dims {dims_text(logits.dims[:-1])}")
+    return ctx.op("cross_entropy", (logits, targets), (), "f32", {"over": C})

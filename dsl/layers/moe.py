@@ -1,0 +1,69 @@
+"""The `moe` layer: a top-k softmax router over `experts`, one MLP per expert, a capacity.
+
+    y = moe(x, experts, ffn, top_k = 2, capacity = 1.25, aux = 0.01, activation = gelu)
+    y = moe(x, experts, ffn, activation = swiglu, shared = ffn)
+
+params: router[hidden, experts], w1[experts, hidden, ffn], w2[experts, ffn, hidden], and with
+activation = swiglu a gate w3[experts, hidden, ffn] (Mixtral's experts). The routed part is one
+primitive op `moe` (its semantics: ir.PRIMITIVES, its kernel: shard/ops/moe.py), because the
+capacity and the balance loss see every token of the batch at once. `shared = d` adds a dense
+MLP of width d that every token goes through (DeepSeek-MoE, Qwen-MoE); it is an `mlp` of plain
+einsums, so it shards by their rules and the compiler adds its output to the routed one.
+"""
+
+from __future__ import annotations
+
+from soapstone.dsl.layers.registry import PARAM_DTYPE, Arg, builtin, dims_text, last_dim, need_float
+
+
+@builtin("moe", Arg("x", "tensor"), Arg("experts", "dim"), Arg("ffn", "dim"),
+         Arg("top_k", "int", 1), Arg("capacity", "float", 1.25), Arg("aux", "float", 0.01),
+         Arg("activation", "choice", "gelu", ("gelu", "relu", "silu", "swiglu")),
+         Arg("shared", "dim", None))
+def _moe(ctx, x, experts, ffn, top_k, capacity, aux, activation, shared):
+    """moe(x, experts, ffn, top_k = 1, capacity = 1.25, aux = 0.01, activation = gelu,
+    shared = none): each token goes to its top_k experts by router softmax, weighted by those
+    probabilities; an expert takes at most ceil(capacity * tokens * top_k / experts) token
+    choices (first choices first, then in token order), the rest are dropped;
+    aux * experts * sum_e(f_e * p_e) (Switch's balance loss) is added to the training loss's
+    gradient. swiglu: each expert is silu(x w1) * (x w3) then w2. shared = d: plus a dense
+    MLP of width d (same activation) on every token."""
+    need_float(ctx, x, "moe's input")
+    h = last_dim(ctx, x, "moe")
+    for what, d in (("experts", experts), ("ffn", ffn), ("shared", shared)):
+        if d is not None and (d in x.dims or d == h):
+            ctx.error(f"moe's {what} dim {d} is already a dim of the input {dims_text(x.dims)}",
+                      "declare a new dim for it")
+    if experts == ffn:
+        ctx.error(f"moe's experts and ffn dims are both {experts}",
+                  "give the experts' hidden width its own dim")
+    if shared == experts:
+        ctx.error(f"moe's shared expert width is the experts dim {experts}",
+                  f"give the shared expert a width: shared = {ffn}, or a dim of its own")
+    n = ctx.size(experts)
+    if not 1 <= top_k <= n:
+        ctx.error(f"moe top_k = {top_k} must be between 1 and {experts} = {n}",
+                  f"write top_k = {min(max(top_k, 1), n)}, or more experts")
+    if capacity <= 0:
+        ctx.error(f"moe capacity = {capacity} must be positive",
+                  "1.0 fits a perfectly balanced load; larger drops fewer tokens")
+    if aux < 0:
+        ctx.error(f"moe aux = {aux} must not be negative", "0 turns the balance loss off")
+    # the router scores every expert on every rank: its own name for the dim keeps
+    # `parameter experts -> axis` from splitting it
+    scores = ctx.derive(f"{experts}_r", n, alias_of=experts, why=f"the router's {experts}")
+    router = ctx.param("router", (h, scores), "normal(0.02)")
+    w1 = ctx.param("w1", (experts, h, ffn), "normal(0.02)")
+    w2 = ctx.param("w2", (experts, ffn, h), "normal(0.02)")
+    args = (x, router, w1, w2)
+    if activation == "swiglu":
+        args += (ctx.param("w3", (experts, h, ffn), "normal(0.02)"),)
+    attrs = {"hidden": h, "experts": experts, "scores": scores, "ffn": ffn, "top_k": top_k,
+             "capacity": float(capacity), "aux": float(aux), "activation": activation}
+    if shared is None:
+        return ctx.op("moe", args, x.dims, PARAM_DTYPE, attrs)
+    routed = ctx.op("moe", args, x.dims, PARAM_DTYPE, attrs, name="routed")
+    gated = activation == "swiglu"
+    dense = ctx.call("mlp", x, shared, activation="silu" if gated else activation,
+                     bias=False, gated=gated)
+    return ctx.op("add", (routed, dense), x.dims, PARAM_DTYPE)

@@ -1,0 +1,1 @@
+"""The checked model: the named-dim IR, its checkers and its text."""

@@ -1,0 +1,202 @@
+"""The named-dim IR: a checked model and its parallel blocks as plain, printable data.
+
+The front end (parser + layer registry) produces it; the compiler (layouts, lowering) consumes
+it. Every tensor dim is a *name* declared in `Model.dims`. Layers are expanded into the small set
+of primitive ops listed in `PRIMITIVES`; the compiler knows how each primitive shards.
+
+No torch here: `soapstone check` must answer without importing it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from attrs import field as _field  # Op has a field named `attrs`, shadowing the module
+
+# A model output is the program's output: one class from spec to runtime (dsl may use shard).
+from soapstone.shard.plan.program import Output
+
+
+@attrs.frozen
+class Loc:
+    """A span in a spec file (1-based line and column)."""
+
+    file: str
+    line: int
+    col: int
+    end_col: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@attrs.frozen
+class TensorType:
+    """A dtype ("f32", "i64", ...) and the names of the dims, outermost first."""
+
+    dtype: str
+    dims: tuple[str, ...]
+
+
+@attrs.frozen
+class Input:
+    """A model input fed by the data pipeline (tokens, targets, features)."""
+
+    name: str
+    type: TensorType
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Param:
+    """A trainable tensor. `name` is qualified ("layer.2.attn.wq"); `block` is the repeat
+    instance owning it ("layer.2") or None for params outside any repeat.
+
+    `init` is one of "normal(STD)", "zeros", "ones", "uniform(BOUND)". The full tensor is always
+    drawn from a generator seeded by (run seed, name), so any layout slices the same numbers."""
+
+    name: str
+    type: TensorType
+    init: str
+    block: str | None = None
+    tied_to: str | None = None  # another param's name: the same storage (tied embeddings)
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Op:
+    """One primitive op. `args` name values: inputs, params, or earlier op outputs (in order).
+    `attrs` holds the primitive's options as sorted (key, value) pairs (hashable). A custom
+    layer's op also says how its bound dims may split: `shard`, sorted (dim, "split" |
+    "partial") pairs, so the compiler needs no layer registry."""
+
+    kind: str
+    args: tuple[str, ...]
+    out: str
+    type: TensorType
+    attrs: tuple[tuple[str, object], ...] = ()
+    block: str | None = None
+    layer: str = ""  # the spec-level layer this op came from ("attention", "mlp", ...)
+    loc: Loc | None = _field(default=None, eq=False)
+    shard: tuple[tuple[str, str], ...] = ()
+
+    def attr(self, key: str, default: object = None) -> object:
+        """The value of one option, or `default`."""
+        return dict(self.attrs).get(key, default)
+
+
+@attrs.frozen
+class Model:
+    """A model after name resolution, layer expansion and shape inference."""
+
+    name: str
+    dims: tuple[tuple[str, int], ...]  # every dim, including derived ones (head_dim, seq_k)
+    inputs: tuple[Input, ...]
+    params: tuple[Param, ...]
+    ops: tuple[Op, ...]  # topologically ordered
+    outputs: tuple[Output, ...]
+    blocks: tuple[str, ...]  # repeat instances in program order: ("layer.0", "layer.1", ...)
+    dim_alias: tuple[tuple[str, str], ...] = ()  # derived dim -> the dim it renames (seq_k->seq)
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+    def size(self, dim: str) -> int:
+        """The size of a named dim."""
+        return dict(self.dims)[dim]
+
+
+@attrs.frozen
+class StageAssignment:
+    """`operator layer[0..1] -> pipe 0`: blocks (by instance name) placed on one stage."""
+
+    blocks: tuple[str, ...]
+    axis: str
+    stage: int
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Branch:
+    """`operator a -> branch 0`: the ops that compute value `a` and nothing else run only on
+    coordinate `coord` of mesh axis `axis`."""
+
+    value: str
+    axis: str
+    coord: int
+    loc: Loc | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Schedule:
+    """Pipeline schedule: kind in gpipe | 1f1b | interleaved | zb1p."""
+
+    kind: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1
+
+
+# `recompute selective`: the argument that names no repeat but the rule of
+# shard/parallel/selective_plan.py (the cheap ops' outputs are dropped and recomputed)
+SELECTIVE = "selective"
+
+
+@attrs.frozen
+class Parallel:
+    """A checked parallel block: mesh axes and which dims each SOAP statement maps to them."""
+
+    name: str
+    model: str
+    mesh: tuple[tuple[str, int], ...]  # (axis, size), row-major order
+    sample: tuple[tuple[str, str], ...] = ()  # (dim, axis)
+    attribute: tuple[tuple[str, str], ...] = ()
+    parameter: tuple[tuple[str, str], ...] = ()
+    operator: tuple[StageAssignment, ...] = ()
+    schedule: Schedule = Schedule()
+    zero: int = 0
+    loc: Loc | None = attrs.field(default=None, eq=False)
+    branches: tuple[Branch, ...] = ()
+    # a `schedule` statement was written: show prints it even where it is the default (which
+    # runs exactly as no statement, so two blocks that differ only here are equal)
+    schedule_written: bool = attrs.field(default=False, eq=False)
+    # `recompute R`: the blocks of repeat R keep only their inputs for backward;
+    # `recompute selective` (SELECTIVE): only the cheap ops' outputs are dropped
+    recompute: str | None = None
+    # `offload optimizer`: master weights and optimizer state in host memory
+    offload: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks this layout needs (`mpiexec -n`)."""
+        return math.prod(size for _, size in self.mesh)
+
+
+# The primitive ops layers expand into, with their arguments and options. The compiler's
+# sharding rules and the runtime's local implementations are keyed by these names; a custom
+# layer registered from Python becomes kind "custom:<name>".
+PRIMITIVES: dict[str, str] = {
+    "einsum": "args (a, b); output dims = type.dims; dims of a or b not in the output are "
+    "contracted (summed). attrs: scale (float, optional, multiplies the result)",
+    "embedding": "args (ids[...], table[vocab, hidden]) -> [..., hidden]. attrs: vocab, hidden",
+    "add": "args (a, b), broadcast by dim name; output dims = type.dims",
+    "mul": "args (a, b), broadcast by dim name",
+    "gelu": "args (x,). attrs: approximate=tanh (optional: GPT-2's tanh form)",
+    "relu": "args (x,)",
+    "silu": "args (x,)",
+    "dropout": "args (x,). attrs: p (float)",
+    "layernorm": "args (x, gamma[d], beta[d]). attrs: over=d, eps",
+    "rmsnorm": "args (x, gamma[d]). attrs: over=d, eps",
+    "softmax": "args (x,). attrs: over=d",
+    "causal_mask": "args (x,). attrs: query=dq, key=dk: -inf where position(dk) > position(dq)",
+    "rename": "args (x,). attrs: src=d, dst=d2 (same size): relabel one dim, no data change",
+    "cross_entropy": "args (logits[..., C], targets[...] int). attrs: over=C. "
+    "-> f32[] mean over all target positions",
+    "positions": "no args -> i64[d]: the global index along d (a rank's own slice where d "
+    "is split). attrs: over=d",
+    "rope": "args (x[..., pos, ..., d]). attrs: pos, over=d, theta: rotary embedding, x's "
+    "halves along d rotated by the global position along pos times theta^(-2i/|d|)",
+    "moe": "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h], w3[E, h, f] with "
+    "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity; attrs: hidden, "
+    "experts, ffn, top_k, capacity, aux, activation (dsl/layers/moe.py, shard/ops/moe.py)",
+    "repeat_dim": "args (x[..., src, ...]) -> the same with dst for src (|dst| a multiple g of "
+    "|src|): index i of dst reads index i // g of src (grouped-query heads). attrs: src, dst",
+}

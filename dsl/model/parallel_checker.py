@@ -1,0 +1,652 @@
+"""Semantics of a parallel block (-> ir.Parallel), checked against its model before launch.
+
+The mesh axes exist and are used; each dim maps to at most one axis and divides over it;
+`sample` maps the batch dim; a tensor (input or parameter) splits along at most one dim per
+axis; `operator` places repeat blocks on pipeline stages (every block
+once, stages in order, none empty) or branches (top-level values) on coordinates of an axis;
+the schedule's microbatches divide the per-replica batch (without stages they are gradient
+accumulation); the interleaved schedule needs pipeline stages and
+`zero N` (N >= 1) a sample mapping. Pure Python; never imports torch.
+
+One function per statement kind reads a statement into `_Facts` and returns its diagnostics;
+one function per rule across statements reads the facts and returns its diagnostics;
+`check_parallel` runs them in a fixed order (the order of the reports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from soapstone.dsl.lang import ast
+from soapstone.dsl.lang.errors import Diagnostic, did_you_mean, nearest_divisible
+from soapstone.dsl.lang.parser import Sources
+from soapstone.dsl.model.ir import (
+    SELECTIVE,
+    Branch,
+    Loc,
+    Model,
+    Parallel,
+    Schedule,
+    StageAssignment,
+)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
+SCHEDULE_OPTIONS = ("microbatches", "chunks")
+
+Diags = list[Diagnostic]
+
+
+@attrs.frozen
+class _Ctx:
+    """The block being checked and its model: what every rule reads, never changes."""
+
+    p: ast.ParallelDef
+    model: Model
+    sources: Sources
+    dims: dict[str, int]
+    batch: str | None  # the inputs' leading dim: what `sample` maps
+
+    @classmethod
+    def of(cls, p: ast.ParallelDef, model: Model, sources: Sources) -> _Ctx:
+        """The context of one parallel block."""
+        first = model.inputs[0].type.dims if model.inputs else ()
+        return cls(p, model, sources, dict(model.dims), first[0] if first else None)
+
+    def diag(self, loc: Loc | None, message: str, hint: str | None = None) -> Diagnostic:
+        """A diagnostic at `loc`, in this block's file."""
+        return self.sources.diag(loc, message, hint, self.p.file)
+
+
+@attrs.define
+class _Facts:
+    """What the statements read so far establish; the rules across statements read it."""
+
+    mesh: dict[str, int]  # the well-formed axes
+    mapped: dict[str, tuple[str, str]] = attrs.Factory(dict)  # dim -> (statement kind, axis)
+    map_loc: dict[str, Loc] = attrs.Factory(dict)  # dim -> where it is mapped
+    soap: dict[str, list[tuple[str, str]]] = attrs.Factory(
+        lambda: {"sample": [], "attribute": [], "parameter": []})
+    failed: set[str] = attrs.Factory(set)  # statement kinds with a mapping rejected
+    used: dict[str, str] = attrs.Factory(dict)  # axis -> what uses it
+    seen: dict[str, Loc] = attrs.Factory(dict)  # once-only statement keyword -> where
+    stages: list[StageAssignment] = attrs.Factory(list)
+    pipe_axis: str | None = None
+    has_stages: bool = False
+    stage_seq: list[int] = attrs.Factory(list)  # each block's stage, when every block has one
+    stage_locs: list[Loc] = attrs.Factory(list)
+    branches: list[Branch] = attrs.Factory(list)
+    schedule: ast.ScheduleStmt | None = None
+    zero: int = 0
+    recompute: str | None = None
+    offload: str | None = None
+
+
+def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
+    """An error if the mesh has no axis `axis`."""
+    if axis in mesh:
+        return None
+    return ctx.diag(loc, f"mesh has no axis '{axis}'",
+                    did_you_mean(axis, mesh) or f"axes: {', '.join(mesh)}")
+
+
+# ---- the mesh
+
+
+def _mesh(ctx: _Ctx) -> tuple[_Facts, Diags]:
+    """The mesh axes, each declared once with a size >= 1."""
+    mesh: dict[str, int] = {}
+    diags: Diags = []
+    for axis, size, loc in ctx.p.mesh:
+        if axis in mesh:
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' is declared twice"))
+        elif size < 1:
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' has size {size}; sizes must be >= 1"))
+        else:
+            mesh[axis] = size
+    return _Facts(mesh), diags
+
+
+# ---- sample / attribute / parameter
+
+
+def _sample_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if d != ctx.batch:
+        return ctx.diag(loc, f"sample maps the batch dim '{ctx.batch}' (the inputs' leading "
+                        f"dim), not '{d}'", f"use 'attribute {d} -> {axis}' to split a data dim")
+    if facts.soap["sample"]:
+        return ctx.diag(loc, "only one sample mapping is allowed")
+    return None
+
+
+def _attribute_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if d == ctx.batch:
+        return ctx.diag(loc, f"'{d}' is the batch dim; split it with sample",
+                        f"sample {d} -> {axis}")
+    return None
+
+
+def _parameter_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+    if not any(d in prm.type.dims for prm in ctx.model.params):
+        return ctx.diag(loc, f"'{d}' is no dim of any parameter",
+                        f"use 'attribute {d} -> {axis}' to split activations")
+    return None
+
+
+# What each mapping statement may map, by its kind.
+_SOAP_RULES: dict[str, Callable[..., Diagnostic | None]] = {
+    "sample": _sample_rule, "attribute": _attribute_rule, "parameter": _parameter_rule}
+
+
+def _dim_error(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc,
+               axis: str) -> Diagnostic | None:
+    """Why `kind d -> axis` cannot map d (whatever the axis), or None."""
+    if d not in ctx.dims:
+        return ctx.diag(loc, f"model '{ctx.model.name}' has no dim '{d}'",
+                        did_you_mean(d, ctx.dims))
+    if d in facts.mapped:
+        k, ax = facts.mapped[d]
+        return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
+                        "a dim maps to at most one mesh axis")
+    return _SOAP_RULES[kind](ctx, facts, d, loc, axis)
+
+
+def _map_dim(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc, axis: str,
+             axis_ok: bool) -> Diags:
+    """Map one dim to an axis, if it may and divides over it."""
+    err = _dim_error(ctx, facts, kind, d, loc, axis)
+    if err is not None:
+        return [err]
+    if not axis_ok:
+        return []
+    facts.used.setdefault(axis, kind)  # even a dim that does not divide: no second error
+    size, n = ctx.dims[d], facts.mesh[axis]
+    if size % n:
+        facts.failed.add(kind)
+        return [ctx.diag(loc, f"{d} = {size} does not divide over {axis} = {n}",
+                         _divide_hint(ctx, facts, kind, d, axis))]
+    facts.mapped[d] = (kind, axis)
+    facts.map_loc[d] = loc
+    facts.soap[kind].append((d, axis))
+    return []
+
+
+def _divide_hint(ctx: _Ctx, facts: _Facts, kind: str, d: str, axis: str) -> str:
+    """The valid choices for `kind d -> axis` when d does not divide: the axis sizes that
+    divide d, the dims that could go to the axis instead, and (a weight dim) leaving d
+    replicated; then the nearest dim sizes that would divide."""
+    size, n = ctx.dims[d], facts.mesh[axis]
+    sizes = [k for k in range(2, min(size, 4096) + 1) if size % k == 0][:8]
+    parts = [f"{axis} sizes that divide {d} = {size}: "
+             + (", ".join(map(str, sizes)) if sizes else f"none but 1 ({size} is prime)")]
+    named = {o for st in ctx.p.body if isinstance(st, ast.Soap)
+             for dims, _, _ in st.groups for o, _ in dims}  # mapped by this block already
+    others = [o for o in ctx.dims if o not in named and ctx.dims[o] % n == 0
+              and _SOAP_RULES[kind](ctx, facts, o, None, axis) is None]
+    if others:
+        parts.append(f"dims that divide over {axis} = {n} instead: "
+                     + ", ".join(f"{o} = {ctx.dims[o]}" for o in others[:6]))
+    if kind == "parameter":
+        # a weight dim left unmapped is replicated on the axis (e.g. key/value heads fewer
+        # than the tensor-parallel ranks: each rank keeps them all)
+        parts.append(f"or leave {d} out of the statement: replicated on every {axis} rank")
+    return "; ".join(parts) + f"; or {nearest_divisible(size, n)} (--dim {d}=...)"
+
+
+def _soap(ctx: _Ctx, facts: _Facts, s: ast.Soap) -> Diags:
+    """`sample|attribute|parameter dims -> axis, ...`."""
+    diags: Diags = []
+    for dims, axis, axis_loc in s.groups:
+        bad_axis = _missing_axis(ctx, facts.mesh, axis, axis_loc)
+        diags += [bad_axis] if bad_axis else []
+        for d, loc in dims:
+            diags += _map_dim(ctx, facts, s.kind, d, loc, axis, bad_axis is None)
+    return diags
+
+
+# ---- operator: branches
+
+
+def _branch_error(ctx: _Ctx, mesh: dict[str, int], d: ast.BranchDef, top: set[str],
+                  outputs: set[str]) -> Diagnostic | None:
+    """Why value `d.value` cannot be a branch on `d.axis d.coord`, or None."""
+    if d.value not in top:
+        return ctx.diag(d.loc, f"'{d.value}' is no top-level value of model '{ctx.model.name}'",
+                        did_you_mean(d.value, top) or "branches name values assigned "
+                        "outside repeat blocks")
+    if f"{d.value}.1" in top:
+        return ctx.diag(d.loc, f"'{d.value}' is assigned more than once; a branch names one "
+                        "value", "give the branch's result its own name")
+    if d.value in outputs:
+        return ctx.diag(d.loc, f"'{d.value}' is a model output; a branch must feed later ops",
+                        "place the ops before the output instead")
+    missing = _missing_axis(ctx, mesh, d.axis, d.axis_loc)
+    if missing is not None:
+        return missing
+    if not 0 <= d.coord < mesh[d.axis]:
+        return ctx.diag(d.coord_loc, f"{d.axis} {d.coord} is out of range: axis '{d.axis}' has "
+                        f"size {mesh[d.axis]} (0..{mesh[d.axis] - 1})")
+    return None
+
+
+def _branches(ctx: _Ctx, facts: _Facts, defs: list[ast.BranchDef]) -> Diags:
+    """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
+    top = {op.out for op in ctx.model.ops if op.block is None}
+    outputs = {o.value for o in ctx.model.outputs}
+    diags: Diags = []
+    seen: set[str] = set()
+    for d in defs:
+        if d.value in seen:
+            diags.append(ctx.diag(d.loc, f"value '{d.value}' is placed twice"))
+            continue
+        seen.add(d.value)
+        err = _branch_error(ctx, facts.mesh, d, top, outputs)
+        if err is not None:
+            diags.append(err)
+            continue
+        facts.branches.append(Branch(d.value, d.axis, d.coord, d.loc))
+    for d in defs:  # even a bad placement uses its axis: no second error
+        facts.used.setdefault(d.axis, "branch")
+    return diags
+
+
+# ---- operator: pipeline stages
+
+
+def _repeats(model: Model) -> dict[str, list[str]]:
+    """Repeat name -> its block instances, in order."""
+    repeats: dict[str, list[str]] = {}
+    for b in model.blocks:
+        repeats.setdefault(b.rsplit(".", 1)[0], []).append(b)
+    return repeats
+
+
+def _stage_def_error(ctx: _Ctx, mesh: dict[str, int], repeats: dict[str, list[str]],
+                     sd: ast.StageDef, axis: str) -> Diagnostic | None:
+    """Why `repeat[lo..hi] -> axis stage` is no valid placement, or None."""
+    if sd.axis != axis:
+        return ctx.diag(sd.axis_loc, f"all stages must use one mesh axis ('{axis}')")
+    n = len(repeats[sd.repeat])
+    if sd.lo > sd.hi:
+        return ctx.diag(sd.range_loc, f"empty range [{sd.lo}..{sd.hi}]", "write [low..high]")
+    if sd.hi >= n:
+        return ctx.diag(sd.range_loc, f"{sd.repeat} has {n} blocks (0..{n - 1}); "
+                        f"[{sd.lo}..{sd.hi}] is out of range")
+    if not 0 <= sd.stage < mesh[axis]:
+        return ctx.diag(sd.stage_loc, f"stage {sd.stage} is out of range: axis '{axis}' has "
+                        f"{mesh[axis]} stages (0..{mesh[axis] - 1})")
+    return None
+
+
+def _unknown_repeat(ctx: _Ctx, repeats: dict[str, list[str]], sd: ast.StageDef) -> Diagnostic:
+    return ctx.diag(sd.loc, f"model '{ctx.model.name}' has no repeat '{sd.repeat}'",
+                    did_you_mean(sd.repeat, repeats) or
+                    (f"repeats: {', '.join(repeats)}" if repeats else
+                     "pipeline stages hold repeat blocks; the model has none"))
+
+
+def _claim(ctx: _Ctx, owner: dict[str, tuple[int, Loc]], blocks: list[str],
+           sd: ast.StageDef) -> Diags:
+    """Give `blocks` to stage `sd.stage`; a block given twice is an error."""
+    diags: Diags = []
+    for b in blocks:
+        if b in owner:
+            diags.append(ctx.diag(sd.range_loc, f"block {b} is assigned twice",
+                                  f"it is already on {sd.axis} {owner[b][0]}"))
+        owner[b] = (sd.stage, sd.range_loc)
+    return diags
+
+
+def _stages(ctx: _Ctx, facts: _Facts, defs: list[ast.StageDef], loc: Loc) -> Diags:
+    """`operator layer[0..1] -> pipe 0, ...`: blocks on the stages of one axis."""
+    repeats = _repeats(ctx.model)
+    owner: dict[str, tuple[int, Loc]] = {}
+    diags: Diags = []
+    axis = None
+    for sd in defs:
+        if sd.repeat not in repeats:
+            diags.append(_unknown_repeat(ctx, repeats, sd))
+            continue
+        if axis is None:  # the first placement names the axis; a missing one ends the check
+            missing = _missing_axis(ctx, facts.mesh, sd.axis, sd.axis_loc)
+            if missing is not None:
+                return diags + [missing]
+            axis = sd.axis
+        err = _stage_def_error(ctx, facts.mesh, repeats, sd, axis)
+        if err is not None:
+            diags.append(err)
+            continue
+        blocks = repeats[sd.repeat][sd.lo: sd.hi + 1]
+        diags += _claim(ctx, owner, blocks, sd)
+        facts.stages.append(StageAssignment(tuple(blocks), axis, sd.stage, sd.loc))
+    facts.pipe_axis = axis
+    if axis is not None:
+        facts.used[axis] = "operator"
+    if diags or axis is None:
+        return diags
+    return _coverage(ctx, facts, owner, loc)
+
+
+def _coverage(ctx: _Ctx, facts: _Facts, owner: dict[str, tuple[int, Loc]], loc: Loc) -> Diags:
+    """Every block on a stage and every stage with a block."""
+    blocks = ctx.model.blocks
+    missing = [b for b in blocks if b not in owner]
+    if missing:
+        return [ctx.diag(loc, f"block {missing[0]} is assigned to no stage"
+                         + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                         "every repeat block goes to exactly one stage")]
+    facts.stage_seq = [owner[b][0] for b in blocks]
+    facts.stage_locs = [owner[b][1] for b in blocks]
+    empty = [i for i in range(facts.mesh[facts.pipe_axis]) if i not in set(facts.stage_seq)]
+    if empty:
+        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty[0]} gets no block",
+                         "every stage needs at least one block")]
+    return []
+
+
+def _operator(ctx: _Ctx, facts: _Facts, s: ast.Operator) -> Diags:
+    """`operator ...`: branches and pipeline stages."""
+    stage_defs = [d for d in s.stages if not isinstance(d, ast.BranchDef)]
+    diags = _branches(ctx, facts, [d for d in s.stages if isinstance(d, ast.BranchDef)])
+    facts.has_stages = bool(stage_defs)
+    if stage_defs:
+        diags += _stages(ctx, facts, stage_defs, s.loc)
+    return diags
+
+
+# ---- schedule and zero (read here, checked by the rules below)
+
+
+def _schedule(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt) -> Diags:
+    """`schedule kind, options`: checked once the pipeline and the sample mapping are known."""
+    facts.schedule = s
+    return []
+
+
+def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
+    """`zero N`: a ZeRO stage 0..3."""
+    if not 0 <= s.level <= 3:
+        return [ctx.diag(s.loc, f"zero {s.level}: the ZeRO stage is 0, 1, 2 or 3")]
+    facts.zero = s.level
+    return []
+
+
+def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
+    """`recompute R`: R names a repeat of the model, or is `selective`."""
+    repeats = _repeats(ctx.model)
+    if s.repeat != SELECTIVE and s.repeat not in repeats:
+        hint = did_you_mean(s.repeat, [*repeats, SELECTIVE]) or (
+            f"repeats: {', '.join(repeats)}; or `recompute {SELECTIVE}`" if repeats
+            else "wrap the layers to recompute in `repeat N as NAME { ... }`, or write "
+            f"`recompute {SELECTIVE}`")
+        return [ctx.diag(s.loc, f"recompute {s.repeat}: model {ctx.model.name} has no repeat "
+                         f"'{s.repeat}'", hint)]
+    facts.recompute = s.repeat
+    return []
+
+
+def _offload(ctx: _Ctx, facts: _Facts, s: ast.Offload) -> Diags:
+    """`offload optimizer`: the only state that moves to host memory is the optimizer's."""
+    if s.what != "optimizer":
+        return [ctx.diag(s.loc, f"offload {s.what}: only the optimizer's state can be "
+                         "offloaded", "write `offload optimizer`")]
+    facts.offload = s.what
+    return []
+
+
+_STATEMENTS: dict[type, Callable[..., Diags]] = {
+    ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero,
+    ast.Recompute: _recompute, ast.Offload: _offload}
+# statements a block has at most one of
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload)
+
+
+def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
+    """One statement of the block; a second once-only statement is an error."""
+    if isinstance(s, _ONCE):
+        if s.KEYWORD in facts.seen:
+            return [ctx.diag(s.loc, f"a second '{s.KEYWORD}' statement",
+                             "put everything in one statement")]
+        facts.seen[s.KEYWORD] = s.loc
+    return _STATEMENTS[type(s)](ctx, facts, s)
+
+
+# ---- rules across statements
+
+
+def _branch_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+    """An axis that places branches does nothing else."""
+    return [ctx.diag(b.loc, f"axis '{b.axis}' places branches and cannot also "
+                     f"{'hold pipeline stages' if b.axis == facts.pipe_axis else 'split dims'}",
+                     "give the branches their own mesh axis")
+            for b in facts.branches if facts.used.get(b.axis) != "branch"]
+
+
+def _pipe_axis_splits(ctx: _Ctx, facts: _Facts) -> Diags:
+    """The axis that holds pipeline stages splits no dim."""
+    split = {ax for pairs in facts.soap.values() for _, ax in pairs}
+    if facts.pipe_axis is None or facts.pipe_axis not in split:
+        return []
+    return [ctx.diag(facts.seen["operator"], f"axis '{facts.pipe_axis}' holds pipeline stages "
+                     "and cannot also split dims", "give the pipeline its own mesh axis")]
+
+
+def _unused_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+    """Every mesh axis of size > 1 is used by some statement."""
+    repeats = list(_repeats(ctx.model))
+    diags: Diags = []
+    for axis, size, loc in ctx.p.mesh:
+        if size > 1 and axis in facts.mesh and axis not in facts.used:
+            stages = (f", place pipeline stages on it (operator {repeats[0]}[0..k] -> {axis} 0, "
+                      "...)" if repeats else "")
+            diags.append(ctx.diag(loc, f"mesh axis '{axis}' (size {size}) is used by no "
+                                  f"statement", f"map a dim to it (sample {ctx.batch} -> "
+                                  f"{axis}){stages}, or make its size 1"))
+    return diags
+
+
+def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
+    """A tensor splits along at most one of its dims per mesh axis: an input (sample and
+    attribute mappings) or a parameter (parameter mappings) with two dims mapped to one
+    axis is an error (the lowering would keep the first and drop the second)."""
+    order = {d: i for i, d in enumerate(facts.map_loc)}
+    soap = facts.soap
+    leaves = [(f"input '{i.name}'", i.type.dims, soap["sample"] + soap["attribute"])
+              for i in ctx.model.inputs]
+    leaves += [(f"parameter '{prm.name}'", prm.type.dims, soap["parameter"])
+               for prm in ctx.model.params]
+    diags: Diags = []
+    seen: set[tuple[str, str]] = set()
+    for what, dims, mapping in leaves:
+        first: dict[str, str] = {}  # axis -> the first mapped dim of this tensor on it
+        for d, axis in sorted(mapping, key=lambda m: order[m[0]]):
+            if d not in dims or first.setdefault(axis, d) == d or (first[axis], d) in seen:
+                continue
+            seen.add((first[axis], d))
+            diags.append(ctx.diag(facts.map_loc[d], f"{what} [{', '.join(dims)}] would split "
+                                  f"both '{first[axis]}' and '{d}' over axis '{axis}'; a tensor "
+                                  "splits along at most one dim per mesh axis",
+                                  f"map '{d}' to another mesh axis"))
+    return diags
+
+
+def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
+    """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
+    if facts.zero < 1 or facts.soap["sample"] or "sample" in facts.failed:
+        return []
+    return [ctx.diag(facts.seen["zero"], f"zero {facts.zero} shards optimizer state over the "
+                     "sample (data-parallel) axis, but no sample statement maps the batch",
+                     f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
+
+
+# ---- rules of the schedule
+
+
+def _schedule_kind(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[str, Diags]:
+    """The schedule's kind (1f1b in place of an unknown one, to check the rest)."""
+    if s.kind in SCHEDULES:
+        return s.kind, []
+    return "1f1b", [ctx.diag(s.kind_loc, f"unknown schedule '{s.kind}'",
+                             did_you_mean(s.kind, SCHEDULES)
+                             or f"schedules: {', '.join(SCHEDULES)}")]
+
+
+def _schedule_options(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[dict[str, int], Diags]:
+    """The valid options, each given once and >= 1."""
+    opts: dict[str, int] = {}
+    diags: Diags = []
+    for key, value, loc in s.options:
+        if key not in SCHEDULE_OPTIONS:
+            diags.append(ctx.diag(loc, f"unknown schedule option '{key}'",
+                                  did_you_mean(key, SCHEDULE_OPTIONS)
+                                  or "options: microbatches, chunks"))
+        elif key in opts:
+            diags.append(ctx.diag(loc, f"schedule option '{key}' is given twice"))
+        elif value < 1:
+            diags.append(ctx.diag(loc, f"{key} = {value}; it must be >= 1"))
+        else:
+            opts[key] = value
+    return opts, diags
+
+
+def _microbatches_divide(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, mb: int) -> Diags:
+    """The microbatches divide the per-replica batch."""
+    if ctx.batch is None or "sample" in facts.failed:
+        return []  # a sample mapping that failed leaves the per-replica batch unknown
+    sample = facts.soap["sample"]
+    replicas = facts.mesh.get(sample[0][1], 1) if sample else 1
+    per = ctx.dims[ctx.batch] // replicas
+    if per % mb == 0:
+        return []
+    near = min((n for n in range(1, per + 1) if per % n == 0), key=lambda n: (abs(n - mb), n))
+    return [ctx.diag(_option_loc(s, "microbatches", s.loc), f"microbatches = {mb} does not "
+                     f"divide the per-replica batch {ctx.batch} / {replicas} = {per}",
+                     f"use microbatches = {near}")]
+
+
+def _option_loc(s: ast.ScheduleStmt, key: str, default: Loc) -> Loc:
+    """Where option `key` is given (the last time), else `default`."""
+    return {k: loc for k, _, loc in s.options}.get(key, default)
+
+
+def _chunks(ctx: _Ctx, s: ast.ScheduleStmt, kind: str, mb: int, chunks: int,
+            nstages: int) -> Diags:
+    """`chunks` belongs to interleaved, which needs >= 2 and microbatches a stage multiple."""
+    if kind != "interleaved":
+        return [] if chunks == 1 else [ctx.diag(
+            _option_loc(s, "chunks", s.loc),
+            f"chunks applies to the interleaved schedule, not {kind}")]
+    diags: Diags = []
+    if chunks < 2:
+        diags.append(ctx.diag(_option_loc(s, "chunks", s.kind_loc),
+                              f"interleaved needs chunks >= 2 (got {chunks})",
+                              "add: chunks = 2 (virtual stages per rank)"))
+    if mb % nstages:
+        diags.append(ctx.diag(_option_loc(s, "microbatches", s.loc),
+                              f"interleaved needs microbatches ({mb}) to be a multiple of the "
+                              f"stage count ({nstages})"))
+    return diags
+
+
+def _block_order(ctx: _Ctx, facts: _Facts, interleaved: bool, chunks: int, nstages: int,
+                 loc: Loc | None) -> Diags:
+    """Stages follow block order; interleaved stages cycle 0..n-1 `chunks` times."""
+    seq = facts.stage_seq
+    if not seq:
+        return []
+    if interleaved:
+        runs = [seq[0]] + [b for a, b in zip(seq, seq[1:], strict=False) if a != b]
+        if runs == list(range(nstages)) * chunks:
+            return []
+        return [ctx.diag(loc, f"interleaved stages must cycle 0..{nstages - 1} {chunks} times "
+                         f"over the blocks, got {' '.join(map(str, runs))}",
+                         "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")]
+    blocks = ctx.model.blocks
+    for i in range(len(seq) - 1):
+        if seq[i] > seq[i + 1]:
+            return [ctx.diag(facts.stage_locs[i + 1], f"block {blocks[i + 1]} is on stage "
+                             f"{seq[i + 1]}, before the stage {seq[i]} of {blocks[i]}",
+                             "stages must follow block order (block i's stage <= block i+1's)")]
+    return []
+
+
+def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
+    """The schedule statement: its kind and options against the pipeline and the batch."""
+    s = facts.schedule
+    if s is None:
+        return []
+    kind, diags = _schedule_kind(ctx, s)
+    opts, more = _schedule_options(ctx, s)
+    diags += more
+    mb, chunks = opts.get("microbatches", 1), opts.get("chunks", 1)
+    nstages = facts.mesh.get(facts.pipe_axis, 1) if facts.pipe_axis else 1
+    diags += _microbatches_divide(ctx, facts, s, mb)
+    diags += _chunks(ctx, s, kind, mb, chunks, nstages)
+    if facts.stages:
+        diags += _block_order(ctx, facts, kind == "interleaved", chunks, nstages, s.kind_loc)
+    if not facts.has_stages and kind == "interleaved":
+        # without stages the microbatches are gradient accumulation, in 1f1b or gpipe order
+        diags.append(ctx.diag(s.kind_loc, "the interleaved schedule needs pipeline stages",
+                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
+                              "(gradient accumulation over the microbatches)"))
+    return diags + _zero_bubble(ctx, facts, s, kind)
+
+
+def _zero_bubble(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, kind: str) -> Diags:
+    """zb1p splits each stage's backward and runs its weight half later (shard/plan/
+    schedules.py): it needs stages, and what that half reads must still be there."""
+    if kind != "zb1p":
+        return []
+    diags: Diags = []
+    if not facts.has_stages:
+        diags.append(ctx.diag(s.kind_loc, "the zb1p schedule needs pipeline stages (it splits "
+                              "a stage's backward to fill the pipeline's bubble)",
+                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
+                              "(gradient accumulation over the microbatches)"))
+    if facts.zero == 3:
+        diags.append(ctx.diag(facts.seen["zero"], "zero 3 with zb1p: ZeRO-3 gathers a stage's "
+                              "parameters for one backward and frees them at its end, but "
+                              "zb1p runs the weight gradients later, apart from it",
+                              "use zero 1 or 2 with zb1p, or schedule 1f1b with zero 3"))
+    if facts.recompute is not None:
+        why = ("the values it drops are rebuilt for one backward, and zb1p's weight gradients "
+               "run apart from it, later" if facts.recompute == SELECTIVE else
+               "the deferred weight gradients would run each recomputed range's forward a "
+               "second time, collectives included")
+        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with zb1p: "
+                              + why, "drop the recompute statement, or use schedule 1f1b"))
+    return diags
+
+
+# The rules across statements, in the order they report.
+_RULES = (_branch_axes, _pipe_axis_splits, _unused_axes, _one_dim_per_axis, _zero_needs_sample,
+          _schedule_rules)
+
+
+def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
+    """The checked block as IR."""
+    s = facts.schedule
+    sched = Schedule()
+    if s is not None:
+        opts = {k: v for k, v, _ in s.options}
+        sched = Schedule(s.kind, opts.get("microbatches", 1), opts.get("chunks", 1))
+    soap = facts.soap
+    return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
+                    tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
+                    sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
+                    recompute=facts.recompute, offload=facts.offload)
+
+
+def check_parallel(p: ast.ParallelDef, model: Model,
+                   sources: Sources) -> tuple[Parallel | None, list[Diagnostic]]:
+    """Check one parallel block against its (checked) model: (ir.Parallel | None, diagnostics)."""
+    ctx = _Ctx.of(p, model, sources)
+    facts, diags = _mesh(ctx)
+    for s in p.body:
+        diags += _statement(ctx, facts, s)
+    for rule in _RULES:
+        diags += rule(ctx, facts)
+    if not diags and facts.schedule is None:  # order matters without a schedule statement too
+        diags += _block_order(ctx, facts, False, 1, 1, None)
+    return (None if diags else _parallel(p, facts)), diags

@@ -1,0 +1,1 @@
+"""`soapstone plan`: the search over layouts of a model on N devices."""

@@ -1,0 +1,170 @@
+"""Language-model batches from a flat token file, memory-mapped: any size, never read whole.
+
+The formats people store tokens in:
+
+- `.bin`: raw little-endian ids, no header, as nanoGPT's prepare.py writes them: uint16 by
+  default (`--data-dtype uint32` for vocabularies above 65536; `soapstone tokenize` writes
+  either and says which);
+- `.npy`: a one-dimensional integer array (opened with mmap_mode="r");
+- any other file: its bytes are the ids 0..255 (byte-level text).
+
+A step's batch is `rows` windows of seq + 1 tokens at offsets drawn from (seed, step) over the
+training region, cut into ids (the first seq) and next-token targets (the last seq), the same
+on every layout. Every rank draws all offsets (a few integers) but reads only the windows of its
+own rows (`read_rows`, given the rows the executor's stages read: a data-parallel rank its
+shard of the batch, a middle pipeline stage none); other rows of the full-shape batch are
+zeros, which that rank's forward never looks at. Evaluation windows come from `--val-data`, or
+from the file's last `val_fraction` (the training region is the rest): eval batch j's offsets
+are drawn from (seed, "eval", j), so every evaluation sees the same held-out batches.
+Ids are checked against the vocab: a file up to SCAN_BYTES once when it is opened (in chunks,
+so memory stays bounded), before any training; a larger one as its windows are read (a bad id
+then ends the job mid-run). Either way a DataError names the file and the offset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from soapstone.shard.data.tasks import DataError, SyntheticTask, _dtype, _generator, _shape
+from soapstone.shard.plan.program import Program
+
+BIN_DTYPES = ("uint16", "uint32", "uint8", "int32", "int64")
+VAL_FRACTION = 0.1
+SCAN_BYTES = 256 << 20
+SCAN_CHUNK = 4 << 20  # ids per chunk of the opening scan
+
+
+def open_tokens(path: str | Path, dtype: str | None = None, flag: str = "--data") -> np.ndarray:
+    """A read-only memory map of a token file's ids (one dimension); DataError if unusable."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{flag} {path}: no such file")
+    try:
+        if p.suffix == ".npy":
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise DataError(f"{flag} {path}: expected integer token ids, got {arr.dtype}")
+            if arr.ndim != 1:
+                arr = arr.reshape(-1)  # a view of the map for a C-ordered array
+        else:
+            name = (dtype or "uint16") if p.suffix == ".bin" else "uint8"
+            if name not in BIN_DTYPES:
+                raise DataError(f"--data-dtype {name}: use one of {', '.join(BIN_DTYPES)}")
+            item = np.dtype(name).itemsize
+            size = p.stat().st_size
+            if size % item:
+                raise DataError(
+                    f"{flag} {path}: {size} bytes is not a whole number of {name} ids "
+                    f"({item} bytes each); the file is truncated, or it holds another dtype "
+                    f"(--data-dtype {'uint32' if name == 'uint16' else 'uint16'}?)")
+            if size == 0:
+                raise DataError(f"{flag} {path}: the file is empty")
+            arr = np.memmap(p, dtype=np.dtype(name).newbyteorder("<"), mode="r")
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DataError(f"{flag} {path}: cannot read it ({e})") from None
+    if arr.size == 0:
+        raise DataError(f"{flag} {path}: the file holds no tokens")
+    return arr
+
+
+class TokenMemmap(SyntheticTask):
+    """Batches of windows cut from a memory-mapped token file (see the module doc)."""
+
+    def __init__(self, program: Program, path: str | Path, seed: int = 0,
+                 val_path: str | Path | None = None, dtype: str | None = None,
+                 val_fraction: float = VAL_FRACTION):
+        super().__init__(program, seed)
+        if not self.lm:
+            raise DataError(f"--data {path}: model {program.model} has no token input and "
+                            "next-token targets of the same shape to feed from a token file")
+        self.path, self.val_path = str(path), str(val_path) if val_path else None
+        tokens = open_tokens(path, dtype)
+        ids, _, self.vocab = self.lm
+        self.seq = _shape(program, ids)[-1]
+        if val_path:
+            self.train, self.val = tokens, open_tokens(val_path, dtype, "--val-data")
+        else:
+            cut = tokens.size - int(tokens.size * val_fraction)
+            self.train, self.val = tokens[:cut], tokens[cut:]
+        for what, arr, where in (("training", self.train, f"--data {path}"),
+                                 ("held-out", self.val, f"--val-data {val_path}" if val_path
+                                  else f"--data {path} (its last {val_fraction:.0%})")):
+            if arr.size < self.seq + 1:
+                raise DataError(f"{where}: {arr.size} {what} tokens, fewer than the "
+                                f"{self.seq + 1} one sequence needs"
+                                + ("" if val_path or what == "training" else
+                                   "; give a longer file or --val-data"))
+        for arr, where in ((tokens, self.path), (self.val if val_path else None, val_path)):
+            if arr is not None and arr.nbytes <= SCAN_BYTES \
+                    and np.iinfo(arr.dtype).max >= self.vocab:
+                self._scan(arr, where)
+        self.rows: list[int] | None = None  # None: every row of the batch
+        self.inputs: dict[str, list[int] | None] = {}
+        self.last_read: list[int] = []  # rows the last batch read (what the tests check)
+
+    def read_rows(self, rows: dict[str, list[int] | None]) -> None:
+        """Read only these rows of each input (Executor.input_rows); an input absent from
+        `rows` is read by no stage on this rank."""
+        ids, targets, _ = self.lm
+        self.inputs = {n: rows[n] for n in (ids, targets) if n in rows}
+        if any(r is None for r in self.inputs.values()):
+            self.rows = None
+        else:
+            self.rows = sorted(set().union(*self.inputs.values())) if self.inputs else []
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """Training batch `step`: windows at offsets drawn from (seed, step)."""
+        return self._cut(self.train, _generator(self.seed, "data", step), step,
+                         self.path)
+
+    def eval_batch(self, j: int) -> dict[str, torch.Tensor]:
+        """Held-out batch j (the same j, the same windows, at every evaluation)."""
+        return self._cut(self.val, _generator(self.seed, "eval", j), -1 - j,
+                         self.val_path or self.path)
+
+    def _cut(self, data: np.ndarray, g: torch.Generator, step: int, name: str):
+        ids, targets, _ = self.lm
+        shape = _shape(self.program, ids)
+        nrows, seq = int(np.prod(shape[:-1])), self.seq
+        starts = torch.randint(0, data.size - seq, (nrows,), generator=g).numpy()
+        rows = list(range(nrows)) if self.rows is None else self.rows
+        win = np.zeros((nrows, seq + 1), dtype=np.int64)
+        if rows:
+            picked = starts[rows]
+            # fancy indexing on the map touches only the pages under these windows
+            win[rows] = data[picked[:, None] + np.arange(seq + 1)]
+            self._check(win[rows], picked, name)
+        self.last_read = rows
+        win_t = torch.from_numpy(win)
+        others = [n for n in self.roles if n not in (ids, targets)]
+        # other inputs (rare) from the synthetic task; never its Markov chain for these two
+        out = {n: v for n, v in super().batch(step).items() if n in others} if others else {}
+        out[ids] = win_t[:, :-1].reshape(shape).to(_dtype(self.program, ids))
+        out[targets] = win_t[:, 1:].reshape(shape).to(_dtype(self.program, targets))
+        return out
+
+    def _scan(self, arr: np.ndarray, name: str) -> None:
+        for at in range(0, arr.size, SCAN_CHUNK):
+            chunk = np.asarray(arr[at:at + SCAN_CHUNK])
+            self._check(chunk[None, :], np.array([at]), name)
+
+    def _check(self, win: np.ndarray, starts: np.ndarray, name: str) -> None:
+        top = int(win.max())
+        if top >= self.vocab or int(win.min()) < 0:
+            r, c = np.argwhere((win >= self.vocab) | (win < 0))[0]
+            bad = int(win[r, c])
+            raise DataError(f"{name}: token id {bad} at token offset {int(starts[r]) + int(c)} "
+                            f"does not fit the vocab of {self.vocab}; raise it (e.g. --dim "
+                            f"vocab={_pow2(max(bad, top) + 1)}) or check --data-dtype")
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p

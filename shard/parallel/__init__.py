@@ -1,0 +1,1 @@
+"""Strategies over the runtime: data parallel and ZeRO, expert dispatch, offload, recompute."""

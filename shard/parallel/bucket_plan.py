@@ -1,0 +1,67 @@
+"""Gradient buckets planned from the Program alone (pure data, no torch).
+
+The runtime (shard/parallel/data_parallel.py, GradReducer) builds exactly these buckets and
+`soapstone explain` counts their collectives, so the two agree by construction. Float parameters go
+in
+reverse program order (the order backward produces their gradients) into buckets of at most
+`bucket_mb` MiB, the first at most 1 MiB as in PyTorch DDP so communication starts early.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from soapstone.shard.plan.dtypes import is_float
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@attrs.frozen
+class BucketPlan:
+    """One bucket as planned from the Program alone: its parameters (in slot order) and keys."""
+
+    names: tuple[str, ...]
+    numel: int  # local elements of its parameters, before padding
+    sync: tuple[str, ...]
+    dp: tuple[str, ...]
+    split: tuple[str, ...]
+    block: str | None
+    deferred: bool
+
+
+def plan_buckets(program, zero: int, data_axes: tuple[str, ...],
+                 deferred: tuple[str, ...] = (), bucket_mb: float = 25.0) -> list[BucketPlan]:
+    """The buckets GradReducer builds for `program` (the module doc's rules), from the Program
+    alone (torch-free, so `soapstone explain` counts the same collectives the runtime issues).
+    Float parameters in reverse program order; a bucket's key is (grad_sync, data axes among
+    them, split axes, block under ZeRO-3, own name if deferred)."""
+    cap = max(int(bucket_mb * (1 << 20)), 1)
+    axes_order = [a for a, _ in program.mesh]
+    open_: dict[tuple, list[str]] = {}
+    open_bytes: dict[tuple, int] = {}
+    order: list[tuple[tuple, list[str]]] = []  # closed or open groups, by first param
+    numel: dict[str, int] = {}
+    first_cap = min(cap, FIRST_BUCKET_BYTES)
+    for spec in reversed(program.params):
+        if not is_float(spec.dtype):
+            continue
+        split = spec.layout.split_axes()
+        dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)
+        key = (spec.grad_sync, dp, split, spec.block if zero == 3 else None,
+               spec.name if spec.name in deferred else None)
+        n = numel[spec.name] = math.prod(spec.local_shape)
+        group = open_.get(key)
+        limit = first_cap if not order or group is order[0][1] else cap
+        if group is not None and open_bytes[key] + n * 4 > limit:
+            group = None
+        if group is None:
+            group = open_[key] = []
+            open_bytes[key] = 0
+            order.append((key, group))
+        group.append(spec.name)
+        open_bytes[key] += n * 4
+    return [BucketPlan(tuple(names), sum(numel[x] for x in names), sync, dp, split, block,
+                       own is not None)
+            for (sync, dp, split, block, own), names in order]

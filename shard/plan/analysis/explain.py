@@ -1,0 +1,549 @@
+"""Estimates from a Program, before launch: what each rank holds and sends per training step.
+
+All ranks of a Program hold equal shards (the compiler only splits evenly), so one rank's
+figures are every rank's.
+
+Memory (bytes per rank):
+- params: the local shards in the spec's dtype (ZeRO-3: 1/D of them, D the data-parallel size).
+- grads: the optimizer's fp32 gradient buffers, one element per local parameter element
+  (ZeRO-2/3: 1/D).
+- optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
+  SGD with momentum 4 bytes (ZeRO >= 1: 1/D).
+- activations: the bytes autograd keeps for backward at the end of the forward, per primitive
+  what the runtime's kernels save (fused attention keeps q, k, v and its output, never the
+  scores; an add keeps nothing; ...: shard/plan/analysis/activations.py), each tensor once;
+- transient: the working set on top of them at the step's peak (values still to be read in
+  forward, gradients in flight in backward), from a walk of the Program that frees each value
+  after its last use as the runtime does. activations + transient is the step's peak above
+  the parameter state (within a few percent of the measured peak on the examples:
+  bench/bench_memory.py, tests/test_plan.py).
+
+Communication (bytes this rank sends per training step, per mesh axis and collective kind):
+the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
+2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
+the figures equal what the communicators' `stats` counters record during one step of
+`soapstone run` (tests/test_explain.py checks it):
+- forward: the Program's redistributions, and the statistics allreduces of distributed ops
+  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
+  op's own calls (shard/parallel/dispatch_plan.py: the counts allgather; where tokens and experts
+  share an axis, the dispatch and combine alltoallv, counted as their expected bytes at the
+  capacity bound, so these rows alone are estimates: the counters record what the routing
+  sent).
+- backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
+  partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
+  alltoall, and the backward allreduce of each statistics sum).
+- grad sync (shard/parallel/data_parallel.py), per gradient bucket of the runtime's own plan
+  (`plan_buckets`: the same parameters in the same buckets, padded the same way): ZeRO-0
+  allreduces each bucket's fp32 gradient over its grad_sync axes; ZeRO >= 1 reduce-scatters it
+  over the data axes and allreduces the shard over the other grad_sync axes; ZeRO-1/2 then
+  allgather the updated parameters over the data axes; ZeRO-3 instead gathers each bucket's
+  parameters twice per step, before its first use in forward and again in backward (counted
+  under forward and backward: shard/parallel/zero.py frees a bucket after forward and its saved
+  tensors regather it).
+- grad norm: one float64 allreduce per distinct set of axes the gradient pieces are split
+  over (the optimizer always computes the global norm).
+- loss: the float allreduce(s) that report the global loss each step.
+
+Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Program (compiled
+for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
+figures add up its virtual stages:
+- params, grads, optimizer: the sum over the rank's stages (a tied weight counts per copy).
+- activations: one microbatch's saved bytes per stage times the microbatches in flight,
+  taken from the schedule itself (the transient: the largest of the rank's stages', plus
+  every tensor it sends in the step, whose sends are waited on at the step's end):
+  walking the rank's F/B actions, the peak over time of
+  sum(live forwards of stage s x its bytes). For 1F1B that is p - s microbatches on pipe rank s
+  (at most m); GPipe keeps all m; interleaved keeps its warm-up depth.
+- communication: a stage's forward and backward collectives run once per microbatch (x m);
+  gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
+  reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
+  allreduce over the pipe axis for the norm over every stage; the loss: the last stage's loss
+  reduction per microbatch, then one float64 allreduce over the pipe axis; weights tied across
+  stages: one float64 allreduce over the pipe axis of their local elements; p2p: the sender
+  counts each boundary tensor per microbatch (activations forward, float gradients back).
+  These equal the comm counters of one `soapstone run` step on every rank (tests).
+- bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank, or zb1p's
+  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules.py derives both).
+- imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
+  over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
+  but the embedding and the output projection are counted by their size, which overstates the
+  embedding (a lookup) and understates attention's activation-only FLOPs. 1.0 without stages.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import attrs
+
+from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
+from soapstone.shard.parallel.selective_plan import selective_flops
+from soapstone.shard.plan.analysis.activations import activation_figures, recompute_flops
+from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
+from soapstone.shard.plan.dtypes import DTYPES
+from soapstone.shard.plan.layout import P
+from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.schedules import SPLIT
+
+FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
+OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
+
+
+@attrs.define
+class Traffic:
+    """One row: this rank's calls and bytes for one collective on one axis (or axes)."""
+
+    phase: str  # forward | backward | grad sync | grad norm | loss
+    kind: str  # allreduce | reduce_scatter | allgather | alltoall | broadcast
+    axis: str  # mesh axis, or "a,b" for a communicator over several
+    calls: int = 0
+    bytes: int = 0
+
+
+@attrs.define
+class Estimate:
+    """Per-rank memory and per-step communication of one layout."""
+
+    model: str
+    parallel: str | None
+    world_size: int
+    mesh: dict[str, int]
+    zero: int
+    optimizer: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    traffic: list[Traffic]
+    bubble: float = 0.0
+    imbalance: float = 1.0
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str | None = None
+    pipe_rank: int | None = None  # pipelines: whose figures the memory and traffic are
+    pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
+    edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
+    transient_bytes: int = 0  # the working set above the saved activations at the peak
+    # `recompute`: (saved, working set) without it, and the matmul FLOPs backward runs again
+    # (one microbatch)
+    without_recompute: tuple[int, int] | None = None
+    recompute_flops: float = 0.0
+    # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
+    experts: list[dict] = attrs.field(factory=list)
+    # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
+    rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + \
+            self.activation_bytes + self.transient_bytes
+
+    def comm_by(self, *, merge_phases: bool = True) -> dict[tuple[str, str], tuple[int, int]]:
+        """(axis, kind) -> (calls, bytes), summed over phases: what `stats` counters show."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for t in self.traffic:
+            key = (t.axis, t.kind) if merge_phases else (t.phase, t.axis, t.kind)
+            row = out.setdefault(key, [0, 0])
+            row[0] += t.calls
+            row[1] += t.bytes
+        return {k: (c, b) for k, (c, b) in out.items()}
+
+    def to_data(self) -> dict:
+        """The estimate as plain data (`explain --json`), with total and per-axis bytes."""
+        d = attrs.asdict(self)
+        del d["rank_traffic"]
+        d["total_bytes"] = self.total_bytes
+        d["comm_bytes_per_axis"] = {}
+        for t in self.traffic:
+            d["comm_bytes_per_axis"][t.axis] = d["comm_bytes_per_axis"].get(t.axis, 0) + t.bytes
+        return d
+
+
+def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
+             deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
+             plain: tuple[int, int] | None = None) -> Estimate:
+    """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
+    deferred: params with a gradient bucket of their own (pipeline tied weights);
+    activations: activation_figures(program) when the caller has them already; plain: the
+    same of the program without recompute (one that has it)."""
+    mesh = dict(program.mesh)
+    dp_axes = program.data_axes if zero else ()
+    d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
+    rows: dict[tuple[str, str, str], Traffic] = {}
+
+    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1):
+        axes = (axes,) if isinstance(axes, str) else tuple(a for a in mesh if a in axes)
+        n = math.prod(mesh[a] for a in axes)
+        if n <= 1:
+            return
+        key = (phase, kind, ",".join(axes))
+        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes)))
+        row.calls += calls
+        row.bytes += bus_bytes(kind, nbytes, n) * calls
+
+    float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
+    elems = sum(math.prod(p.local_shape) for p in float_params)
+    param_bytes = sum(program.value(p.name).nbytes for p in program.params)
+    activations, transient = activations or activation_figures(program)
+    again = {i for a, b in program.recompute for i in range(a, b)}
+    for i, step in enumerate(program.steps):
+        if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
+            if forward_op(step):
+                add("forward", forward_op(step), step.axis, forward_bytes(program, step))
+                if i in again:  # recompute: backward runs the forward's collectives again
+                    add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
+            if backward_op(step) and program.value(step.src).is_float:
+                add("backward", backward_op(step), step.axis, backward_bytes(program, step))
+        if isinstance(step, Compute):  # a routing kernel's own calls (parallel/dispatch_plan.py)
+            for c in kernel_calls(program, step):
+                add(c.phase, c.kind, c.axes, c.payload)
+                if i in again and c.phase == "forward":
+                    add("recompute", c.kind, c.axes, c.payload)
+        if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
+            x = program.value(step.args[0])
+            item = FLOAT_BYTES.get(x.dtype, 4)
+            over = str(step.attr("over"))
+            stat = math.prod(s for dim, s in zip(x.dims, x.local_shape, strict=True)
+                             if dim != over) * item
+            for axis in step.dist:
+                for _, backward in DIST_STATS.get(step.kind, ()):
+                    add("forward", "allreduce", axis, stat)
+                    if i in again:
+                        add("recompute", "allreduce", axis, stat)
+                    if backward:
+                        add("backward", "allreduce", axis, stat)
+    # gradient sync, as shard/parallel/data_parallel.py does it: its own bucket plan (plan_buckets),
+    # fp32 gradient buffers padded to a multiple of the data-parallel size
+    from soapstone.shard.parallel.bucket_plan import plan_buckets
+
+    norm_keys: set[tuple[str, ...]] = set()
+    # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
+    # gradient buffers, held until their reduce-scatters complete
+    gathered = 0
+    # master copies are fp32, or as wide as the params (fp64)
+    master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
+    # elements no data axis shards: a param whose gradient arrives summed over the data axes
+    # already (through an activation's copy_to: a position table) has no data-axis sync,
+    # so ZeRO leaves it, its gradient and its optimizer state whole
+    whole = 0
+    for plan in plan_buckets(program, zero, program.data_axes, deferred):
+        n_dp = math.prod(mesh[a] for a in plan.dp)
+        if n_dp == 1:
+            whole += plan.numel
+        padded = -(-plan.numel // n_dp) * n_dp
+        item = FLOAT_BYTES[program.value(plan.names[0]).dtype]
+        # a weight tied across pipeline stages is reduced once, at the step, after its sum
+        # over the pipe axis; every other bucket in backward (each microbatch's at ZeRO >= 2)
+        sync = "tied sum" if plan.deferred else "grad sync"
+        if zero == 0 or n_dp == 1:
+            add(sync, "allreduce", plan.sync, padded * master)
+            norm_keys.add(tuple(a for a in mesh if a in plan.split))
+            continue
+        rest = tuple(a for a in plan.sync if a not in plan.dp)
+        add(sync, "reduce_scatter", plan.dp, padded * master)
+        add(sync, "allreduce", rest, padded // n_dp * master)
+        if zero <= 2:  # the updated shards, gathered after the optimizer step
+            add("grad sync", "allgather", plan.dp, padded * item)
+        else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
+            add("forward", "allgather", plan.dp, padded * item)
+            add("backward", "allgather", plan.dp, padded * item)
+            gathered = max(gathered, padded * item)
+        norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
+    for key in norm_keys:
+        add("grad norm", "allreduce", key, 8)
+    loss = program.loss
+    if loss is not None:
+        lv = program.value(loss.value)
+        for axis, placement in lv.layout.placements:
+            if placement == P:
+                add("loss", "allreduce", axis, lv.nbytes)
+            else:
+                add("loss", "allgather", axis, lv.nbytes * mesh[axis])
+    def held(total: int, item: float, from_stage: int) -> int:
+        """The bytes of `total` (item bytes an element) a rank holds where ZeRO >= from_stage
+        shards all but the `whole` elements over the data axes."""
+        if zero < from_stage:
+            return total
+        kept = int(whole * item)
+        return kept + (total - kept) // d
+
+    grad_bytes = held(elems * 4, 4, 2)
+    if zero == 1:  # the full buffer persists (it accumulates) beside the reduced shard
+        grad_bytes += held(elems * 4, 4, 1) - int(whole * 4)
+    state = OPTIMIZER_STATE.get(optimizer, 8)
+    opt_bytes = held(elems * state, state, 1)
+    return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
+                    held(param_bytes, param_bytes / elems if elems else 0, 3),
+                    grad_bytes, opt_bytes, activations,
+                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+                    transient_bytes=transient + gathered + (
+                        elems * 4 - grad_bytes if zero >= 2 else 0),
+                    without_recompute=(plain or activation_figures(
+                        attrs.evolve(program, recompute=(), dropped=())))
+                    if program.recompute or program.dropped else None,
+                    recompute_flops=recompute_flops(program) + selective_flops(program),
+                    experts=expert_figures(program))
+
+
+def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """Peak activation bytes held by pipe rank `rank` under `schedule`, and the peak number of
+    microbatches in flight per virtual stage."""
+    snapshots, peak_live = _live(schedule.kind, schedule.pipe, schedule.microbatches,
+                                 schedule.chunks, rank)
+    peak = max((sum(n * act.get(s, 0) for s, n in snap) for snap in snapshots), default=0)
+    return peak, dict(peak_live)
+
+
+@functools.lru_cache(maxsize=4096)
+def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
+    """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
+    forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
+    is at one of them), and the peak per stage. Cached: the planner asks for many layouts."""
+    from soapstone.shard.plan import schedules
+
+    live: dict[int, int] = {}
+    peak_live: dict[int, int] = {}
+    snaps: set[tuple[tuple[int, int], ...]] = set()
+    sched = schedules.build(kind, pipe, m, chunks)
+    done = "W" if sched.split else "B"  # a split backward keeps its values until W
+    for a in sched.ranks[rank]:
+        if a.kind not in ("F", done):
+            continue
+        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
+        if a.kind == "F":
+            snaps.add(tuple(sorted(live.items())))
+
+    keep: list[dict[int, int]] = []  # by total, largest first: a dominating one comes first
+    for x in sorted(snaps, key=lambda x: -sum(n for _, n in x)):
+        if not any(all(n <= y.get(s, 0) for s, n in x) for y in keep):
+            keep.append(dict(x))
+    return tuple(tuple(k.items()) for k in keep), tuple(peak_live.items())
+
+
+@attrs.frozen
+class StageFigures:
+    """What `combine_pipeline` needs of one virtual stage besides its Estimate."""
+
+    index: int
+    rank: int  # the pipe rank running it
+    blocks: tuple[str, ...]
+    param_elements: int  # full (unsharded) parameter elements: the imbalance's measure
+
+
+@attrs.frozen
+class EdgeFigures:
+    """One stage-graph edge per microbatch: what its sender sends forward and gets back."""
+
+    src: int
+    dst: int
+    src_rank: int
+    dst_rank: int
+    tensors: int
+    nbytes: int
+    float_tensors: int  # those whose gradients come back
+    float_bytes: int
+
+
+def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
+                      rank: int | None = None) -> Estimate:
+    """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
+    default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
+    shared = {n: w for n, w in graph.shared}
+    per_stage = {}
+    for st in graph.stages:
+        per_stage[st.index] = estimate(st.program, zero, optimizer,
+                                       deferred=tuple(n for n in shared
+                                                      if n in {p.name for p in
+                                                               st.program.params}))
+    stages = [StageFigures(st.index, st.rank, st.blocks,
+                           sum(math.prod(p.shape) for p in st.program.params))
+              for st in graph.stages]
+    edges = [EdgeFigures(e.src, e.dst, e.src_rank, e.dst_rank, len(e.tensors), e.nbytes,
+                         sum(1 for t in e.tensors if t.is_float),
+                         sum(t.nbytes for t in e.tensors if t.is_float)) for e in graph.edges]
+    tied = sum(math.prod(graph.stages[w[0]].program.value(name).local_shape)
+               for name, w in shared.items())
+    return combine_pipeline(graph, per_stage, stages, edges, tied, zero, optimizer, rank)
+
+
+def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFigures],
+                     edges: list[EdgeFigures], tied_elements: int, zero: int, optimizer: str,
+                     rank: int | None = None) -> Estimate:
+    """The pipeline estimate from each virtual stage's estimate (module doc): `graph` gives
+    the layout (model, parallel, mesh, axis, pipe, schedule, microbatches, chunks); the
+    planner passes stage estimates it extrapolated instead of compiling every stage."""
+    from soapstone.shard.plan import schedules
+
+    m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
+    mesh = dict(graph.mesh)
+    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
+    act = {i: e.activation_bytes for i, e in per_stage.items()}
+    of_rank: dict[int, list[StageFigures]] = {}
+    sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
+    backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
+    for st in stages:
+        of_rank.setdefault(st.rank, []).append(st)
+    for e in edges if pipe > 1 else ():
+        sends.setdefault(e.src_rank, []).append(e)
+        backs.setdefault(e.dst_rank, []).append(e)
+    ranks = []
+    for r in range(pipe):
+        mine = of_rank.get(r, [])
+        peak, flight = _in_flight(sched, r, act)
+        rows: dict[tuple[str, str, str], Traffic] = {}
+
+        def add(phase, kind, ax, calls, nbytes, rows=rows):
+            row = rows.setdefault((phase, kind, ax), Traffic(phase, kind, ax))
+            row.calls += calls
+            row.bytes += nbytes
+
+        for st in mine:
+            for t in per_stage[st.index].traffic:
+                times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
+                    zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
+                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
+        if pipe > 1:
+            for e in sends.get(r, ()):
+                add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
+            for e in backs.get(r, ()):
+                add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
+            if tied_elements:
+                add("tied sum", "allreduce", axis, 1,
+                    bus_bytes("allreduce", 8 * tied_elements, pipe))
+            add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+        ranks.append({
+            "pipe_rank": r, "stages": [st.index for st in mine],
+            "blocks": [b for st in mine for b in st.blocks],
+            "param_bytes": sum(per_stage[st.index].param_bytes for st in mine),
+            "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
+            "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
+            "activation_bytes": peak,
+            # + the step's sends, held until its end (the executor waits on them there)
+            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine) + m * (
+                sum(e.nbytes for e in sends.get(r, ()))
+                + sum(e.float_bytes for e in backs.get(r, ()))),
+            "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
+            "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
+            "param_elements": sum(st.param_elements for st in mine),
+            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+        })
+    for row in ranks:
+        row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
+                                                  "optimizer_bytes", "activation_bytes",
+                                                  "transient_bytes"))
+    pick = ranks[rank] if rank is not None else max(ranks, key=lambda x: x["total_bytes"])
+    mean = sum(x["param_elements"] for x in ranks) / pipe
+    edge_data = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
+                  "activation_bytes": e.nbytes * m, "gradient_bytes": e.float_bytes * m}
+                 for e in edges]
+    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
+                    pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
+                    pick["activation_bytes"], pick["traffic"],
+                    transient_bytes=pick["transient_bytes"], bubble=sched.theory_bubble(),
+                    imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
+                    stages=len(stages), microbatches=m, schedule=graph.schedule,
+                    pipe_rank=pick["pipe_rank"],
+                    pipe_ranks=[{k: v for k, v in x.items() if k != "traffic"}
+                                | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
+                                for x in ranks],
+                    edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
+                    **_recompute_figures(sched, pick, per_stage))
+
+
+def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dict:
+    """A pipe rank's figures without `recompute` (activations in flight, working set) and
+    the FLOPs it runs again per microbatch, as Estimate's fields; {} without recompute."""
+    mine = pick["stages"]
+    if all(per_stage[i].without_recompute is None for i in mine):
+        return {}
+    plain = {i: (e.without_recompute or (e.activation_bytes, e.transient_bytes))
+             for i, e in per_stage.items()}
+    peak, _ = _in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()})
+    return {"without_recompute": (peak, max(plain[i][1] for i in mine)),
+            "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
+
+
+def format_bytes(n: float) -> str:
+    """A byte count for people: "512 B", "1.5 KiB", "2.25 MiB", "1.00 GiB" (show, explain)."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
+
+
+def format_traffic(traffic: list[Traffic]) -> list[str]:
+    """The communication rows of `explain` (and of `show`): one per phase, kind and axis, then
+    a total per axis."""
+    lines = [] if traffic else ["  none"]
+    per_axis: dict[str, int] = {}
+    for t in traffic:
+        lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
+                     f"{format_bytes(t.bytes):>12}")
+        per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
+    for axis, n in sorted(per_axis.items()):
+        lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{format_bytes(n):>12}")
+    return lines
+
+
+def format_estimate(e: Estimate) -> str:
+    """The table `soapstone explain` prints."""
+    mesh = " x ".join(f"{a}={s}" for a, s in e.mesh.items()) or "single rank"
+    who = "every rank alike" if e.pipe_rank is None else \
+        f"pipe rank {e.pipe_rank}, the largest; the ranks of one pipe rank alike"
+    lines = [f"explain {e.model}" + (f" / {e.parallel}" if e.parallel else "") +
+             f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
+             f"zero {e.zero}, {e.optimizer}",
+             f"memory per rank ({who}):",
+             f"  params        {format_bytes(e.param_bytes):>12}",
+             f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
+             f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
+             f"  activations   {format_bytes(e.activation_bytes):>12}   (what backward keeps"
+             + (", x microbatches in flight)" if e.pipe_rank is not None else ")"),
+             f"  working set   {format_bytes(e.transient_bytes):>12}   (above them at the peak: "
+             "values to read, gradients in flight)",
+             f"  total         {format_bytes(e.total_bytes):>12}"]
+    if e.without_recompute is not None:
+        saved, work = e.without_recompute
+        lines.append(f"  (recompute: without it activations {format_bytes(saved)}, working set "
+                     f"{format_bytes(work)};")
+        lines.append(f"   backward runs {e.recompute_flops / 1e9:.3g} GFLOP of the forward "
+                     "again per microbatch)")
+    lines.append("communication per training step (bytes this rank sends, ring convention):")
+    lines.extend(format_traffic(e.traffic))
+    for m in e.experts:
+        lines.append(f"  {m['op']}: {m['per_rank']} of {m['experts']} experts per rank "
+                     f"({format_bytes(m['param_bytes'])} of expert params)" + (
+                         f"; alltoallv bytes are expected at the capacity bound ({m['bound']} "
+                         f"of {m['choices']} choices kept, spread evenly over the ranks)"
+                         if m["exchange"] else ""))
+    if e.pipe_rank is None:
+        lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
+                     f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
+        return "\n".join(lines) + "\n"
+    p = len(e.pipe_ranks)
+    formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
+    if e.schedule in SPLIT:  # zb1p (schedules.py): its steady state needs m >= p
+        formula = "(p-1)/(3m+p-1)" if e.microbatches >= p else "1-3m/(2m+2p-1)"
+    lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
+                 f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
+                 f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
+    lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
+    for r in e.pipe_ranks:
+        per_mb = r["activation_bytes_per_microbatch"]
+        flight = ", ".join(f"stage {s}: {n} x {format_bytes(per_mb[s])}"
+                           for s, n in r["microbatches_in_flight"].items())
+        lines.append(f"  rank {r['pipe_rank']}  params {format_bytes(r['param_bytes'])}  "
+                     f"grads {format_bytes(r['grad_bytes'])}  "
+                     f"optimizer {format_bytes(r['optimizer_bytes'])}  "
+                     f"activations {format_bytes(r['activation_bytes'])} ({flight} in flight)  "
+                     f"sends {format_bytes(r['comm_bytes'])}")
+    for d in e.edges:
+        lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
+                     f"{format_bytes(d['activation_bytes'])}, gradients back "
+                     f"{format_bytes(d['gradient_bytes'])}")
+    return "\n".join(lines) + "\n"

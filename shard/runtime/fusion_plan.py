@@ -1,0 +1,163 @@
+"""Which chains of a Program the runtime fuses into one kernel (pure data, no torch).
+
+shard/runtime/fusion.py runs them (attention as `scaled_dot_product_attention`, linear + bias as one
+`addmm`); this module only finds them, so that `explain` can count what a fused chain
+materialises and keeps for backward (nothing of the attention scores, no matmul temporary)
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from soapstone.shard.plan.program import Compute, Program
+
+
+@attrs.frozen
+class FusedAttention:
+    """A chain of steps computed by one fused call, made when the last of them is reached
+    (by then every input is there: a gathered `v` may arrive after the softmax)."""
+
+    at: int  # the output einsum: where the fused call runs
+    covered: tuple[int, ...]  # the scores einsum, mask and softmax it also computes
+    q: str
+    k: str
+    v: str
+    out: str
+    scores: str  # the scores value (its layout gives the causal mask's offsets)
+    query: str  # dim names
+    key: str
+    causal: bool
+    scale: float
+
+
+@attrs.frozen
+class FusedLinear:
+    """`out = x . w + bias` contracting x's trailing `k` dims with w's leading ones."""
+
+    at: int  # the bias add
+    covered: tuple[int, ...]  # the einsum
+    x: str
+    w: str
+    bias: str
+    out: str
+    k: int
+
+
+@functools.cache
+def matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
+    """k when a's last k dims are b's first k (contracted) and the output is the rest of a
+    then the rest of b: the contraction is one matmul. 0 otherwise."""
+    for k in range(min(len(a), len(b)), 0, -1):
+        if a[len(a) - k:] == b[:k] and out == a[:len(a) - k] + b[k:] \
+                and not set(a[:len(a) - k]) & set(b[k:]):
+            return k
+    return 0
+
+
+def find_fusions(program: Program) -> dict:
+    """Every fusable chain (attention, linear + bias), keyed by the index it runs at."""
+    return {**find_attention(program), **find_linear(program)}
+
+
+class _Uses:
+    """Who consumes each value of a program."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.where = {s.out: i for i, s in enumerate(program.steps)}
+        self.uses: dict[str, list[int]] = {}
+        for i, s in enumerate(program.steps):
+            for a in getattr(s, "args", ()) or (getattr(s, "src", None),):
+                self.uses.setdefault(a, []).append(i)
+        self.outputs = {o.value for o in program.outputs}
+        self.params = {p.name for p in program.params}
+
+    def only_use(self, name: str) -> Compute | None:
+        """The single local (unowned) Compute consuming `name`, if that is its only use."""
+        found = self.uses.get(name, [])
+        if len(found) != 1 or name in self.outputs:
+            return None
+        step = self.program.steps[found[0]]
+        return step if isinstance(step, Compute) and not step.owner else None
+
+
+def find_linear(program: Program) -> dict[int, FusedLinear]:
+    """Every `einsum(x, W)` over x's trailing dims whose only use adds a bias parameter."""
+    u = _Uses(program)
+    found: dict[int, FusedLinear] = {}
+    for i, s in enumerate(program.steps):
+        if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner
+                and s.args[1] in u.params and s.attr("scale") is None):
+            continue
+        x, w, y = (program.value(n).dims for n in (*s.args, s.out))
+        k = matmul_split(x, w, y)
+        add = u.only_use(s.out)
+        if not k or add is None or add.kind != "add" or add.args[0] != s.out:
+            continue
+        bias = add.args[1]
+        if bias not in u.params or program.value(bias).dims != w[k:] \
+                or program.value(add.out).dims != y:
+            continue
+        at = u.where[add.out]
+        found[at] = FusedLinear(at, (i,), s.args[0], s.args[1], bias, add.out, k)
+    return found
+
+
+def find_attention(program: Program) -> dict[int, FusedAttention]:
+    """Every fusable attention chain, keyed by the index of its output einsum."""
+    u = _Uses(program)
+    steps, where, params, only_use = program.steps, u.where, u.params, u.only_use
+    found: dict[int, FusedAttention] = {}
+    for s in steps:
+        if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner):
+            continue
+        if any(a in params for a in s.args):
+            continue
+        nxt = only_use(s.out)
+        mask = None
+        if nxt is not None and nxt.kind == "causal_mask":
+            mask, nxt = nxt, only_use(nxt.out)
+        if nxt is None or nxt.kind != "softmax" or nxt.dist:
+            continue
+        soft = nxt
+        o = only_use(soft.out)
+        if o is None or o.kind != "einsum" or o.args[0] != soft.out:
+            continue
+        chain = _shapes_fit(program, s, soft, o, mask)
+        if chain is None:
+            continue
+        query, key = chain
+        found[where[o.out]] = FusedAttention(
+            at=where[o.out], covered=tuple(where[x.out] for x in (s, mask, soft) if x is not None),
+            q=s.args[0], k=s.args[1], v=o.args[1], out=o.out, scores=s.out,
+            query=query, key=key, causal=mask is not None,
+            scale=float(s.attr("scale", 1.0)),
+        )
+    return found
+
+
+def _shapes_fit(program, scores, soft, o, mask) -> tuple[str, str] | None:
+    """(query dim, key dim) when the chain is q.k^T -> softmax over keys -> .v, else None."""
+    q, k = (program.value(a).dims for a in scores.args)
+    v, out = program.value(o.args[1]).dims, program.value(o.out).dims
+    sdims = program.value(scores.out).dims
+    key = soft.attr("over")
+    query_dims = [d for d in sdims if d in q and d not in k]
+    if len(query_dims) != 1 or key not in k or key in q:
+        return None
+    query = query_dims[0]
+    if mask is not None and (mask.attr("query"), mask.attr("key")) != (query, key):
+        return None
+    lead = [d for d in sdims if d not in (query, key)]
+    contracted = [d for d in q if d not in sdims]
+    values = [d for d in v if d not in lead and d != key]
+    if len(contracted) != 1 or contracted[0] not in k or len(values) != 1:
+        return None
+    if set(q) != {*lead, query, *contracted} or set(k) != {*lead, key, *contracted}:
+        return None
+    if set(v) != {*lead, key, *values} or set(out) != {*lead, query, *values}:
+        return None
+    return query, key

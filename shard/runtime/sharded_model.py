@@ -1,0 +1,274 @@
+"""The small runtime that executes a Program on one rank.
+
+`ShardedModel` holds this rank's parameter shards (drawn directly, equal to the same slices of
+the tensors the single-rank model draws for the same seed), runs the steps in order with torch
+autograd recording them, and sums parameter gradients over the axes the Program says they are
+partial on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from soapstone.comm import autograd as ag
+from soapstone.comm.device import check_placement
+from soapstone.comm.errors import UserError
+from soapstone.shard.ops import moe as _moe  # noqa: F401 - registers the moe kernel
+from soapstone.shard.ops.kernels import Shards, run_op
+from soapstone.shard.parallel.recompute import Segment
+from soapstone.shard.parallel.selective import DropPlan
+from soapstone.shard.plan.layout import P, Split
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
+from soapstone.shard.runtime.fusion import find_fusions, run_fused
+from soapstone.shard.runtime.param_init import TORCH_DTYPES, init_full, init_shard  # noqa: F401
+
+
+class ShapeMismatch(UserError, RuntimeError):
+    """A tensor's shape differs from the one the Program was compiled with."""
+
+
+def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
+    """ValueError unless `mesh` has exactly the axes and sizes `what` was compiled for."""
+    have = dict(getattr(mesh, "shape", {}) or {})
+    if have != dict(want):
+        raise ValueError(f"{what} needs a mesh {dict(want)}, got {have or 'none'}")
+
+
+class ShardedModel:
+    """One rank's share of a model compiled to `program`, on `mesh` (None for one rank)."""
+
+    def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
+                 dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                 fuse: bool = True, device: torch.device | str | None = None):
+        if program.world_size > 1:
+            check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
+        self.program = program
+        self.mesh = mesh
+        # device: where parameters and activations live (cpu by default; a CUDA device needs
+        # a mesh of NCCL communicators: soapstone.comm.device.pick chooses it per rank)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        check_placement(self.device, mesh)
+        self.ctx = Shards(program, mesh)
+        self.ctx.device = self.device
+        self.ctx.rng_seed = seed
+        self.custom = {f"custom:{k}": fn for k, fn in (custom or {}).items()}
+        # chains of ops run as one fused kernel (shard/runtime/fusion.py); fuse=False runs each op
+        self.fused = find_fusions(program) if fuse else {}
+        # where each step's inputs are read: a covered step's are read by its fused chain
+        self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
+        self.covered = set(self.run_index)
+        self.frees = _last_uses(program, self.run_index)
+        # `recompute`: the step ranges run as checkpointed segments, by first step
+        self.recompute = {a: Segment.of(program, a, b, self.run_index)
+                          for a, b in program.recompute}
+        # `recompute selective`: values freed after forward's last use, rebuilt for backward
+        self.drop_plan = DropPlan(program, self.run_index) if program.dropped else None
+        self._dropping = None
+        # dtype: the parameters' and activations' float dtype instead of the spec's (float64
+        # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
+        # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
+        self.compute_dtype = compute_dtype or dtype
+        # each rank draws only its own slice of every parameter (shard/runtime/param_init.py)
+        self.params: dict[str, torch.nn.Parameter] = {
+            p.name: torch.nn.Parameter(_cast(init_shard(
+                p, seed, self.ctx.local_slices(program.value(p.name)), self.device), dtype))
+            for p in program.params
+        }
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return _cast(t, self.compute_dtype)
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The local parameter shards, in program order (for a torch optimizer)."""
+        return list(self.params.values())
+
+    def named_parameters(self):
+        """(qualified name, local shard) pairs."""
+        return iter(self.params.items())
+
+    def local(self, full: torch.Tensor, value: Value) -> torch.Tensor:
+        """This rank's slice of a full tensor laid out as `value`."""
+        want = tuple(dict(self.program.dims)[d] for d in value.dims)
+        if tuple(full.shape) != want:
+            dims = ", ".join(f"{d}={s}" for d, s in zip(value.dims, want, strict=True))
+            raise ShapeMismatch(f"{value.name}: expected global shape [{dims}], got "
+                                f"{list(full.shape)}")
+        return full[self.ctx.local_slices(value)].contiguous()
+
+    def gather(self, t: torch.Tensor, value: Value) -> torch.Tensor:
+        """The full tensor from this rank's piece: allgather splits, allreduce partials."""
+        t = t.detach()
+        for axis, placement in value.layout.placements:
+            comm = self.mesh.comm(axis)
+            if placement == P:
+                t = comm.allreduce(t.clone())
+            elif isinstance(placement, Split):
+                t = comm.allgather(t.contiguous(), dim=value.dims.index(placement.dim))
+            else:  # Owned: only the owner holds it
+                t = t.contiguous()
+                comm.broadcast(t, src=placement.coord)
+        return t
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as its full tensor (collective: all ranks must call it)."""
+        return {n: self.gather(p, self.program.value(n)) for n, p in self.params.items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) tensors, keeping this rank's slices."""
+        missing = sorted(set(self.params) - set(state))
+        if missing:
+            raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[0]}")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.local(state[n].to(p.dtype), self.program.value(n)))
+
+    # --- forward and backward --------------------------------------------------------------
+
+    def forward(self, inputs: dict[str, torch.Tensor],
+                local: dict[str, torch.Tensor] | None = None, *, rng_step: int = 0,
+                window: dict[str, tuple[int, int]] | None = None,
+                provider=None) -> dict[str, torch.Tensor]:
+        """Run the steps on full inputs (every rank passes the same) or, for names in `local`,
+        on this rank's shards already (a pipeline stage's received tensors); local outputs.
+
+        rng_step: the training step (dropout masks are a function of seed, step and value).
+        window: where this call's batch sits in the global batch when it runs a microbatch
+        (dim -> (offset, global size); see ops.Shards). provider: ZeRO-3's parameter source
+        (shard/parallel/zero.py), asked for parameters step by step; default: this model's own."""
+        self.ctx.rng_step = rng_step
+        self.ctx.window = window or {}
+        env: dict[str, torch.Tensor] = {}
+        for name in self.program.inputs:
+            if local and name in local:
+                env[name] = local[name]
+            elif name in inputs:
+                env[name] = self._cast(self.local(inputs[name], self.program.value(name))
+                                       .to(self.device))
+            else:
+                raise KeyError(f"missing input {name!r}")
+        env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
+        self._dropping = self.drop_plan.begin(self) \
+            if self.drop_plan and torch.is_grad_enabled() else None
+        with provider.forward_context() if provider else contextlib.nullcontext():
+            i = 0
+            while i < len(self.program.steps):
+                if i in self.recompute:
+                    i = self.recompute[i].run(self, env, provider)
+                    continue
+                self._step(i, env, provider)
+                i += 1
+        if self._dropping is not None:
+            self._dropping.end()
+            self._dropping = None
+        return {o.name: env[o.value] for o in self.program.outputs}
+
+    def _step(self, i: int, env: dict[str, torch.Tensor], provider) -> None:
+        """Run Program step i on `env` (with ZeRO-3's gathers and frees around it)."""
+        step = self.program.steps[i]
+        drops = self._dropping
+        if provider:
+            provider.before_step(i, env)
+        if drops is not None:
+            drops.before_step(i, env)
+        if i in self.fused:
+            f = self.fused[i]
+            out = run_fused(f, env, self.program, self.ctx.offset)
+            env[f.out] = self._checked(step, out, f.out)
+        elif i not in self.covered:
+            env[step.out] = self._run(step, env)
+        if drops is not None:
+            drops.after_step(i, self.fused[i].out if i in self.fused else step.out, env)
+        for name in self.frees.get(i, ()):
+            t = env.pop(name, None)  # last use: autograd keeps what backward needs, no more
+            if drops is not None and t is not None:
+                drops.free(name, t)
+        if provider:
+            provider.after_step(i)
+
+    __call__ = forward
+
+    def _run(self, step, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(step, Compute):
+            if step.owner and self.mesh.coord(step.owner[0]) != step.owner[1]:
+                return self._placeholder(step, env)
+            y = run_op(step, [env[a] for a in step.args], self.ctx, self.custom)
+            return self._checked(step, y, step.out)
+        x = env[step.src]
+        comm = self.mesh.comm(step.axis)
+        if isinstance(step, CopyTo):
+            return ag.copy_to(x, comm)
+        src = self.program.value(step.src)
+        if not src.is_float and step.kind in ("allgather", "slice"):
+            # integer data (token ids): no gradient to route
+            if step.kind == "allgather":
+                return comm.allgather(x.contiguous(), dim=src.dims.index(step.frm.dim))
+            return x.chunk(comm.size, src.dims.index(step.to.dim))[comm.rank].contiguous()
+        return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
+
+    def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:
+        v = self.program.value(name)
+        if tuple(y.shape) != v.local_shape:
+            raise ShapeMismatch(
+                f"{step.kind} producing {name}: local shape {list(y.shape)} differs "
+                f"from the compiled {list(v.local_shape)} (dims {', '.join(v.dims)})")
+        return y
+
+    def _placeholder(self, step: Compute, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What a rank off a branch holds for the branch's op: zeros, wired to the op's inputs
+        so that backward passes through the same collectives, in the same order, as on the
+        owner (with zero gradients)."""
+        v = self.program.value(step.out)
+        y = torch.zeros(v.local_shape, device=self.device, dtype=self._cast(
+            torch.zeros((), dtype=TORCH_DTYPES[v.dtype])).dtype)
+        for a in step.args:
+            t = env[a]
+            if t.is_floating_point() and t.requires_grad:
+                y = y + 0 * t.sum()
+        return y
+
+    def loss_value(self, outputs: dict[str, torch.Tensor]) -> float:
+        """The global loss (summed over the axes it is partial on), as a float."""
+        out = self.program.loss
+        return float(self.gather(outputs[out.name], self.program.value(out.value)))
+
+
+# Each redistribution kind of shard/plan/collectives.py as the autograd collective that runs it
+# (forward and, through autograd, the backward the table names): (x, comm, step, dim index).
+REDISTRIBUTE = {
+    "allreduce": lambda x, comm, step, dim: ag.reduce_from(x, comm),
+    "reduce_scatter": lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
+    "allgather": lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
+                                                          grad=step.grad),
+    "slice": lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
+    "alltoall": lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
+                                                         concat_dim=dim(step.frm.dim)),
+    "broadcast": lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
+                                                         src=step.frm.coord),
+    # a branch's value as a partial sum: zeros off the owner
+    "zero_fill": lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
+}
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _last_uses(program: Program, runs_at: dict[int, int]) -> dict[int, list[str]]:
+    """Step index -> the values whose last use it is (a fused chain uses its inputs where it
+    runs), so the forward drops them at once: intermediates are freed as soon as no later
+    step reads them, as in eager torch. Program outputs and parameters are kept."""
+    keep = {o.value for o in program.outputs} | {p.name for p in program.params}
+    keep |= {program.steps[i].out for i in runs_at}  # never materialised: fused away
+    last: dict[str, int] = {}
+    for i, step in enumerate(program.steps):
+        for a in step.args if isinstance(step, Compute) else (step.src,):
+            last[a] = runs_at.get(i, i)
+    frees: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            frees.setdefault(i, []).append(name)
+    return frees

@@ -1,0 +1,149 @@
+"""The training loop behind `soapstone run` and `soapstone golden`.
+
+One step: every rank builds the same full batch (shard/data/tasks.py) and the executor
+(shard/runtime/executor.py) runs its share: every microbatch's forward and backward by the layout's
+schedule, then the optimizers (shard/train/optim.py) sync gradients, clip and update the local
+shards. Every layout takes this one path; a layout without stages is a one-stage graph.
+`Trainer.step(i)` returns the step's metrics; the global loss is gathered on every rank (a
+collective: all ranks call it), so any rank may log it. A schedule (shard/train/lr_schedule.py) sets
+each step's learning rate; `accumulate` k > 1 takes batches k*i .. k*i+k-1 into step i's one
+update; `evaluate(n)` is the loss of n held-out batches (the task's `eval_batch`), forward only.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from soapstone.shard.data.tasks import SyntheticTask
+from soapstone.shard.plan.stage_graph import StageGraph
+from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.lr_schedule import LRSchedule
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@attrs.define
+class StepMetrics:
+    """What one training step did (the fields of a --metrics JSON line, plus grad_norm)."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    max_rss_bytes: int
+    grad_norm: float | None = None
+    lr: float | None = None
+
+    def to_json(self) -> dict:
+        """The --metrics line: step, loss, lr, step_time_s, tokens_per_s, max_rss_bytes."""
+        return {"step": self.step, "loss": self.loss, "lr": self.lr,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "max_rss_bytes": self.max_rss_bytes}
+
+
+@attrs.frozen
+class EvalMetrics:
+    """An evaluation after training step `step`: the mean loss of `batches` held-out batches
+    (and its perplexity, exp(loss), for a language model)."""
+
+    step: int
+    loss: float
+    batches: int
+    perplexity: float | None = None
+
+    def to_json(self) -> dict:
+        """The --metrics line of an evaluation: step, eval_loss, eval_batches (+ perplexity)."""
+        out = {"step": self.step, "eval_loss": self.loss, "eval_batches": self.batches}
+        if self.perplexity is not None:
+            out["eval_perplexity"] = self.perplexity
+        return out
+
+
+def rank_memory(comm=None) -> tuple[int, str]:
+    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA,
+    else this host's physical memory over the ranks the launcher put on it."""
+    from soapstone.shard.plan.analysis.fit import host_memory_per_rank
+
+    if comm is not None and comm.device.type == "cuda":
+        props = torch.cuda.get_device_properties(comm.device)
+        return props.total_memory, props.name
+    return host_memory_per_rank()
+
+
+def max_rss_bytes() -> int:
+    """Peak resident memory of this process (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class Trainer:
+    """An executor with its optimizers and its data: `step(i)` trains on batch i."""
+
+    def __init__(self, graph: StageGraph, mesh=None, *, task: SyntheticTask, seed: int = 0,
+                 custom: dict | None = None, precision: str = "fp32", optimizer: str = "adamw",
+                 lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
+                 trace: bool = False, check_memory: bool = True,
+                 schedule: LRSchedule | None = None, accumulate: int = 1,
+                 device: torch.device | str | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
+            from soapstone.shard.plan.analysis.fit import check_fit
+
+            check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
+        self.graph = graph
+        # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
+        self.executor = Executor(
+            graph, mesh, seed=seed, custom=custom,
+            dtype=torch.float64 if precision == "fp64" else None,
+            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace,
+            device=device)
+        self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
+                                    grad_clip=grad_clip)
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+        self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
+        self.task = task
+        if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows
+            task.read_rows(self.executor.input_rows())
+
+    def step(self, i: int) -> StepMetrics:
+        """Forward, backward and optimizer step on batch `i` (with accumulate k: batches
+        k*i .. k*i+k-1, one update); the global loss, the rate and timings."""
+        k = self.accumulate
+        batch = self.task.batch(i) if k == 1 else [self.task.batch(k * i + j) for j in range(k)]
+        lr = self.schedule.at(i) if self.schedule is not None else self.lr
+        if self.schedule is not None:
+            self.executor.set_lr(lr)
+        t0 = time.perf_counter()
+        loss = self.executor.train_step(batch, step=i)
+        dt = time.perf_counter() - t0
+        norm = self.executor.grad_norm
+        tokens = sum(self.task.tokens(k * i + j) for j in range(k))
+        return StepMetrics(i, loss, dt, tokens / dt if dt > 0 else 0.0,
+                           max_rss_bytes(), None if norm is None else float(norm), lr)
+
+    def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
+        """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,
+        after training step `step`; perplexity for a language model (collective)."""
+        loss = sum(self.executor.infer(self.task.eval_batch(j))[0]
+                   for j in range(batches)) / batches
+        lm = getattr(self.task, "lm", None)
+        return EvalMetrics(step, loss, batches, math.exp(min(loss, 700.0)) if lm else None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as its full tensor, on every rank (collective)."""
+        return self.executor.full_state_dict()
+
+    def run(self, steps: int, start: int = 0) -> Iterator[StepMetrics]:
+        """Train `steps` steps, yielding each step's metrics."""
+        for i in range(start, start + steps):
+            yield self.step(i)
+
