@@ -6,6 +6,7 @@ import math
 
 from soapstone.dsl.layers.positions import rope_op
 from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need_float
+from soapstone.shard.plan.sizes import divisors
 
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
@@ -28,7 +29,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
         ctx.error(f"attention heads dim {H} is already a dim of the input {dims_text(x.dims)}")
     hs, Hs = ctx.size(h), ctx.size(H)
     if hs % Hs:
-        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ok = divisors(hs)
         near = min(ok, key=lambda n: (abs(n - Hs), -n))
         ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
                   f"use {H} = {near} (head_dim = {hs // near})")
@@ -83,7 +84,8 @@ def kv_heads_dim(ctx, x: Operand, H: str, kv: str | None) -> str:
         ctx.error(f"attention kv_heads dim {kv} is already a dim of the input {dims_text(x.dims)}")
     hs, ks = ctx.size(H), ctx.size(kv)
     if hs % ks:
-        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ok = divisors(hs)
         ctx.error(f"{kv} = {ks} does not divide {H} = {hs}: each kv head serves a whole group "
-                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok))}")
+                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok[:16]))}"
+                  + (", ..." if len(ok) > 16 else ""))
     return kv

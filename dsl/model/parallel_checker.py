@@ -15,6 +15,7 @@ one function per rule across statements reads the facts and returns its diagnost
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import attrs
@@ -31,6 +32,7 @@ from soapstone.dsl.model.ir import (
     Schedule,
     StageAssignment,
 )
+from soapstone.shard.plan.sizes import MAX_RANKS, divisors
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
 SCHEDULE_OPTIONS = ("microbatches", "chunks")
@@ -105,6 +107,11 @@ def _mesh(ctx: _Ctx) -> tuple[_Facts, Diags]:
             diags.append(ctx.diag(loc, f"mesh axis '{axis}' has size {size}; sizes must be >= 1"))
         else:
             mesh[axis] = size
+    if not diags and math.prod(mesh.values()) > MAX_RANKS:
+        loc = ctx.p.mesh[0][2] if ctx.p.mesh else ctx.p.loc
+        diags.append(ctx.diag(loc, f"mesh({', '.join(f'{a} = {n}' for a, n in mesh.items())}) "
+                              f"has {math.prod(mesh.values())} ranks; MPI numbers ranks with "
+                              f"32-bit ints: at most {MAX_RANKS}", "use smaller axes"))
     return _Facts(mesh), diags
 
 
@@ -177,9 +184,9 @@ def _divide_hint(ctx: _Ctx, facts: _Facts, kind: str, d: str, axis: str) -> str:
     divide d, the dims that could go to the axis instead, and (a weight dim) leaving d
     replicated; then the nearest dim sizes that would divide."""
     size, n = ctx.dims[d], facts.mesh[axis]
-    sizes = [k for k in range(2, min(size, 4096) + 1) if size % k == 0][:8]
+    sizes = divisors(size)[1:9]
     parts = [f"{axis} sizes that divide {d} = {size}: "
-             + (", ".join(map(str, sizes)) if sizes else f"none but 1 ({size} is prime)")]
+             + (", ".join(map(str, sizes)) if sizes else "none but 1 (it is 1)")]
     named = {o for st in ctx.p.body if isinstance(st, ast.Soap)
              for dims, _, _ in st.groups for o, _ in dims}  # mapped by this block already
     others = [o for o in ctx.dims if o not in named and ctx.dims[o] % n == 0
@@ -338,9 +345,11 @@ def _coverage(ctx: _Ctx, facts: _Facts, owner: dict[str, tuple[int, Loc]], loc: 
                          "every repeat block goes to exactly one stage")]
     facts.stage_seq = [owner[b][0] for b in blocks]
     facts.stage_locs = [owner[b][1] for b in blocks]
-    empty = [i for i in range(facts.mesh[facts.pipe_axis]) if i not in set(facts.stage_seq)]
-    if empty:
-        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty[0]} gets no block",
+    # the first stage without a block, from the stages named (never a walk over the axis)
+    named = sorted(set(facts.stage_seq))
+    empty = next((i for i, s in enumerate(named) if s != i), len(named))
+    if empty < facts.mesh[facts.pipe_axis]:
+        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty} gets no block",
                          "every stage needs at least one block")]
     return []
 
@@ -519,7 +528,7 @@ def _microbatches_divide(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, mb: int)
     per = ctx.dims[ctx.batch] // replicas
     if per % mb == 0:
         return []
-    near = min((n for n in range(1, per + 1) if per % n == 0), key=lambda n: (abs(n - mb), n))
+    near = min(divisors(per), key=lambda n: (abs(n - mb), n))
     return [ctx.diag(_option_loc(s, "microbatches", s.loc), f"microbatches = {mb} does not "
                      f"divide the per-replica batch {ctx.batch} / {replicas} = {per}",
                      f"use microbatches = {near}")]
