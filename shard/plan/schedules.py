@@ -87,12 +87,8 @@ class Schedule:
         return self.kind in SPLIT
 
     def theory_bubble(self) -> float:
-        """The idle fraction with equal per-stage work: (P-1)/(v*M+P-1) (v = chunks), or
-        zb1p's 1 - 3M/max(3M+P-1, 2M+2P-1) (F = B = W; the module doc)."""
-        p, m, v = self.pipe, self.microbatches, self.chunks
-        if self.split:
-            return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
-        return (p - 1) / (v * m + p - 1)
+        """The idle fraction with equal per-stage work (`theory_bubble`)."""
+        return theory_bubble(self.kind, self.pipe, self.microbatches, self.chunks)
 
     def with_comm(self, rank: int, lookahead: int = 1) -> list[Action]:
         """Rank `rank`'s actions with receives posted `lookahead` compute actions early and
@@ -194,6 +190,26 @@ class Schedule:
                 cells[int(round(s))] = label(a).rjust(width)
             lines.append(f"  rank {r} |" + "".join(cells))
         return "\n".join(lines) + "\n"
+
+
+def theory_bubble(kind: str, pipe: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle fraction with equal per-stage work: (P-1)/(v*M+P-1) (v = chunks), or
+    zb1p's 1 - 3M/max(3M+P-1, 2M+2P-1) (F = B = W; the module doc). Arithmetic: no
+    schedule is built, so any size is cheap."""
+    p, m, v = pipe, microbatches, chunks
+    if kind in SPLIT:
+        return 1 - 3 * m / max(3 * m + p - 1, 2 * m + 2 * p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+def equivalent_microbatches(kind: str, pipe: int, microbatches: int) -> int:
+    """A microbatch count whose schedule keeps the same microbatches in flight on every rank
+    at every point that matters (the peaks) as `microbatches` does: interleaved's pattern is
+    periodic once M >= 2P (tests/test_bounded.py checks it), so a huge M walks as 4P; the
+    other kinds have closed forms (shard/plan/analysis/explain.py) and need no walk."""
+    if kind == "interleaved" and microbatches > 4 * pipe:
+        return 4 * pipe
+    return microbatches
 
 
 @functools.lru_cache(maxsize=256)

@@ -288,19 +288,33 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
 
 
 def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
-    """Peak activation bytes held by pipe rank `rank` under `schedule`, and the peak number of
-    microbatches in flight per virtual stage."""
-    snapshots, peak_live = _live(schedule.kind, schedule.pipe, schedule.microbatches,
-                                 schedule.chunks, rank)
+    """Peak activation bytes held by pipe rank `rank` under `schedule` ((kind, pipe,
+    microbatches, chunks)), and the peak number of microbatches in flight per virtual stage."""
+    snapshots, peak_live = in_flight(*schedule, rank)
     peak = max((sum(n * act.get(s, 0) for s, n in snap) for snap in snapshots), default=0)
     return peak, dict(peak_live)
 
 
 @functools.lru_cache(maxsize=4096)
-def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
+def in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
+    """`walk_in_flight`'s answer for any M without a walk over M: one stage per rank has a
+    closed form (the rank's stage holds M under gpipe, min(P-r, M) under 1f1b, min(P, M)
+    under zb1p, which keeps values until W); interleaved walks a schedule of as few
+    microbatches as keep the same peaks (schedules.equivalent_microbatches). Cached: the
+    planner asks for many layouts."""
+    from soapstone.shard.plan import schedules
+
+    if chunks == 1 and kind in ("gpipe", "1f1b", "zb1p"):
+        n = {"gpipe": m, "1f1b": min(pipe - rank, m), "zb1p": min(pipe, m)}[kind]
+        return (((rank, n),),), ((rank, n),)
+    return walk_in_flight(kind, pipe, schedules.equivalent_microbatches(kind, pipe, m), chunks,
+                          rank)
+
+
+def walk_in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
     """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
     forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
-    is at one of them), and the peak per stage. Cached: the planner asks for many layouts."""
+    is at one of them), and the peak per stage."""
     from soapstone.shard.plan import schedules
 
     live: dict[int, int] = {}
@@ -379,7 +393,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
 
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
-    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
+    sched = (graph.schedule, pipe, m, graph.chunks)  # never built: closed forms (in_flight)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
@@ -443,7 +457,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
-                    transient_bytes=pick["transient_bytes"], bubble=sched.theory_bubble(),
+                    transient_bytes=pick["transient_bytes"],
+                    bubble=schedules.theory_bubble(*sched),
                     imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
                     stages=len(stages), microbatches=m, schedule=graph.schedule,
                     pipe_rank=pick["pipe_rank"],
