@@ -47,9 +47,13 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
-    from soapstone.shard.plan.analysis.checkpoint_size import checkpoint_bytes, format_checkpoint
+    from soapstone.shard.plan.analysis.checkpoint_size import (
+        checkpoint_bytes,
+        checkpoint_total,
+        format_checkpoint,
+    )
 
-    ckpt = checkpoint_bytes(graph, args.optimizer)
+    ckpt = checkpoint_bytes(graph, args.optimizer)  # None: too many ranks to count each
     if args.json:
         extra = {}
         if par is not None and par.offload:  # device and host bytes on a GPU run
@@ -68,7 +72,8 @@ def main(args: argparse.Namespace) -> int:
             from soapstone.shard.plan.analysis.explain import format_bytes
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
-        print(format_checkpoint(ckpt))
+        print(format_checkpoint(ckpt, checkpoint_total(graph, args.optimizer),
+                                graph.world_size))
     if not fits:
         from soapstone.shard.plan.analysis.explain import format_bytes
 
