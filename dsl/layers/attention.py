@@ -10,7 +10,7 @@ from soapstone.shard.plan.sizes import divisors
 
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
-         Arg("kv_heads", "dim", None), Arg("rope", "float", 0.0), Arg("bias", "bool", True),
+         Arg("kv_heads", "dim", None), Arg("rope", "float", None), Arg("bias", "bool", True),
          Arg("qkv_bias", "bool", False))
 def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
@@ -18,7 +18,8 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
     kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
     heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
-    global positions along S; bias = false drops bo; qkv_bias = true adds bq, bk, bv.
+    global positions along S (THETA > 0; without the argument, no rotation); bias = false
+    drops bo; qkv_bias = true adds bq, bk, bv.
     The primitives it emits are listed in ir.PRIMITIVES."""
     need_float(ctx, x, "attention's input")
     if len(x.dims) < 2:
@@ -53,7 +54,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
         return ctx.op("add", (y, b), y.dims, dt, name=name)
 
     q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
-    if rope:
+    if rope is not None:  # given: a rotary base, checked (0 never means "off")
         q = rope_op(ctx, q, S, hd, rope, name="q_rot")
         k = rope_op(ctx, k, S, hd, rope, name="k_rot")
     k2 = ctx.op("rename", (k,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="k2")
