@@ -3,13 +3,16 @@
 Each subcommand is a module of soapstone.dsl.commands with `configure(parser)` and
 `main(args) -> int`. Only the chosen module is imported, so `soapstone check` never pays for
 torch. Exit codes: 0 ok, 2 bad input (any UserError: spec, flags, files, launch), 1 anything
-else.
+else; 141 (128 + SIGPIPE, what a Unix tool killed by SIGPIPE reports) when stdout is closed
+before the output ends (`soapstone show ... | head -1`), quietly, as Unix tools do.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # name -> (module, one-line help); every module is in soapstone.dsl.commands
@@ -58,7 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"soapstone {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(argv[1:])
-    return int(module.main(args) or 0)
+    try:
+        code = int(module.main(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is a message and 120
+    except BrokenPipeError:
+        return stdout_closed()
+    return code
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`| head`): no traceback, no message, 128 + SIGPIPE.
+    stdout is pointed at /dev/null so that the interpreter's last flush finds nothing to
+    write either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
