@@ -175,6 +175,11 @@ def check_train_flags(args: argparse.Namespace) -> None:
     if not (math.isfinite(wd) and wd >= 0):
         raise BadInput(f"--weight-decay {wd}: give a number >= 0 (0: none)")
     check_output_file(getattr(args, "metrics", None), "--metrics", "metrics.jsonl")
+    skips = getattr(args, "max_skips", None)
+    if skips is not None and getattr(args, "on_nonfinite", "stop") != "skip":
+        raise BadInput(f"--max-skips {skips}: only with --on-nonfinite skip")
+    if skips is not None and skips < 0:
+        raise BadInput(f"--max-skips {skips}: give 0 or more skipped steps in a row")
 
 
 def check_output_file(path: str | None, flag: str, example: str) -> None:

@@ -94,3 +94,14 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu (MPI), cuda (a GPU per rank, NCCL; needs the gpu extra) or "
                              "auto (cuda when torch sees a GPU); default cpu")
+
+
+def add_nonfinite_options(parser: argparse.ArgumentParser) -> None:
+    """--on-nonfinite, --max-skips: what a NaN or infinite loss or gradient norm does (what
+    they mean: shard/train/nonfinite.py)."""
+    parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                        help="a step whose loss or gradient norm is NaN or infinite never "
+                             "updates: stop the run (exit 3; default) or skip the step and go on")
+    parser.add_argument("--max-skips", type=int, default=None, metavar="N",
+                        help="with --on-nonfinite skip: stop after N skipped steps in a row "
+                             "(default 10)")

@@ -6,6 +6,9 @@ rank exit 2 at once (rank 0 prints the error) instead of leaving some waiting in
 Errors during training are not caught here: one rank's exception aborts the whole job
 (soapstone.comm's failure handler), since the other ranks would wait for it forever.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
+A NaN or infinite loss or gradient norm never updates (shard/train/nonfinite.py): the run
+stops with one message on rank 0 and exit 3 on every rank (EXIT_NONFINITE), or under
+--on-nonfinite skip drops that step's update and goes on (--max-skips in a row at most).
 Every comm op runs under the watchdog's deadline (--collective-timeout, default
 SOAPSTONE_COLLECTIVE_TIMEOUT or 600 s; a timeout ends the job with a report naming the op and
 the ranks that did not arrive), dumps go to --debug-dir (`soapstone debug hang DIR` reads them),
@@ -41,6 +44,7 @@ from soapstone.dsl.commands.flags import (
     add_checkpoint_options,
     add_device_options,
     add_model_options,
+    add_nonfinite_options,
     add_schedule_options,
     add_train_options,
 )
@@ -51,6 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     add_train_options(parser, steps=100, optimizer="adamw", lr=None)
     add_schedule_options(parser)
+    add_nonfinite_options(parser)
     add_checkpoint_options(parser)
     add_device_options(parser)
     parser.add_argument("--metrics", metavar="F.jsonl",
@@ -112,7 +117,14 @@ def main(args: argparse.Namespace) -> int:
                          args.data_dtype)
     except UserError as e:
         return fail(e, comm.rank)
-    return train(args, comm, par, program, task, schedule, ckpt)
+    from soapstone.shard.train.nonfinite import EXIT_NONFINITE, NonFinite
+
+    try:
+        return train(args, comm, par, program, task, schedule, ckpt)
+    except NonFinite as e:  # raised on every rank alike; nothing of that step was applied
+        if comm.rank == 0:
+            print(e.format(), file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
 
 
 def watch(args) -> None:
@@ -146,6 +158,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
     from soapstone.comm import Mesh
     from soapstone.comm.observe import expected
     from soapstone.dsl.compile.layout_proof import expected_calls
+    from soapstone.shard.train.nonfinite import DEFAULT_MAX_SKIPS, OnNonFinite
     from soapstone.shard.train.trainer import Trainer
 
     rank = comm.rank
@@ -156,7 +169,8 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
-                      device=comm.device)
+                      device=comm.device, on_nonfinite=OnNonFinite(args.on_nonfinite),
+                      max_skips=DEFAULT_MAX_SKIPS if args.max_skips is None else args.max_skips)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
@@ -198,9 +212,15 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                     metrics.flush()
                 if board:
                     log_scalars(board, row)
+            if m.skipped and rank == 0:
+                say(bar, f"step {m.step + 1}: loss {m.loss}, gradient norm {m.grad_norm}: "
+                         f"update skipped ({trainer.skips_in_a_row} in a row, "
+                         f"{m.skipped_steps} in all; --on-nonfinite skip)")
             if bar:
                 bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
-                                    f"lr {m.lr:.3g}", refresh=False)
+                                    f"lr {m.lr:.3g}"
+                                    + (f", skipped {m.skipped_steps}" if m.skipped_steps
+                                       else ""), refresh=False)
                 bar.update(1)
             stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
             expected.step_began()  # evaluation and checkpoints are not in the plan's step
@@ -215,7 +235,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
             board.close()
     if rank == 0:
         print(f"done: {last.step + 1} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
+              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s"
+              + (f", {trainer.skipped} non-finite steps skipped" if trainer.skipped else ""),
+              flush=True)
     if trace:
         write_trace(trainer.executor, trace, rank)
     return 128 + stopped if stopped else 0

@@ -210,10 +210,12 @@ class Executor:
         for opt in self.optimizers.values():
             opt.set_lr(lr)
 
-    def step(self) -> None:
+    def step(self, loss: float | None = None, step: int | None = None) -> None:
         """The optimizers' step: sum tied weights' gradients over the pipe axis, reduce, clip
         by the global norm over every stage (collective over the pipe axis), update, clear
-        gradients. The norm before clipping is left in `self.grad_norm`."""
+        gradients. The norm before clipping is left in `self.grad_norm`. A non-finite norm
+        (or `loss`, the step's) updates nothing and raises NonFinite on every rank alike
+        (shard/train/nonfinite.py)."""
         opts = self.optimizers
         if self.graph.shared:
             self._sum_shared(lambda i, name: opts[i].unreduced_grad(name))
@@ -226,6 +228,10 @@ class Executor:
             self.pipe_comm.allreduce(t)
             total = float(t)
         self.grad_norm = total ** 0.5
+        if not math.isfinite(self.grad_norm) or (loss is not None and not math.isfinite(loss)):
+            from soapstone.shard.train.nonfinite import check_step
+
+            check_step(self, loss, step)  # raises, the update undone before it was made
         for opt in opts.values():
             opt.step(grad_norm=self.grad_norm)
             opt.zero_grad()
@@ -337,7 +343,7 @@ class Executor:
         loss = sum(self.forward_backward(b, k * step + j, scale=k, sync=j == k - 1)
                    for j, b in enumerate(batches)) / k
         if self.optimizers:
-            self.step()
+            self.step(loss, step)
         return loss
 
     def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0, scale: int = 1,
