@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# the commands launched under mpiexec: each rank runs under a supervisor (comm/supervisor.py)
+SUPERVISED = ("run", "golden", "generate")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; return its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -61,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"soapstone {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(argv[1:])
+    if name in SUPERVISED:  # under mpiexec: a rank killed outright is still named
+        from soapstone.comm.supervisor import supervise
+
+        supervise()
     try:
         code = int(module.main(args) or 0)
         sys.stdout.flush()  # here, not at exit, where a closed pipe is a message and 120
