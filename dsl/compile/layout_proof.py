@@ -31,6 +31,9 @@ def prove_layout(model, graph, optimizer: str = "adamw") -> Verified:
     communicator, the position and each side's call with its spec location, else a summary.
     Above EVERY_RANK_UP_TO ranks, from one rank per pipe coordinate (verify_layout says why
     that proves the rest), so the cost grows with the pipeline, not the world."""
+    if graph.stages[-1].program.loss is None:  # a training step needs something to minimise
+        raise VerifyError(f"model '{model.name}' has no loss to train: name an output `loss` "
+                          "(output loss = ...) or mark one (output y = ... as loss)")
     where = locations(model)
     ranks = representatives(graph) if graph.world_size > EVERY_RANK_UP_TO else None
     check_proof_size(graph, graph.world_size if ranks is None else len(ranks))
