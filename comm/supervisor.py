@@ -13,7 +13,9 @@ which knows its rank from the launcher's environment, prints one line to stderr
 
 and exits 128 + the signal, so mpiexec tears the job down as before, with the name in its
 output. Otherwise it exits with the child's code. Signals the launcher forwards (SIGTERM,
-SIGINT, SIGUSR1, ...) go on to the child; the child dies with its supervisor
+SIGINT, SIGUSR1, ...) go on to the child, once (the child has its own process group, so a
+signal to the launched process's group does not reach it twice); the child dies with its
+supervisor
 (PR_SET_PDEATHSIG), so a killed supervisor never leaves a rank behind. Without a launcher
 (no PMI_RANK, PMIX_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID) nothing forks;
 SOAPSTONE_SUPERVISE=0 turns it off. Torch-free, MPI-free.
@@ -86,8 +88,13 @@ def _forward(child: int, signum: int) -> None:
 
 
 def _die_with(parent: int) -> None:
-    """The child: SIGKILL when the supervisor dies (Linux), so no rank outlives it."""
+    """The child: its own process group, so a signal the launcher sends to the group reaches
+    it once, through the supervisor, not twice; SIGKILL when the supervisor dies (Linux), so
+    no rank outlives it."""
     import ctypes
+
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
