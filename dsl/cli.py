@@ -3,8 +3,9 @@
 Each subcommand is a module of soapstone.dsl.commands with `configure(parser)` and
 `main(args) -> int`. Only the chosen module is imported, so `soapstone check` never pays for
 torch. Exit codes: 0 ok, 2 bad input (any UserError: spec, flags, files, launch), 1 anything
-else; 141 (128 + SIGPIPE, what a Unix tool killed by SIGPIPE reports) when stdout is closed
-before the output ends (`soapstone show ... | head -1`), quietly, as Unix tools do.
+else, 3 a run stopped on a non-finite step (shard/train/nonfinite.py); 141 (128 + SIGPIPE,
+what a Unix tool killed by SIGPIPE reports) when stdout is closed before the output ends
+(`soapstone show ... | head -1`), quietly, as Unix tools do.
 """
 
 from __future__ import annotations
