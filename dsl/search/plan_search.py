@@ -29,7 +29,7 @@ the 1-sample probe with its batch dim scaled to b; with recompute the blocks' in
 are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage do not change the
 compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
 re-estimated on the candidate's; recompute does, so the probes are per recompute form.
-tests/test_plan.py checks the extrapolation against a full compile. Other models (branching,
+tests/dsl/test_plan.py checks the extrapolation against a full compile. Other models (branching,
 several repeats, fewer than 6 blocks) compile each layout.
 """
 

@@ -23,7 +23,7 @@ consumer's backward until its producer's) and one parameter's gradient before it
 bucket. `activation_figures` walks the Program forward then backward, freeing each value
 after its last use (the runtime does) and each saved tensor after the backward of the step
 that saved it, and returns the saved bytes and the peak above them (`transient`).
-tests/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
+tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
 backward its own saves come back for as long as backward runs through it. `recompute_flops`

@@ -16,13 +16,13 @@ Memory (bytes per rank):
   forward, gradients in flight in backward), from a walk of the Program that frees each value
   after its last use as the runtime does. activations + transient is the step's peak above
   the parameter state (within a few percent of the measured peak on the examples:
-  bench/bench_memory.py, tests/test_plan.py).
+  bench/bench_memory.py, tests/dsl/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
 2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
 the figures equal what the communicators' `stats` counters record during one step of
-`soapstone run` (tests/test_explain.py checks it):
+`soapstone run` (tests/shard/plan/test_explain.py checks it):
 - forward: the Program's redistributions, and the statistics allreduces of distributed ops
   (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
   op's own calls (shard/parallel/dispatch_plan.py: the counts allgather; where tokens and experts

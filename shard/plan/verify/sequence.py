@@ -25,7 +25,7 @@ virtual stage and microbatch, and the spec step that produced it. Order, per ran
 
 That is the order of shard/runtime/executor.py, shard/parallel/data_parallel.py,
 shard/parallel/zero.py and
-shard/ops/kernels.py: the explain cases (tests/cases/run_cases.py) compare it call by call with the
+shard/ops/kernels.py: the explain cases (tests/shard/train/run_cases.py) compare it call by call with the
 flight recorder of a real step for every example and test layout they run (ZeRO 0-3,
 pipelines, branches, accumulation). It rests on autograd running backward in reverse creation
 order and on which weights each kernel keeps, so a new kernel that keeps other tensors needs
