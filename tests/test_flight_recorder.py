@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soapstone.comm.accounting import COUNTED_OPS, bus_factor
+from soapstone.comm.accounting import bus_factor
 from soapstone.comm.observe import diagnose
 from soapstone.comm.observe.flight_recorder import (
     DONE,
@@ -26,6 +26,7 @@ from soapstone.comm.observe.flight_recorder import (
     entry_text,
 )
 from soapstone.comm.observe.watchdog import WatchdogError, check_timeout, timeout_from_env
+from soapstone.comm.op_table import COUNTED_OPS
 
 
 def rec(capacity=4, rank=0, size=2, label="data"):
@@ -284,7 +285,8 @@ def test_this_install_reads_tensors_from_cpp_and_another_torchs_reader_is_never_
         monkeypatch):
     """`make install` builds the C++ tensor reader against this torch and the rings use it; a
     reader built for another torch is left alone, and shapes then come from torch's getters."""
-    from soapstone.comm.observe import _tensor_reader, communicator
+    from soapstone.comm import communicator
+    from soapstone.comm.observe import _tensor_reader
 
     assert communicator.TENSOR_READING.startswith("torch's C++ tensor")
     monkeypatch.setattr(_tensor_reader, "built_for", "1.0.0")

@@ -279,12 +279,9 @@ _codes: dict = {}
 def _blocking_codes() -> dict:
     """The code objects of the comm calls a main thread can be found blocked in."""
     if not _codes:
-        from soapstone.comm.communicator import Communicator, Work
+        from soapstone.comm.communicator import blocking_calls
 
-        for name in ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
-                     "alltoallv", "barrier", "_p2p"):
-            _codes[getattr(Communicator, name).__code__] = name
-        _codes[Work.wait.__code__] = "wait"
+        _codes.update(blocking_calls())
     return _codes
 
 
@@ -334,7 +331,7 @@ def _sampled_call(frame, name: str):
         flight = getattr(comm, "flight", None)
         if flight is None or flight.recording:
             return None
-        op = local.get("op", name) if name == "_p2p" else name
+        op = local.get("op", name) if name == "p2p" else name
         t, peer = local.get("t"), local.get("peer", -1)
     if not isinstance(t, torch.Tensor):
         t = torch.empty(0)
