@@ -40,7 +40,7 @@ def side_by_side(kind: str, iters: int, warmup: int) -> dict:
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.interop import hf
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     torch.manual_seed(0)

@@ -60,7 +60,7 @@ def main() -> int:
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.search.plan_search import Planner, candidates, to_parallel
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.hardware import load_profile
     from soapstone.shard.train.trainer import Trainer
 

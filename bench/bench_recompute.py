@@ -34,7 +34,7 @@ def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
     rank's share on `mesh`)."""
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=DIMS)

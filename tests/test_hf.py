@@ -26,7 +26,7 @@ from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
 from soapstone.dsl.interop import hf
 from soapstone.dsl.model.ir import Output
-from soapstone.shard.data.tasks import make_task
+from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ from mpirun import case_params, run_mpi
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.data.tasks import DataError, SyntheticTask
+from soapstone.shard.data.errors import DataError
+from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.data.token_memmap import TokenMemmap, open_tokens
 from soapstone.shard.runtime.executor import Executor
 from soapstone.shard.train.lr_schedule import LRSchedule

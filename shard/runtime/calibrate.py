@@ -87,7 +87,7 @@ def memory_bandwidth(nbytes: int = 64 << 20) -> float:
 def op_overhead(graph) -> float:
     """Seconds per op (forward and backward) of the one-rank StageGraph `graph` of a model
     too small to compute: its forward-backward time over its op count (cost.program_work)."""
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.cost import program_work
     from soapstone.shard.runtime.executor import Executor
 
