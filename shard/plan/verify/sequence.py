@@ -44,7 +44,7 @@ from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.parallel.bucket_plan import plan_buckets
 from soapstone.shard.parallel.dispatch_plan import kernel_calls
 from soapstone.shard.plan import p2p_groups, schedules
-from soapstone.shard.plan.analysis.activations import _saved
+from soapstone.shard.plan.analysis.activations import saved_by
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.layout import P, Split
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
@@ -258,7 +258,7 @@ class _StageOps:
         self.again: dict[int, tuple[int, int]] = {}
         for a, b in p.recompute:
             keeps = [i for i in range(a, b) if i not in runs_at
-                     and any(_saved(p, i, fused, params_set))]
+                     and any(saved_by(p, i, fused, params_set))]
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
         # a split backward (zb1p): the steps whose backward runs in B, the rest in W
         self.on_path = _on_path(p, st.recv)
