@@ -143,8 +143,8 @@ def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> s
     import attrs
 
     from soapstone.dsl.search.plan_search import PlanError, Planner, search
-    from soapstone.shard.plan.analysis.explain import format_bytes
     from soapstone.shard.plan.analysis.hardware import presets
+    from soapstone.shard.plan.units import format_bytes
 
     base = presets()["cpu-2core"]
     prof = attrs.evolve(base, name="this machine", memory_bytes=available, usable_fraction=0.9,

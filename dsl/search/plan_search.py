@@ -63,9 +63,9 @@ from soapstone.shard.plan.analysis.explain import (
     combine_pipeline,
     estimate,
     estimate_pipeline,
-    format_bytes,
 )
 from soapstone.shard.plan.analysis.hardware import Profile
+from soapstone.shard.plan.units import format_bytes
 
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
 PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
