@@ -31,13 +31,12 @@ from typing import Any, NamedTuple
 import torch
 
 from soapstone.comm.accounting import bus_factor
-from soapstone.comm.dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
+from soapstone.comm.dtypes import FLOATING, SUPPORTED, SUPPORTED_SET, dtype_name
 from soapstone.comm.errors import CommError
 from soapstone.comm.observe._flight_ring import use_tensor_getters, use_tensor_reader
 from soapstone.comm.observe.flight_recorder import new_recorder
 from soapstone.comm.op_table import COLLECTIVES, COUNTED_OPS, REDUCE_OPS
 
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
 
@@ -275,7 +274,7 @@ class Communicator(abc.ABC):
         dtype = self._check("allreduce", t)
         if op not in REDUCE_OPS:
             raise CommError(f"allreduce: `op`={op!r} is unknown; pass one of {REDUCE_OPS}")
-        if op == "avg" and dtype not in _FLOATING:
+        if op == "avg" and dtype not in FLOATING:
             raise CommError(
                 f"allreduce: op='avg' needs a floating dtype, got {dtype}; "
                 "use op='sum' and divide, or cast"

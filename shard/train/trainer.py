@@ -21,12 +21,11 @@ from collections.abc import Iterator
 import attrs
 import torch
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
 from soapstone.shard.train.lr_schedule import LRSchedule
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 @attrs.define
@@ -100,10 +99,11 @@ class Trainer:
             check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
+        want = getattr(torch, PRECISIONS[precision].torch_name)
         self.executor = Executor(
             graph, mesh, seed=seed, custom=custom,
-            dtype=torch.float64 if precision == "fp64" else None,
-            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace,
+            dtype=want if precision == "fp64" else None,
+            compute_dtype=want if precision == "bf16" else None, trace=trace,
             device=device)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
