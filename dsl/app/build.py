@@ -142,7 +142,8 @@ def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> s
     """What `soapstone plan` suggests for `world` ranks of `available` bytes each."""
     import attrs
 
-    from soapstone.dsl.search.plan_search import PlanError, Planner, search
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.space import PlanError
     from soapstone.shard.plan.analysis.hardware import presets
     from soapstone.shard.plan.units import format_bytes
 
