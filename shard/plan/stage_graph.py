@@ -91,6 +91,7 @@ class StageGraph:
     def program(self) -> Program:
         """The one stage's Program of a layout without a pipeline."""
         if len(self.stages) != 1:
+            # not user input: only code that knows the layout has one stage asks
             raise ValueError(f"layout {self.parallel} has {len(self.stages)} stages, not one")
         return self.stages[0].program
 

@@ -25,6 +25,7 @@ from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.errors import SettingError
 from soapstone.shard.train.lr_schedule import LRSchedule
 
 
@@ -92,7 +93,8 @@ class Trainer:
                  schedule: LRSchedule | None = None, accumulate: int = 1,
                  device: torch.device | str | None = None):
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+            raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                               f"{precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
 
@@ -108,7 +110,7 @@ class Trainer:
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:
-            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+            raise SettingError(f"accumulate must be >= 1, got {accumulate}")
         self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
         self.task = task
         if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows

@@ -203,6 +203,7 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
     whose pipe rank r does `work[r]` forward per microbatch (module doc)."""
     ranks = est.rank_traffic or [est.traffic]
     if len(work) != len(ranks):
+        # not user input: the planner and explain pass one figure per pipe rank
         raise ValueError(f"{len(work)} work figures for {len(ranks)} pipe ranks")
     seen: dict[tuple, dict] = {}  # the middle ranks of a pipeline are alike
     rows = []
