@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_memory import _exact_rss, _status, measure  # noqa: E402
