@@ -34,7 +34,6 @@ import torch
 from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Communicator, Mesh, init  # noqa: E402

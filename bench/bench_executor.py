@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch fixture lives with the tests
 # bench_tp.py's model: big enough that a step is compute, small enough for two cores
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 

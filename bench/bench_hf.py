@@ -9,6 +9,9 @@ Same weights, same batches; steps interleaved in one process, the median per sid
 as soapstone / transformers. Before timing, the two first losses are checked to agree.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_hf.py --iters 20
+
+It builds both random models itself; transformers comes with the dev extra (`make install`),
+as for the tests, and soapstone never imports it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # transformers is a test dependency
 # big enough that a step is compute, small enough for two cores; the examples' 2 blocks
 DIMS = {"batch": 8, "seq": 128, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 2048}
 HF = {"gpt2": {"n_embd": 256, "n_head": 8, "n_inner": 1024, "vocab_size": 2048, "n_layer": 2,
@@ -40,7 +41,7 @@ def side_by_side(kind: str, iters: int, warmup: int) -> dict:
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.interop import hf
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     torch.manual_seed(0)

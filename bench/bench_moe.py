@@ -23,7 +23,7 @@ from pathlib import Path
 from soapstone.comm import Mesh, init
 from soapstone.dsl import load
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.data.tasks import make_task
+from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.executor import Executor
 
 SPEC = str(Path(__file__).resolve().parents[1] / "examples/moe.par")

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_memory import _exact_rss, _status, measure  # noqa: E402
@@ -34,7 +33,7 @@ def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
     rank's share on `mesh`)."""
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=DIMS)

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 

@@ -30,14 +30,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from soapstone.comm.accounting import COUNTED_OPS, bus_factor
-from soapstone.comm.dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
-from soapstone.comm.errors import UserError
+from soapstone.comm.accounting import bus_factor
+from soapstone.comm.dtypes import FLOATING, SUPPORTED, SUPPORTED_SET, dtype_name
+from soapstone.comm.errors import CommError
 from soapstone.comm.observe._flight_ring import use_tensor_getters, use_tensor_reader
 from soapstone.comm.observe.flight_recorder import new_recorder
+from soapstone.comm.op_table import COLLECTIVES, COUNTED_OPS, REDUCE_OPS
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
 
@@ -62,10 +61,6 @@ def _connect_tensor_reading() -> str:
 
 
 TENSOR_READING = _connect_tensor_reading()
-
-
-class CommError(UserError, ValueError):
-    """Wrong input to a collective (or ranks that disagree): names the op, the argument, the fix."""
 
 
 class OpStats(NamedTuple):
@@ -279,7 +274,7 @@ class Communicator(abc.ABC):
         dtype = self._check("allreduce", t)
         if op not in REDUCE_OPS:
             raise CommError(f"allreduce: `op`={op!r} is unknown; pass one of {REDUCE_OPS}")
-        if op == "avg" and dtype not in _FLOATING:
+        if op == "avg" and dtype not in FLOATING:
             raise CommError(
                 f"allreduce: op='avg' needs a floating dtype, got {dtype}; "
                 "use op='sum' and divide, or cast"
@@ -514,6 +509,16 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+def blocking_calls() -> dict:
+    """The code objects of the comm calls a thread can be found blocked in -> the op each
+    is (the watchdog samples stacks for them): every collective, the one method every p2p op
+    runs in, and Work.wait."""
+    codes = {getattr(Communicator, name).__code__: name for name in COLLECTIVES}
+    codes[Communicator._p2p.__code__] = "p2p"
+    codes[Work.wait.__code__] = "wait"
+    return codes
 
 
 # -- layout helpers shared by the backends (pure torch, no communication) --------------------

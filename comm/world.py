@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from soapstone.comm.communicator import CommError, Communicator
+from soapstone.comm.communicator import Communicator
+from soapstone.comm.errors import CommError
 from soapstone.comm.failure import install_failure_handler
 
 BACKENDS = ("mpi", "nccl", "auto")

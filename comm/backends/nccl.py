@@ -24,7 +24,6 @@ import math
 import torch
 
 from soapstone.comm.communicator import (
-    CommError,
     Communicator,
     Work,
     chunks_first,
@@ -33,6 +32,7 @@ from soapstone.comm.communicator import (
     flat_view,
     gather_layout,
 )
+from soapstone.comm.errors import CommError
 from soapstone.comm.p2p import GroupedP2P
 
 # ncclDataType_t and ncclRedOp_t values, used when a cupy build lacks the named constant.

@@ -29,7 +29,7 @@ DEFAULT_STEPS = 5
 def _trainer(graph, mesh, header: dict, model, device=None):
     """The Trainer a record's header describes, for `graph` (a StageGraph of ir.Model
     `model`), on `device` (default cpu)."""
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.train.trainer import Trainer
 
     task = make_task(single_program(model, graph), header["seed"], header.get("data"))
@@ -50,7 +50,7 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
     accumulation over microbatches, the reference of a pipeline whose layers count each
     microbatch's tokens (moe's capacity)."""
     from soapstone.dsl.lang.spec import load
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.train import golden
 
     load_plugins(list(plugins))

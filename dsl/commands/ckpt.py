@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
 
 def describe(d: Path, index: dict) -> list[str]:
     """inspect's text."""
-    from soapstone.shard.plan.analysis.explain import format_bytes
+    from soapstone.shard.plan.units import format_bytes
 
     mesh = " x ".join(f"{a}={n}" for a, n in index.get("mesh", {}).items()) or "one rank"
     opt = index["optimizer"]

@@ -65,12 +65,12 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(format_estimate(est))
         if par is not None and par.offload:
             from soapstone.shard.parallel.offload_plan import format_offload, offload_figures
-            from soapstone.shard.plan.analysis.explain import format_bytes
+            from soapstone.shard.plan.units import format_bytes
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt))
     if not fits:
-        from soapstone.shard.plan.analysis.explain import format_bytes
+        from soapstone.shard.plan.units import format_bytes
 
         print(f"warning: this layout does not fit: it needs {format_bytes(est.total_bytes)} "
               f"per rank, but a rank has {format_bytes(limit)} ({where}); `run` would refuse "

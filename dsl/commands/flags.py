@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from soapstone.comm.dtype_table import RUN_PRECISIONS
+
 
 def add_spec_options(parser: argparse.ArgumentParser) -> None:
     """--dim and --plugin."""
@@ -40,7 +42,7 @@ def add_train_options(parser: argparse.ArgumentParser, steps: int, optimizer: st
     parser.add_argument("--weight-decay", type=float, default=0.0, help="default 0")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="C",
                         help="clip the global gradient norm to C")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
                         help="parameter and activation dtype (default fp32)")
     parser.add_argument("--data", metavar="FILE",
                         help="token data: a .npy of integer ids, or any file read as bytes "

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from soapstone.comm.dtype_table import RUN_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims
 from soapstone.dsl.commands import fail
@@ -40,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the batch per step (default: the spec's batch dim)")
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="table rows (default 10)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
                         help="the compute dtype whose peak the compute runs at (default fp32, "
                              "as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",

@@ -85,7 +85,7 @@ def _seconds(text: str) -> float:
 def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.dsl.compile.layout_proof import prove_layout
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import check_device
 
     try:

@@ -20,14 +20,14 @@ import os
 import re
 from pathlib import Path
 
+from soapstone.comm.dtype_table import TABLE
 from soapstone.comm.errors import UserError
 
 FORMAT = "soapstone-checkpoint/1"
 INDEX = "index.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# dtype name (the index's) -> (safetensors dtype code, bytes per element)
-DTYPES = {"float32": ("F32", 4), "float64": ("F64", 8), "bfloat16": ("BF16", 2),
-          "float16": ("F16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "uint8": ("U8", 1)}
+# dtype name (the index's, torch's) -> (safetensors dtype code, bytes per element)
+DTYPES = {d.torch_name: (d.safetensors, d.nbytes) for d in TABLE if d.safetensors is not None}
 OPTIMIZER_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 

@@ -61,7 +61,7 @@ def resume(executor, path: str | Path) -> dict:
     name = optimizer_name(executor)
     d, index, partial = open_resume(path, executor.graph, name)
     kinds = ("param", *ix.OPTIMIZER_KINDS.get(name, ())) if name else ("param",)
-    read = _fill(executor, Reader(d, index), kinds)
+    read = fill_shares(executor, Reader(d, index), kinds)
     for opt in executor.optimizers.values():
         opt.steps = index["optimizer"]["steps"]
     return index | {"dir": str(d), "skipped": [str(p) for p in partial], "bytes_read": read}
@@ -71,7 +71,7 @@ def load_params(executor, source: str | Path) -> str:
     """The parameters from a checkpoint dir (latest complete) or a full safetensors file,
     into any layout (optimizer state untouched); a line saying what was loaded. Collective."""
     d, index, where = open_params(source, executor.graph)
-    _fill(executor, Reader(d, index), ("param",))
+    fill_shares(executor, Reader(d, index), ("param",))
     return f"{where}: {len(ix.params(index))} parameters"
 
 
@@ -97,9 +97,10 @@ def file_index(path: Path) -> dict:
             "files": {path.name: {"bytes": path.stat().st_size}}}
 
 
-def _fill(executor, reader: Reader, kinds: tuple[str, ...]) -> int:
-    """Read every share this rank holds of the given kinds, then republish parameters; the
-    bytes of tensor data read."""
+def fill_shares(executor, reader: Reader, kinds: tuple[str, ...]) -> int:
+    """Read every share this rank holds of the given kinds from `reader` (a checkpoint's, or
+    anything with `read(key, box, dtype)` and `bytes_read`: hf.py's), then republish
+    parameters; the bytes of tensor data read."""
     import torch
 
     with torch.no_grad():

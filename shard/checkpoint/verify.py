@@ -20,7 +20,7 @@ def read_header(path: Path) -> tuple[dict, int]:
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
+            if n > 100_000_000:  # caught below: a CheckpointError naming the file
                 raise ValueError(f"a header of {n} bytes")
             header = json.loads(f.read(n))
     except (OSError, ValueError, struct.error) as e:

@@ -311,7 +311,7 @@ class GradReducer:
         """A deferred parameter's gradient as accumulated on this rank, not yet reduced over
         any axis: a flat view the caller may add to in place before finish()."""
         b, s = self.slot_of[id(self.model.params[name])]
-        if not b.deferred:
+        if not b.deferred:  # not user input: the executor asks for its tied weights only
             raise ValueError(f"{name} is not a deferred parameter (build_optimizer(deferred=...))")
         if b.full_grad is None:
             b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from soapstone.shard.plan.analysis.activations import ALIASES, _saved
+from soapstone.shard.plan.analysis.activations import ALIASES, saved_by
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
@@ -68,7 +68,7 @@ def selective_drops(program: Program) -> tuple[str, ...]:
     kept: set[str] = set()  # what some kernel keeps for backward
     for i in range(len(steps)):
         if i not in {c for f in fused.values() for c in f.covered}:
-            kept.update(_saved(program, i, fused, params)[0])
+            kept.update(saved_by(program, i, fused, params)[0])
     viewed = set()  # values another is a view or copy-to of
     for s in steps:
         if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
@@ -117,7 +117,7 @@ def rebuild_steps(program: Program, name: str) -> tuple[int, ...]:
     covered = {c for f in fused.values() for c in f.covered}
     for i in range(len(program.steps)):
         if i not in covered:
-            kept.update(_saved(program, i, fused, params)[0])
+            kept.update(saved_by(program, i, fused, params)[0])
     kept -= set(program.dropped)
     order: list[int] = []
 

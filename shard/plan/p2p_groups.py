@@ -117,7 +117,7 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     action reading it); pairs: Megatron's interleaved steady state (a forward and a backward
     run back to back, their sends and the next pair's receives in one group).
     forward_only: the forward actions alone (Executor.infer)."""
-    if grouping not in GROUPINGS:
+    if grouping not in GROUPINGS:  # not user input: p2p_proof.choose picks it
         raise ValueError(f"grouping {grouping!r}: use one of {GROUPINGS}")
     compute = [a for a in sched.ranks[rank] if not forward_only or a.kind == "F"]
     out: list[Item] = []

@@ -181,7 +181,7 @@ class Program:
         for p in self.params:
             if p.name == name:
                 return p
-        raise KeyError(name)
+        raise KeyError(name)  # a lookup (callers catch it), never user input
 
     @property
     def loss(self) -> Output | None:

@@ -32,7 +32,7 @@ class ShapeMismatch(UserError, RuntimeError):
 def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
     """ValueError unless `mesh` has exactly the axes and sizes `what` was compiled for."""
     have = dict(getattr(mesh, "shape", {}) or {})
-    if have != dict(want):
+    if have != dict(want):  # a caller's argument (the commands build the mesh from the layout)
         raise ValueError(f"{what} needs a mesh {dict(want)}, got {have or 'none'}")
 
 
@@ -120,7 +120,7 @@ class ShardedModel:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors, keeping this rank's slices."""
         missing = sorted(set(self.params) - set(state))
-        if missing:
+        if missing:  # a caller's argument (the commands load checkpoints through shard/checkpoint)
             raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[0]}")
         with torch.no_grad():
             for n, p in self.params.items():
@@ -148,7 +148,7 @@ class ShardedModel:
             elif name in inputs:
                 env[name] = self._cast(self.local(inputs[name], self.program.value(name))
                                        .to(self.device))
-            else:
+            else:  # a caller's argument: the commands' tasks make every input
                 raise KeyError(f"missing input {name!r}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
         self._dropping = self.drop_plan.begin(self) \

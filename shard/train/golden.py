@@ -34,7 +34,9 @@ import attrs
 import numpy as np
 import torch
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.comm.errors import UserError
+from soapstone.shard.train.optim import OPTIMIZERS
 
 FORMAT = "soapstone-golden/1"
 SAMPLES = 8
@@ -157,6 +159,11 @@ def load(path: str | Path) -> Record:
             missing = [k for k in REQUIRED if k not in header]
             if missing:
                 raise GoldenError(f"{path}: header lacks {', '.join(map(repr, missing))}")
+            for key, known in (("optimizer", OPTIMIZERS), ("precision", tuple(PRECISIONS))):
+                if header[key] not in known:
+                    raise GoldenError(f"{path}: header {key} {header[key]!r} is none of "
+                                      f"{', '.join(known)}; record it again with `soapstone "
+                                      "golden record`")
             steps = header["steps"]
             loss = z["loss"]
             if loss.shape != (steps,):

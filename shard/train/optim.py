@@ -27,6 +27,9 @@ import torch
 from soapstone.shard.parallel.data_parallel import GradReducer
 from soapstone.shard.parallel.offload import HostStep
 from soapstone.shard.parallel.offload import wanted as offload_wanted
+from soapstone.shard.train.errors import SettingError
+
+OPTIMIZERS = ("adamw", "sgd")  # the update rules build_optimizer knows
 
 
 class FlatAdamW:
@@ -185,9 +188,9 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
     elif name == "sgd":
         rule = FlatSGD(lr, momentum, weight_decay)
     else:
-        raise ValueError(f"unknown optimizer {name!r}; use 'adamw' or 'sgd'")
+        raise SettingError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     if zero not in (None, 0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+        raise SettingError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     reducer = GradReducer(model, zero=zero, bucket_mb=bucket_mb, data_axes=data_axes,
                           deferred=deferred, overlap=overlap)
     if offload is None:

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 import attrs
 import torch
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.errors import SettingError
 from soapstone.shard.train.lr_schedule import LRSchedule
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 @attrs.define
@@ -93,22 +93,24 @@ class Trainer:
                  schedule: LRSchedule | None = None, accumulate: int = 1,
                  device: torch.device | str | None = None):
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+            raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                               f"{precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
 
             check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
+        want = getattr(torch, PRECISIONS[precision].torch_name)
         self.executor = Executor(
             graph, mesh, seed=seed, custom=custom,
-            dtype=torch.float64 if precision == "fp64" else None,
-            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace,
+            dtype=want if precision == "fp64" else None,
+            compute_dtype=want if precision == "bf16" else None, trace=trace,
             device=device)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:
-            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+            raise SettingError(f"accumulate must be >= 1, got {accumulate}")
         self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
         self.task = task
         if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows

@@ -8,7 +8,7 @@ import torch
 from mpirun import ranks
 
 from soapstone.comm import Mesh, init
-from soapstone.comm.observe import watchdog as wd
+from soapstone.comm.observe import status as rank_status
 
 W = init("mpi")
 R, N = W.rank, W.size
@@ -109,7 +109,7 @@ def case_mesh_communicators_are_named_by_their_axes():
 
 @ranks(2)
 def case_status_holds_every_live_recorder_and_the_stack():
-    st = wd.status("test")
+    st = rank_status.status("test")
     assert st["rank"] == R and st["size"] == N
     keys = {c["key"] for c in st["comms"]}
     assert W.flight.key in keys and st["active"] is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from soapstone.comm.accounting import COUNTED_OPS, bus_factor
+from soapstone.comm.accounting import bus_factor
 from soapstone.comm.observe import diagnose
 from soapstone.comm.observe.flight_recorder import (
     DONE,
@@ -26,6 +26,7 @@ from soapstone.comm.observe.flight_recorder import (
     entry_text,
 )
 from soapstone.comm.observe.watchdog import WatchdogError, check_timeout, timeout_from_env
+from soapstone.comm.op_table import COUNTED_OPS
 
 
 def rec(capacity=4, rank=0, size=2, label="data"):

@@ -25,7 +25,7 @@ from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.interop import hf
-from soapstone.shard.data.tasks import make_task
+from soapstone.shard.data.source import make_task
 from soapstone.shard.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

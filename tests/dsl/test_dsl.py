@@ -361,6 +361,20 @@ def test_custom_layer_validation():
         dsl.layer("bad", inputs=["x[..., h]"], output="[..., k]")(lambda x: x)
     with pytest.raises(KeyError):
         custom.get("bad")
+    # a UserError (exit 2 from a command) that is still the ValueError it was
+    with pytest.raises(custom.LayerError, match="name each dim once"):
+        custom.parse_pattern("x[h, h]", "an input")
+
+
+def test_a_bad_plugin_layer_is_exit_2_at_its_line(tmp_path):
+    plugin = tmp_path / "twice.py"
+    plugin.write_text("from soapstone.dsl import layer\n\n\n"
+                      "@layer('twice', inputs=['x[..., h]'], output='[..., k]')\n"
+                      "def twice(x):\n    return 2 * x\n")
+    r = _soapstone("check", str(EXAMPLES / "gpt.par"), "--plugin", str(plugin))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{plugin}:4:1: error: cannot load plugin: layer twice: dims ['k'] are bound by no " \
+           "input" in r.stderr and "add them to an input or to dims=" in r.stderr, r.stderr
 
 
 # ---- command line ------------------------------------------------------------------------------

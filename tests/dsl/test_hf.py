@@ -24,9 +24,9 @@ from mpirun import case_params, run_mpi
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
-from soapstone.dsl.interop import hf
+from soapstone.dsl.interop import hf, hf_config
 from soapstone.dsl.model.ir import Output
-from soapstone.shard.data.tasks import make_task
+from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,8 +151,8 @@ def test_unsupported_config_field_exit_2(hf_dirs, tmp_path):
 ])
 def test_unsupported_config_field_is_named(hf_dirs, tmp_path, kind, field, value):
     bad = _copy(hf_dirs[kind], tmp_path / "bad", **{field: value})
-    with pytest.raises(hf.HFError, match=f"field '{field}' = .* is not supported"):
-        hf.read_config(bad)
+    with pytest.raises(hf_config.HFError, match=f"field '{field}' = .* is not supported"):
+        hf_config.read_config(bad)
 
 
 def test_weight_of_wrong_shape_names_tensor_shapes_and_dim(hf_dirs, tmp_path):
@@ -164,17 +164,17 @@ def test_weight_of_wrong_shape_names_tensor_shapes_and_dim(hf_dirs, tmp_path):
     tensors["transformer.h.1.attn.c_attn.weight"] = torch.zeros(32, 99)
     save_file(tensors, str(bad / "model.safetensors"))
     model = dsl.load(ROOT / "examples/gpt2.par").model("gpt2")
-    with pytest.raises(hf.HFError) as e:
+    with pytest.raises(hf_config.HFError) as e:
         hf.load(bad, model)
     assert "tensor transformer.wpe.weight has shape [40, 32], the model expects [32, 32] " \
         "(max_seq, hidden): dim 0 (max_seq) is 40 there and 32 here" in str(e.value)
     del tensors["transformer.wpe.weight"]
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(hf.HFError, match="the weights lack tensor transformer.wpe.weight"):
+    with pytest.raises(hf_config.HFError, match="the weights lack tensor transformer.wpe.weight"):
         hf.load(bad, model)
     tensors["transformer.wpe.weight"] = torch.zeros(32, 32)
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(hf.HFError, match=r"c_attn.weight has shape \[32, 99\], the model "
+    with pytest.raises(hf_config.HFError, match=r"c_attn.weight has shape \[32, 99\], the model "
                        r"expects \[32, 96\] .*: dim 1 \(heads x head_dim \+ heads x head_dim "
                        r"\+ heads x head_dim\) is 99 there and 96 here"):
         hf.load(bad, model)
@@ -182,7 +182,7 @@ def test_weight_of_wrong_shape_names_tensor_shapes_and_dim(hf_dirs, tmp_path):
 
 def test_dims_that_differ_name_the_flags(hf_dirs):
     model = dsl.load(ROOT / "examples/gpt2.par", dims={"hidden": 64, "ffn": 64}).model("gpt2")
-    with pytest.raises(hf.HFError, match=r"hidden = 64 \(config: 32\), ffn = 64 "
+    with pytest.raises(hf_config.HFError, match=r"hidden = 64 \(config: 32\), ffn = 64 "
                        r"\(config: 128\)") as e:
         hf.load(hf_dirs["gpt2"], model)
     assert e.value.hint == "run with --dim hidden=32 --dim ffn=128"
@@ -191,7 +191,7 @@ def test_dims_that_differ_name_the_flags(hf_dirs):
 def test_another_layer_count_names_the_repeat(hf_dirs, tmp_path):
     bad = _copy(hf_dirs["llama"], tmp_path / "bad", num_hidden_layers=3)
     model = dsl.load(ROOT / "examples/llama.par").model("llama")
-    with pytest.raises(hf.HFError, match="repeats 2 blocks, but .* has 3 layers") as e:
+    with pytest.raises(hf_config.HFError, match="repeats 2 blocks, but .* has 3 layers") as e:
         hf.load(bad, model)
     assert e.value.hint.startswith("write repeat 3 as layer")
 
@@ -199,18 +199,18 @@ def test_another_layer_count_names_the_repeat(hf_dirs, tmp_path):
 def test_a_model_computing_something_else_is_refused(hf_dirs):
     text = (ROOT / "examples/gpt2.par").read_text().replace("gelu_tanh", "gelu")
     model = dsl.load(text, filename="gelu.par").model("gpt2")
-    with pytest.raises(hf.HFError, match=r"computes layer\.0\.mlp0\.act = gelu\(\) where "
+    with pytest.raises(hf_config.HFError, match=r"computes layer\.0\.mlp0\.act = gelu\(\) where "
                        r"gelu\(approximate=tanh\) is expected"):
         hf.load(hf_dirs["gpt2"], model)
     untied = (ROOT / "examples/gpt2.par").read_text().replace("tie linear0", "# tie linear0")
-    with pytest.raises(hf.HFError, match="has param linear0.weight"):
+    with pytest.raises(hf_config.HFError, match="has param linear0.weight"):
         hf.load(hf_dirs["gpt2"], dsl.load(untied, filename="untied.par").model("gpt2"))
 
 
 def test_spec_text_is_the_shipped_example(hf_dirs):
     """What hf generates from a config compiles to the shipped example's model."""
     for kind in KINDS:
-        cfg = hf.read_config(hf_dirs[kind])
+        cfg = hf_config.read_config(hf_dirs[kind])
         model = dsl.load(ROOT / f"examples/{kind}.par").model(kind)
         hf.check_model(model, cfg)
-        assert hf.config_of(model).dims == cfg.dims
+        assert hf_config.config_of(model).dims == cfg.dims

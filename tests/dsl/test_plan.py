@@ -129,7 +129,7 @@ def gpt(layers: int) -> str:
 
 
 def test_layout_dims_are_megatrons_split():
-    from soapstone.dsl.search.plan_search import layout_dims
+    from soapstone.dsl.search.space import layout_dims
 
     dims = layout_dims(load(gpt(4)).model())
     assert (dims.batch, dims.tensor, dims.sequence) == ("batch", ("ffn", "heads", "vocab"),
@@ -142,7 +142,8 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
     """The probes (1 and 2 blocks, 1 and 2 samples, re-estimated per data degree and ZeRO
     stage) give the same explain figures and step time as compiling the whole model, for every
     candidate layout of a 12-block GPT on 8 devices."""
-    from soapstone.dsl.search.plan_search import Planner, candidates
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates
 
     model = load(gpt(12)).model()
     planner = Planner(model, load_profile("a100-40gb"))
@@ -177,7 +178,8 @@ def test_the_working_set_under_recompute_is_the_full_compiles():
     linear extrapolation of the peak got 21% low)."""
     import attrs
 
-    from soapstone.dsl.search.plan_search import Candidate, Planner, candidates
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import Candidate, candidates
 
     model = load(gpt(12)).model()
     planner = Planner(model, load_profile("a100-40gb"))
@@ -246,7 +248,8 @@ def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys
     from mpirun import run_mpi
 
     from soapstone.dsl.cli import main
-    from soapstone.dsl.search.plan_search import PlanError, Planner, search
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.space import PlanError
 
     profile = tmp_path / "small.json"
     profile.write_text(json.dumps(load_profile("cpu-2core").to_data() | {
@@ -310,7 +313,7 @@ def test_a_profile_file_missing_a_field_is_exit_2(tmp_path, capsys):
 
 def test_every_candidate_prints_as_a_block_that_loads_back_equal():
     from soapstone.dsl import format_parallel
-    from soapstone.dsl.search.plan_search import Candidate, layout_dims, to_parallel
+    from soapstone.dsl.search.space import Candidate, layout_dims, to_parallel
 
     text = gpt(12)
     model = load(text).model()
@@ -329,7 +332,8 @@ def test_context_parallel_is_searched_only_where_the_batch_does_not_divide():
     with a batch of 2 it is, its probes extrapolate exactly, and it prints as a block that
     loads back equal."""
     from soapstone.dsl import format_parallel
-    from soapstone.dsl.search.plan_search import Planner, candidates, to_parallel
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates, to_parallel
 
     profile = load_profile("a100-40gb")
     model = load(gpt(12)).model()

@@ -138,7 +138,7 @@ def measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     collectives x microbatches), and its param/grad/optimizer memory is within 10% of the
     tensors its stages hold."""
     from soapstone.dsl.app.build import single_program
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.explain import estimate_pipeline
     from soapstone.shard.runtime.memory import memory_report
 

@@ -57,7 +57,7 @@ def _roots(program: Program, covered: set[int]) -> dict[str, str]:
     return root
 
 
-def _saved(program: Program, i: int, fused: dict, params: set[str]) -> tuple[list[str], int]:
+def saved_by(program: Program, i: int, fused: dict, params: set[str]) -> tuple[list[str], int]:
     """(values step i keeps for backward, bytes of new tensors it keeps besides them)."""
     s = program.steps[i]
     if i in fused:
@@ -115,7 +115,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
     saves: dict[int, tuple[set[str], int]] = {}
     for i in range(len(steps)):
         if i not in covered:
-            names, extra = _saved(program, i, fused, params)
+            names, extra = saved_by(program, i, fused, params)
             saves[i] = ({r(n) for n in names if n not in params and val(n).is_float}, extra)
     # recompute: a range keeps its float inputs (saved by its first step) instead of what its
     # steps keep; backward holds the range's own saves again while it runs through it

@@ -15,6 +15,7 @@ import math
 
 from soapstone.shard.parallel.bucket_plan import plan_buckets
 from soapstone.shard.plan.layout import Owned, Split
+from soapstone.shard.plan.units import format_bytes
 
 STATE_COPIES = {"adamw": 2, "sgd": 1}
 
@@ -103,8 +104,6 @@ def writes(layout, coords: dict[str, int], sizes: dict[str, int],
 
 def format_checkpoint(per_rank: list[int]) -> str:
     """explain's line: the most a rank writes, the total, and how many ranks write."""
-    from soapstone.shard.plan.analysis.explain import format_bytes
-
     top = max(range(len(per_rank)), key=per_rank.__getitem__)
     writers = sum(1 for b in per_rank if b)
     return (f"checkpoint (run --save): {format_bytes(per_rank[top])} from the busiest rank "

@@ -37,15 +37,22 @@ import math
 
 import attrs
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
+from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
 HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
 FREE_OPS = ("rename",)  # views: no work
+
+
+def _width(precision: str) -> float:
+    """Bytes of a `precision` value relative to the spec's f32 (what other ops' traffic is)."""
+    return PRECISIONS[precision].nbytes / DTYPES["f32"].nbytes
 
 
 @attrs.frozen
@@ -65,14 +72,14 @@ class Work:
 
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
-        width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
+        width = _width(precision)
         return self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth + self.ops * profile.op_overhead_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, and the
         forward that recompute runs again."""
-        width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
+        width = _width(precision)
         fwd = self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
@@ -196,6 +203,7 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
     whose pipe rank r does `work[r]` forward per microbatch (module doc)."""
     ranks = est.rank_traffic or [est.traffic]
     if len(work) != len(ranks):
+        # not user input: the planner and explain pass one figure per pipe rank
         raise ValueError(f"{len(work)} work figures for {len(ranks)} pipe ranks")
     seen: dict[tuple, dict] = {}  # the middle ranks of a pipeline are alike
     rows = []

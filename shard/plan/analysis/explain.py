@@ -86,6 +86,7 @@ from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
 from soapstone.shard.plan.schedules import SPLIT
+from soapstone.shard.plan.units import format_bytes
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -465,15 +466,6 @@ def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dic
     peak, _ = _in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()})
     return {"without_recompute": (peak, max(plain[i][1] for i in mine)),
             "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
-
-
-def format_bytes(n: float) -> str:
-    """A byte count for people: "512 B", "1.5 KiB", "2.25 MiB", "1.00 GiB" (show, explain)."""
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.2f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
 
 
 def format_traffic(traffic: list[Traffic]) -> list[str]:

@@ -46,7 +46,7 @@ def case_recompute_explain_matches_counters():
 def train_twice(layout: str, mesh=None, spec: str = SPEC) -> tuple[list[float], dict]:
     """Two SGD steps of `layout` of `spec` (here: of the drop model, dropout in every block):
     the losses and the full parameters after them."""
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     spec = dsl.load(spec)
@@ -77,7 +77,7 @@ def case_recompute_under_zero3_gathers_no_more():
     where a kernel's saved weight is unpacked."""
     import attrs
 
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     spec = dsl.load(SPEC)

@@ -92,7 +92,7 @@ def test_explain_counts_what_the_moe_kernel_saves_for_backward():
     import torch
 
     from soapstone.dsl.compile.lower import lower
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.sharded_model import ShardedModel
 
     dims = {"batch": 4, "seq": 64, "hidden": 64, "experts": 4, "ffn": 256, "vocab": 128}

@@ -12,6 +12,7 @@ from soapstone import dsl
 from soapstone.dsl.compile.lower import LoweringError, lower
 from soapstone.dsl.compile.stages import lower_pipeline
 from soapstone.shard.plan import schedules
+from soapstone.shard.plan.program_text import format_stage_graph
 
 CASES = "tests/shard/pipeline/pipe_cases.py"
 ROOT = Path(__file__).resolve().parents[3]
@@ -70,7 +71,7 @@ def test_stage_graph_of_gpt8():
     (t,) = edge.tensors
     # microbatch 8/4 = 2, split over data 2; seq 16 split over model 2 (sequence parallel)
     assert t.name == "layer.1.x.1" and t.local_shape == (1, 8, 32) and t.nbytes == 1024
-    text = g.format()
+    text = format_stage_graph(g)
     assert "edge 0 -> 1" in text and "1.0 KiB per microbatch" in text
     assert "--- stage 1 (pipe 1) ---" in text
 

@@ -83,10 +83,12 @@ def _broken(tmp_path, edit) -> Path:
     (lambda h, a: h.pop("seed"), "header lacks 'seed'"),
     (lambda h, a: a.update(loss=a["loss"][:-1]), "but the loss array has shape"),
     (lambda h, a: h.update(steps=h["steps"] + 1), "but the loss array has shape"),
+    (lambda h, a: h.update(optimizer="adam"), "header optimizer 'adam' is none of adamw, sgd"),
+    (lambda h, a: h.update(precision="fp16"), "header precision 'fp16' is none of"),
 ])
 def test_check_broken_record_exit_2(tmp_path, edit, needle):
-    """A record whose header lacks a key, or whose arrays disagree with its steps: one line on
-    stderr, exit 2, no traceback."""
+    """A record whose header lacks a key, names a setting soapstone does not train with, or
+    whose arrays disagree with its steps: one line on stderr, exit 2, no traceback."""
     bad = _broken(tmp_path, edit)
     r = run_mpi(1, [*CLI, "check", "examples/mlp.par", str(bad)])
     assert r.returncode == 2, r.report()

@@ -14,7 +14,8 @@ from mpirun import run_mpi
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
-from soapstone.shard.data.tasks import SyntheticTask, make_task
+from soapstone.shard.data.source import make_task
+from soapstone.shard.data.tasks import SyntheticTask
 
 ROOT = Path(__file__).resolve().parents[3]
 CLI = ["-m", "soapstone.dsl.cli"]

@@ -17,11 +17,14 @@ import torch
 from mpirun import case_params, run_mpi
 
 from soapstone import dsl
+from soapstone.comm.errors import UserError
 from soapstone.dsl.compile.lower import lower
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.data.tasks import DataError, SyntheticTask
+from soapstone.shard.data.errors import DataError
+from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.data.token_memmap import TokenMemmap, open_tokens
 from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.errors import SettingError
 from soapstone.shard.train.lr_schedule import LRSchedule
 
 CASES = "tests/shard/train/training_cases.py"
@@ -53,6 +56,18 @@ def test_schedule_reaches_the_floor_after_the_last_step():
     s = LRSchedule(3e-4, steps=100, warmup=10, kind="cosine", min_lr=3e-5)
     assert s.at(100) == pytest.approx(3e-5) and s.at(99) > 3e-5
     assert LRSchedule(1.0, steps=4, kind="linear").at(0) == 1.0  # no warmup: starts at peak
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"kind": "step"}, "lr schedule must be one of cosine, linear, constant, not 'step'"),
+    ({"warmup": 7}, "warmup 7 must be between 0 and steps 6"),
+    ({"min_lr": 2.0}, "min_lr 2.0 must be between 0 and lr 1.0"),
+])
+def test_a_schedule_that_cannot_work_is_a_setting_error(args, needle):
+    """A UserError (exit 2 from a command), still the ValueError it was for the library."""
+    with pytest.raises(SettingError, match=needle) as e:
+        LRSchedule(1.0, steps=6, **args)
+    assert isinstance(e.value, UserError) and isinstance(e.value, ValueError)
 
 
 def test_set_lr_is_the_rate_of_the_update():
