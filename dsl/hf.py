@@ -577,13 +577,13 @@ class _StateReader:
 def load_init(executor, directory: str) -> str:
     """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank copies its
     slices); a line saying what was loaded."""
-    from soapstone.shard.checkpoint.load import _fill
+    from soapstone.shard.checkpoint.load import fill
 
     cfg = check_graph(directory, executor.graph)
     params = {p.name: (p.dims, p.shape) for s in executor.graph.stages
               for p in s.program.params}
     state = read_weights(directory, cfg, params)
-    _fill(executor, _StateReader(state), ("param",))
+    fill(executor, _StateReader(state), ("param",))
     return f"hf:{directory}: {len(state)} parameters of a Hugging Face {cfg.kind}"
 
 
