@@ -41,8 +41,11 @@ def publish(tmp: Path, final: Path) -> None:
         return
     old = root / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
     if exchange(tmp, final):
-        ix.fsync_dir(root)
-        os.rename(tmp, old)  # the replaced checkpoint, named for what it is until deleted
+        ix.fsync_dir(root)  # published; what follows is housekeeping (prune retries it)
+        try:
+            os.rename(tmp, old)  # the replaced checkpoint, named for what it is until deleted
+        except OSError:
+            old = tmp
     else:
         os.rename(final, old)
         try:

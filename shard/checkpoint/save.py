@@ -73,9 +73,10 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
         try:
             write_index(executor, tmp, step, seed, settings, size)
             durable.publish(tmp, final)
-            prune(root, keep, step)
         except OSError as e:
             problem = durable.failure(e, f"writing {tmp / ix.INDEX}")
+        else:
+            prune(root, keep, step)
     _check(agree(world, problem, tally.bytes), root, step, tmp, rank)
     return final
 
@@ -152,8 +153,11 @@ def write_index(executor, tmp: Path, step: int, seed: int, settings: dict, size:
 def prune(root: str | Path, keep: int | None, current: int) -> None:
     """Keep the newest `keep` complete checkpoints under root (None: all); drop what crashes
     left of saves up to `current` (unfinished saves; replaced checkpoints whose replacement is
-    in place)."""
-    done, skipped = ix.scan(root)
+    in place). Housekeeping: what it cannot delete stays, for the next save."""
+    try:
+        done, skipped = ix.scan(root)
+    except OSError:
+        return
     if keep is not None:
         for _, d in done[:-keep] if keep > 0 else done:
             shutil.rmtree(d, ignore_errors=True)
