@@ -49,11 +49,11 @@ def key_at(path: Path, offset: int) -> str:
     raise ValueError(f"{path}: offset {offset} is in no tensor")
 
 
-def piece_middle(path: Path, kind: str) -> tuple[int, str]:
-    """The file offset of the middle byte of the largest piece of `kind` ("param", ...), and
-    its key."""
+def piece_middle(path: Path, prefix: str) -> tuple[int, str]:
+    """The file offset of the middle byte of the largest piece whose key starts with `prefix`
+    ("param/", ...), and its key."""
     h, start = header(path)
-    keys = [k for k in h if k.startswith(kind + "/")]
+    keys = [k for k in h if k.startswith(prefix)]
     key = max(keys, key=lambda k: h[k]["data_offsets"][1] - h[k]["data_offsets"][0])
     a, b = h[key]["data_offsets"]
     return start + (a + b) // 2, key
@@ -103,7 +103,7 @@ def index_damage(name: str, change: Callable[[dict], None], fragment: str,
 def flip_mid(kind: str) -> Callable[[Path], str]:
     """Flip the middle byte of the largest piece of `kind` in rank 0's file."""
     def apply(d: Path) -> str:
-        at, key = piece_middle(d / FILE0, kind)
+        at, key = piece_middle(d / FILE0, kind + "/")
         flip(d / FILE0, at)
         return where(key, step_of(d))
     return apply

@@ -90,6 +90,20 @@ def test_resaving_a_step_replaces_it_whole(saved, tmp_path):
     assert verified["rc"] == 0 and "ok: " in verified["text"], verified["text"]
 
 
+def test_an_exported_file_carries_its_checksums(saved, tmp_path):
+    """`ckpt export` writes each parameter's checksums into the file; `run --init FILE` checks
+    them: a flipped byte is exit 2 naming it."""
+    from ckpt_damage import flip, piece_middle
+
+    f = tmp_path / "w.safetensors"
+    (exported,) = cli(["ckpt", "export", str(saved / "good"), "-o", str(f)])
+    assert exported["rc"] == 0, exported["text"]
+    at, key = piece_middle(f, "linear0.weight")
+    flip(f, at)
+    (init,) = cli([*GPT, "--init", str(f)])
+    assert init["rc"] == 2 and f"{key} (param/{key}, step 2): bytes" in init["text"], init
+
+
 def test_verify_and_inspect_need_no_torch(saved):
     """`ckpt verify` and `ckpt inspect` run where torch cannot be imported (a login node)."""
     from test_torch_free import BLOCKED

@@ -133,7 +133,10 @@ def _bytes(t) -> int:
 
 def export(d: Path, index, output: Path, dtype: str | None) -> int:
     """Write every parameter's full tensor (read piece by piece) to one safetensors file."""
+    import torch
+
     from soapstone.shard.checkpoint.boxes import Box
+    from soapstone.shard.checkpoint.checksum import chunk_crcs
     from soapstone.shard.checkpoint.index import params
     from soapstone.shard.checkpoint.tensorfile import BY_NAME, Reader, write
 
@@ -149,10 +152,13 @@ def export(d: Path, index, output: Path, dtype: str | None) -> int:
         return fail(e)
     finally:
         reader.close()
+    # the file carries its checksums (safetensors metadata): `run --init FILE` checks them
+    tensors = [(name, t.contiguous()) for name, t in tensors]
+    crcs = {name: chunk_crcs(t.reshape(-1).view(torch.uint8).numpy()) for name, t in tensors}
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         n = write(output, tensors, {"format": "pt", "source": str(d), "step": str(index.step),
-                                    "model": index.model}).bytes
+                                    "model": index.model, "crc32": json.dumps(crcs)}).bytes
     except OSError as e:
         from ..errors import BadInput
 

@@ -12,10 +12,12 @@ ZeRO-3, a pipeline, or one rank, because both sides are boxes of the same global
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from soapstone.shard.checkpoint import index as ix
 from soapstone.shard.checkpoint.agree import agree
+from soapstone.shard.checkpoint.checksum import CHUNK, chunks
 from soapstone.shard.checkpoint.holdings import holdings
 from soapstone.shard.checkpoint.schema import File, Index, Optimizer, Piece, Tensor
 from soapstone.shard.checkpoint.tensorfile import Reader
@@ -77,26 +79,48 @@ def load_params(executor, source: str | Path) -> str:
 
 
 def file_index(path: Path) -> Index:
-    """An index for one full safetensors file (key = parameter name, each one piece; no
-    checksums: soapstone did not write it as a checkpoint)."""
+    """An index for one full safetensors file (key = parameter name, each one piece), with the
+    checksums `ckpt export` puts in its metadata (a file from elsewhere has none)."""
     names = {c: n for n, (c, _) in ix.DTYPES.items()}
     if not path.is_file():
         raise ix.CheckpointError(f"{path}: no such file")
     h = read_header(path)
+    crcs = exported_crcs(path, h.metadata)
     tensors = {}
     for k, e in h.keys.items():
         if e["dtype"] not in names:
             raise ix.CheckpointError(f"{path}: {k} is {e['dtype']}; a checkpoint holds "
                                      + ", ".join(ix.DTYPES))
         shape = tuple(e["shape"])
+        crc = crcs.get(k) if crcs is not None else None
+        if crcs is not None and (crc is None or len(crc) != chunks(e["data_offsets"][1]
+                                                                   - e["data_offsets"][0])):
+            raise ix.CheckpointError(f"{path}: its metadata's crc32 has no checksums of {k} "
+                                     "for its size; the file is damaged")
         tensors[f"param/{k}"] = Tensor(
             f"param/{k}", "param", k, names[e["dtype"]], shape,
             tuple(f"d{i}" for i in range(len(shape))), {},
-            (Piece(path.name, k, (0,) * len(shape), shape, None),))
-    return Index(model=path.name, parallel=None, zero=0, mesh={}, world_size=1, step=None,
+            (Piece(path.name, k, (0,) * len(shape), shape, crc),))
+    step = h.metadata.get("step", "")  # what `ckpt export` records, for messages
+    return Index(model=path.name, parallel=None, zero=0, mesh={}, world_size=1,
+                 step=int(step) if isinstance(step, str) and step.isdigit() else None,
                  seed=0, settings={}, optimizer=Optimizer(None, 0),
                  files={path.name: File(path.name, None, h.size)}, tensors=tensors,
-                 chunk_bytes=1 << 20, raw={})
+                 chunk_bytes=CHUNK, raw={})
+
+
+def exported_crcs(path: Path, metadata: dict) -> dict[str, tuple[int, ...]] | None:
+    """The checksums `ckpt export` wrote into a file's metadata (key -> CRC-32 per chunk), or
+    None when it has none."""
+    text = metadata.get("crc32")
+    if text is None:
+        return None
+    try:
+        crcs = json.loads(text)
+        return {k: tuple(int(c) for c in v) for k, v in crcs.items()}
+    except (ValueError, TypeError, AttributeError):
+        raise ix.CheckpointError(f"{path}: its metadata's crc32 is not a JSON object of "
+                                 "checksum lists; the file is damaged") from None
 
 
 def fill(executor, reader, kinds: tuple[str, ...]) -> int:
