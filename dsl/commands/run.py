@@ -4,7 +4,9 @@ Every rank parses the spec, lowers the chosen layout and checks the launch (N mu
 layout's world size) on its own; all ranks reach the same verdict, so a bad input makes every
 rank exit 2 at once (rank 0 prints the error) instead of leaving some waiting in a collective.
 Errors during training are not caught here: one rank's exception aborts the whole job
-(soapstone.comm's failure handler), since the other ranks would wait for it forever.
+(soapstone.comm's failure handler), since the other ranks would wait for it forever. The
+exception: a checkpoint's load or save that fails (a damaged byte, a full disk) raises the same
+CheckpointError on every rank at once (shard/checkpoint/agree.py), so all exit 2 together.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
 Every comm op runs under the watchdog's deadline (--collective-timeout, default
 SOAPSTONE_COLLECTIVE_TIMEOUT or 600 s; a timeout ends the job with a report naming the op and
@@ -164,7 +166,10 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               f"{args.optimizer} lr {lr:g}, "
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
-    start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    try:  # a damaged checkpoint or a full disk: every rank raises the same error together
+        start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    except UserError as e:
+        return fail(e, rank)
     if rank == 0 and par is not None and par.offload and comm.device.type != "cuda":
         from soapstone.shard.parallel.offload_plan import CPU_RUN_NOTE
 
@@ -202,7 +207,10 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                 bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
                                     f"lr {m.lr:.3g}", refresh=False)
                 bar.update(1)
-            stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            try:
+                stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            except UserError as e:
+                return fail(e, rank)
             expected.step_began()  # evaluation and checkpoints are not in the plan's step
             if stopped:
                 break

@@ -7,10 +7,13 @@ tests/specs/ckpt_layouts.par.
 - reshard (4 ranks): saved under data x tensor parallel with ZeRO-1 after 3 of 6 steps, then
   resumed on each half of the world under dp2 ZeRO-3 and two pipelines, on the whole world
   under pipe x data (ZeRO-2) and pipe x tensor x sequence (interleaved), and on each rank
-  alone, each rank reading exactly the bytes of the boxes it holds (and the saved parameters
-  rebuild exactly from index.json and safetensors' numpy reader alone):
+  alone, each rank reading at least the bytes of the boxes it holds and at most the pieces
+  they overlap (in the saved layout: exactly its boxes; and the saved parameters rebuild
+  exactly from index.json and safetensors' numpy reader alone, their checksums from zlib):
   steps 4-6 match the uninterrupted run within the golden tolerances (losses rtol 1e-5;
   parameters 1e-5 of their scale plus 1% of an AdamW update per step).
+- damage (2 ranks): the rank cases of tests/shard/checkpoint/ckpt_damage.py through `soapstone run`
+on every rank: exit 2 everywhere, rank 0 naming the damage, no rank left waiting.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests/support"))
+sys.path[:0] = [str(ROOT / "tests/support"), str(Path(__file__).parent)]  # ckpt_damage beside it
 
 from mpirun import ranks  # noqa: E402
 
@@ -33,7 +36,9 @@ from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
 from soapstone.dsl.compile.stages import lower_graph, lower_pipeline  # noqa: E402
 from soapstone.shard.checkpoint import resume, save  # noqa: E402
+from soapstone.shard.checkpoint.boxes import Box  # noqa: E402
 from soapstone.shard.checkpoint.holdings import holdings  # noqa: E402
+from soapstone.shard.checkpoint.index import OPTIMIZER_KINDS  # noqa: E402
 from soapstone.shard.data.tasks import SyntheticTask  # noqa: E402
 from soapstone.shard.plan.analysis.checkpoint_size import checkpoint_bytes  # noqa: E402
 from soapstone.shard.train.trainer import Trainer  # noqa: E402
@@ -85,7 +90,12 @@ def bitwise(layout: str, precision: str = "fp32", **how) -> None:
     save(first.executor, d, 3, 0, {"accumulate": 1})
     written_as_explain_says(first, d / "step-00000003", how.get("optimizer", "adamw"))
     again = trainer(layout, precision=precision, **how)
-    resume(again.executor, d)
+    index = resume(again.executor, d)
+    # in the layout it was saved from each box a rank holds is one saved piece: it reads
+    # exactly those bytes (each checked against its checksums)
+    states = 1 + len(OPTIMIZER_KINDS[how.get("optimizer", "adamw")])
+    held = sum(b.numel for h in holdings(again.executor) for b in h.boxes) * 4 * states
+    assert index["bytes_read"] == held, (index["bytes_read"], held)
     got = [m.loss for m in again.run(3, 3)]
     assert got == want[3:], (layout, got, want[3:])
     a, b = holdings(straight.executor), holdings(again.executor)
@@ -129,6 +139,43 @@ def case_resume_bitwise_pipeline_tied_weights_sgd():
     bitwise("pp2f1b", tie=True, optimizer="sgd")
 
 
+@ranks(2)
+def case_damaged_tp2_checkpoint_exits_2_on_every_rank():
+    """The rank cases of tests/shard/checkpoint/ckpt_damage.py, each on a copy of the tp2 checkpoint
+    case_resume_bitwise_tp2 saved: `soapstone run --parallel tp2 --resume` returns 2 on every
+    rank, none waits on another, rank 0 prints the damage (what only rank 1 read included);
+    `soapstone ckpt verify` names it too."""
+    import contextlib
+    import io
+    import shutil
+
+    from ckpt_damage import RANK_CASES
+
+    from soapstone.dsl.cli import main
+
+    def cli(argv: list[str]) -> tuple[int, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            return main(argv), out.getvalue()
+
+    saved = OUT / "bitwise-tp2-fp32-[]" / "step-00000003"
+    for name, damage in RANK_CASES:
+        d = OUT / f"damaged-{name}" / saved.name
+        fragment = ""
+        if W.rank == 0:
+            shutil.copytree(saved, d)
+            fragment = damage(d)
+        W.barrier()
+        rc, text = cli(["run", "tests/specs/ckpt_layouts.par", "--parallel", "tp2", "--quiet",
+                        "--steps", "4", "--resume", str(d.parent)])
+        assert rc == 2, (name, text)
+        if W.rank == 0:
+            assert fragment in text and "Traceback" not in text, (name, fragment, text)
+            rc, text = cli(["ckpt", "verify", str(d.parent)])
+            assert rc == 2 and fragment.removeprefix("rank 1: ") in text, (name, text)
+        W.barrier()
+
+
 # --- reshard: one save under dp2tp2z1, resumed under other layouts ----------------------------
 RESHARD = OUT / "reshard"
 STRAIGHT: dict = {}
@@ -150,18 +197,26 @@ def case_reshard_save_under_tp2_zero1():
 
 
 def read_without_soapstone(d: Path, full: dict) -> None:
-    """index.json + any safetensors reader (numpy here) rebuild every parameter exactly."""
+    """index.json + any safetensors reader (numpy here) rebuild every parameter exactly, and
+    the standard library's zlib.crc32 checks every piece's bytes."""
+    import zlib
+
     from safetensors.numpy import load_file
 
     index = json.loads((d / "index.json").read_text())
     files = {name: load_file(str(d / name)) for name in index["files"]}
+    chunk = index["chunk_bytes"]
     for name, t in index["tensors"].items():
-        if t["kind"] != "param":
-            continue
         out = np.full(t["shape"], np.nan, dtype=np.float32)
         for p in t["pieces"]:
+            data = files[p["file"]][p["key"]]
+            raw = data.tobytes()
+            assert p["crc32"] == [zlib.crc32(raw[i:i + chunk])
+                                  for i in range(0, len(raw), chunk)], (name, p["key"])
             where = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"], strict=True))
-            out[where] = files[p["file"]][p["key"]]
+            out[where] = data
+        if t["kind"] != "param":
+            continue
         assert np.array_equal(out, full[t["param"]].numpy()), name
 
 
@@ -169,9 +224,14 @@ def resumed_matches(layout: str | None, world) -> None:
     t = trainer(layout, world)
     index = resume(t.executor, RESHARD)
     assert index["parallel"] == "dp2tp2z1" and index["step"] == 3
-    # only what this rank holds: its boxes of each master and both moments, nothing more
+    # what this rank holds (its boxes of each master and both moments) and no more than the
+    # saved pieces those boxes overlap: it reads whole rows of a piece, to check their
+    # checksums
     held = sum(b.numel for h in holdings(t.executor) for b in h.boxes) * 4 * 3
-    assert index["bytes_read"] == held, (index["bytes_read"], held)
+    most = sum(4 * math.prod(p["shape"]) for h in holdings(t.executor) for k in h.views
+               for b in h.boxes for p in index["tensors"][f"{k}/{h.name}"]["pieces"]
+               if Box(tuple(p["offset"]), tuple(p["shape"])).intersect(b) is not None)
+    assert held <= index["bytes_read"] <= most, (index["bytes_read"], held, most)
     got = [m.loss for m in t.run(3, 3)]
     for i, (g, w) in enumerate(zip(got, STRAIGHT["loss"][3:], strict=True)):
         assert abs(g - w) <= RTOL * abs(w), f"{layout}: step {4 + i} loss {g!r} vs {w!r}"

@@ -39,7 +39,8 @@ def test_box_intersection():
     assert a.intersect(Box((4, 0), (2, 2))) is None
 
 
-def _trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model="gpt"):
+def trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model="gpt"):
+    """A one-rank Trainer of a spec's model on the synthetic task."""
     spec = dsl.load(ROOT / spec)
     graph = lower_graph(spec.model(model), None)
     return Trainer(graph, None, task=SyntheticTask(graph.program, seed=0), precision=precision,
@@ -52,12 +53,12 @@ def _trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model
 def test_resume_on_one_rank_is_bitwise(tmp_path, precision, optimizer, spec, model):
     """bf16 compute over fp32 masters with SGD momentum; a model with dropout, whose masks
     follow from (seed, step) alone (the mpiexec cases do AdamW layouts)."""
-    straight = _trainer(precision, optimizer, spec, model)
+    straight = trainer(precision, optimizer, spec, model)
     want = [m.loss for m in straight.run(4)]
-    first = _trainer(precision, optimizer, spec, model)
+    first = trainer(precision, optimizer, spec, model)
     list(first.run(2))
     d = save(first.executor, tmp_path, 2, 0, {"accumulate": 1})
-    again = _trainer(precision, optimizer, spec, model)
+    again = trainer(precision, optimizer, spec, model)
     index = resume(again.executor, tmp_path)
     assert index["dir"] == str(d) and index["optimizer"]["steps"] == 2
     assert [m.loss for m in again.run(2, 2)] == want[2:]
@@ -68,11 +69,11 @@ def test_resume_on_one_rank_is_bitwise(tmp_path, precision, optimizer, spec, mod
 def test_load_params_from_a_full_safetensors_file(tmp_path):
     from safetensors.torch import save_file
 
-    src = _trainer()
+    src = trainer()
     list(src.run(2))
     full = src.full_state_dict()
     save_file(full, str(tmp_path / "w.safetensors"))
-    dst = _trainer()
+    dst = trainer()
     assert "parameters" in load_params(dst.executor, tmp_path / "w.safetensors")
     got = dst.full_state_dict()
     assert all(torch.equal(full[k], got[k]) for k in full)
@@ -88,7 +89,7 @@ def test_load_params_from_a_full_safetensors_file(tmp_path):
 
 
 def test_index_is_plain_json_naming_layout_shape_dtype(tmp_path):
-    t = _trainer()
+    t = trainer()
     list(t.run(1))
     d = save(t.executor, tmp_path, 1, 0, {"accumulate": 1})
     index = json.loads((d / "index.json").read_text())
@@ -154,7 +155,7 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
     """run --save/--save-every/--keep, ckpt inspect/export, run --init; then every bad
     checkpoint input exits 2 with a message naming the problem and no traceback."""
     d, f, good = tmp_path / "ck", tmp_path / "model.safetensors", tmp_path / "good"
-    t = _trainer()
+    t = trainer()
     list(t.run(2))
     step = save(t.executor, good, 2, 0, {"accumulate": 1})
     (tmp_path / "empty").mkdir()
@@ -171,7 +172,7 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
     bad = [
         ([*gpt, "--resume", str(tmp_path / "empty")], "no complete checkpoint in it (nothing)"),
         ([*gpt, "--resume", missing], "rank00000.safetensors: missing"),
-        ([*gpt, "--resume", truncated], "a truncated or replaced file"),
+        ([*gpt, "--resume", truncated], "inside its 16720-byte header: a truncated file"),
         ([*gpt, "--resume", shaped], "holds F32 [64], the index says F32 [32] for "
                                      "param/linear0.bias"),
         ([*gpt, "--resume", typed], "holds F32 [64], the index says BF16 [64]"),
@@ -180,8 +181,7 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
         ([*gpt, "--resume", str(good), "--optimizer", "sgd"], "saved with optimizer adamw"),
         ([*gpt[:-1], "2", "--resume", str(good)], "give more steps"),
         ([*gpt, "--init", str(tmp_path / "nothing.safetensors")], "no such file or directory"),
-        (["ckpt", "inspect", str(partial)], "only partial saves without index.json "
-                                            "(step-00000004)"),
+        (["ckpt", "inspect", str(partial)], "only unfinished saves (step-00000004)"),
         ([*gpt, "--save", str(f)], "exists and is not a directory"),
         ([*gpt, "--save-every", "2"], "--save-every/--keep need --save DIR"),
         ([*gpt, "--resume", str(good), "--init", str(f)], "--resume and --init together"),
@@ -240,36 +240,55 @@ def _losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    """A rank killed (SIGKILL) while writing the step-4 checkpoint: step 2 still resumes (the
-    partial save is reported and ignored), steps 3-4 repeat the first run's losses bitwise, and
-    the next save of step 4 is whole."""
+def _kill_rank_1_mid_save(args: list[str], pids: Path, env: dict | None = None) -> None:
+    """Launch dp2 `run` slowed in its save of step 4; SIGKILL rank 1 once both ranks write."""
     import os
     import signal
+
+    proc = _launch(2, args, {"SOAPSTONE_CKPT_TEST_SLOW": f"4:30:{pids}", **(env or {})})
+    _wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, proc,
+              "both ranks inside the slowed save of step 4")
+    victim = dict(line.split() for line in pids.read_text().splitlines())["1"]
+    os.kill(int(victim), signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    pids.unlink()
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """A rank killed (SIGKILL) while writing the step-4 checkpoint: step 2 still resumes (the
+    unfinished save is reported and ignored), steps 3-4 repeat the first run's losses bitwise,
+    and the next save of step 4 is whole. Then a resume from step 2 into the same DIR killed
+    while re-saving step 4: the step-4 checkpoint already there is untouched, and a resume
+    takes it."""
+    from soapstone.shard.checkpoint import read
+    from soapstone.shard.checkpoint.verify import verify_data
 
     d, pids = tmp_path / "ck", tmp_path / "pids"
     args = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet", "--steps", "4",
             "--save", str(d), "--save-every", "2"]
-    first = _launch(2, [*args, "--metrics", str(tmp_path / "a.jsonl")],
-                    {"SOAPSTONE_CKPT_TEST_SLOW": f"4:30:{pids}"})
-    _wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, first,
-              "both ranks inside the slowed save of step 4")
-    victim = dict(line.split() for line in pids.read_text().splitlines())["1"]
-    os.kill(int(victim), signal.SIGKILL)
-    first.communicate(timeout=120)
-    assert first.returncode != 0
+    _kill_rank_1_mid_save([*args, "--metrics", str(tmp_path / "a.jsonl")], pids)
     assert (d / "step-00000002" / "index.json").is_file()
-    assert not (d / "step-00000004" / "index.json").exists()
+    assert not (d / "step-00000004").exists()
+    (tmp,) = d.glob("step-00000004.tmp-*")
     again = _launch(2, [*args, "--resume", str(d), "--metrics", str(tmp_path / "b.jsonl")])
     out, err = again.communicate(timeout=180)
     assert again.returncode == 0, out + err
-    assert f"ignoring partial save {d / 'step-00000004'}" in err
+    assert f"ignoring {tmp}: an unfinished save of step 4" in err, err
     assert "resumed from" in err and "at step 2" in err
     a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
     assert sorted(b) == [2, 3] and all(a[i] == b[i] for i in b), (a, b)
-    from soapstone.shard.checkpoint import read
-
-    assert read(d / "step-00000004")["step"] == 4
+    assert read(d / "step-00000004").step == 4 and not tmp.exists()  # the save cleared it
+    before = (d / "step-00000004" / "rank00001.safetensors").read_bytes()
+    _kill_rank_1_mid_save([*args, "--resume", str(d / "step-00000002")], pids)
+    problems: list[str] = []
+    verify_data(d / "step-00000004", read(d / "step-00000004"), problems)
+    assert not problems and (d / "step-00000004" / "rank00001.safetensors").read_bytes() \
+        == before, problems
+    (tmp,) = d.glob("step-00000004.tmp-*")
+    (resumed,) = cli(["run", "examples/gpt.par", "--quiet", "--steps", "5", "--resume", str(d)])
+    assert resumed["rc"] == 0 and "at step 4" in resumed["text"], resumed["text"]
+    assert f"ignoring {tmp}: an unfinished save of step 4" in resumed["text"]
 
 
 def test_sigterm_with_save_saves_then_stops(tmp_path):
@@ -288,7 +307,7 @@ def test_sigterm_with_save_saves_then_stops(tmp_path):
     assert "(stopping: SIGTERM)" in err and "Traceback" not in err, err
     from soapstone.shard.checkpoint import find, read
 
-    step = read(find(d)[0])["step"]
+    step = read(find(d)[0][0]).step
     assert step >= 2 and step == len(m.read_text().splitlines())
 
 
