@@ -7,8 +7,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode  # its only home in torch
 
 
 def _add(seen: dict[int, int], t: torch.Tensor | None) -> None:
@@ -78,10 +77,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = list(_tensors(out))
         if outs:
-            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                     if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+            given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+                     if t.layout == torch.strided}
             for t in outs:
                 if t.layout == torch.strided:
                     self._count(t.untyped_storage(), given)
@@ -98,3 +97,15 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, ptr: int) -> None:
         self.live -= self.tracked.pop(ptr)
+
+
+def _tensors(x):
+    """The tensors in an op's arguments or results (nested tuples, lists, dicts)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, list | tuple):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
