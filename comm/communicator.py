@@ -71,9 +71,10 @@ class OpStats(NamedTuple):
 
 
 class Work:
-    """Handle of an async op: wait() completes it and returns the result tensor."""
+    """Handle of an async op: wait() completes it and returns the result tensor; test() asks
+    without blocking."""
 
-    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep", "_rec", "_entry")
+    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep", "_rec", "_entry", "_test")
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class Work:
         result: torch.Tensor | None,
         finish: Callable[[], torch.Tensor] | None = None,
         keep: Any = None,
+        test: Callable[[], bool] | None = None,
     ):
         self._wait = wait
         self._finish = finish
@@ -89,6 +91,18 @@ class Work:
         self._keep = keep  # buffers the backend reads or writes until completion stay alive
         self._rec = None  # the flight recorder and entry handle of this op (Communicator._call)
         self._entry = None
+        # whether the backend has completed the op, without blocking (None: it cannot tell,
+        # so only wait() completes it)
+        self._test = test
+
+    def test(self) -> bool:
+        """Whether the op is complete, without blocking; if it is, complete it as wait() does
+        (its buffers are let go), so a caller can drop finished sends as it goes."""
+        if not self._done:
+            if self._test is None or not self._test():
+                return False
+            self.wait()
+        return True
 
     def wait(self) -> torch.Tensor | None:
         """Block until the op is complete; return its result (idempotent)."""
@@ -408,7 +422,8 @@ class Communicator(abc.ABC):
         sent = send_descriptor(self, t, dst, tag)
         work = self._send(t, dst, tag, async_op)
         if async_op:
-            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent))
+            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent),
+                        test=lambda: work.test() and sent.test())
         sent.wait()
         return None
 

@@ -165,8 +165,10 @@ class NCCLCommunicator(GroupedP2P, Communicator):
                 self._grouped.append((event, None))
             else:
                 event.record(self._side)
+            # test(): the event has fired (a grouped op's is recorded at groupEnd, before
+            # batch_p2p returns its Works, so none is asked earlier)
             return Work(lambda: torch.cuda.current_stream().wait_event(event), result, finish,
-                        keep=keep)
+                        keep=keep, test=event.query)
         return finish() if finish is not None else result
 
     def _allreduce(self, t, op, async_op):

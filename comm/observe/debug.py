@@ -128,6 +128,10 @@ class _Sent:
     def wait(self) -> None:
         self._req.Wait()
 
+    def test(self) -> bool:
+        """Whether the descriptor has gone, without blocking."""
+        return self._req.Test()
+
 
 def send_descriptor(comm, t: torch.Tensor, peer: int, tag: int) -> _Sent:
     """Start sending this message's descriptor to `peer` (non-blocking; wait() the result)."""

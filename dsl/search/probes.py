@@ -47,7 +47,7 @@ def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> F
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
                ("transient_bytes",): est.transient_bytes - working_set,
-               ("working_set",): working_set,
+               ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
                ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
                ("param_elements",): param_elements}
     if est.without_recompute is not None:
@@ -87,7 +87,8 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
                    g[("activation_bytes",)], traffic,
                    transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
                    without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
-                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0)
+                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0,
+                   weight_grad_bytes=g[("weight_grad_bytes",)])
     again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)]) if rc else None
     return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again), g[("param_elements",)]
 

@@ -6,8 +6,8 @@ which the stage upstream waits for) and `W` (the weight gradients, which nobody 
 Communication actions are derived from them (`with_comm`): `RA`/`RG` post a non-blocking
 receive of an activation / a gradient, `SA`/`SG` start a non-blocking send. A receive is
 posted one compute action before the one that needs it, so it lands while the rank computes;
-sends never block (they are waited on at the end of the step). Virtual stage v runs on pipe
-rank v mod P; chunk c of rank r is virtual stage c*P + r.
+sends never block (each is let go once complete, the rest waited on at the end of the step).
+Virtual stage v runs on pipe rank v mod P; chunk c of rank r is virtual stage c*P + r.
 
 - gpipe: all forwards, then all backwards.
 - 1f1b: rank r runs min(P-r-1, M) warm-up forwards, then alternates one forward and one

@@ -216,15 +216,18 @@ def case_batch_p2p_ring_in_order_counted_and_recorded():
     assert W.flight.p2p_seq == seq, "a refused batch posted ops"
     if W.device_type == "cpu":
         # synchronous: an Issend stays incomplete until its receive is posted (NCCL's
-        # rendezvous), where a small Isend completes at once (eager)
+        # rendezvous), where a small Isend completes at once (eager); test() tells which
+        # without blocking, and completes the send once it can
         if R == 0:
             (w,) = W.batch_p2p([("isend", inp(0, (2,)), 1)], synchronous=True)
-            assert not w._wait.__self__.Test(), "a synchronous send completed unmatched"
+            assert not w.test(), "a synchronous send completed unmatched"
         W.mpi.Barrier()
         if R == 1:
             W.recv(torch.empty(2), 0)
         if R == 0:
-            w.wait()
+            while not w.test():
+                pass
+            assert w.test() and w.wait() is None
         assert not W._synchronous
 
 
@@ -247,6 +250,11 @@ def case_async_ops_match_blocking():
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         same(g, w, f"async op #{i}")
     assert works[0].wait() is got[0], "wait() is idempotent"
+    # test() polls: once it says complete the result is there, as wait() gives it
+    work = W.allreduce(x.clone(), async_op=True)
+    while not work.test():
+        pass
+    same(work.wait(), want[0], "allreduce completed by test()")
 
 
 @ranks(1, 2, 4)

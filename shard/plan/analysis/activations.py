@@ -30,6 +30,8 @@ backward its own saves come back for as long as backward runs through it. `recom
 is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
 is kept by no one after forward, and in backward lives from its last saver's backward (where
 it is rebuilt) to its first saver's.
+
+`weight_grad_bytes` is what a split backward (zb1p) keeps from B to W beside the saved bytes.
 """
 
 from __future__ import annotations
@@ -228,4 +230,24 @@ def recompute_flops(program: Program) -> float:
                     v = program.value(name)
                     sizes.update(zip(v.dims, v.local_shape, strict=True))
                 total += 2 * math.prod(sizes.values())
+    return total
+
+
+def weight_grad_bytes(program: Program) -> int:
+    """The gradients a split backward's B keeps for its W (shard/split_backward.py: the
+    joints' incoming gradients), one microbatch: for each step whose backward gives a
+    parameter its gradient from the one arriving at its output (x . W, a fused linear, a
+    norm's or a bias's weights), that output's size. An embedding's table is not counted: its
+    lookup is off B's path (integer ids), so its W starts above it."""
+    fused = find_fusions(program)
+    covered = {i for f in fused.values() for i in f.covered}
+    params = {p.name for p in program.params}
+    total = 0
+    for i, s in enumerate(program.steps):
+        if i in covered or not isinstance(s, Compute) or s.kind == "embedding":
+            continue
+        f = fused.get(i)
+        reads = (f.w, f.bias) if isinstance(f, FusedLinear) else s.args
+        if any(a in params for a in reads) and program.value(s.out).is_float:
+            total += program.value(s.out).nbytes
     return total

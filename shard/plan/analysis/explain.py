@@ -48,12 +48,16 @@ Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Progr
 for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
 figures add up its virtual stages:
 - params, grads, optimizer: the sum over the rank's stages (a tied weight counts per copy).
-- activations: one microbatch's saved bytes per stage times the microbatches in flight,
-  taken from the schedule itself (the transient: the largest of the rank's stages', plus
-  every tensor it sends in the step, whose sends are waited on at the step's end):
-  walking the rank's F/B actions, the peak over time of
-  sum(live forwards of stage s x its bytes). For 1F1B that is p - s microbatches on pipe rank s
-  (at most m); GPipe keeps all m; interleaved keeps its warm-up depth.
+- activations: what the executor keeps per microbatch in flight, from the schedule itself:
+  walking the rank's F/B/W actions, the peak over time of sum over its stages s of
+  (microbatches past F, before their backward's last part) x s's saved bytes + (those
+  before B) x the bytes s sends forward (its outputs, stored for its B; a received input is
+  read by the stage's first op, which saves it). For 1F1B that is p - s microbatches on pipe
+  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; zb1p keeps the
+  saved bytes until W, and from B to W the gradients B keeps for it (activations.py's
+  weight_grad_bytes). The transient: the largest of the rank's stages', plus the one
+  message received ahead of the compute reading it; sends add nothing, each let go as it
+  completes (shard/runtime/pipe_p2p.py). Flat in m but for GPipe.
 - communication: a stage's forward and backward collectives run once per microbatch (x m);
   gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
   reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
@@ -80,7 +84,11 @@ import attrs
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
 from soapstone.shard.parallel.selective_plan import selective_flops
-from soapstone.shard.plan.analysis.activations import activation_figures, recompute_flops
+from soapstone.shard.plan.analysis.activations import (
+    activation_figures,
+    recompute_flops,
+    weight_grad_bytes,
+)
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -131,6 +139,8 @@ class Estimate:
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
     recompute_flops: float = 0.0
+    # a split backward (zb1p): the gradients B keeps for W, one microbatch (activations.py)
+    weight_grad_bytes: int = 0
     # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
     experts: list[dict] = attrs.field(factory=list)
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
@@ -285,43 +295,59 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                         attrs.evolve(program, recompute=(), dropped=())))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
+                    weight_grad_bytes=weight_grad_bytes(program),
                     experts=expert_figures(program))
 
 
-def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
-    """Peak activation bytes held by pipe rank `rank` under `schedule`, and the peak number of
-    microbatches in flight per virtual stage."""
+def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | None = None,
+              kept: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
+    """Peak bytes of the microbatches pipe rank `rank` holds under `schedule`, as the executor
+    keeps them, per virtual stage s: from a microbatch's F to its B, act[s] (saved for
+    backward) and sent[s] (the outputs s sends forward, stored for its B); where the backward
+    is split, from B to W, act[s] and kept[s] (the gradients B keeps for W). And the peak
+    number in flight (F done, the backward's last part not) per stage."""
+    sent, kept = sent or {}, kept or {}
     snapshots, peak_live = _live(schedule.kind, schedule.pipe, schedule.microbatches,
                                  schedule.chunks, rank)
-    peak = max((sum(n * act.get(s, 0) for s, n in snap) for snap in snapshots), default=0)
+    peak = max((sum(n * (act.get(s, 0) + sent.get(s, 0)) + w * (act.get(s, 0) + kept.get(s, 0))
+                    for s, n, w in snap) for snap in snapshots), default=0)
     return peak, dict(peak_live)
 
 
 @functools.lru_cache(maxsize=4096)
 def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
-    """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
-    forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
-    is at one of them), and the peak per stage. Cached: the planner asks for many layouts."""
+    """Walking rank `rank`'s F/B/W actions: after each F (and each B of a split backward),
+    per stage, the microbatches before their B and those between B and W (only snapshots no
+    other dominates: bytes are >= 0, so the peak is at one of them), and the peak in flight
+    per stage. Cached: the planner asks for many layouts."""
     from soapstone.shard.plan import schedules
 
-    live: dict[int, int] = {}
+    before_b: dict[int, int] = {}
+    before_w: dict[int, int] = {}
     peak_live: dict[int, int] = {}
-    snaps: set[tuple[tuple[int, int], ...]] = set()
+    snaps: set[tuple[tuple[int, int, int], ...]] = set()
     sched = schedules.build(kind, pipe, m, chunks)
-    done = "W" if sched.split else "B"  # a split backward keeps its values until W
     for a in sched.ranks[rank]:
-        if a.kind not in ("F", done):
-            continue
-        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
-        peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
+        s = a.stage
         if a.kind == "F":
-            snaps.add(tuple(sorted(live.items())))
+            before_b[s] = before_b.get(s, 0) + 1
+        elif a.kind == "B":
+            before_b[s] -= 1
+            if sched.split:  # its saved values stay until W
+                before_w[s] = before_w.get(s, 0) + 1
+        else:
+            before_w[s] -= 1
+        peak_live[s] = max(peak_live.get(s, 0), before_b[s] + before_w.get(s, 0))
+        if a.kind == "F" or (a.kind == "B" and sched.split):
+            snaps.add(tuple((t, n, before_w.get(t, 0)) for t, n in sorted(before_b.items())))
 
-    keep: list[dict[int, int]] = []  # by total, largest first: a dominating one comes first
-    for x in sorted(snaps, key=lambda x: -sum(n for _, n in x)):
-        if not any(all(n <= y.get(s, 0) for s, n in x) for y in keep):
-            keep.append(dict(x))
-    return tuple(tuple(k.items()) for k in keep), tuple(peak_live.items())
+    keep: list[dict[int, tuple[int, int]]] = []  # by total, largest first: a dominating one
+    for x in sorted(snaps, key=lambda x: -sum(n + w for _, n, w in x)):  # comes first
+        if not any(all(n <= y.get(s, (0, 0))[0] and w <= y.get(s, (0, 0))[1]
+                       for s, n, w in x) for y in keep):
+            keep.append({s: (n, w) for s, n, w in x})
+    return (tuple(tuple((s, n, w) for s, (n, w) in y.items()) for y in keep),
+            tuple(peak_live.items()))
 
 
 @attrs.frozen
@@ -385,15 +411,23 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
     backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
+    sent: dict[int, int] = {}  # stage -> bytes it sends forward per microbatch
+    kept = {i: e.weight_grad_bytes for i, e in per_stage.items()}  # split: B keeps for W
     for st in stages:
         of_rank.setdefault(st.rank, []).append(st)
     for e in edges if pipe > 1 else ():
         sends.setdefault(e.src_rank, []).append(e)
         backs.setdefault(e.dst_rank, []).append(e)
+        sent[e.src] = sent.get(e.src, 0) + e.nbytes
+    for e in edges if pipe > 1 else ():
+        # a stage without float inputs has no B to run: W keeps its outputs and their
+        # gradients instead (split_backward.py: the roots off B's path)
+        if not any(x.dst == e.src and x.float_tensors for x in edges):
+            kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
-        peak, flight = _in_flight(sched, r, act)
+        peak, flight = in_flight(sched, r, act, sent, kept)
         rows: dict[tuple[str, str, str], Traffic] = {}
 
         def add(phase, kind, ax, calls, nbytes, rows=rows):
@@ -423,11 +457,10 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
             "activation_bytes": peak,
-            # + the step's sends, held until its end (the executor waits on them there)
-            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine) + m * (
-                sum(e.nbytes for e in sends.get(r, ()))
-                + sum(e.float_bytes for e in backs.get(r, ()))),
-            "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
+            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine)
+            + received_ahead(r, sends, backs),
+            "activation_bytes_per_microbatch": {st.index: act[st.index] + sent.get(st.index, 0)
+                                                for st in mine},
             "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
             "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
@@ -452,10 +485,22 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
                     edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
-                    **_recompute_figures(sched, pick, per_stage))
+                    **_recompute_figures(sched, pick, per_stage, sent, kept,
+                                         received_ahead(pick["pipe_rank"], sends, backs)))
 
 
-def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dict:
+def received_ahead(rank: int, sends: dict[int, list], backs: dict[int, list]) -> int:
+    """The receive buffer pipe rank `rank` holds beside a compute: the next compute's message,
+    posted before this one runs (the largest it receives: an activation on an edge into it,
+    a gradient on one out of it). Its own sends are let go as they complete, so they add
+    nothing here: what it sends forward is stored for its B anyway (`in_flight`), and a
+    gradient goes as soon as its B is done."""
+    return max([e.nbytes for e in backs.get(rank, ())]
+               + [e.float_bytes for e in sends.get(rank, ())] + [0])
+
+
+def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate],
+                       sent: dict[int, int], kept: dict[int, int], ahead: int) -> dict:
     """A pipe rank's figures without `recompute` (activations in flight, working set) and
     the FLOPs it runs again per microbatch, as Estimate's fields; {} without recompute."""
     mine = pick["stages"]
@@ -463,8 +508,9 @@ def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dic
         return {}
     plain = {i: (e.without_recompute or (e.activation_bytes, e.transient_bytes))
              for i, e in per_stage.items()}
-    peak, _ = _in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()})
-    return {"without_recompute": (peak, max(plain[i][1] for i in mine)),
+    peak, _ = in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()}, sent,
+                        kept)
+    return {"without_recompute": (peak, max(plain[i][1] for i in mine) + ahead),
             "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
 
 

@@ -24,7 +24,7 @@ import attrs
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "tests/support"))
+sys.path[:0] = [str(ROOT / "tests/support"), str(ROOT / "bench")]  # bench: the memory measure
 
 from mpirun import ranks  # noqa: E402
 
@@ -204,6 +204,42 @@ def case_pp2_tp2_received_residual():
     """A stage receives the replicated residual stream and feeds it into h2-split work: its
     CopyTo sums the gradient over `model` before it is sent back (formerly refused)."""
     golden(RES.model(), RES.parallel("pp2tp2res"))
+
+
+@ranks(2)
+def case_pp2_memory_flat_in_microbatches_under_1f1b():
+    """A pipe rank's peak memory over one step, at a fixed microbatch size (2 rows of
+    gpt.par, seq 16, hidden 64): flat under 1F1B at m = 4, 16, 64 (each stage holds at most
+    p - s microbatches: their stored values go at B, sends as they complete), linear under
+    GPipe at m = 4, 8, 16 (all m held until the backwards), and explain's figure within 6%
+    of it on both; flat too, and explained as closely, under zb1p and interleaved (2 chunks)
+    at m = 4, 8.
+
+    The measure is shard/runtime/memory.py's LiveBytes (bench/bench_pipe_memory.py's `measure`): the
+    bytes of tensor storage the step allocates and still holds, at their high-water mark.
+    Every op's outputs pass a dispatch mode that counts a new storage until CPython frees it,
+    so it sees what the executor keeps (activations autograd saves, stored boundaries,
+    receive and send buffers, gradients in flight) whoever holds it, with no timing and no
+    allocator or resident-memory noise (RSS would add MPI's and the allocator's own memory, and
+    CPU torch reports no allocator statistics). Only a send's lifetime depends on when MPI
+    completes it: at most one boundary tensor here, well inside the bounds."""
+    from bench_pipe_memory import measure
+
+    peaks: dict[str, list[int]] = {}
+    for kind, ms in (("1f1b", (4, 16, 64)), ("gpipe", (4, 8, 16)), ("zb1p", (4, 8)),
+                     ("interleaved", (4, 8))):
+        for m in ms:
+            row = measure(W, kind, m, {"seq": 16}, chunks=2 if kind == "interleaved" else 1)
+            peaks.setdefault(kind, []).append(row["peak_bytes"])
+            err = row["explain_bytes"] / row["peak_bytes"] - 1
+            assert abs(err) < 0.06, f"{kind} m={m} rank {W.rank}: explain {err:+.1%} ({row})"
+    for kind in ("1f1b", "zb1p", "interleaved"):
+        flat = peaks[kind]
+        assert max(flat) <= 1.10 * min(flat), f"{kind} peaks grow with m on rank {W.rank}: {flat}"
+    p4, p8, p16 = peaks["gpipe"]
+    # linear: the same bytes per microbatch from 4 to 8 as from 8 to 16
+    low, high = (p8 - p4) / 4, (p16 - p8) / 8
+    assert abs(high / low - 1) < 0.10 and p16 > 3 * p4, (peaks, W.rank)
 
 
 def mismatch_main() -> None:
