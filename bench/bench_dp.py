@@ -6,7 +6,7 @@
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers,
 seq 64, global batch 4), AdamW, the same batches everywhere. Rows (rank 0 prints, medians
 of --steps, at least 30, after 2 warm-up steps, the rows interleaved step by step through
-bench/harness.py, with the interquartile range and the load average):
+comm/bench/harness.py, with the interquartile range and the load average):
   soapstone zero 0 (buckets overlapped with backward)     vs torch DDP (gloo, 25 MiB buckets)
   soapstone zero 0 with reduction only after backward     (the overlap's worth)
   soapstone zero 3                                        vs torch FSDP2 fully_shard (gloo)
@@ -34,13 +34,11 @@ from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
-sys.path.insert(0, str(ROOT / "bench"))  # the timing harness, when run from elsewhere
-
-from harness import MIN_STEPS, interleave  # noqa: E402
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Communicator, Mesh, init  # noqa: E402
 from soapstone.comm.bench.collectives import init_gloo  # noqa: E402
+from soapstone.comm.bench.harness import MIN_STEPS, interleave  # noqa: E402
 from soapstone.dsl.compile.lower import lower  # noqa: E402
 from soapstone.shard.runtime.memory import memory_report  # noqa: E402
 from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402

@@ -9,7 +9,7 @@ rank, three ways.
   step by the pipeline's rules), the path `soapstone run` and `golden` take for every layout.
 
 Same weights, same batch, AdamW on all three; steps interleaved and timed in one process
-(bench/harness.py), the median and interquartile range per way, reported as ratios to torch.
+(comm/bench/harness.py), the median and interquartile range per way, reported as ratios to torch.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_executor.py --iters 30
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch fixture lives with the tests
-sys.path.insert(0, str(ROOT / "bench"))  # the timing harness, when run from elsewhere
 # bench_tp.py's model: big enough that a step is compute, small enough for two cores
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
@@ -81,7 +80,7 @@ def main() -> None:
 
     ways = {"torch": step_torch, "by hand": step_hand, "executor": step_executor}
     first = {name: fn() for name, fn in ways.items()}  # the same loss from the same weights
-    from harness import interleave
+    from soapstone.comm.bench.harness import interleave
 
     session = interleave(ways, args.iters, args.warmup)
     med = {name: t.median for name, t in session.timings.items()}

@@ -10,7 +10,7 @@ pipeline layout compiled by lower_pipeline, the Executor over MPI p2p. PyTorch: 
 plain-torch GPT of shard/train/reference_gpt.py cut at the same place, PipelineStage + Schedule1F1B
 on gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
 median and interquartile range over the steps after warm-up, slowest rank, the two
-interleaved step by step (bench/harness.py). The first-step losses are checked equal.
+interleaved step by step (comm/bench/harness.py). The first-step losses are checked equal.
 The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
 --device cuda: both on NCCL with the stages and batch on each rank's GPU (bench_dp.start;
 soapstone's p2p grouped, as on any GPU), each step timed between torch.cuda.synchronize()
@@ -28,7 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
-sys.path.insert(0, str(ROOT / "bench"))  # the timing harness, when run from elsewhere
 
 DIMS = {"batch": 16, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
         sched._stage.submod.zero_grad(set_to_none=True)
         return float(torch.stack(losses).detach().mean()) if losses else None
 
-    from harness import interleave
+    from soapstone.comm.bench.harness import interleave
 
     bubbles = []
 

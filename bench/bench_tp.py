@@ -10,7 +10,7 @@ torchtitan-style plan: q/k/v and the MLP's up projection column-parallel, the at
 and down projection row-parallel, the embedding row-parallel over vocab, the head
 column-parallel with `loss_parallel` so neither side gathers the logits. Timed: forward +
 backward of one step, median and interquartile range of the steps after warm-up, the two
-interleaved step by step (bench/harness.py). The losses are checked equal.
+interleaved step by step (comm/bench/harness.py). The losses are checked equal.
 --device cuda: both on NCCL with the model and batch on each rank's GPU (bench_dp.start), each
 step timed between torch.cuda.synchronize() calls. Not yet run on a GPU.
 """
@@ -24,7 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
-sys.path.insert(0, str(ROOT / "bench"))  # the timing harness, when run from elsewhere
 
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
@@ -115,8 +114,9 @@ def main() -> int:
 
     losses = {"soapstone": ours.loss_value({"loss": step_soapstone().detach()}),
               "dtensor": float(step_dtensor().detach().full_tensor())}
-    from harness import interleave
     from mpi4py import MPI
+
+    from soapstone.comm.bench.harness import interleave
 
     session = interleave({"soapstone": step_soapstone, "dtensor": step_dtensor}, args.iters,
                          args.warmup, comm=MPI.COMM_WORLD, sync=bench.sync)

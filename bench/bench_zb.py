@@ -15,7 +15,7 @@ cut evenly over the ranks, the embedding on the first and the head and loss on t
   shard/train/reference_gpt.py with the same weights and batch; its bubble is measured the same
   way, by timing the stage's forward, input-backward and weight-backward calls.
 Step time: median and interquartile range over the steps after warm-up, slowest rank, the
-four interleaved step by step (bench/harness.py). The first step's losses of all
+four interleaved step by step (comm/bench/harness.py). The first step's losses of all
 four are checked equal. Last, what the split costs: per rank, zb1p's B + W time over 1F1B's
 whole backward time (the traces' medians).
 """
@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
-sys.path.insert(0, str(ROOT / "bench"))  # the timing harness, when run from elsewhere
 
 DIMS = {"batch": 32, "seq": 128, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 256}
 
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
             "soapstone zb1p": soapstone_run(pipes["zb1p"]),
             "torch 1F1B": torch_run(peers["torch 1F1B"]),
             "torch ZB1P": torch_run(peers["torch ZB1P"])}
-    from harness import interleave
+    from soapstone.comm.bench.harness import interleave
 
     bubbles = {n: [] for n in runs}
     backs = {n: [] for n in runs}  # a rank's backward work (B + W) per step

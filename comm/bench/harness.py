@@ -1,4 +1,5 @@
-"""The timing harness of the side-by-side benchmarks: figures that hold on a shared machine.
+"""The timing harness of the side-by-side benchmarks (bench/*.py, `soapstone gpu-check`): figures
+that hold on a shared machine.
 
 bench_dp, bench_tp, bench_pipe, bench_zb and bench_executor time their implementations
 through `interleave`:
