@@ -22,7 +22,8 @@ from soapstone.comm.errors import UserError
 
 DEVICES = ("cpu", "cuda", "auto")
 COMMS = ("auto", "nccl", "mpi")
-GPU_EXTRA = "pip install 'soapstone[gpu]' (cupy-cuda12x and NCCL) with a CUDA build of torch"
+GPU_EXTRA = ("pip install 'soapstone[gpu]' (cupy-cuda12x and NCCL; 'soapstone[gpu13]' for "
+             "a CUDA 13 torch) with a CUDA build of torch")
 
 
 class DeviceError(UserError, ValueError):
