@@ -62,8 +62,9 @@ def comm_error(kind: str, comm: str, local_ranks: int, gpus: int, host: str) -> 
         return f"--device cuda --comm mpi: node {host} has no GPU that torch can see; " \
                "use --device cpu"
     if local_ranks <= gpus:
+        own = "each have a GPU of their own" if local_ranks > 1 else "has a GPU of its own"
         return (f"--comm mpi: the {local_ranks} rank{'s' if local_ranks != 1 else ''} on node "
-                f"{host} each have a GPU of their own ({gpus} GPU{'s' if gpus != 1 else ''}), "
+                f"{host} {own} ({gpus} GPU{'s' if gpus != 1 else ''}), "
                 "so they talk over NCCL; --comm mpi is for more ranks than GPUs (staging "
                 "through host memory to debug a layout); drop --comm mpi")
     return None
