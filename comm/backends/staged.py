@@ -43,12 +43,28 @@ def _then(result, async_op: bool, back):
     return Work(None, None, lambda: back(result.wait()), keep=result)
 
 
+def _sharing(mpi_comm) -> int:
+    """The most ranks of `mpi_comm` on one GPU of this node (collective): rank r of a node
+    computes on GPU r mod GPUs."""
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local = node.Get_size()
+    finally:
+        node.Free()
+    gpus = max(torch.cuda.device_count(), 1)
+    return -(-local // gpus)
+
+
 class StagedMPICommunicator(MPICommunicator):
     """MPI collectives and p2p on device tensors, staged through host memory (module doc)."""
 
     def __init__(self, mpi_comm=None, device_type: str = "cuda"):
         self.device_type = device_type
         super().__init__(mpi_comm)
+        # the ranks of this node on one GPU (the fit check divides its memory by them)
+        self.ranks_per_gpu = _sharing(self.mpi) if device_type == "cuda" else 1
 
     def split(self, color, key: int = 0):
         """Sub-communicator (collective), staged on the same device type."""

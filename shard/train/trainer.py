@@ -71,12 +71,16 @@ class EvalMetrics:
 
 
 def rank_memory(comm=None) -> tuple[int, str]:
-    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA,
-    else this host's physical memory over the ranks the launcher put on it."""
+    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA
+    (over the ranks sharing it, under --comm mpi), else this host's physical memory over the
+    ranks the launcher put on it."""
     from soapstone.shard.plan.analysis.fit import host_memory_per_rank
 
     if comm is not None and comm.device.type == "cuda":
         props = torch.cuda.get_device_properties(comm.device)
+        share = comm.ranks_per_gpu  # --comm mpi: ranks sharing one GPU
+        if share > 1:
+            return props.total_memory // share, f"{props.name} shared by {share} ranks"
         return props.total_memory, props.name
     return host_memory_per_rank()
 
