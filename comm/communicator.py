@@ -139,6 +139,9 @@ class Communicator(abc.ABC):
 
     #: "cpu" or "cuda": where tensors passed to this communicator must live.
     device_type: str = "cpu"
+    #: how many ranks share this rank's device (more than 1 only for ranks sharing a GPU
+    #: over backends/staged.py); the fit check divides the device's memory by it
+    ranks_per_gpu: int = 1
 
     def __init__(self, rank: int, size: int):
         self.rank = rank

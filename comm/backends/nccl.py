@@ -57,7 +57,8 @@ def nccl_module():
     except Exception as e:  # ImportError, or cupy present without a usable CUDA
         raise CommError(
             f"nccl backend: cannot import cupy.cuda.nccl ({e}); install soapstone[gpu] "
-            "(cupy-cuda12x) or use backend='mpi'"
+            "(cupy-cuda12x), or soapstone[gpu13] (cupy-cuda13x) for a CUDA 13 torch, or use "
+            "backend='mpi'"
         ) from e
     if not getattr(nccl, "available", True):
         raise CommError("nccl backend: cupy was built without NCCL; use backend='mpi'")

@@ -59,21 +59,23 @@ def default_lr(optimizer: str) -> float:
     return 1e-2 if optimizer == "adamw" else 0.1
 
 
-def world(device=None):
+def world(device=None, comm: str = "auto"):
     """The world communicator (a singleton when launched without mpiexec): MPI, or NCCL when
-    `device` is a CUDA device (from pick_device)."""
+    `device` is a CUDA device (from pick_device), or MPI through host memory for CUDA ranks
+    sharing GPUs (--comm mpi)."""
     from soapstone.comm import init
+    from soapstone.comm.device import backend
 
-    return init("nccl" if device is not None and device.type == "cuda" else "mpi")
+    return init(backend("cpu" if device is None else device.type, comm))
 
 
-def pick_device(choice: str = "cpu"):
-    """This rank's torch device for --device CHOICE (cpu, cuda, auto) (DeviceError, a
-    UserError, on every rank alike when it cannot be used; collective when CUDA is asked
-    for)."""
+def pick_device(choice: str = "cpu", comm: str = "auto"):
+    """This rank's torch device for --device CHOICE (cpu, cuda, auto) and --comm (auto, nccl,
+    mpi) (DeviceError, a UserError, on every rank alike when it cannot be used; collective
+    when CUDA is asked for)."""
     from soapstone.comm.device import pick
 
-    return pick(choice)
+    return pick(choice, comm=comm)
 
 
 def custom_layers() -> dict:

@@ -92,7 +92,19 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device: where each rank computes (soapstone.comm.device)."""
+    """--device and --comm: where each rank computes, over what (soapstone.comm.device)."""
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu (MPI), cuda (a GPU per rank, NCCL; needs the gpu extra) or "
                              "auto (cuda when torch sees a GPU); default cpu")
+    parser.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+                        help="auto (NCCL for cuda, MPI for cpu), nccl, or mpi: with --device "
+                             "cuda, ranks that share GPUs (more ranks than GPUs) exchange over "
+                             "MPI through host memory, to debug a layout on one GPU (slow)")
+
+
+def add_nodes_option(parser: argparse.ArgumentParser) -> None:
+    """--devices-per-node: how many ranks a node holds, for which mesh axes cross nodes."""
+    parser.add_argument("--devices-per-node", type=int, metavar="N",
+                        help="ranks per node (consecutive ranks fill a node): print which mesh "
+                             "axes stay inside a node and which cross nodes (default: "
+                             "--profile's devices per node)")

@@ -61,6 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also write TensorBoard event files to DIR (rank 0; needs "
                              "tensorboardX: pip install 'soapstone[tensorboard]')")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--profile", metavar="NAME|FILE",
+                        help="the device's hardware profile (a preset or a file), whose peak "
+                             "in --precision gives the MFU (default: read off the GPU's name; "
+                             "on a CPU, no MFU)")
     parser.add_argument("--trace", metavar="FILE",
                         help="pipeline layouts: write the last step's timeline as a Chrome "
                              "trace (and FILE with .png if matplotlib is installed) and print "
@@ -93,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad
         # SOAPSTONE_* watchdog setting is bad input too
-        comm = world(pick_device(args.device))
+        comm = world(pick_device(args.device, args.comm), args.comm)
         watch(args)
     except UserError as e:
         from soapstone.comm.failure import world_rank
@@ -102,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_train_flags(args)
         model, par, program = build_program(args, comm.size)
+        nodes = launch_nodes(par, comm.size)  # collective; every rank gets the same verdict
         check_device(program, comm.device)
         ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
@@ -112,9 +117,48 @@ def main(args: argparse.Namespace) -> int:
         check_tensorboard(args.tensorboard)
         task = make_task(single_program(model, program), args.seed, args.data, args.val_data,
                          args.data_dtype)
+        speed = throughput(args, model, comm.device)
     except UserError as e:
         return fail(e, comm.rank)
-    return train(args, comm, par, program, task, schedule, ckpt)
+    if comm.rank == 0 and nodes:
+        for line in nodes:
+            print(line, file=sys.stderr, flush=True)
+    return train(args, comm, par, program, task, schedule, ckpt, speed)
+
+
+def launch_nodes(par, world: int) -> list[str]:
+    """The launch's nodes checked (NodeError: unequal nodes) and, over more than one node,
+    the lines saying which mesh axes cross nodes (and a warning for a tensor-parallel one)."""
+    from soapstone.comm.nodes import check_nodes, node_map, ranks_per_node_override
+    from soapstone.shard.plan.analysis.placement import format_placement, place, tp_warnings
+
+    node_of = node_map() if world > 1 else [0]
+    check_nodes(node_of)
+    count = len(set(node_of))
+    if count == 1 or par is None:
+        return []
+    per_node = world // count
+    override = ranks_per_node_override()
+    where = ("simulated: SOAPSTONE_RANKS_PER_NODE" if override is not None
+             else "ranks sharing memory")
+    placed = place(par.mesh, node_of)
+    return [format_placement(placed, per_node, f"{count} nodes, {where}"),
+            *(f"warning: {w}" for w in tp_warnings(par, placed, per_node))]
+
+
+def throughput(args, model, device):
+    """(model FLOPs of a step, Peak or None) for the MFU (dsl/app/throughput.py): the FLOPs of
+    the model's single-rank Program (whole batch, whole model), whatever the layout."""
+    from soapstone.dsl.app.throughput import find_peak, step_flops
+    from soapstone.dsl.compile.lower import lower
+
+    gpu = None
+    if device.type == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name(device)
+    return (step_flops(lower(model, None), args.accumulate),
+            find_peak(args.profile, args.precision, gpu))
 
 
 def watch(args) -> None:
@@ -143,8 +187,9 @@ def check_tensorboard(logdir: str | None) -> None:
         raise BadInput(f"--tensorboard {logdir}: exists and is not a directory")
 
 
-def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
-    """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports."""
+def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) -> int:
+    """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports. `speed`:
+    (model FLOPs of a step, Peak or None) for TFLOP/s and MFU."""
     from soapstone.comm import Mesh
     from soapstone.comm.observe import expected
     from soapstone.dsl.compile.layout_proof import expected_calls
@@ -158,7 +203,8 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
-                      device=comm.device)
+                      device=comm.device, flops_per_step=speed[0] if speed else None,
+                      peak_flops=speed[1].flops if speed and speed[1] else None)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
@@ -166,6 +212,12 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               f"{args.optimizer} lr {lr:g}, "
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
+        if speed:
+            peak = (f"peak {speed[1].flops / 1e12:g} TFLOP/s {args.precision} per device "
+                    f"({speed[1].source})" if speed[1] else
+                    "no peak known, so no MFU (--profile NAME|FILE gives one)")
+            print(f"model FLOPs: {speed[0] / 1e12:.4g} TFLOP per step; {peak}",
+                  file=sys.stderr, flush=True)
     try:  # a damaged checkpoint or a full disk: every rank raises the same error together
         start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
     except UserError as e:
@@ -205,7 +257,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                     log_scalars(board, row)
             if bar:
                 bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
-                                    f"lr {m.lr:.3g}", refresh=False)
+                                    f"{rate(m)}lr {m.lr:.3g}", refresh=False)
                 bar.update(1)
             try:
                 stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
@@ -222,11 +274,24 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
         if board:
             board.close()
     if rank == 0:
+        flops = (speed[0] * (last.step + 1 - start) / comm.size / total_t
+                 if speed and total_t else None)
+        mfu = (f", MFU {flops / speed[1].flops:.1%}" if flops is not None and speed[1]
+               else "")
+        per_dev = f", {flops / 1e12:.3g} TFLOP/s per device{mfu}" if flops is not None else ""
         print(f"done: {last.step + 1} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s", flush=True)
+              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s{per_dev}", flush=True)
     if trace:
         write_trace(trainer.executor, trace, rank)
     return 128 + stopped if stopped else 0
+
+
+def rate(m) -> str:
+    """The progress line's `T TFLOP/s/dev, MFU x%, ` (empty without FLOPs)."""
+    if m.tflops_per_device is None:
+        return ""
+    mfu = f"MFU {m.mfu:.1%}, " if m.mfu is not None else ""
+    return f"{m.tflops_per_device:.3g} TFLOP/s/dev, {mfu}"
 
 
 def write_trace(pipe, path: str, rank: int) -> None:

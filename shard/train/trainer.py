@@ -40,12 +40,16 @@ class StepMetrics:
     max_rss_bytes: int
     grad_norm: float | None = None
     lr: float | None = None
+    tflops_per_device: float | None = None  # model FLOPs (no recompute) per device and second
+    mfu: float | None = None  # tflops_per_device over the device's peak (None: no peak known)
 
     def to_json(self) -> dict:
-        """The --metrics line: step, loss, lr, step_time_s, tokens_per_s, max_rss_bytes."""
+        """The --metrics line: step, loss, lr, step_time_s, tokens_per_s, max_rss_bytes,
+        tflops_per_device, mfu."""
         return {"step": self.step, "loss": self.loss, "lr": self.lr,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "max_rss_bytes": self.max_rss_bytes}
+                "max_rss_bytes": self.max_rss_bytes,
+                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu}
 
 
 @attrs.frozen
@@ -67,12 +71,16 @@ class EvalMetrics:
 
 
 def rank_memory(comm=None) -> tuple[int, str]:
-    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA,
-    else this host's physical memory over the ranks the launcher put on it."""
+    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA
+    (over the ranks sharing it, under --comm mpi), else this host's physical memory over the
+    ranks the launcher put on it."""
     from soapstone.shard.plan.analysis.fit import host_memory_per_rank
 
     if comm is not None and comm.device.type == "cuda":
         props = torch.cuda.get_device_properties(comm.device)
+        share = comm.ranks_per_gpu  # --comm mpi: ranks sharing one GPU
+        if share > 1:
+            return props.total_memory // share, f"{props.name} shared by {share} ranks"
         return props.total_memory, props.name
     return host_memory_per_rank()
 
@@ -91,7 +99,8 @@ class Trainer:
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
                  trace: bool = False, check_memory: bool = True,
                  schedule: LRSchedule | None = None, accumulate: int = 1,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, flops_per_step: float | None = None,
+                 peak_flops: float | None = None):
         if precision not in PRECISIONS:
             raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                                f"{precision!r}")
@@ -112,6 +121,9 @@ class Trainer:
         if accumulate < 1:
             raise SettingError(f"accumulate must be >= 1, got {accumulate}")
         self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
+        # MFU: a step's model FLOPs shared by every device, and one device's peak FLOP/s
+        self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
+        self.world = mesh.world.size if mesh is not None else 1
         self.task = task
         if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows
             task.read_rows(self.executor.input_rows())
@@ -129,8 +141,12 @@ class Trainer:
         dt = time.perf_counter() - t0
         norm = self.executor.grad_norm
         tokens = sum(self.task.tokens(k * i + j) for j in range(k))
+        flops = (self.flops_per_step / self.world / dt
+                 if self.flops_per_step is not None and dt > 0 else None)
+        mfu = flops / self.peak_flops if flops is not None and self.peak_flops else None
         return StepMetrics(i, loss, dt, tokens / dt if dt > 0 else 0.0,
-                           max_rss_bytes(), None if norm is None else float(norm), lr)
+                           max_rss_bytes(), None if norm is None else float(norm), lr,
+                           None if flops is None else flops / 1e12, mfu)
 
     def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
         """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,

@@ -38,7 +38,9 @@ def test_loss_falls_under_mpiexec(tmp_path):
     assert r.ok, r.report()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(40))
-    assert set(rows[0]) == {"step", "loss", "lr", "step_time_s", "tokens_per_s", "max_rss_bytes"}
+    assert set(rows[0]) == {"step", "loss", "lr", "step_time_s", "tokens_per_s", "max_rss_bytes",
+                            "tflops_per_device", "mfu"}
+    assert all(row["tflops_per_device"] > 0 and row["mfu"] is None for row in rows)  # no peak
     assert all(row["tokens_per_s"] > 0 and row["max_rss_bytes"] > 0 for row in rows)
     first, last = rows[0]["loss"], np.mean([row["loss"] for row in rows[-5:]])
     assert last < 0.6 * first, (first, last)
