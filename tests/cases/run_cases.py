@@ -213,7 +213,7 @@ BRANCH_LAYOUTS = {2: ("gated_br2",), 4: ("br2tp2",)}
 ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 1-3: per-bucket scatters and gathers
 ZERO_LAYOUTS = {2: ("dp2z1", "dp2z2", "dp2z3"), 4: ("dp2tp2z3",)}
 # every distributed form (layernorm, rmsnorm, softmax, cross-entropy split over the dim they
-# reduce): the statistics allreduces shard/ops/kernels.py runs are the ones program.DIST_STATS lists
+# reduce): the statistics allreduces the kernels run are the ones their records' dist_stats list
 OPS_SPEC = "tests/specs/ops_layouts.par"
 OPS_LAYOUTS = {2: ("hid2", "cls2"), 4: ("dp2hid2",)}
 # gradient accumulation: a one-stage graph's microbatches (ZeRO 2 scatters each one)

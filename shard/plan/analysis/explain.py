@@ -78,13 +78,14 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
+from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.plan.analysis.activations import activation_figures, recompute_flops
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
-from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.plan.schedules import SPLIT
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
@@ -196,19 +197,21 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-        if isinstance(step, Compute):  # a routing kernel's own calls (parallel/dispatch_plan.py)
-            for c in kernel_calls(program, step):
-                add(c.phase, c.kind, c.axes, c.payload)
-                if i in again and c.phase == "forward":
-                    add("recompute", c.kind, c.axes, c.payload)
-        if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
+        if not isinstance(step, Compute):
+            continue
+        rec = record_of(step.kind)
+        for c in rec.calls(program, step):  # a routing kernel's own (parallel/dispatch_plan.py)
+            add(c.phase, c.kind, c.axes, c.payload)
+            if i in again and c.phase == "forward":
+                add("recompute", c.kind, c.axes, c.payload)
+        if step.dist and rec.dist_stats:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
             over = str(step.attr("over"))
             stat = math.prod(s for dim, s in zip(x.dims, x.local_shape, strict=True)
                              if dim != over) * item
             for axis in step.dist:
-                for _, backward in DIST_STATS.get(step.kind, ()):
+                for backward in (s.backward for s in rec.dist_stats):
                     add("forward", "allreduce", axis, stat)
                     if i in again:
                         add("recompute", "allreduce", axis, stat)
