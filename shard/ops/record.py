@@ -10,8 +10,8 @@ of its family (einsum.py, norms.py, masks.py, ...), listed by registry.py. The r
 - `dist_stats`: the allreduces of statistics its distributed form runs per split axis;
 - its cost: `bound` (what bounds its time) and `flops` (its forward arithmetic on this rank);
 - `saves`: what its kernel keeps for backward (`scratch`: a temporary it makes in forward
-  beside its output), `keeps`: the args among them a ZeRO-3 unpack
-  meets, `calls`: the collectives its kernel runs itself (expert routing);
+  beside its output), `keeps`: the args among them a ZeRO-3 unpack meets, `calls`: the
+  collectives its kernel runs itself (expert routing);
 - `fuses`: the slots of the fused chains (shard/runtime/fusion_plan.py) it may fill and, per
   slot, the attrs the fused kernel honours: a step with any other attr is not fused, so a
   fused kernel never silently drops an option; `mask`: a mask's rule, shared by its kernel
