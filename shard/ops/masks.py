@@ -1,5 +1,6 @@
 """causal_mask: attention scores of keys a query may not see set to -inf, by global positions
-(so a split query or key dim masks exactly what one rank masks)."""
+(so a split query or key dim masks exactly what one rank masks): those after it, and with a
+`window` of N (sliding-window attention) those N or more positions before it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ from soapstone.shard.ops.record import MaskRule, OpRecord, Slot, per_element
 
 
 def causal_visible(attrs: dict, qi, ki):
-    """[q, k]: key position ki is at or before query position qi."""
-    return ki.view(1, -1) <= qi.view(-1, 1)
+    """[q, k]: key position ki is at or before query position qi (and, with a window of N,
+    qi - ki < N)."""
+    seen = ki.view(1, -1) <= qi.view(-1, 1)
+    window = attrs.get("window")
+    if window is not None:
+        seen = seen & (qi.view(-1, 1) - ki.view(1, -1) < int(window))
+    return seen
+
+
+def plain_causal(attrs: dict) -> bool:
+    """No window: exactly key <= query."""
+    return "window" not in attrs
 
 
 def causal_mask(step, args, ctx):
@@ -38,10 +49,11 @@ def mask_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
 RECORDS = (
     OpRecord(
         "causal_mask",
-        "args (x,). attrs: query=dq, key=dk: -inf where position(dk) > position(dq)",
+        "args (x,). attrs: query=dq, key=dk, window=N (optional): -inf where position(dk) > "
+        "position(dq), or position(dq) - position(dk) >= N",
         kernel=causal_mask, flops=per_element(1), saves=mask_saves,
         # the fused attention kernel applies the same rule (or is_causal where it is exact)
-        fuses={Slot.MASK: frozenset({"query", "key"})},
-        mask=MaskRule(causal_visible, lambda attrs: True),
+        fuses={Slot.MASK: frozenset({"query", "key", "window"})},
+        mask=MaskRule(causal_visible, plain_causal),
     ),
 )
