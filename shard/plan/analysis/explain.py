@@ -23,12 +23,12 @@ the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allred
 2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
 the figures equal what the communicators' `stats` counters record during one step of
 `soapstone run` (tests/test_explain.py checks it):
-- forward: the Program's redistributions, and the statistics allreduces of distributed ops
-  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
-  op's own calls (shard/parallel/dispatch_plan.py: the counts allgather; where tokens and experts
-  share an axis, the dispatch and combine alltoallv, counted as their expected bytes at the
-  capacity bound, so these rows alone are estimates: the counters record what the routing
-  sent).
+- forward: the Program's redistributions, the statistics allreduces of distributed ops (their
+  records' dist_stats: layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2
+  sums), and a moe op's own calls (its record's `calls`, shard/parallel/dispatch_plan.py:
+  the counts allgather; where tokens and experts share an axis, the dispatch and combine
+  alltoallv, counted as their expected bytes at the capacity bound, so these rows alone are
+  estimates: the counters record what the routing sent).
 - backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
   partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
   alltoall, and the backward allreduce of each statistics sum).
