@@ -24,6 +24,7 @@ import attrs
 from soapstone.dsl.compile import rules
 from soapstone.dsl.lang.errors import Diagnostic, SpecError
 from soapstone.dsl.model import ir
+from soapstone.shard.ops.record import Partial, Role
 from soapstone.shard.parallel.selective_plan import selective_drops
 from soapstone.shard.plan.collectives import transition_cost
 from soapstone.shard.plan.dtypes import is_float
@@ -279,7 +280,7 @@ class _Lowering:
         ))
 
     def _candidates(self, op: ir.Op, axis: str, args: list[Value],
-                    iter_dims: list[tuple[str, ...]], roles: dict[str, str],
+                    iter_dims: list[tuple[str, ...]], roles: dict[str, Role],
                     used: set[str]) -> list[_Candidate]:
         out_dims = op.type.dims
         order = [d for d in out_dims if d in roles] + [d for d in roles if d not in out_dims]
@@ -305,12 +306,12 @@ class _Lowering:
                            else _split_of(dims, v.dims, owners)
                            for dims, v in zip(iter_dims, args, strict=True)),
                 out=Split(rows), dim=rows, stat=True, exchange=owners))
-        mode = rules.PARTIAL_PASS.get(op.kind)
-        if mode == "one":
+        mode = rules.partial_pass(op)
+        if mode is Partial.ONE:
             for i in range(len(args)):
                 found.append(_Candidate(tuple(P if j == i else R for j in range(len(args))), P,
                                         None))
-        elif mode == "all":
+        elif mode is Partial.ALL:
             found.append(_Candidate((P,) * len(args), P, None))
         found.append(_Candidate((R,) * len(args), R, None))
         return found
@@ -318,9 +319,9 @@ class _Lowering:
     def _arg_split(self, op: ir.Op, axis: str, want: Placement) -> Placement | None:
         """An arg's placement for a split of the op: None where its own dim does not divide
         over the axis (a repeat_dim's src: fewer kv heads than ranks), unless the op reads
-        that arg whole by global index (rules.WHOLE_ARG)."""
+        that arg whole by global index (rules.whole_arg)."""
         if isinstance(want, Split) and self.sizes[want.dim] % self.mesh[axis]:
-            return R if op.kind in rules.WHOLE_ARG else None
+            return R if rules.whole_arg(op) else None
         return want
 
     def _choose(self, op, axis, args, iter_dims, roles, used) -> _Candidate:

@@ -106,17 +106,6 @@ class CopyTo:
 
 Step = Compute | Redistribute | CopyTo
 
-# The allreduces of statistics a distributed form runs per split axis, in order: (reduce op,
-# whether backward allreduces it too). `show` and `explain` count them; shard/ops/kernels.py takes
-# its reductions from here one by one (ops._Stats), so the two cannot drift.
-DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "layernorm": (("sum", True), ("sum", True)),
-    "rmsnorm": (("sum", True),),
-    "softmax": (("max", False), ("sum", True)),
-    "cross_entropy": (("max", False), ("sum", False), ("sum", False)),
-}
-
-
 @attrs.frozen
 class InputRole:
     """What a model input holds, so data can be made or checked for it: "ids" (token ids

@@ -15,8 +15,8 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
-from soapstone.shard.ops import moe as _moe  # noqa: F401 - registers the moe kernel
-from soapstone.shard.ops.kernels import Shards, run_op
+from soapstone.shard.ops.dispatch import run_op
+from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, Split

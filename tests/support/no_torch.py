@@ -21,6 +21,7 @@ from soapstone.shard.plan.analysis import explain
 from soapstone.shard.plan import layout, program, program_text
 from soapstone.shard.plan import schedules, stage_graph  # noqa: F401
 from soapstone.shard.plan.verify import prove as verify, sequence
+from soapstone.shard.ops import registry  # every primitive's record, kernels unrun
 from soapstone.dsl.cli import main
 sys.exit(main(sys.argv[1:]))
 """

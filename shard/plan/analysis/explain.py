@@ -23,12 +23,12 @@ the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allred
 2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
 the figures equal what the communicators' `stats` counters record during one step of
 `soapstone run` (tests/shard/plan/test_explain.py checks it):
-- forward: the Program's redistributions, and the statistics allreduces of distributed ops
-  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
-  op's own calls (shard/parallel/dispatch_plan.py: the counts allgather; where tokens and experts
-  share an axis, the dispatch and combine alltoallv, counted as their expected bytes at the
-  capacity bound, so these rows alone are estimates: the counters record what the routing
-  sent).
+- forward: the Program's redistributions, the statistics allreduces of distributed ops (their
+  records' dist_stats: layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2
+  sums), and a moe op's own calls (its record's `calls`, shard/parallel/dispatch_plan.py:
+  the counts allgather; where tokens and experts share an axis, the dispatch and combine
+  alltoallv, counted as their expected bytes at the capacity bound, so these rows alone are
+  estimates: the counters record what the routing sent).
 - backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
   partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
   alltoall, and the backward allreduce of each statistics sum).
@@ -82,7 +82,8 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
+from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.plan.analysis.activations import (
     activation_figures,
@@ -92,7 +93,7 @@ from soapstone.shard.plan.analysis.activations import (
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
-from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.plan.schedules import SPLIT
 from soapstone.shard.plan.units import format_bytes
 
@@ -207,19 +208,21 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-        if isinstance(step, Compute):  # a routing kernel's own calls (parallel/dispatch_plan.py)
-            for c in kernel_calls(program, step):
-                add(c.phase, c.kind, c.axes, c.payload)
-                if i in again and c.phase == "forward":
-                    add("recompute", c.kind, c.axes, c.payload)
-        if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
+        if not isinstance(step, Compute):
+            continue
+        rec = record_of(step.kind)
+        for c in rec.calls(program, step):  # a routing kernel's own (parallel/dispatch_plan.py)
+            add(c.phase, c.kind, c.axes, c.payload)
+            if i in again and c.phase == "forward":
+                add("recompute", c.kind, c.axes, c.payload)
+        if step.dist and rec.dist_stats:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
             over = str(step.attr("over"))
             stat = math.prod(s for dim, s in zip(x.dims, x.local_shape, strict=True)
                              if dim != over) * item
             for axis in step.dist:
-                for _, backward in DIST_STATS.get(step.kind, ()):
+                for backward in (s.backward for s in rec.dist_stats):
                     add("forward", "allreduce", axis, stat)
                     if i in again:
                         add("recompute", "allreduce", axis, stat)

@@ -25,11 +25,12 @@ virtual stage and microbatch, and the spec step that produced it. Order, per ran
 
 That is the order of shard/runtime/executor.py, shard/parallel/data_parallel.py,
 shard/parallel/zero.py and
-shard/ops/kernels.py: the explain cases (tests/shard/train/run_cases.py) compare it call by call
-with the flight recorder of a real step for every example and test layout they run (ZeRO 0-3,
-pipelines, branches, accumulation). It rests on autograd running backward in reverse creation order
-and on which weights each kernel keeps, so a new kernel that keeps other tensors needs its rule
-here. Communicators of one rank are left out: nothing can diverge on them. Pure data: no torch.
+the ops' kernels (shard/ops/): the explain cases (tests/shard/train/run_cases.py) compare it call
+by call with the flight recorder of a real step for every example and test layout they run (ZeRO
+0-3, pipelines, branches, accumulation). It rests on autograd running backward in reverse
+creation order and on which weights each kernel keeps (its record's `keeps`, with its statistics
+`dist_stats` and own calls `calls`). Communicators of one rank are left out: nothing can diverge on
+them. Pure data: no torch.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ import functools
 import math
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
-from soapstone.shard.parallel.dispatch_plan import kernel_calls
-from soapstone.shard.plan.analysis.activations import saved_by
+from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPE_BYTES, is_float
 from soapstone.shard.plan.layout import P, Split
-from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify.calls import F64, MeshRanks, Op
 from soapstone.shard.runtime.fusion_plan import find_fusions
@@ -97,7 +97,7 @@ class StageCalls:
         self.again: dict[int, tuple[int, int]] = {}
         for a, b in p.recompute:
             keeps = [i for i in range(a, b) if i not in runs_at
-                     and any(saved_by(p, i, fused, params_set))]
+                     and any(step_saves(p, i, fused, params_set))]
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
         # a split backward (zb1p): the steps whose backward runs in B, the rest in W
         self.on_path = _on_path(p, st.recv)
@@ -122,13 +122,8 @@ class StageCalls:
             f = fused.get(i)
             if f is not None:  # a fused linear keeps its weight (addmm), attention none
                 args = (f.w,) if hasattr(f, "w") else ()
-            elif s.kind in ("einsum", "mul", "layernorm", "rmsnorm") or \
-                    s.kind.startswith("custom:"):
-                args = s.args  # the kernels keep their weights (an embedding keeps ids)
-            elif s.kind == "moe":  # backward meets the experts' matmuls first, the router last
-                args = tuple(reversed(s.args[1:]))
-            else:
-                args = ()
+            else:  # what the kernel keeps, in the order backward unpacks it (its record)
+                args = record_of(s.kind).keeps(s)
             for a in args:
                 if a in owner and owner[a] not in unpacks.get(i, []):
                     unpacks.setdefault(i, []).append(owner[a])
@@ -198,21 +193,20 @@ class StageCalls:
             return [self.op("allreduce", (axis,), shape, dtype, nbytes, "forward", mb, src)
                     for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist] + [
                 self.op(c.kind, c.axes, c.shape, c.dtype, c.payload, "forward", mb, src)
-                for c in kernel_calls(p, s) if c.phase == "forward"]
+                for c in record_of(s.kind).calls(p, s) if c.phase == "forward"]
         return []
 
     def _stats(self, s: Compute) -> list[tuple[tuple[int, ...], str, int, bool]]:
         """(shape, dtype, bytes, reduced back in backward) of each statistic a distributed op
-        allreduces (shard/ops/kernels.py: keepdim reductions; cross_entropy's sums drop the dim)."""
+        allreduces, as its record's dist_stats lists them."""
         x = self.program.value(s.args[0])
         over = str(s.attr("over"))
         item = DTYPE_BYTES.get(x.dtype, 4)
-        keep = tuple(1 if d == over else n for d, n in zip(x.dims, x.local_shape, strict=True))
-        lead = tuple(n for d, n in zip(x.dims, x.local_shape, strict=True) if d != over)
+        rec = record_of(s.kind)
         out = []
-        for k, (_red, back) in enumerate(DIST_STATS.get(s.kind, ())):
-            shape = keep if s.kind != "cross_entropy" else lead + (1,) if k == 0 else lead
-            out.append((shape, x.dtype, math.prod(shape) * item, back))
+        for k, stat in enumerate(rec.dist_stats):
+            shape = rec.stat_shape(k, x.dims, x.local_shape, over)
+            out.append((shape, x.dtype, math.prod(shape) * item, stat.backward))
         return out
 
     def _zero3_gather(self, k: int, phase: str, mb: int) -> Op | None:
@@ -287,7 +281,7 @@ class StageCalls:
                             mb, src)]
         if isinstance(s, Compute) and s.dist:
             return [self.op(c.kind, c.axes, c.shape, c.dtype, c.payload, "backward", mb, src)
-                    for c in kernel_calls(p, s) if c.phase == "backward"] + [
+                    for c in record_of(s.kind).calls(p, s) if c.phase == "backward"] + [
                 self.op("allreduce", (axis,), shape, dtype, nbytes, "backward", mb, src)
                 for shape, dtype, nbytes, back in reversed(self._stats(s)) if back
                 for axis in reversed(s.dist)]

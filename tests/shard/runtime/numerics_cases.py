@@ -33,7 +33,7 @@ SEED, STEPS, RTOL, LR = 7, 3, 1e-5, 1e-3
 dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
 CUSTOM = {"swiglu": dsl.custom.get("swiglu").fn}
 SPECS = {name: dsl.load(ROOT / f"tests/specs/{name}_layouts.par") for name in
-         ("gpt", "mlp", "llama", "ops", "branch")}
+         ("gpt", "mlp", "llama", "ops", "branch", "window")}
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -133,6 +133,22 @@ def case_gpt_dp2sp2():
 def case_gpt_ulysses4():
     # long enough sequences that the compiler picks all-to-alls (checked in test_compile.py)
     golden("gpt", "ulysses4", dims={"seq": 128})
+
+
+# sliding-window attention: the mask by global positions, the window across a split seq
+@ranks(2)
+def case_window_tp2():
+    golden("window", "tp2")
+
+
+@ranks(2)
+def case_window_sp2():
+    golden("window", "sp2")
+
+
+@ranks(2)
+def case_window_cp2():
+    golden("window", "cp2")
 
 
 @ranks(2)
