@@ -40,7 +40,7 @@ def _then(result, async_op: bool, back):
     """`back(result)` now, or, for an async op, a Work that applies it once the op is done."""
     if not async_op:
         return back(result)
-    return Work(None, None, lambda: back(result.wait()), keep=result)
+    return Work(None, None, lambda: back(result.wait()), keep=result, test=result.test)
 
 
 def _sharing(mpi_comm) -> int:
