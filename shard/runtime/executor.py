@@ -14,7 +14,7 @@ Each virtual stage this rank runs is a `ShardedModel` of its stage Program on th
 the pipe axis, so collectives inside a stage are those of the single-program runtime. Without a
 pipe axis there is one stage and no p2p; its microbatches (`schedule ..., microbatches = k`)
 are gradient accumulation, by the same code as a pipeline's. The schedule
-(shard/plan/schedules.py) is a list of actions, and its p2p runs in one of two modes:
+(shard/plan/schedules/) is a list of actions, and its p2p runs in one of two modes:
 
 - `ahead` (the default on CPU): receives are posted ahead as non-blocking irecvs into buffers
   of the compile-time boundary shapes, sends are non-blocking isends waited on at the end of
@@ -52,6 +52,7 @@ import torch
 from soapstone.comm.errors import UserError
 from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
+from soapstone.shard.plan.schedules import ActionKind
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify import p2p_proof
 from soapstone.shard.runtime import trace as tr
@@ -358,12 +359,11 @@ class Executor:
         for a in self.actions:
             if isinstance(a, p2p_groups.Group):
                 self._issue(a, lambda x: self._outgoing(x, store), pending, inflight)
-            elif a.kind == "RA":
-                pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
-            elif a.kind == "RG":
-                pending[("G", a.mb, a.stage)] = self._post_recv(a.mb, a.stage, "G")
-            elif a.kind == "F":
-                got = self._wait(pending.pop(("A", a.mb, a.stage), None), a)
+            elif a.kind.receiving:
+                pending[(a.kind.direction, a.mb, a.stage)] = self._post_recv(
+                    a.mb, a.kind.edge(a.stage), a.kind.direction)
+            elif a.kind is ActionKind.F:
+                got = self._wait(pending.pop((a.kind.direction, a.mb, a.stage), None), a)
                 t0 = self.timeline.now()
                 stage = self.stages[a.stage]
                 leaves = {}
@@ -385,8 +385,8 @@ class Executor:
                 else:
                     store[(a.mb, a.stage)] = (leaves, [outs[n] for n in stage.send])
                 self.timeline.record("F", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind == "B":
-                got = self._wait(pending.pop(("G", a.mb, a.stage), None), a)
+            elif a.kind is ActionKind.B:
+                got = self._wait(pending.pop((a.kind.direction, a.mb, a.stage), None), a)
                 t0 = self.timeline.now()
                 leaves, outs = store[(a.mb, a.stage)]
                 opt = self.optimizers.get(a.stage)
@@ -407,7 +407,7 @@ class Executor:
                                 torch.autograd.backward([o for o, _ in pairs],
                                                         [t for _, t in pairs])
                 self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind == "W":
+            elif a.kind is ActionKind.W:
                 t0 = self.timeline.now()
                 opt = self.optimizers.get(a.stage)
                 with contextlib.ExitStack() as stack:
@@ -417,8 +417,8 @@ class Executor:
                         stack.enter_context(opt.one_backward())
                     weights.pop((a.mb, a.stage)).run()
                 self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind in ("SA", "SG"):
-                sends += self._send(*self._outgoing(a, store), a.kind[1], a.mb, a.stage)
+            elif a.kind.sending:
+                sends += self._send(*self._outgoing(a, store), a.kind.direction, a.mb, a.stage)
         for w in inflight:
             w.wait()
         for w, _ in sends:
@@ -431,16 +431,16 @@ class Executor:
         """What send action `a` (SA | SG) of a training step sends: (boundary values,
         tensors, destination pipe rank, edge index); SG drops the microbatch's stored values."""
         g = self.graph
-        if a.kind == "SA":
+        at = a.kind.edge(a.stage)
+        edge = g.edges[at]
+        if a.kind is ActionKind.SA:
             _, outs = store[(a.mb, a.stage)]
-            edge = g.edges[a.stage]
-            return edge.tensors, outs, edge.dst_rank, a.stage
+            return edge.tensors, outs, edge.dst_rank, at
         leaves, _ = store.pop((a.mb, a.stage))
-        edge = g.edges[a.stage - 1]
         floats = [b for b in edge.tensors if b.is_float]
         grads = [leaves[b.name].grad if leaves[b.name].grad is not None
                  else torch.zeros_like(leaves[b.name]) for b in floats]
-        return floats, grads, edge.src_rank, a.stage - 1
+        return floats, grads, edge.src_rank, at
 
     def _backward_input(self, a, leaves: dict, outs: list, got: list,
                         scale: int) -> WeightPass:
@@ -483,10 +483,11 @@ class Executor:
             for a in self._infer_actions:
                 if isinstance(a, p2p_groups.Group):
                     self._issue(a, lambda x: self._outgoing_infer(x, kept), pending, inflight)
-                elif a.kind == "RA":
-                    pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
-                elif a.kind == "F":
-                    got = self._received(pending.pop(("A", a.mb, a.stage), []))
+                elif a.kind is ActionKind.RA:
+                    pending[(a.kind.direction, a.mb, a.stage)] = self._post_recv(
+                        a.mb, a.kind.edge(a.stage), a.kind.direction)
+                elif a.kind is ActionKind.F:
+                    got = self._received(pending.pop((a.kind.direction, a.mb, a.stage), []))
                     model, stage = self.models[a.stage], self.stages[a.stage]
                     window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
                         if g.microbatches > 1 else None
@@ -500,8 +501,9 @@ class Executor:
                                                           model.program.value(out.value)))
                     else:
                         kept[(a.mb, a.stage)] = [outs[n] for n in stage.send]
-                elif a.kind == "SA":
-                    sends += self._send(*self._outgoing_infer(a, kept), "A", a.mb, a.stage)
+                elif a.kind is ActionKind.SA:
+                    sends += self._send(*self._outgoing_infer(a, kept), a.kind.direction, a.mb,
+                                        a.stage)
             for w in inflight:
                 w.wait()
             for w, _ in sends:
@@ -510,8 +512,9 @@ class Executor:
 
     def _outgoing_infer(self, a, kept: dict) -> tuple[list, list, int, int]:
         """What SA sends in infer (as _outgoing)."""
-        edge = self.graph.edges[a.stage]
-        return edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank, a.stage
+        at = a.kind.edge(a.stage)
+        edge = self.graph.edges[at]
+        return edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank, at
 
     def _from_last(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """A last-stage output's full value (microbatches joined on the batch dim), sent from

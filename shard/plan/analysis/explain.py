@@ -63,7 +63,8 @@ figures add up its virtual stages:
   counts each boundary tensor per microbatch (activations forward, float gradients back).
   These equal the comm counters of one `soapstone run` step on every rank (tests).
 - bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank, or zb1p's
-  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules.py derives both).
+  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules/zb1p.py derives both):
+  each schedule's own (its `bubble` and `formula`).
 - imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
   over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
   but the embedding and the output projection are counted by their size, which overstates the
@@ -80,12 +81,12 @@ import attrs
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
 from soapstone.shard.parallel.selective_plan import selective_flops
+from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.activations import activation_figures, recompute_flops
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
-from soapstone.shard.plan.schedules import SPLIT
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -301,19 +302,17 @@ def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
     """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
     forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
     is at one of them), and the peak per stage. Cached: the planner asks for many layouts."""
-    from soapstone.shard.plan import schedules
-
     live: dict[int, int] = {}
     peak_live: dict[int, int] = {}
     snaps: set[tuple[tuple[int, int], ...]] = set()
     sched = schedules.build(kind, pipe, m, chunks)
-    done = "W" if sched.split else "B"  # a split backward keeps its values until W
+    forward = schedules.ActionKind.F
     for a in sched.ranks[rank]:
-        if a.kind not in ("F", done):
+        if a.kind is not forward and a.kind is not sched.frees:
             continue
-        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind is forward else -1)
         peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
-        if a.kind == "F":
+        if a.kind is forward:
             snaps.add(tuple(sorted(live.items())))
 
     keep: list[dict[int, int]] = []  # by total, largest first: a dominating one comes first
@@ -375,8 +374,6 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     """The pipeline estimate from each virtual stage's estimate (module doc): `graph` gives
     the layout (model, parallel, mesh, axis, pipe, schedule, microbatches, chunks); the
     planner passes stage estimates it extrapolated instead of compiling every stage."""
-    from soapstone.shard.plan import schedules
-
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
     sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
@@ -526,9 +523,7 @@ def format_estimate(e: Estimate) -> str:
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
         return "\n".join(lines) + "\n"
     p = len(e.pipe_ranks)
-    formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
-    if e.schedule in SPLIT:  # zb1p (schedules.py): its steady state needs m >= p
-        formula = "(p-1)/(3m+p-1)" if e.microbatches >= p else "1-3m/(2m+2p-1)"
+    formula = schedules.get(e.schedule).formula(p, e.microbatches, e.stages // p)
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
