@@ -47,6 +47,7 @@ from soapstone.dsl.compile.lower import LoweringError
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.model.irtext import format_parallel
+from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.cost import (
     BACKWARD_FACTOR,
@@ -179,6 +180,10 @@ class Candidate:
         """Virtual stages."""
         return self.pipe * self.chunks
 
+    def rank_of(self, stage: int) -> int:
+        """The pipe rank of virtual stage `stage` (its schedule's placement)."""
+        return schedules.get(self.schedule).rank_of(stage, self.pipe)
+
 
 def stage_blocks(blocks: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
     """`blocks` cut into `stages` contiguous runs, as even as they go (the extra blocks on the
@@ -209,7 +214,7 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     schedule = ir.Schedule()
     if c.pipe > 1:
         runs = stage_blocks(model.blocks, c.stages)
-        operator = tuple(ir.StageAssignment(run, "pipe", i % c.pipe)
+        operator = tuple(ir.StageAssignment(run, "pipe", c.rank_of(i))
                          for i, run in enumerate(runs))
         schedule = ir.Schedule(c.schedule, c.microbatches, c.chunks)
     elif c.microbatches > 1:
@@ -676,11 +681,11 @@ class Planner:
                 probes.cache[key] = _from_figs(f, self.model.name, inner, c.zero, self.optimizer)
             est, w, elements = probes.cache[key]
             per_stage[i] = est
-            stages.append(StageFigures(i, i % c.pipe, run, elements))
-            work[i % c.pipe] = work[i % c.pipe] + w
+            stages.append(StageFigures(i, c.rank_of(i), run, elements))
+            work[c.rank_of(i)] = work[c.rank_of(i)] + w
         edge = probes.edge_at(b)
-        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=i % c.pipe,
-                              dst_rank=(i + 1) % c.pipe) for i in range(s - 1)]
+        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=c.rank_of(i),
+                              dst_rank=c.rank_of(i + 1)) for i in range(s - 1)]
         par = to_parallel(self.model, self.dims, c)
         shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
                        par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)
