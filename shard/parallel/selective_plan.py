@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 from soapstone.shard.plan.analysis.activations import ALIASES, _saved
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
@@ -71,7 +72,8 @@ def selective_drops(program: Program) -> tuple[str, ...]:
             kept.update(_saved(program, i, fused, params)[0])
     viewed = set()  # values another is a view or copy-to of
     for s in steps:
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             viewed.add(s.src)
         elif isinstance(s, Compute) and (s.kind in ALIASES or (
                 s.kind == "dropout" and not float(s.attr("p", 0.0) or 0.0))):

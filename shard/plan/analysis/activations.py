@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 
 from soapstone.shard.parallel.dispatch_plan import saved_bytes as moe_saved_bytes
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import FusedAttention, FusedLinear, find_fusions
 
@@ -49,7 +50,8 @@ def _roots(program: Program, covered: set[int]) -> dict[str, str]:
     for i, s in enumerate(program.steps):
         if i in covered:
             continue
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             root[s.out] = root.get(s.src, s.src)
         elif isinstance(s, Compute) and (s.kind in ALIASES or (
                 s.kind == "dropout" and not float(s.attr("p", 0.0) or 0.0))):
