@@ -31,6 +31,7 @@ from soapstone.dsl.model.ir import (
     Schedule,
     StageAssignment,
 )
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules import KINDS as SCHEDULES
 from soapstone.shard.plan.schedules import ScheduleKind
@@ -475,7 +476,8 @@ def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
 
 def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
     """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
-    if facts.zero < 1 or facts.soap["sample"] or "sample" in facts.failed:
+    if not ZeroStage.of(facts.zero).shards_optimizer or facts.soap["sample"] \
+            or "sample" in facts.failed:
         return []
     return [ctx.diag(facts.seen["zero"], f"zero {facts.zero} shards optimizer state over the "
                      "sample (data-parallel) axis, but no sample statement maps the batch",
@@ -605,7 +607,7 @@ def _split_backward(ctx: _Ctx, facts: _Facts, kind: ScheduleKind) -> Diags:
         return []
     diags: Diags = []
     name = kind.name
-    if facts.zero == 3:
+    if ZeroStage.of(facts.zero).shards_params:
         diags.append(ctx.diag(facts.seen["zero"], f"zero 3 with {name}: ZeRO-3 gathers a "
                               "stage's parameters for one backward and frees them at its end, "
                               f"but {name} runs the weight gradients later, apart from it",

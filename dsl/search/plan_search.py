@@ -47,6 +47,7 @@ from soapstone.dsl.compile.lower import LoweringError
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.model.irtext import format_parallel
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.cost import (
@@ -943,9 +944,7 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"device with tensor {c.tensor}; "
                    + _versus(plan, "stages", lambda x: x.pipe > 1))
     if c.data > 1:
-        z = {0: "no ZeRO", 1: "ZeRO-1 shards the optimizer state",
-             2: "ZeRO-2 shards gradients and optimizer state",
-             3: "ZeRO-3 shards parameters too"}[c.zero]
+        z = ZeroStage.of(c.zero).summary
         lower = [r for r in plan.unfit if attrs.evolve(r.candidate, zero=c.zero) == c
                  and r.candidate.zero < c.zero]
         below = max(lower, key=lambda r: r.candidate.zero) if lower else None

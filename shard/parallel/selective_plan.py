@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import ALIASES, _saved
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
@@ -92,7 +93,7 @@ def selective_drops(program: Program) -> tuple[str, ...]:
         n_out = math.prod(program.value(s.out).local_shape) or 1
         for a in s.args:
             if a in params:
-                if program.zero >= 3:
+                if ZeroStage.of(program.zero).shards_params:
                     break
             elif not program.value(a).is_float:
                 break
