@@ -69,7 +69,8 @@ from soapstone.shard.plan.analysis.explain import (
 )
 from soapstone.shard.plan.analysis.hardware import Profile
 
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+# (schedule, chunks) the search tries for a pipeline: each schedule's own `planned`
+SCHEDULES = tuple((k.name, v) for k in schedules.SCHEDULES.values() for v in k.planned)
 PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
 
 

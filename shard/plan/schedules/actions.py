@@ -18,20 +18,16 @@ import attrs
 
 
 class Direction(enum.StrEnum):
-    """What a message carries: an activation (downstream) or a gradient (upstream)."""
+    """What a message carries: an activation (downstream) or a gradient (upstream).
+
+    flow: +1 towards the next virtual stage (activations), -1 towards the one before;
+    noun: the word for it in messages."""
 
     A = "A"
     G = "G"
 
-    @property
-    def flow(self) -> int:
-        """+1: towards the next virtual stage (activations); -1: towards the one before."""
-        return 1 if self is Direction.A else -1
-
-    @property
-    def noun(self) -> str:
-        """The word for it in messages."""
-        return "activation" if self is Direction.A else "gradient"
+    flow: int
+    noun: str
 
 
 @attrs.frozen
@@ -45,7 +41,17 @@ class _Traits:
 
 
 class ActionKind(enum.StrEnum):
-    """One kind of schedule action (the module doc); its str is its letter(s)."""
+    """One kind of schedule action (the module doc); its str is its letter(s). What it means
+    is its row of `_TRAITS`, read as attributes of the member (plain attributes, not
+    properties: the executor asks them for every action of every step):
+
+    compute: F, B, W (work on a stage; else a send or a receive); sending: SA, SG;
+    receiving: RA, RG; direction: which way its messages flow (W: None, it has none);
+    messages: whether it reads or makes a message (all but W, a split backward's weight
+    half, which stays on its stage); recv / send: a compute's receive of its input and send
+    of its output (F: RA, SA; B: RG, SG; W: None); follows: the compute of the same
+    microbatch and stage it waits for where no message feeds it (B on the last stage waits
+    for its F, W for its B)."""
 
     F = "F"
     B = "B"
@@ -55,47 +61,14 @@ class ActionKind(enum.StrEnum):
     SA = "SA"
     SG = "SG"
 
-    @property
-    def compute(self) -> bool:
-        """F, B, W: work on a stage (else a send or a receive)."""
-        return _TRAITS[self].compute
-
-    @property
-    def direction(self) -> Direction | None:
-        """Which way this kind's messages flow (W: None, it has none)."""
-        return _TRAITS[self].direction
-
-    @property
-    def messages(self) -> bool:
-        """Whether this kind reads or makes a message: all but W (a split backward's weight
-        half, which stays on its stage)."""
-        return _TRAITS[self].direction is not None
-
-    @property
-    def sending(self) -> bool:
-        """SA, SG."""
-        return _TRAITS[self].sending
-
-    @property
-    def receiving(self) -> bool:
-        """RA, RG."""
-        return not self.compute and not self.sending
-
-    @property
-    def recv(self) -> ActionKind | None:
-        """A compute's receive of its input (F: RA, B: RG, W: None)."""
-        return _TRAITS[self].recv
-
-    @property
-    def send(self) -> ActionKind | None:
-        """A compute's send of its output (F: SA, B: SG, W: None)."""
-        return _TRAITS[self].send
-
-    @property
-    def follows(self) -> ActionKind | None:
-        """The compute of the same microbatch and stage this one waits for where no message
-        feeds it: B on the last stage waits for its F, W for its B."""
-        return _TRAITS[self].follows
+    compute: bool
+    direction: Direction | None
+    messages: bool
+    sending: bool
+    receiving: bool
+    recv: ActionKind | None
+    send: ActionKind | None
+    follows: ActionKind | None
 
     def peer(self, stage: int) -> int:
         """The virtual stage at the other end of a send or receive at `stage`."""
@@ -109,6 +82,8 @@ class ActionKind(enum.StrEnum):
 
 
 A, G, K = Direction.A, Direction.G, ActionKind
+A.flow, A.noun = 1, "activation"
+G.flow, G.noun = -1, "gradient"
 # the one table of what each kind means
 _TRAITS: dict[ActionKind, _Traits] = {
     K.F: _Traits(True, A, recv=K.RA, send=K.SA),
@@ -119,6 +94,11 @@ _TRAITS: dict[ActionKind, _Traits] = {
     K.SA: _Traits(False, A, sending=True),
     K.SG: _Traits(False, G, sending=True),
 }
+for _k, _t in _TRAITS.items():
+    _k.compute, _k.direction, _k.sending = _t.compute, _t.direction, _t.sending
+    _k.receiving = not _t.compute and not _t.sending
+    _k.messages = _t.direction is not None
+    _k.recv, _k.send, _k.follows = _t.recv, _t.send, _t.follows
 
 
 @attrs.frozen

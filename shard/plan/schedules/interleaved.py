@@ -31,4 +31,4 @@ def actions(r: int, p: int, m: int, chunks: int, at: Callable[[int], int]) -> li
 
 
 INTERLEAVED = ScheduleKind("interleaved", actions, chunked=True, whole_groups=True,
-                           needs_stages=True)
+                           needs_stages=True, planned=(2, 4))

@@ -4,7 +4,8 @@ A schedule is its action lists (`actions`: per pipe rank, the ordered compute ac
 placement of its virtual stages on pipe ranks (`place`), and the few facts the checker, the
 builder, explain and the executor ask of it instead of testing its name: whether its backward
 is split into B and W, whether it takes `chunks` virtual stages per rank, whether it needs
-pipeline stages, its theoretical bubble and that formula's text. Pure data: no torch.
+pipeline stages, its theoretical bubble and that formula's text, and whether the planner
+tries it. Pure data: no torch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ScheduleKind:
     why_stages: str = ""  # why, for the checker's message
     bubble: Callable[[int, int, int], float] = staggered_bubble  # (p, m, chunks) -> idle
     formula: Callable[[int, int, int], str] = staggered_formula  # its text, for explain
+    planned: tuple[int, ...] = ()  # the chunk counts `soapstone plan` tries (none: not tried)
 
     def rank_of(self, stage: int, pipe: int) -> int:
         """The pipe rank holding virtual stage `stage`."""

@@ -21,4 +21,4 @@ def actions(r: int, p: int, m: int, chunks: int, at: Callable[[int], int]) -> li
     return acts
 
 
-ONE_F_ONE_B = ScheduleKind("1f1b", actions)
+ONE_F_ONE_B = ScheduleKind("1f1b", actions, planned=(1,))
