@@ -312,7 +312,7 @@ def write_trace(pipe, path: str, rank: int) -> None:
     formula = (f"(p-1)/(v*m+p-1) = {g.pipe - 1}/({g.chunks}*{g.microbatches}+{g.pipe - 1})"
                if g.chunks > 1 else
                f"(p-1)/(m+p-1) = {g.pipe - 1}/({g.microbatches}+{g.pipe - 1})")
-    if pipe.schedule.split:  # zb1p (shard/plan/schedules.py derives it)
+    if pipe.schedule.split:  # zb1p (shard/plan/schedules/ derives it)
         formula = (f"(p-1)/(3m+p-1) = {g.pipe - 1}/(3*{g.microbatches}+{g.pipe - 1})"
                    if g.microbatches >= g.pipe else "1-3m/(2m+2p-1)")
     print(f"bubble: measured {measured:.1%} of the last step, theory {theory:.1%} "

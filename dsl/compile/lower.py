@@ -34,6 +34,7 @@ from soapstone.shard.plan.layout import (
     P,
     Placement,
     R,
+    RedistributeKind,
     Split,
     token,
     transition,
@@ -41,6 +42,7 @@ from soapstone.shard.plan.layout import (
 from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
+    GradPlacement,
     InputRole,
     ParamSpec,
     Program,
@@ -348,16 +350,17 @@ class _Lowering:
         if v.name in self.params:
             return float("inf")  # parameters keep the layout the parallel block gave them
         kind = transition(cur, want)
-        if kind == "slice" and v.is_float:
+        if kind is RedistributeKind.SLICE and v.is_float:
             # Free forward, but its backward is an allgather of the gradient.
-            return transition_cost("allgather", v.nbytes // self.mesh[axis], self.mesh[axis])
+            return transition_cost(RedistributeKind.ALLGATHER, v.nbytes // self.mesh[axis],
+                                   self.mesh[axis])
         return transition_cost(kind, v.nbytes, self.mesh[axis])
 
     def _redistribute(self, name: str, wanted: dict[str, Placement]) -> str:
         v = self.values[name]
         # Gathers and reductions first, so a dim is free before another axis takes it.
-        order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(v.layout.get(a),
-                                                                          wanted[a]) == "alltoall"))
+        order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(
+            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL))
         for axis in order:
             cur, want = v.layout.get(axis), wanted[axis]
             if cur == want:
@@ -371,7 +374,8 @@ class _Lowering:
                 self._emit(Redistribute(
                     out=new.name, src=v.name, axis=axis, kind=kind,
                     frm=cur, to=want,
-                    nbytes=0 if kind in ("slice", "zero_fill") else v.nbytes,
+                    nbytes=0 if kind in (RedistributeKind.SLICE, RedistributeKind.ZERO_FILL)
+                    else v.nbytes,
                 ))
                 self.cache[key] = new.name
             v = self.values[self.cache[key]]
@@ -411,8 +415,9 @@ class _Lowering:
                 if name in self.params and every:
                     grad_sync.setdefault(name, []).append(axis)
                 elif (every and isinstance(prod_step, Redistribute)
-                      and prod_step.kind == "allgather" and prod_step.axis == axis):
-                    self.steps[prod] = attrs.evolve(prod_step, grad="partial")
+                      and prod_step.kind is RedistributeKind.ALLGATHER
+                      and prod_step.axis == axis):
+                    self.steps[prod] = attrs.evolve(prod_step, grad=GradPlacement.PARTIAL)
                 else:
                     # One copy per source: edges already behind another axis's copy keep it.
                     groups: dict[str, list[int]] = {}

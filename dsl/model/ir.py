@@ -130,7 +130,7 @@ class Branch:
 
 @attrs.frozen
 class Schedule:
-    """Pipeline schedule: kind in gpipe | 1f1b | interleaved | zb1p."""
+    """Pipeline schedule: kind names one of shard/plan/schedules/registry.py."""
 
     kind: str = "1f1b"
     microbatches: int = 1

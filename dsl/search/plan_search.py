@@ -26,6 +26,7 @@ from soapstone.dsl.search.space import (
     stage_blocks,
     to_parallel,
 )
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.cost import (
     BACKWARD_FACTOR,
     StepTime,
@@ -170,11 +171,11 @@ class Planner:
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
             est, w, elements = probes.stage_estimate(kind, len(run), b, c.data, c.zero, inner)
             per_stage[i] = est
-            stages.append(StageFigures(i, i % c.pipe, run, elements))
-            work[i % c.pipe] = work[i % c.pipe] + w
+            stages.append(StageFigures(i, c.rank_of(i), run, elements))
+            work[c.rank_of(i)] = work[c.rank_of(i)] + w
         edge = probes.edge_at(b)
-        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=i % c.pipe,
-                              dst_rank=(i + 1) % c.pipe) for i in range(s - 1)]
+        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=c.rank_of(i),
+                              dst_rank=c.rank_of(i + 1)) for i in range(s - 1)]
         par = to_parallel(self.model, self.dims, c)
         shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
                        par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)
@@ -432,9 +433,7 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"device with tensor {c.tensor}; "
                    + _versus(plan, "stages", lambda x: x.pipe > 1))
     if c.data > 1:
-        z = {0: "no ZeRO", 1: "ZeRO-1 shards the optimizer state",
-             2: "ZeRO-2 shards gradients and optimizer state",
-             3: "ZeRO-3 shards parameters too"}[c.zero]
+        z = ZeroStage.of(c.zero).summary
         lower = [r for r in plan.unfit if attrs.evolve(r.candidate, zero=c.zero) == c
                  and r.candidate.zero < c.zero]
         below = max(lower, key=lambda r: r.candidate.zero) if lower else None

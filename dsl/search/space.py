@@ -28,9 +28,11 @@ import attrs
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl.model import ir
+from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.hardware import Profile
 
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+# (schedule, chunks) the search tries for a pipeline: each schedule's own `planned`
+SCHEDULES = tuple((k.name, v) for k in schedules.SCHEDULES.values() for v in k.planned)
 
 
 class PlanError(UserError, ValueError):
@@ -141,6 +143,10 @@ class Candidate:
         """Virtual stages."""
         return self.pipe * self.chunks
 
+    def rank_of(self, stage: int) -> int:
+        """The pipe rank of virtual stage `stage` (its schedule's placement)."""
+        return schedules.get(self.schedule).rank_of(stage, self.pipe)
+
 
 def stage_blocks(blocks: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
     """`blocks` cut into `stages` contiguous runs, as even as they go (the extra blocks on the
@@ -171,7 +177,7 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     schedule = ir.Schedule()
     if c.pipe > 1:
         runs = stage_blocks(model.blocks, c.stages)
-        operator = tuple(ir.StageAssignment(run, "pipe", i % c.pipe)
+        operator = tuple(ir.StageAssignment(run, "pipe", c.rank_of(i))
                          for i, run in enumerate(runs))
         schedule = ir.Schedule(c.schedule, c.microbatches, c.chunks)
     elif c.microbatches > 1:

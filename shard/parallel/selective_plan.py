@@ -30,7 +30,9 @@ import math
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
@@ -60,7 +62,8 @@ def selective_drops(program: Program) -> tuple[str, ...]:
             kept.update(step_saves(program, i, fused, params)[0])
     viewed = set()  # values another is a view or copy-to of
     for s in steps:
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             viewed.add(s.src)
         elif isinstance(s, Compute) and record_of(s.kind).aliases(s):
             viewed.add(s.args[0])  # a view, or an identity (dropout at p = 0)
@@ -78,7 +81,7 @@ def selective_drops(program: Program) -> tuple[str, ...]:
         n_out = math.prod(program.value(s.out).local_shape) or 1
         for a in s.args:
             if a in params:
-                if program.zero >= 3:
+                if ZeroStage.of(program.zero).shards_params:
                     break
             elif not program.value(a).is_float:
                 break

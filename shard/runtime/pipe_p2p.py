@@ -2,8 +2,8 @@
 in flight (shard/runtime/executor.py's module doc describes the two p2p modes).
 
     wire = PipeP2P(graph, pipe_comm, device, compute_dtype)
-    pending[("A", mb, stage)] = wire.post_recv(mb, stage - 1, "A")    # ahead: irecv early
-    wire.sends.add(wire.send(bounds, tensors, dst, edge, "A", mb, stage))
+    pending[(A, mb, stage)] = wire.post_recv(mb, stage - 1, A)    # ahead: irecv early
+    wire.sends.add(wire.send(bounds, tensors, dst, edge, A, mb, stage))
     wire.sends.poll()        # between actions: completed sends let go of their buffers
     got = wire.received(pending.pop(...))
 
@@ -19,6 +19,7 @@ import torch
 
 from soapstone.shard.plan import p2p_groups
 from soapstone.shard.plan.program import Value
+from soapstone.shard.plan.schedules import Direction
 from soapstone.shard.runtime.sharded_model import TORCH_DTYPES, ShapeMismatch
 
 GROUPED_TAG = 0  # grouped mode pairs messages by order alone, as NCCL does
@@ -66,24 +67,24 @@ class PipeP2P:
         return self.compute_dtype if self.compute_dtype is not None and t.is_floating_point \
             else t
 
-    def tag(self, direction: str, mb: int, edge: int, i: int) -> int:
+    def tag(self, direction: Direction, mb: int, edge: int, i: int) -> int:
         """The MPI tag of tensor `i` of edge `edge`'s message for microbatch `mb` (A | G)."""
         g = self.graph
-        d = 0 if direction == "A" else 1
+        d = 0 if direction is Direction.A else 1
         return ((d * max(len(g.edges), 1) + edge) * g.microbatches + mb) * self.ntensors + i
 
-    def recv_buffers(self, edge_index: int, direction: str) -> tuple[list, int]:
+    def recv_buffers(self, edge_index: int, direction: Direction) -> tuple[list, int]:
         """Fresh buffers of the compiled boundary shapes for one receive: [(value, buffer)],
         and the source pipe rank (gradients: of the float values only)."""
         edge = self.graph.edges[edge_index]
-        if direction == "A":
+        if direction is Direction.A:
             tensors, src = edge.tensors, edge.src_rank
         else:
             tensors, src = [b for b in edge.tensors if b.is_float], edge.dst_rank
         return [(b, torch.empty(b.local_shape, dtype=self.float_dtype(b.dtype),
                                 device=self.device)) for b in tensors], src
 
-    def post_recv(self, mb: int, edge_index: int, direction: str) -> list:
+    def post_recv(self, mb: int, edge_index: int, direction: Direction) -> list:
         """Ahead mode: irecv every tensor of one message; [(value, buffer, work)]."""
         bufs, src = self.recv_buffers(edge_index, direction)
         return [(b, buf, self.comm.irecv(buf, src, self.tag(direction, mb, edge_index, i)))
@@ -128,23 +129,22 @@ class PipeP2P:
         got = [(b, w.wait()) for b, _, w in posted]
         return [(b, t) for b, t in got if b is not None]
 
-    def send(self, bounds, tensors, dst: int, edge_index: int, direction: str, mb: int,
+    def send(self, bounds, tensors, dst: int, edge_index: int, direction: Direction, mb: int,
              stage: int) -> list:
         """Ahead mode: isend each checked tensor of one message; their Works."""
         return [self.comm.isend(buf, dst, self.tag(direction, mb, edge_index, i))
                 for i, buf in enumerate(self.checked(bounds, tensors, direction, mb, stage))]
 
-    def checked(self, bounds, tensors, direction: str, mb: int, stage: int) -> list:
+    def checked(self, bounds, tensors, direction: Direction, mb: int, stage: int) -> list:
         """The tensors to send, contiguous, after checking each against its compiled
         boundary shape and dtype (ShapeMismatch: the receiver allocates the compiled one)."""
         out = []
         for b, t in zip(bounds, tensors, strict=True):
             want = self.float_dtype(b.dtype)
             if tuple(t.shape) != b.local_shape or t.dtype != want:
-                what = "activation" if direction == "A" else "gradient"
                 raise ShapeMismatch(
-                    f"stage {stage} would send the {what} of {b.name} (microbatch {mb}) as "
-                    f"{t.dtype} {list(t.shape)}, but the stage graph compiled {want} "
+                    f"stage {stage} would send the {direction.noun} of {b.name} (microbatch "
+                    f"{mb}) as {t.dtype} {list(t.shape)}, but the stage graph compiled {want} "
                     f"{list(b.local_shape)} (dims {', '.join(b.dims)}); the receiver allocates "
                     "the compiled shape, so this is refused before sending")
             out.append(t.detach().contiguous())

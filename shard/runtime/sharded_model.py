@@ -19,7 +19,7 @@ from soapstone.shard.ops.dispatch import run_op
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
-from soapstone.shard.plan.layout import P, Split
+from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.param_init import TORCH_DTYPES, init_full, init_shard  # noqa: F401
@@ -202,9 +202,9 @@ class ShardedModel:
         if isinstance(step, CopyTo):
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
-        if not src.is_float and step.kind in ("allgather", "slice"):
+        if not src.is_float and step.kind in (RedistributeKind.ALLGATHER, RedistributeKind.SLICE):
             # integer data (token ids): no gradient to route
-            if step.kind == "allgather":
+            if step.kind is RedistributeKind.ALLGATHER:
                 return comm.allgather(x.contiguous(), dim=src.dims.index(step.frm.dim))
             return x.chunk(comm.size, src.dims.index(step.to.dim))[comm.rank].contiguous()
         return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
@@ -238,18 +238,19 @@ class ShardedModel:
 
 # Each redistribution kind of shard/plan/collectives.py as the autograd collective that runs it
 # (forward and, through autograd, the backward the table names): (x, comm, step, dim index).
+K = RedistributeKind
 REDISTRIBUTE = {
-    "allreduce": lambda x, comm, step, dim: ag.reduce_from(x, comm),
-    "reduce_scatter": lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
-    "allgather": lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
+    K.ALLREDUCE: lambda x, comm, step, dim: ag.reduce_from(x, comm),
+    K.REDUCE_SCATTER: lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
+    K.ALLGATHER: lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
                                                           grad=step.grad),
-    "slice": lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
-    "alltoall": lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
+    K.SLICE: lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
+    K.ALLTOALL: lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
                                                          concat_dim=dim(step.frm.dim)),
-    "broadcast": lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
+    K.BROADCAST: lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
                                                          src=step.frm.coord),
     # a branch's value as a partial sum: zeros off the owner
-    "zero_fill": lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
+    K.ZERO_FILL: lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
 }
 
 

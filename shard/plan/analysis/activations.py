@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import FusedAttention, FusedLinear, find_fusions
 
@@ -39,7 +40,8 @@ def _roots(program: Program, covered: set[int]) -> dict[str, str]:
     for i, s in enumerate(program.steps):
         if i in covered:
             continue
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             root[s.out] = root.get(s.src, s.src)
         elif isinstance(s, Compute) and record_of(s.kind).aliases(s):
             root[s.out] = root.get(s.args[0], s.args[0])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.layout import Owned, Split
 from soapstone.shard.plan.units import format_bytes
 
@@ -53,7 +54,7 @@ def _stage_bytes(stage, coords, optimizer, bucket_mb, not_mine, shared) -> int:
     out = 0
     for b in plan_buckets(program, program.zero, program.data_axes, deferred, bucket_mb):
         n = math.prod(sizes[a] for a in b.dp)
-        sharded = program.zero >= 1 and n > 1
+        sharded = ZeroStage.of(program.zero).on(n).shards_optimizer
         padded = -(-b.numel // n) * n
         if sharded:
             k = 0

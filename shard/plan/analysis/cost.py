@@ -42,6 +42,7 @@ from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.selective_plan import rebuild_steps
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
 from soapstone.shard.plan.dtypes import DTYPES
@@ -181,7 +182,7 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
             out["after"] += s
     # the reduction hides behind backward: the last microbatch's, or every one's (ZeRO >= 2)
     backward = compute * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-    window = backward if est.zero >= 2 else backward / m
+    window = backward if ZeroStage.of(est.zero).shards_grads else backward / m
     out["reduce"] = max(out["reduce"] - window, out["reduce"] / buckets)
     out["busy"] = max(compute, out["zero3"]) + out["blocking"]
     out["per_axis"] = per_axis

@@ -67,7 +67,8 @@ figures add up its virtual stages:
   counts each boundary tensor per microbatch (activations forward, float gradients back).
   These equal the comm counters of one `soapstone run` step on every rank (tests).
 - bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank, or zb1p's
-  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules.py derives both).
+  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules/zb1p.py derives both):
+  each schedule's own (its `bubble` and `formula`).
 - imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
   over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
   but the embedding and the output projection are counted by their size, which overstates the
@@ -85,6 +86,8 @@ from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.selective_plan import selective_flops
+from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.activations import (
     activation_figures,
     recompute_flops,
@@ -94,7 +97,6 @@ from soapstone.shard.plan.collectives import backward_bytes, backward_op, forwar
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
-from soapstone.shard.plan.schedules import SPLIT
 from soapstone.shard.plan.units import format_bytes
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
@@ -173,7 +175,7 @@ class Estimate:
         return d
 
 
-def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
+def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adamw",
              deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
              plain: tuple[int, int] | None = None) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
@@ -181,7 +183,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     activations: activation_figures(program) when the caller has them already; plain: the
     same of the program without recompute (one that has it)."""
     mesh = dict(program.mesh)
-    dp_axes = program.data_axes if zero else ()
+    z = ZeroStage.of(zero)
+    dp_axes = program.data_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
     rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -251,14 +254,14 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
         # a weight tied across pipeline stages is reduced once, at the step, after its sum
         # over the pipe axis; every other bucket in backward (each microbatch's at ZeRO >= 2)
         sync = "tied sum" if plan.deferred else "grad sync"
-        if zero == 0 or n_dp == 1:
+        if not z.on(n_dp).shards_optimizer:
             add(sync, "allreduce", plan.sync, padded * master)
             norm_keys.add(tuple(a for a in mesh if a in plan.split))
             continue
         rest = tuple(a for a in plan.sync if a not in plan.dp)
         add(sync, "reduce_scatter", plan.dp, padded * master)
         add(sync, "allreduce", rest, padded // n_dp * master)
-        if zero <= 2:  # the updated shards, gathered after the optimizer step
+        if z.publishes_params:  # the updated shards, gathered after the optimizer step
             add("grad sync", "allgather", plan.dp, padded * item)
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
             add("forward", "allgather", plan.dp, padded * item)
@@ -275,25 +278,27 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                 add("loss", "allreduce", axis, lv.nbytes)
             else:
                 add("loss", "allgather", axis, lv.nbytes * mesh[axis])
-    def held(total: int, item: float, from_stage: int) -> int:
-        """The bytes of `total` (item bytes an element) a rank holds where ZeRO >= from_stage
-        shards all but the `whole` elements over the data axes."""
-        if zero < from_stage:
+    def held(total: int, item: float, sharded: bool) -> int:
+        """The bytes of `total` (item bytes an element) a rank holds where ZeRO shards it
+        (`sharded`): all but the `whole` elements over the data axes."""
+        if not sharded:
             return total
         kept = int(whole * item)
         return kept + (total - kept) // d
 
-    grad_bytes = held(elems * 4, 4, 2)
-    if zero == 1:  # the full buffer persists (it accumulates) beside the reduced shard
-        grad_bytes += held(elems * 4, 4, 1) - int(whole * 4)
+    grad_bytes = held(elems * 4, 4, z.shards_grads)
+    if z.shards_optimizer and z.keeps_full_grad:
+        # ZeRO-1: the full buffer persists (it accumulates) beside the reduced shard
+        grad_bytes += held(elems * 4, 4, True) - int(whole * 4)
     state = OPTIMIZER_STATE.get(optimizer, 8)
-    opt_bytes = held(elems * state, state, 1)
-    return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
-                    held(param_bytes, param_bytes / elems if elems else 0, 3),
+    opt_bytes = held(elems * state, state, z.shards_optimizer)
+    return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
+                    optimizer, held(param_bytes, param_bytes / elems if elems else 0,
+                                    z.shards_params),
                     grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
-                        elems * 4 - grad_bytes if zero >= 2 else 0),
+                        elems * 4 - grad_bytes if z.shards_grads else 0),
                     without_recompute=(plain or activation_figures(
                         attrs.evolve(program, recompute=(), dropped=())))
                     if program.recompute or program.dropped else None,
@@ -323,25 +328,24 @@ def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
     per stage, the microbatches before their B and those between B and W (only snapshots no
     other dominates: bytes are >= 0, so the peak is at one of them), and the peak in flight
     per stage. Cached: the planner asks for many layouts."""
-    from soapstone.shard.plan import schedules
-
     before_b: dict[int, int] = {}
     before_w: dict[int, int] = {}
     peak_live: dict[int, int] = {}
     snaps: set[tuple[tuple[int, int, int], ...]] = set()
     sched = schedules.build(kind, pipe, m, chunks)
+    F, B = schedules.ActionKind.F, schedules.ActionKind.B
     for a in sched.ranks[rank]:
         s = a.stage
-        if a.kind == "F":
+        if a.kind is F:
             before_b[s] = before_b.get(s, 0) + 1
-        elif a.kind == "B":
+        elif a.kind is B:
             before_b[s] -= 1
             if sched.split:  # its saved values stay until W
                 before_w[s] = before_w.get(s, 0) + 1
         else:
             before_w[s] -= 1
         peak_live[s] = max(peak_live.get(s, 0), before_b[s] + before_w.get(s, 0))
-        if a.kind == "F" or (a.kind == "B" and sched.split):
+        if a.kind is F or (a.kind is B and sched.split):
             snaps.add(tuple((t, n, before_w.get(t, 0)) for t, n in sorted(before_b.items())))
 
     keep: list[dict[int, tuple[int, int]]] = []  # by total, largest first: a dominating one
@@ -377,7 +381,7 @@ class EdgeFigures:
     float_bytes: int
 
 
-def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
+def estimate_pipeline(graph, zero: int | ZeroStage = 0, optimizer: str = "adamw",
                       rank: int | None = None) -> Estimate:
     """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
     default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
@@ -400,15 +404,14 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
 
 
 def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFigures],
-                     edges: list[EdgeFigures], tied_elements: int, zero: int, optimizer: str,
-                     rank: int | None = None) -> Estimate:
+                     edges: list[EdgeFigures], tied_elements: int, zero: int | ZeroStage,
+                     optimizer: str, rank: int | None = None) -> Estimate:
     """The pipeline estimate from each virtual stage's estimate (module doc): `graph` gives
     the layout (model, parallel, mesh, axis, pipe, schedule, microbatches, chunks); the
     planner passes stage estimates it extrapolated instead of compiling every stage."""
-    from soapstone.shard.plan import schedules
-
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
+    z = ZeroStage.of(zero)
     sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
@@ -441,7 +444,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         for st in mine:
             for t in per_stage[st.index].traffic:
                 times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
-                    zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
+                    z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
                 add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
         if pipe > 1:
             for e in sends.get(r, ()):
@@ -477,7 +480,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     edge_data = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
                   "activation_bytes": e.nbytes * m, "gradient_bytes": e.float_bytes * m}
                  for e in edges]
-    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
+    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, z.level, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
                     transient_bytes=pick["transient_bytes"], bubble=sched.theory_bubble(),
@@ -567,9 +570,7 @@ def format_estimate(e: Estimate) -> str:
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
         return "\n".join(lines) + "\n"
     p = len(e.pipe_ranks)
-    formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
-    if e.schedule in SPLIT:  # zb1p (schedules.py): its steady state needs m >= p
-        formula = "(p-1)/(3m+p-1)" if e.microbatches >= p else "1-3m/(2m+2p-1)"
+    formula = schedules.get(e.schedule).formula(p, e.microbatches, e.stages // p)
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")

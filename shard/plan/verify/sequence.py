@@ -88,24 +88,24 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
                 inflight.extend(ops)
                 if not x.sending:
                     posted[(x.direction, x.action.stage, x.action.mb)] = ops
-        elif a.kind in ("RA", "RG", "SA", "SG"):
+        elif not a.kind.compute:
             ops = _p2p(graph, mesh, rank, a, rows, locate)
             out.extend(ops)
-            if a.kind in ("SA", "SG"):
+            if a.kind.sending:
                 sends.extend(ops)
             else:
-                posted[(a.kind[1], a.stage, a.mb)] = ops
-        elif a.kind == "W":  # a split backward's weight half: it reads no message
+                posted[(a.kind.direction, a.stage, a.mb)] = ops
+        elif not a.kind.messages:  # a split backward's weight half (W): it reads no message
             out.extend(stages[a.stage].backward(a.mb, states[a.stage], weights=True))
-        elif a.kind in ("F", "B"):
+        else:  # F, B
             # the compute waits for the receives it reads (executor._wait)
-            got = posted.pop(("A" if a.kind == "F" else "G", a.stage, a.mb), [])
+            got = posted.pop((a.kind.direction, a.stage, a.mb), [])
             out.extend(_wait(o) for o in got)
             if got and inflight:  # grouped: the whole group, as on NCCL
                 out.extend(_wait(o) for o in inflight if not any(o is g for g in got))
                 inflight = []
             st = stages[a.stage]
-            if a.kind == "F":
+            if a.kind is schedules.ActionKind.F:
                 out.extend(st.forward(a.mb))
             else:
                 out.extend(st.backward_input(a.mb) if sched.split
@@ -162,15 +162,12 @@ def _p2p_rows(graph: StageGraph, mesh: MeshRanks, rank: int, a: schedules.Action
               locate) -> list[tuple]:
     """What _p2p's ops share across microbatches (all but the microbatch)."""
     axis = graph.axis
-    if a.kind in ("RA", "SA"):
-        edge = graph.edges[a.stage - 1 if a.kind == "RA" else a.stage]
-        tensors, direction = edge.tensors, "A"
-    else:
-        edge = graph.edges[a.stage if a.kind == "RG" else a.stage - 1]
-        tensors, direction = tuple(t for t in edge.tensors if t.is_float), "G"
-    sending = a.kind in ("SA", "SG")
+    edge, direction = graph.edges[a.kind.edge(a.stage)], a.kind.direction
+    forward = direction is schedules.Direction.A
+    tensors = edge.tensors if forward else tuple(t for t in edge.tensors if t.is_float)
+    sending = a.kind.sending
     # activations go src -> dst, gradients dst -> src
-    frm, to = (edge.src, edge.dst) if direction == "A" else (edge.dst, edge.src)
+    frm, to = (edge.src, edge.dst) if forward else (edge.dst, edge.src)
     here, there = (frm, to) if sending else (to, frm)
     program = graph.stages[here].program
     peer = mesh.moved(rank, axis, graph.stages[there].rank)
@@ -186,10 +183,9 @@ def _p2p_rows(graph: StageGraph, mesh: MeshRanks, rank: int, a: schedules.Action
         except KeyError:
             shape, dtype = (), "missing"
         nbytes = math.prod(shape) * _width(dtype) if sending else 0
-        what = "activation" if direction == "A" else "gradient"
         where = locate(t.name) if locate else ""
         rows.append(("send" if sending else "recv", axes, ranks, shape, dtype, nbytes, here,
-                     f"{what} {t.name}" + (f" ({where})" if where else "")
+                     f"{direction.noun} {t.name}" + (f" ({where})" if where else "")
                      + f" of edge {edge.src} -> {edge.dst}", peer, direction, edge.src, i))
     return rows
 

@@ -11,6 +11,7 @@ import math
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPE_BYTES, is_float
@@ -67,7 +68,7 @@ class StageCalls:
         self.graph, self.index, self.mesh, self.rank = graph, index, mesh, rank
         self.program = p = st.program
         self.locate = locate or (lambda name: "")
-        self.zero = p.zero
+        self.zero = ZeroStage.of(p.zero)
         shared = {n for n, _ in graph.shared}
         self.buckets = plan_buckets(p, p.zero, p.data_axes,
                                     tuple(n for n in shared if n in {x.name for x in p.params}))
@@ -89,7 +90,7 @@ class StageCalls:
         # the steps that communicate, so each microbatch walks only them
         self.fwd_steps = [i for i, s in enumerate(p.steps) if _forward_comm(p, s)]
         self.bwd_steps = [i for i, s in enumerate(p.steps) if _backward_comm(p, s)]
-        self.order, self.unpacks = self._zero3_plan(fused, runs_at) if self.zero == 3 \
+        self.order, self.unpacks = self._zero3_plan(fused, runs_at) if self.zero.shards_params \
             else ([], {})
         # recompute: a range's forward collectives run again where backward first unpacks a
         # tensor the range saved (the backward of its last step that keeps one)
@@ -155,16 +156,20 @@ class StageCalls:
         dt = self.program.value(b.names[0]).dtype
         return dt, DTYPE_BYTES[dt]
 
+    def stage(self, b) -> ZeroStage:
+        """The ZeRO stage bucket b runs (0 over a single data rank)."""
+        return self.zero.on(self._n(b.dp))
+
     def sharded(self, b) -> bool:
         """Whether bucket b is reduce-scattered (ZeRO >= 1 over more than one rank)."""
-        return self.zero >= 1 and self._n(b.dp) > 1
+        return self.stage(b).shards_optimizer
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, mb: int) -> list[Op]:
         """The stage's forward collectives for one microbatch, in step order."""
         p, out = self.program, []
         gather_at: dict[int, list[int]] = {}
-        if self.zero == 3:
+        if self.zero.shards_params:
             for k in self.order:  # the buckets first used at one step, in forward order
                 gather_at.setdefault(self.fill_at[k], []).append(k)
         issued: set[int] = set()
@@ -292,8 +297,7 @@ class StageCalls:
         if b.deferred:
             state["dirty"].add(k)
             return []
-        sharded = self.sharded(b)
-        if (not sharded or self.zero == 1) and not last:
+        if not self.stage(b).shards_grads and not last:
             state["dirty"].add(k)  # no_sync: reduced with the last microbatch
             return []
         state["dirty"].discard(k)
@@ -349,7 +353,7 @@ class StageCalls:
         """ZeRO-1/2: every sharded bucket's updated parameters gathered over the data axes."""
         out = []
         for k, b in enumerate(self.buckets):
-            if self.sharded(b) and self.zero <= 2:
+            if self.stage(b).publishes_params:
                 dt, item = self._item(b)
                 padded = self._padded(b)
                 out.append(self.op("allgather", b.dp, (padded // self._n(b.dp),), dt,

@@ -68,3 +68,18 @@ def test_build_optimizer_rejects_bad_arguments():
         build_optimizer(m, "lamb")
     with pytest.raises(ValueError, match="zero must be"):
         build_optimizer(m, zero=4)
+
+
+def test_zero_stages_nest_and_a_single_data_rank_runs_stage_0():
+    """What each ZeRO stage answers (shard/parallel/zero_stage.py): each shards what the one
+    below does and one thing more; over one data rank there is nothing to shard."""
+    from soapstone.shard.parallel.zero_stage import ZeroStage
+
+    table = [(z.shards_optimizer, z.shards_grads, z.shards_params, z.keeps_full_grad,
+              z.publishes_params) for z in map(ZeroStage.of, range(4))]
+    assert table == [(False, False, False, True, False), (True, False, False, True, True),
+                     (True, True, False, False, True), (True, True, True, False, False)]
+    assert ZeroStage.of(3).on(1) == ZeroStage.of(0) and ZeroStage.of(2).on(4).level == 2
+    assert ZeroStage.of(ZeroStage.of(1)) is ZeroStage.of(1) and str(ZeroStage.of(2)) == "2"
+    with pytest.raises(ValueError, match="0, 1, 2 or 3"):
+        ZeroStage.of(4)
