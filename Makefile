@@ -5,7 +5,7 @@ TORCH   ?= torch==2.13.0
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test golden lint install clean
+.PHONY: demo test golden lint install clean gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,39 @@ golden: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The CUDA path on one GPU (README, "On a GPU"). `make gpu-wheels` runs where the package
+# registries are (a CPU machine will do): soapstone's wheel and every dependency for Linux
+# x86_64, CPython $(GPU_PYVER), CUDA $(GPU_CUDA) (cupy-cuda13x or -cuda12x, and NCCL), torch left
+# out: the GPU image has its own. Copy the checkout with $(WHEELS)/ to the GPU machine and run
+# `make gpu-check` there, offline: a venv over the image's Python and torch, soapstone from the
+# wheels, then `soapstone gpu-check` (about 8 minutes; the report in $(GPU_REPORT)).
+WHEELS     ?= gpu-wheels
+GPU_PYVER  ?= 3.12
+GPU_CUDA   ?= 13
+GPU_BUILD  ?= python$(GPU_PYVER)
+GPU_PY     ?= python3
+GPU_VENV   ?= .venv-gpu
+GPU_REPORT ?= gpu-check.json
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform linux_x86_64
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	$(GPU_BUILD) -m pip wheel --no-deps -w $(WHEELS) .
+	$(GPU_BUILD) -m pip download -d $(WHEELS) --only-binary=:all: $(GPU_PLATFORMS) \
+		--python-version $(GPU_PYVER) --implementation cp "numpy" "mpi4py>=4" attrs lark tqdm \
+		safetensors mpich pytest hypothesis "setuptools>=69" wheel \
+		cupy-cuda$(GPU_CUDA)x nvidia-nccl-cu$(GPU_CUDA)
+
+gpu-check:
+	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || \
+		{ echo "make gpu-check: no CUDA GPU here (torch in $(GPU_PY) sees none); run it on a GPU machine" >&2; exit 2; }
+	@test -d $(WHEELS) || { echo "make gpu-check: no $(WHEELS)/ here; run \`make gpu-wheels\` where the package registries are and copy the folder beside this Makefile" >&2; exit 2; }
+	test -x $(GPU_VENV)/bin/python || $(GPU_PY) -m venv --system-site-packages $(GPU_VENV)
+	extra=$$($(GPU_PY) -c "import torch; print('gpu13' if (torch.version.cuda or '').startswith('13') else 'gpu')"); \
+	$(GPU_VENV)/bin/pip install --no-index --find-links $(WHEELS) --force-reinstall --no-deps soapstone && \
+	$(GPU_VENV)/bin/pip install --no-index --find-links $(WHEELS) "soapstone[mpi,$$extra]" pytest hypothesis
+	$(GPU_VENV)/bin/soapstone gpu-check --report $(GPU_REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(DEMO)

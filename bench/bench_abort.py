@@ -1,5 +1,5 @@
 """Does a failing rank's message reach the user every time? The abort job of
-tests/cases/comm_abort.py (4 ranks; rank 2 raises while the others sit in an allreduce), run
+tests/comm/comm_abort.py (4 ranks; rank 2 raises while the others sit in an allreduce), run
 many times back to back while another MPI job keeps the cores busy, counted two ways:
 
 - drained: the failure handler as shipped (flush, then wait, bounded, until mpiexec's proxy has
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CASE = ROOT / "tests/cases/comm_abort.py"
+CASE = ROOT / "tests/comm/comm_abort.py"
 BIN = Path(sys.executable).parent
 NEEDLES = ("[rank 2] RuntimeError: boom from rank 2", "[rank 0] soapstone: rank 2 failed")
 

@@ -1,6 +1,8 @@
-"""Checkpoint save and load throughput: soapstone vs torch.distributed.checkpoint (gloo).
+"""Checkpoint save and load throughput: soapstone vs torch.distributed.checkpoint (gloo), and
+what checksums cost.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_ckpt.py [--rounds 3]
+    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_ckpt.py --checksums
 
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers, as
 bench_dp.py), AdamW after one step, fp32: each checkpoint holds the fp32 master weights and
@@ -15,6 +17,11 @@ the same directory (--dir, default a temp dir under /tmp):
 Times are the slowest rank's, medians over rounds; MB/s per rank = checkpoint MB / ranks /
 time. Both fsync what they write (DCP's FileSystemWriter sync_files=True, its default).
 Loads read files just written, so from the page cache, for both.
+
+--checksums: soapstone dp2 save and load with the CRC-32 of every 1 MiB chunk taken by zlib,
+by python-isal (when installed: the same values, ISA-L's code) and not at all (the function
+swapped for one returning 0 on both sides: what the rest of save and load cost), side by side,
+interleaved round by round (default 7 rounds).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.comm.bench.collectives import init_gloo
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.checkpoint import resume, save
+from soapstone.shard.checkpoint import checksum, resume, save
 from soapstone.shard.checkpoint.holdings import holdings
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.train.trainer import Trainer
@@ -67,7 +74,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--checksums", action="store_true",
+                    help="only the checksum comparison: zlib, isal, none")
     args = ap.parse_args()
+    if args.checksums and args.rounds == 3:
+        args.rounds = 7
     world = init("mpi")
     dist = init_gloo(MPI.COMM_WORLD)
     import torch.distributed.checkpoint as dcp
@@ -98,6 +109,13 @@ def main() -> None:
         sizes[name] = MPI.COMM_WORLD.bcast(dir_bytes(d) if rank == 0 else None)
 
     t = trainer("bdp2")
+    if args.checksums:
+        checksum_rounds(t, base, args.rounds, add)
+        report(rows, sizes, world.size, args.rounds, base, t)
+        if rank == 0 and not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+        dist.destroy_process_group()
+        return
     state = {f"{k}/{h.name}": v.view(h.shape) for h in holdings(t.executor)
              for k, v in h.views.items()}  # every rank holds every tensor whole (ZeRO-0)
     for r in range(args.rounds):
@@ -122,24 +140,62 @@ def main() -> None:
             shutil.rmtree(s)
             shutil.rmtree(p)
         MPI.COMM_WORLD.Barrier()
+    speed = report(rows, sizes, world.size, args.rounds, base, z)
     if rank == 0:
-        n = world.size
-        params = sum(p.numel() for p in z.executor.parameters()) * n // 2  # dp: every rank whole
-        print(f"gpt {DIMS}, {params / 1e6:.1f}M params, {n} ranks, {args.rounds} rounds, "
-              f"dir {base}")
-        print(f"{'':46} {'MB':>8} {'s':>8} {'MB/s/rank':>10}")
-        speed = {}
-        for name, ts in rows.items():
-            sec = statistics.median(ts)
-            mb = sizes[name] / 1e6
-            speed[name] = mb / n / sec
-            print(f"{name:46} {mb:8.1f} {sec:8.3f} {speed[name]:10.1f}")
         for op in ("save", "load"):
             a, b = speed[f"{op}  soapstone dp2"], speed[f"{op}  DCP dp2 (gloo)"]
             print(f"{op}: soapstone / DCP = {a / b:.2f}x")
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
+
+
+def engines() -> dict:
+    """The CRC-32 functions to compare: zlib's, python-isal's if installed, and none."""
+    import zlib
+
+    out = {"zlib": zlib.crc32}
+    try:
+        from isal.isal_zlib import crc32
+
+        out["isal"] = crc32
+    except ImportError:
+        pass
+    out["none"] = lambda data: 0  # noqa: ARG005 (both sides agree: nothing is checked)
+    return out
+
+
+def checksum_rounds(t: Trainer, base: Path, rounds: int, add) -> None:
+    """Save and load under each CRC-32 engine in turn, round by round."""
+    kept = checksum.crc32
+    try:
+        for r in range(rounds):
+            for name, fn in engines().items():
+                checksum.crc32 = fn
+                d = base / f"crc-{name}-{r}"
+                add(f"save  soapstone dp2, checksums {name}", timed(save, t.executor, d, 1, 0,
+                                                                   {}), d)
+                add(f"load  soapstone dp2, checksums {name}", timed(resume, t.executor, d), d)
+                if MPI.COMM_WORLD.Get_rank() == 0:
+                    shutil.rmtree(d)
+                MPI.COMM_WORLD.Barrier()
+    finally:
+        checksum.crc32 = kept
+
+
+def report(rows: dict, sizes: dict, n: int, rounds: int, base: Path, t: Trainer) -> dict:
+    """Print each row's median (rank 0); MB/s per rank by row."""
+    speed = {}
+    for name, ts in rows.items():
+        speed[name] = sizes[name] / 1e6 / n / statistics.median(ts)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        params = sum(p.numel() for p in t.executor.parameters()) * n // 2  # dp: whole per rank
+        print(f"gpt {DIMS}, {params / 1e6:.1f}M params, {n} ranks, {rounds} rounds, dir {base}")
+        print(f"{'':46} {'MB':>8} {'s':>8} {'MB/s/rank':>10}")
+        for name, ts in rows.items():
+            print(f"{name:46} {sizes[name] / 1e6:8.1f} {statistics.median(ts):8.3f} "
+                  f"{speed[name]:10.1f}")
+    return speed
 
 
 if __name__ == "__main__":

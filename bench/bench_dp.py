@@ -1,11 +1,12 @@
 """Data parallel and ZeRO-3 vs PyTorch DDP and FSDP2 (gloo), side by side in one job.
 
-    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_dp.py [--steps 5]
+    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_dp.py [--steps 30]
             [--device cpu|cuda]
 
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers,
 seq 64, global batch 4), AdamW, the same batches everywhere. Rows (rank 0 prints, medians
-over --steps after 2 warm-up steps):
+of --steps, at least 30, after 2 warm-up steps, the rows interleaved step by step through
+comm/bench/harness.py, with the interquartile range and the load average):
   soapstone zero 0 (buckets overlapped with backward)     vs torch DDP (gloo, 25 MiB buckets)
   soapstone zero 0 with reduction only after backward     (the overlap's worth)
   soapstone zero 3                                        vs torch FSDP2 fully_shard (gloo)
@@ -24,9 +25,7 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,11 +33,11 @@ import torch
 from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 from soapstone import dsl  # noqa: E402
 from soapstone.comm import Communicator, Mesh, init  # noqa: E402
 from soapstone.comm.bench.collectives import init_gloo  # noqa: E402
+from soapstone.comm.bench.harness import MIN_STEPS, interleave  # noqa: E402
 from soapstone.dsl.compile.lower import lower  # noqa: E402
 from soapstone.shard.runtime.memory import memory_report  # noqa: E402
 from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
@@ -98,21 +97,6 @@ def batches(n):
             for _ in range(n)]
 
 
-def timed(step, data, bench, warmup=2):
-    times = []
-    for i, b in enumerate(data):
-        bench.sync()
-        MPI.COMM_WORLD.Barrier()
-        t0 = time.perf_counter()
-        step(b)
-        bench.sync()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    # the slowest rank's view of each step
-    return statistics.median(MPI.COMM_WORLD.allreduce(t, op=MPI.MAX) for t in times)
-
-
 def tensor_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
@@ -150,10 +134,10 @@ def soapstone_model(zero, overlap=True, world=None, device=None):
     return step, m, opt
 
 
-def soapstone_row(zero, data, bench, overlap=True):
+def soapstone_row(zero, bench, overlap=True):
+    """(train step, bytes held after a step) of soapstone's data parallel at `zero`."""
     step, m, opt = soapstone_model(zero, overlap, bench.world, bench.device)
-    t = timed(step, data, bench)
-    return t, memory_report(m, opt)["total"]
+    return step, lambda: memory_report(m, opt)["total"]
 
 
 def torch_model(device="cpu"):
@@ -166,16 +150,17 @@ def local(b):
     return b[0].chunk(n)[r], b[1].chunk(n)[r]
 
 
-def ddp_row(data, bench, fused=False):
+def ddp_row(bench, fused=False):
+    """(train step, bytes held) of torch DDP (25 MiB buckets)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = bench.device
     ids = [dev.index] if dev.type == "cuda" else None
-    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25), data, bench,
-                     fused)
+    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25), fused)
 
 
-def fsdp_row(data, bench, fused=False):
+def fsdp_row(bench, fused=False):
+    """(train step, bytes held) of torch FSDP2, every block and the model fully_shard-ed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -184,11 +169,11 @@ def fsdp_row(data, bench, fused=False):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return torch_row(model, data, bench, fused)
+    return torch_row(model, fused)
 
 
-def torch_row(model, data, bench, fused):
-    """(step time, bytes held) of a torch-parallelised model under AdamW."""
+def torch_row(model, fused):
+    """(train step, bytes held) of a torch-parallelised model under AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
 
     def step(b):
@@ -196,13 +181,13 @@ def torch_row(model, data, bench, fused):
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    t = timed(step, data, bench)
-    return t, torch_bytes(model, opt)
+    return step, lambda: torch_bytes(model, opt)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=MIN_STEPS,
+                    help=f"timed steps per row after 2 warm-up (default and least {MIN_STEPS})")
     ap.add_argument("--json", help="write the rows here (rank 0)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
@@ -211,38 +196,49 @@ def main() -> int:
     bench = start(args.device)
     # on the device before timing, as a training loop's prefetch would have them
     data = [(a.to(bench.device), b.to(bench.device)) for a, b in batches(args.steps + 2)]
-    rows = {}
-    rows["soapstone zero 0"] = soapstone_row(0, data, bench)
-    rows["torch DDP"] = ddp_row(data, bench)
-    # soapstone's flat AdamW runs torch's fused kernel; torch can too, so show both
-    rows["torch DDP, AdamW(fused=True)"] = ddp_row(data, bench, fused=True)
-    rows["soapstone zero 0, reduce after backward"] = soapstone_row(0, data, bench,
-                                                                    overlap=False)
-    rows["soapstone zero 3"] = soapstone_row(3, data, bench)
-    rows["torch FSDP2"] = fsdp_row(data, bench)
-    rows["torch FSDP2, AdamW(fused=True)"] = fsdp_row(data, bench, fused=True)
+    rows = {  # name -> (step on a batch, bytes held); every model lives through the run
+        "soapstone zero 0": soapstone_row(0, bench),
+        "torch DDP": ddp_row(bench),
+        # soapstone's flat AdamW runs torch's fused kernel; torch can too, so show both
+        "torch DDP, AdamW(fused=True)": ddp_row(bench, fused=True),
+        "soapstone zero 0, reduce after backward": soapstone_row(0, bench, overlap=False),
+        "soapstone zero 3": soapstone_row(3, bench),
+        "torch FSDP2": fsdp_row(bench),
+        "torch FSDP2, AdamW(fused=True)": fsdp_row(bench, fused=True),
+    }
+    counters = dict.fromkeys(rows, 0)
+
+    def stepper(name):
+        def run():
+            rows[name][0](data[counters[name]])  # every row sees batch i at its step i
+            counters[name] += 1
+        return run
+
+    session = interleave({k: stepper(k) for k in rows}, args.steps, warmup=2,
+                         comm=MPI.COMM_WORLD, sync=bench.sync)
+    held = {k: held_bytes() for k, (_, held_bytes) in rows.items()}
     rss = MPI.COMM_WORLD.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, MPI.MAX)
     if MPI.COMM_WORLD.rank == 0:
         n = sum(p.numel() for p in torch_model().parameters())
         on = f" on {bench.label} (NCCL)" if bench.device.type == "cuda" else ""
         print(f"gpt {n / 1e6:.1f}M params, {MPI.COMM_WORLD.size} ranks{on}, AdamW, "
-              f"median of {args.steps} steps")
-        print(f"{'config':42s} {'step s':>8s} {'MiB/rank (p+g+opt)':>20s}")
-        for k, (t, mem) in rows.items():
-            print(f"{k:42s} {t:8.3f} {mem / 2**20:20.1f}")
-        z0, ddp = rows["soapstone zero 0"][0], rows["torch DDP"][0]
-        z3, fsdp = rows["soapstone zero 3"][0], rows["torch FSDP2"][0]
-        nov = rows["soapstone zero 0, reduce after backward"][0]
-        ddpf = rows["torch DDP, AdamW(fused=True)"][0]
-        fsdpf = rows["torch FSDP2, AdamW(fused=True)"][0]
-        print(f"throughput vs DDP: {ddp / z0:.2f}x (fused AdamW: {ddpf / z0:.2f}x); vs FSDP2 "
-              f"(zero 3): {fsdp / z3:.2f}x (fused AdamW: {fsdpf / z3:.2f}x); "
-              f"overlap saves {100 * (1 - z0 / nov):.1f}% of the step; max RSS "
-              f"{rss / 1024:.0f} MiB")
+              f"{args.steps} steps each, interleaved; {session.load_text()}")
+        print(f"{'config':42s} {'step (median, IQR)':>32s} {'MiB/rank (p+g+opt)':>20s}")
+        for k, t in session.timings.items():
+            print(f"{k:42s} {t.text():>32s} {held[k] / 2**20:20.1f}")
+        ratios = [session.compare("soapstone zero 0", "torch DDP"),
+                  session.compare("soapstone zero 0", "torch DDP, AdamW(fused=True)"),
+                  session.compare("soapstone zero 3", "torch FSDP2"),
+                  session.compare("soapstone zero 3", "torch FSDP2, AdamW(fused=True)"),
+                  session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward")]
+        for r in ratios:
+            print(f"throughput {r.text()}")
+        print(f"max RSS {rss / 1024:.0f} MiB")
         if args.json:
-            Path(args.json).write_text(json.dumps({k: {"step_s": t, "bytes": m,
-                                                       "device": bench.label}
-                                                   for k, (t, m) in rows.items()}, indent=1))
+            Path(args.json).write_text(json.dumps({
+                "device": bench.label, "rows": {k: session.timings[k].to_json() | {
+                    "bytes": held[k]} for k in rows},
+                "ratios": [r.to_json() for r in ratios]} | session.to_json(), indent=1))
     torch.distributed.destroy_process_group()
     return 0
 

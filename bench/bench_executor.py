@@ -8,30 +8,27 @@ rank, three ways.
 - executor: Executor.train_step (the schedule, microbatch cutting, loss gather, the optimizer
   step by the pipeline's rules), the path `soapstone run` and `golden` take for every layout.
 
-Same weights, same batch, AdamW on all three; steps interleaved and timed in one process, the
-median per way, reported as ratios to torch.
+Same weights, same batch, AdamW on all three; steps interleaved and timed in one process
+(comm/bench/harness.py), the median and interquartile range per way, reported as ratios to torch.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_executor.py --iters 20
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_executor.py --iters 30
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch fixture lives with the tests
 # bench_tp.py's model: big enough that a step is compute, small enough for two cores
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=30,
+                    help="timed steps after the warm-up (default and least 30)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -81,23 +78,21 @@ def main() -> None:
 
     ways = {"torch": step_torch, "by hand": step_hand, "executor": step_executor}
     first = {name: fn() for name, fn in ways.items()}  # the same loss from the same weights
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for i in range(args.warmup + args.iters):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            fn()
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    from soapstone.comm.bench.harness import interleave
+
+    session = interleave(ways, args.iters, args.warmup)
+    med = {name: t.median for name, t in session.timings.items()}
     print(f"gpt.par on one rank ({dims['batch']}x{dims['seq']} tokens, {len(model.blocks)} "
-          f"layers, hidden {dims['hidden']}), AdamW, median of {args.iters} steps")
+          f"layers, hidden {dims['hidden']}), AdamW, {args.iters} steps each, interleaved; "
+          f"{session.load_text()}")
     for name in ways:
-        print(f"  {name:<9} {med[name] * 1e3:8.1f} ms/step  {med[name] / med['torch']:.3f}x "
+        print(f"  {name:<9} {session.timings[name].text()}  {med[name] / med['torch']:.3f}x "
               f"torch   first loss {first[name]:.5f}")
-    print(f"  executor / by hand: {med['executor'] / med['by hand']:.3f}x")
+    for ours, peer in (("executor", "torch"), ("by hand", "executor")):
+        print("  " + session.compare(ours, peer).text())
     if args.json:
-        Path(args.json).write_text(json.dumps({"ms": {k: v * 1e3 for k, v in med.items()},
-                                               "first_loss": first}, indent=1))
+        Path(args.json).write_text(json.dumps({"first_loss": first} | session.to_json(),
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -8,21 +8,20 @@
 Same weights, same batches; steps interleaved in one process, the median per side, reported
 as soapstone / transformers. Before timing, the two first losses are checked to agree.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_hf.py --iters 20
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_hf.py
+
+It builds both random models itself; transformers comes with the dev extra (`make install`),
+as for the tests, and soapstone never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # transformers is a test dependency
 # big enough that a step is compute, small enough for two cores; the examples' 2 blocks
 DIMS = {"batch": 8, "seq": 128, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 2048}
 HF = {"gpt2": {"n_embd": 256, "n_head": 8, "n_inner": 1024, "vocab_size": 2048, "n_layer": 2,
@@ -40,7 +39,7 @@ def side_by_side(kind: str, iters: int, warmup: int) -> dict:
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.interop import hf
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     torch.manual_seed(0)
@@ -74,22 +73,29 @@ def side_by_side(kind: str, iters: int, warmup: int) -> dict:
     if abs(first[0] - first[1]) > 1e-4 * abs(first[1]):
         raise SystemExit(f"{kind}: first losses differ: soapstone {first[0]}, "
                          f"transformers {first[1]}")
-    times: dict[str, list[float]] = {"soapstone": [], "transformers": []}
-    for i in range(warmup + iters):
-        b = task.batch(i + 1)
-        for name, fn in (("soapstone", ours), ("transformers", theirs)):
-            t0 = time.perf_counter()
-            fn(b)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    from soapstone.comm.bench.harness import interleave
+
+    current = {}
+
+    def stepper(name, fn):  # both sides take batch i at their step i
+        def run():
+            i = current[name] = current.get(name, 0) + 1
+            return fn(task.batch(i))
+        return run
+
+    session = interleave({"soapstone": stepper("soapstone", ours),
+                          "transformers": stepper("transformers", theirs)}, iters, warmup)
+    print(session.table())
+    med = {k: t.median for k, t in session.timings.items()}
     return {"model": kind, **{f"{k}_s": v for k, v in med.items()},
-            "ratio": med["soapstone"] / med["transformers"], "first_loss": first[0]}
+            "ratio": med["soapstone"] / med["transformers"], "first_loss": first[0],
+            "verdict": session.compare("transformers", "soapstone").to_json()["verdict"],
+            **session.to_json()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=30, help="timed steps (at least 30)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()

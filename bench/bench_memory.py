@@ -59,7 +59,7 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     from soapstone.comm import Mesh
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.explain import estimate_pipeline
     from soapstone.shard.runtime.executor import Executor
 

@@ -9,7 +9,7 @@ exchanged again, in turn: soapstone's communicator alltoallv (what the kernel ca
 its autograd wrapper) and mpi4py's Alltoallv into a buffer allocated per call, as soapstone's
 is; median microseconds per call and the ratio.
 
-    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_moe.py [--steps 9]
+    OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_moe.py [--steps 30]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from soapstone.comm import Mesh, init
 from soapstone.dsl import load
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.data.tasks import make_task
+from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.executor import Executor
 
 SPEC = str(Path(__file__).resolve().parents[1] / "examples/moe.par")
@@ -79,26 +79,23 @@ def dispatch_times(world, ex, calls: int) -> dict:
 def main() -> None:
     """Time each layout's step; rank 0 prints the figures as one JSON line."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (at least 30)")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     world = init("mpi")
     made = {n: step_fn(world, n) for n in ("dp2", "ep2", "dpep")}
     runs = {n: fn for n, (fn, _) in made.items()}
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for k in range(args.steps + 1):
-        for n, run in runs.items():
-            world.barrier()
-            t0 = time.perf_counter()
-            run()
-            world.barrier()
-            if k:
-                times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(t) for n, t in times.items()}
+    from mpi4py import MPI
+
+    from soapstone.comm.bench.harness import interleave
+
+    session = interleave(runs, args.steps, warmup=1, comm=MPI.COMM_WORLD)
+    med = {n: t.median for n, t in session.timings.items()}
     dispatch = dispatch_times(world, made["dpep"][1], args.calls)
     us = dispatch["us"]
     if world.rank == 0:
-        print(json.dumps({"dims": DIMS, "seconds": med,
+        print(session.table())
+        print(json.dumps({"dims": DIMS, "seconds": med, **session.to_json(),
                           "vs_dp2": {n: med[n] / med["dp2"] for n in med},
                           "dispatch": dispatch | {"vs_mpi4py": us["soapstone"] / us["mpi4py"]}}))
 

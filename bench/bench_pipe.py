@@ -1,6 +1,6 @@
 """Pipeline parallel at 2 ranks: soapstone 1F1B vs torch.distributed.pipelining Schedule1F1B.
 
-    mpiexec -n 2 .venv/bin/python bench/bench_pipe.py [--iters 10] [--microbatches 8]
+    mpiexec -n 2 .venv/bin/python bench/bench_pipe.py [--iters 30] [--microbatches 8]
             [--trace pipe.json] [--png pipe.png] [--json out.json] [--device cpu|cuda]
 
 Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
@@ -9,7 +9,8 @@ on rank 1) with the same weights and batch, in one job, alternating. soapstone: 
 pipeline layout compiled by lower_pipeline, the Executor over MPI p2p. PyTorch: the
 plain-torch GPT of shard/train/reference_gpt.py cut at the same place, PipelineStage + Schedule1F1B
 on gloo. Timed: one training step's forward and backward of every microbatch (no optimizer),
-median over iterations after warm-up, slowest rank. The first-step losses are checked equal.
+median and interquartile range over the steps after warm-up, slowest rank, the two
+interleaved step by step (comm/bench/harness.py). The first-step losses are checked equal.
 The measured bubble of soapstone's last traced step is printed beside (p-1)/(m+p-1).
 --device cuda: both on NCCL with the stages and batch on each rank's GPU (bench_dp.start;
 soapstone's p2p grouped, as on any GPU), each step timed between torch.cuda.synchronize()
@@ -23,11 +24,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 16, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
@@ -102,7 +101,8 @@ def torch_stage(model_spec, graph, rank: int, microbatches: int, device=None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30,
+                    help="timed steps after the warm-up (default and least 30)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--trace", help="write soapstone's last step as a Chrome trace here")
@@ -151,36 +151,31 @@ def main(argv=None) -> int:
         sched._stage.submod.zero_grad(set_to_none=True)
         return float(torch.stack(losses).detach().mean()) if losses else None
 
-    times = {"soapstone": [], "torch": []}
-    first = {}
+    from soapstone.comm.bench.harness import interleave
+
     bubbles = []
-    for it in range(args.warmup + args.iters):
-        for name, fn in (("soapstone", run_soapstone), ("torch", run_torch)):
-            bench.sync()
-            mpi.Barrier()
-            t0 = time.perf_counter()
-            loss = fn()
-            bench.sync()
-            dt = mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if it == 0:
-                first[name] = loss
-            if it >= args.warmup:
-                times[name].append(dt)
-        if it >= args.warmup and cpu:
-            bubbles.append(pm.bubble()[0])
+
+    def after(name, step, _):
+        if name == "soapstone" and step >= args.warmup and cpu:
+            bubbles.append(pm.bubble()[0])  # collective: every rank, the same steps
+
+    session = interleave({"soapstone": run_soapstone, "torch": run_torch}, args.iters,
+                         args.warmup, comm=mpi, sync=bench.sync, after=after)
+    first = {name: v[0] for name, v in session.values.items()}
     torch_loss = mpi.bcast(first["torch"], root=1)
     say = print if rank == 0 else (lambda *a, **k: None)
     ok = abs(first["soapstone"] - torch_loss) <= 1e-4 * abs(torch_loss)
-    soap, peer = statistics.median(times["soapstone"]), statistics.median(times["torch"])
+    ratio = session.compare("soapstone", "torch")
+    soap, peer = ratio.ours.median, ratio.peer.median
     theory = pm.schedule.theory_bubble()
     bubble = statistics.median(bubbles) if cpu else None
     on = "" if cpu else f", NCCL on {bench.label}"
     say(f"# bench_pipe: gpt {DIMS}, 2 stages, 1F1B, {args.microbatches} microbatches, "
-        f"median of {args.iters} steps (fwd+bwd, slowest rank){on}")
+        f"{args.iters} steps each, interleaved (fwd+bwd, slowest rank){on}")
     say(f"first-step loss: soapstone {first['soapstone']:.6f}  torch {torch_loss:.6f}  "
         f"{'equal' if ok else 'DIFFERENT'}")
-    say(f"step time: soapstone {soap * 1e3:.1f} ms   torch.distributed.pipelining "
-        f"{peer * 1e3:.1f} ms   torch/soapstone {peer / soap:.2f}x")
+    say("step time (torch = torch.distributed.pipelining):\n" + session.table())
+    say(f"  {ratio.text()}")
     measured = f"measured {bubble:.1%}" if cpu else "not measured on a GPU"
     say(f"soapstone bubble: {measured}  theory (p-1)/(m+p-1) = {theory:.1%}")
     events = pm.events() if cpu else []
@@ -196,6 +191,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({
             "dims": DIMS, "device": bench.label, "microbatches": args.microbatches,
             "soapstone_s": soap, "torch_s": peer, "bubble_measured": bubble,
+            "ratio": ratio.to_json(), **session.to_json(),
             "bubble_theory": theory,
             "loss_soapstone": first["soapstone"], "loss_torch": torch_loss}, indent=1))
     dist.destroy_process_group()

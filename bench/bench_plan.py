@@ -36,7 +36,8 @@ def gpt100() -> str:
 def one(name: str, recompute: bool) -> dict:
     """Plan one spec in this process: the search's wall and CPU seconds and its outcome."""
     from soapstone.dsl import load
-    from soapstone.dsl.search.plan_search import PlanError, Planner, search
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.space import PlanError
     from soapstone.shard.plan.analysis.hardware import load_profile
 
     src, seq = SPECS[name]

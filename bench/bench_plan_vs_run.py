@@ -6,7 +6,7 @@ and the median relative error.
     OMP_NUM_THREADS=1 mpiexec -n 4 .venv/bin/python bench/bench_plan_vs_run.py \\
         --profile cpu4.json [--steps 4] [--json F]
 
-Every layout `soapstone plan` would cost (dsl/plan_search.candidates; ZeRO 0 and 1, the
+Every layout `soapstone plan` would cost (dsl/search/space.py candidates; ZeRO 0 and 1, the
 schedules, microbatches, sequence parallelism) is built and trained for a few AdamW steps in
 this one launch, one after another; the measured time is the median step after a warm-up
 (the slowest rank's). The prediction is the cost model's on the calibrated profile.
@@ -59,8 +59,9 @@ def main() -> int:
     from soapstone.comm import Mesh, init
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.dsl.search.plan_search import Planner, candidates, to_parallel
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates, to_parallel
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.hardware import load_profile
     from soapstone.shard.train.trainer import Trainer
 

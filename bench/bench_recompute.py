@@ -7,20 +7,17 @@ the step's peak resident memory above what the process held before it (bench_mem
 method), explain's activations + working set for soapstone, and the median time of a training
 step (forward, backward, AdamW). The figures that matter are the ratios recompute / plain.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_recompute.py [--steps 7] [--json F]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_recompute.py [--steps 30] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_memory import _exact_rss, _status, measure  # noqa: E402
@@ -34,7 +31,7 @@ def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
     rank's share on `mesh`)."""
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=DIMS)
@@ -48,16 +45,14 @@ def soapstone_step(layout: str, spec: str = SPEC, mesh=None):
 
 
 def alternate(steps: int, **runs) -> dict[str, float]:
-    """Median seconds per step of each run, their steps taken in turn (so that the machine's
-    load falls on all alike), after one warm-up step each."""
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for k in range(steps + 1):
-        for n, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            if k:
-                times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+    """Median seconds per step of each run, their steps interleaved in a rotating order after
+    one warm-up step each (comm/bench/harness.py: at least 30 steps); prints the medians with
+    their interquartile ranges and the load average."""
+    from soapstone.comm.bench.harness import interleave
+
+    session = interleave(runs, steps, warmup=1)
+    print(session.table())
+    return {n: t.median for n, t in session.timings.items()}
 
 
 def torch_step(recompute: bool):
@@ -97,7 +92,7 @@ def peak_of(step) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps (at least 30)")
     ap.add_argument("--json", metavar="F")
     args = ap.parse_args()
     import torch

@@ -11,8 +11,8 @@ allocation over 64 KiB served by its own mmap (bench_memory.py), which makes eac
 cost page faults; --time-only times the steps with the allocator as it is, in a process that
 measures no memory.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_selective.py [--steps 7] [--json F]
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_selective.py --time-only --steps 11
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_selective.py [--steps 30] [--json F]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_selective.py --time-only
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_selective.py --tp2
 """
 
@@ -35,7 +35,7 @@ RC = str(ROOT / "tests/specs/recompute_layouts.par")
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps (at least 30)")
     ap.add_argument("--tp2", action="store_true", help="the tp2 layouts, per rank (2 ranks)")
     ap.add_argument("--time-only", action="store_true",
                     help="time the steps only, with the default allocator")

@@ -1,6 +1,6 @@
 """Tensor parallel at 2 ranks: soapstone vs PyTorch DTensor (Colwise/RowwiseParallel on gloo).
 
-    mpiexec -n 2 .venv/bin/python bench/bench_tp.py [--iters 20] [--json out.json]
+    mpiexec -n 2 .venv/bin/python bench/bench_tp.py [--iters 30] [--json out.json]
             [--device cpu|cuda]
 
 Both run examples/gpt.par scaled up (hidden 512, 8 heads, ffn 2048, vocab 2048, seq 128,
@@ -9,7 +9,8 @@ the spec's `tp2` layout (heads, ffn and vocab split; vocab-parallel loss). DTens
 torchtitan-style plan: q/k/v and the MLP's up projection column-parallel, the attention output
 and down projection row-parallel, the embedding row-parallel over vocab, the head
 column-parallel with `loss_parallel` so neither side gathers the logits. Timed: forward +
-backward of one step, median over iterations after warm-up. The losses are checked equal.
+backward of one step, median and interquartile range of the steps after warm-up, the two
+interleaved step by step (comm/bench/harness.py). The losses are checked equal.
 --device cuda: both on NCCL with the model and batch on each rank's GPU (bench_dp.start), each
 step timed between torch.cuda.synchronize() calls. Not yet run on a GPU.
 """
@@ -18,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 8, "seq": 128, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 2048}
 
@@ -62,7 +60,8 @@ def dtensor_model(ref_params, world, device=None):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=30,
+                        help="timed steps after the warm-up (default and least 30)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -114,29 +113,25 @@ def main() -> int:
 
     losses = {"soapstone": ours.loss_value({"loss": step_soapstone().detach()}),
               "dtensor": float(step_dtensor().detach().full_tensor())}
-    times = {"soapstone": [], "dtensor": []}
-    for i in range(args.warmup + args.iters):
-        for name, fn in (("soapstone", step_soapstone), ("dtensor", step_dtensor)):
-            bench.sync()
-            world.barrier()
-            t0 = time.perf_counter()
-            fn()
-            bench.sync()
-            world.barrier()
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    from mpi4py import MPI
+
+    from soapstone.comm.bench.harness import interleave
+
+    session = interleave({"soapstone": step_soapstone, "dtensor": step_dtensor}, args.iters,
+                         args.warmup, comm=MPI.COMM_WORLD, sync=bench.sync)
     if world.rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
         on = f"NCCL on {bench.label}" if device.type == "cuda" else "gloo / MPI on CPU"
-        print(f"gpt {DIMS} tensor parallel over {world.size} ranks ({on})")
+        print(f"gpt {DIMS} tensor parallel over {world.size} ranks ({on}), fwd+bwd step, "
+              f"{args.iters} steps each, interleaved")
         print(f"loss at init: soapstone {losses['soapstone']:.6f}  dtensor {losses['dtensor']:.6f}")
-        for k, v in med.items():
-            print(f"  {k:<10} fwd+bwd step {v * 1e3:8.1f} ms")
-        print(f"  dtensor / soapstone step time: {med['dtensor'] / med['soapstone']:.2f}x")
+        print(session.table())
+        ratio = session.compare("soapstone", "dtensor")
+        print(f"  {ratio.text()}")
         if args.json:
             Path(args.json).write_text(json.dumps({"dims": DIMS, "ranks": world.size,
-                                                   "device": bench.label,
-                                                   "median_s": med, "losses": losses}))
+                                                   "device": bench.label, "losses": losses,
+                                                   "ratio": ratio.to_json()}
+                                                  | session.to_json()))
     return 0
 
 

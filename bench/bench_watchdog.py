@@ -63,8 +63,9 @@ def part_ns(rounds: int, n: int = 2000) -> dict:
     through the rings' `run` (it numbers and counts the op); recording adds the entry."""
     import torch
 
-    from soapstone.comm.accounting import COUNTED_OPS, bus_factor
+    from soapstone.comm.accounting import bus_factor
     from soapstone.comm.observe.flight_recorder import FlightRecorder
+    from soapstone.comm.op_table import COUNTED_OPS
 
     kept, bare = (FlightRecorder(c, 0, 2, [0, 1], "bench") for c in (512, 0))
     for ring in (kept, bare):

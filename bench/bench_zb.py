@@ -1,6 +1,6 @@
 """The zero-bubble schedule zb1p against 1F1B, measured, beside torch.distributed.pipelining.
 
-    mpiexec -n 2 .venv/bin/python bench/bench_zb.py [--iters 6] [--microbatches 8] [--json F]
+    mpiexec -n 2 .venv/bin/python bench/bench_zb.py [--iters 30] [--microbatches 8] [--json F]
     mpiexec -n 4 .venv/bin/python bench/bench_zb.py ...     (4 stages)
 
 One job runs, alternating, one training step's forward and backward (no optimizer) of
@@ -14,7 +14,8 @@ cut evenly over the ranks, the embedding on the first and the head and loss on t
   generator, the same ZB-H1 order as zb1p), PipelineStage on gloo, the plain-torch GPT of
   shard/train/reference_gpt.py with the same weights and batch; its bubble is measured the same
   way, by timing the stage's forward, input-backward and weight-backward calls.
-Step time: median over iterations after warm-up, slowest rank. The first step's losses of all
+Step time: median and interquartile range over the steps after warm-up, slowest rank, the
+four interleaved step by step (comm/bench/harness.py). The first step's losses of all
 four are checked equal. Last, what the split costs: per rank, zb1p's B + W time over 1F1B's
 whole backward time (the traces' medians).
 """
@@ -128,7 +129,8 @@ def idle(busy: float, start: float, end: float) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=30,
+                    help="timed steps after the warm-up (default and least 30)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--json", help="write the figures here")
@@ -185,54 +187,54 @@ def main(argv=None) -> int:
             "soapstone zb1p": soapstone_run(pipes["zb1p"]),
             "torch 1F1B": torch_run(peers["torch 1F1B"]),
             "torch ZB1P": torch_run(peers["torch ZB1P"])}
-    times = {n: [] for n in runs}
+    from soapstone.comm.bench.harness import interleave
+
     bubbles = {n: [] for n in runs}
     backs = {n: [] for n in runs}  # a rank's backward work (B + W) per step
-    first = {}
-    for it in range(args.warmup + args.iters):
-        for name, fn in runs.items():
-            mpi.Barrier()
-            t0 = time.perf_counter()
-            loss, bub, back = fn()
-            dt = mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if it == 0:
-                first[name] = mpi.bcast(loss, root=pipe - 1)
-            if it >= args.warmup:
-                times[name].append(dt)
-                bubbles[name].append(mpi.allgather(bub))
-                backs[name].append(mpi.allgather(back))
+
+    def after(name, step, value):
+        if step >= args.warmup:  # collective: every rank, the same steps
+            bubbles[name].append(mpi.allgather(value[1]))
+            backs[name].append(mpi.allgather(value[2]))
+
+    session = interleave(runs, args.iters, args.warmup, comm=mpi, after=after)
+    first = {n: mpi.bcast(v[0][0], root=pipe - 1) for n, v in session.values.items()}
     say = print if rank == 0 else (lambda *a, **k: None)
     ref = first["soapstone 1f1b"]
     ok = all(abs(v - ref) <= 1e-4 * abs(ref) for v in first.values())
-    say(f"# bench_zb: gpt {DIMS}, {pipe} stages, {args.microbatches} microbatches, median of "
-        f"{args.iters} steps (fwd+bwd, slowest rank), {pipe} ranks on "
-        f"{__import__('os').cpu_count()} cores")
+    say(f"# bench_zb: gpt {DIMS}, {pipe} stages, {args.microbatches} microbatches, "
+        f"{args.iters} steps each, interleaved (fwd+bwd, slowest rank), {pipe} ranks; "
+        f"{session.load_text()}")
     say("first-step losses: " + ", ".join(f"{n} {v:.6f}" for n, v in first.items())
         + ("  (equal)" if ok else "  DIFFERENT"))
     theory = {"1f1b": pipes["1f1b"].schedule.theory_bubble(),
               "zb1p": pipes["zb1p"].schedule.theory_bubble()}
     figures = {}
-    base = statistics.median(times["soapstone 1f1b"])
+    base = session.timings["soapstone 1f1b"].median
     for name in runs:
-        step = statistics.median(times[name])
+        step = session.timings[name].median
         per_rank = [statistics.median(b[r] for b in bubbles[name]) for r in range(pipe)]
         mean = sum(per_rank) / pipe
         th = theory["zb1p" if "zb" in name.lower() else "1f1b"]
         figures[name] = {"step_s": step, "bubble_per_rank": per_rank, "bubble_mean": mean,
-                         "theory": th}
-        say(f"{name:15s} step {step * 1e3:8.1f} ms ({step / base:.2f}x soapstone 1f1b)  "
+                         "theory": th} | session.timings[name].to_json()
+        say(f"{name:15s} step {session.timings[name].text()} ({step / base:.2f}x soapstone "
+            "1f1b)  "
             f"bubble mean {mean:6.1%} (theory {th:.1%})  per rank "
             + " ".join(f"{b:.1%}" for b in per_rank))
     # what the split costs: zb1p's B + W against 1F1B's whole backward, per rank
     cost = [statistics.median(b[r] for b in backs["soapstone zb1p"])
             / statistics.median(b[r] for b in backs["soapstone 1f1b"]) for r in range(pipe)]
     figures["split_backward_cost_per_rank"] = cost
+    for ours, peer in (("soapstone 1f1b", "torch 1F1B"), ("soapstone zb1p", "torch ZB1P"),
+                       ("soapstone zb1p", "soapstone 1f1b")):
+        say("  " + session.compare(ours, peer).text())
     say("soapstone zb1p backward work (B + W) / 1f1b's (B) per rank: "
         + " ".join(f"{c:.2f}x" for c in cost))
     if args.json and rank == 0:
         Path(args.json).write_text(json.dumps({
             "dims": DIMS, "pipe": pipe, "microbatches": args.microbatches, "losses": first,
-            "figures": figures}, indent=1))
+            "figures": figures, **session.to_json()}, indent=1))
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -12,7 +12,7 @@ from soapstone.comm import moved
 
 _EXPORTS = {
     "Communicator": "communicator",
-    "CommError": "communicator",
+    "CommError": "errors",
     "UserError": "errors",
     "Work": "communicator",
     "OpStats": "communicator",

@@ -3,27 +3,20 @@
 
 from __future__ import annotations
 
-#: every op the byte counter has a row for (p2p ops count under "send" and "recv")
-COUNTED_OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv", "broadcast",
-               "send", "recv")
+from soapstone.comm.op_table import OPS
 
 
 def bus_factor(op: str, size: int) -> tuple[int, int]:
     """(num, den): `op` on `size` ranks sends num * nbytes // den bytes from each rank under
     the ring algorithms (nccl-tests bus bytes); see `bus_bytes` for what nbytes is.
 
-    allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; broadcast 1; send 1.
-    A size-1 communicator moves nothing.
+    allreduce 2(n-1)/n; reduce_scatter, allgather, alltoall (n-1)/n; broadcast 1; send 1
+    (op_table.OPS). A size-1 communicator moves nothing.
     """
-    if size <= 1 and op not in ("send", "recv"):
+    row = OPS[op]
+    if size <= 1 and not row.p2p:
         return 0, 1
-    if op == "allreduce":
-        return 2 * (size - 1), size
-    if op in ("reduce_scatter", "allgather", "alltoall"):
-        return size - 1, size
-    if op == "recv":
-        return 0, 1  # counted on the sender
-    return 1, 1  # broadcast, send, alltoallv (caller passes the off-rank bytes)
+    return row.bus.factor(size)
 
 
 def bus_bytes(op: str, nbytes: int, size: int) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from soapstone.comm.communicator import CommError, Communicator
+from soapstone.comm.communicator import Communicator
+from soapstone.comm.errors import CommError
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from soapstone.comm.accounting import COUNTED_OPS, bus_factor
-from soapstone.comm.dtypes import SUPPORTED, SUPPORTED_SET, dtype_name
-from soapstone.comm.errors import UserError
+from soapstone.comm.accounting import bus_factor
+from soapstone.comm.dtypes import FLOATING, SUPPORTED, SUPPORTED_SET, dtype_name
+from soapstone.comm.errors import CommError
 from soapstone.comm.observe._flight_ring import use_tensor_getters, use_tensor_reader
 from soapstone.comm.observe.flight_recorder import new_recorder
+from soapstone.comm.op_table import COLLECTIVES, COUNTED_OPS, REDUCE_OPS
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTHING = torch.empty(0)  # what a barrier records as its tensor
 _NOTHING_DTYPE = _NOTHING.dtype
 
@@ -64,10 +63,6 @@ def _connect_tensor_reading() -> str:
 TENSOR_READING = _connect_tensor_reading()
 
 
-class CommError(UserError, ValueError):
-    """Wrong input to a collective (or ranks that disagree): names the op, the argument, the fix."""
-
-
 class OpStats(NamedTuple):
     """Per-op counter: number of calls and bus bytes sent by this rank (see `bus_bytes`)."""
 
@@ -76,9 +71,10 @@ class OpStats(NamedTuple):
 
 
 class Work:
-    """Handle of an async op: wait() completes it and returns the result tensor."""
+    """Handle of an async op: wait() completes it and returns the result tensor; test() asks
+    without blocking."""
 
-    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep", "_rec", "_entry")
+    __slots__ = ("_wait", "_finish", "_result", "_done", "_keep", "_rec", "_entry", "_test")
 
     def __init__(
         self,
@@ -86,6 +82,7 @@ class Work:
         result: torch.Tensor | None,
         finish: Callable[[], torch.Tensor] | None = None,
         keep: Any = None,
+        test: Callable[[], bool] | None = None,
     ):
         self._wait = wait
         self._finish = finish
@@ -94,6 +91,18 @@ class Work:
         self._keep = keep  # buffers the backend reads or writes until completion stay alive
         self._rec = None  # the flight recorder and entry handle of this op (Communicator._call)
         self._entry = None
+        # whether the backend has completed the op, without blocking (None: it cannot tell,
+        # so only wait() completes it)
+        self._test = test
+
+    def test(self) -> bool:
+        """Whether the op is complete, without blocking; if it is, complete it as wait() does
+        (its buffers are let go), so a caller can drop finished sends as it goes."""
+        if not self._done:
+            if self._test is None or not self._test():
+                return False
+            self.wait()
+        return True
 
     def wait(self) -> torch.Tensor | None:
         """Block until the op is complete; return its result (idempotent)."""
@@ -130,6 +139,9 @@ class Communicator(abc.ABC):
 
     #: "cpu" or "cuda": where tensors passed to this communicator must live.
     device_type: str = "cpu"
+    #: how many ranks share this rank's device (more than 1 only for ranks sharing a GPU
+    #: over backends/staged.py); the fit check divides the device's memory by it
+    ranks_per_gpu: int = 1
 
     def __init__(self, rank: int, size: int):
         self.rank = rank
@@ -279,7 +291,7 @@ class Communicator(abc.ABC):
         dtype = self._check("allreduce", t)
         if op not in REDUCE_OPS:
             raise CommError(f"allreduce: `op`={op!r} is unknown; pass one of {REDUCE_OPS}")
-        if op == "avg" and dtype not in _FLOATING:
+        if op == "avg" and dtype not in FLOATING:
             raise CommError(
                 f"allreduce: op='avg' needs a floating dtype, got {dtype}; "
                 "use op='sum' and divide, or cast"
@@ -413,7 +425,8 @@ class Communicator(abc.ABC):
         sent = send_descriptor(self, t, dst, tag)
         work = self._send(t, dst, tag, async_op)
         if async_op:
-            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent))
+            return Work(None, None, lambda: (work.wait(), sent.wait())[0], keep=(work, sent),
+                        test=lambda: work.test() and sent.test())
         sent.wait()
         return None
 
@@ -514,6 +527,16 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+def blocking_calls() -> dict:
+    """The code objects of the comm calls a thread can be found blocked in -> the op each
+    is (the watchdog samples stacks for them): every collective, the one method every p2p op
+    runs in, and Work.wait."""
+    codes = {getattr(Communicator, name).__code__: name for name in COLLECTIVES}
+    codes[Communicator._p2p.__code__] = "p2p"
+    codes[Work.wait.__code__] = "wait"
+    return codes
 
 
 # -- layout helpers shared by the backends (pure torch, no communication) --------------------

@@ -5,29 +5,27 @@ data movement needs nothing more) and reductions use a user-defined MPI op that 
 uint16 buffers as the real dtype and does the math in torch. That keeps reductions zero-copy
 (no fp32 upcast buffer: the upcast would double the bytes on the wire and cost two extra passes
 over memory); torch's half/bf16 add rounds exactly as the single-process op does.
-No torch import at module level beyond what `SUPPORTED` needs.
+The dtypes and their MPI datatypes are rows of the one table, comm/dtype_table.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int32,
-    torch.int64,
-    torch.int8,
-    torch.uint8,
-)
+from soapstone.comm.dtype_table import TABLE
 
-# dtypes that need a user-defined MPI reduction op
-CUSTOM_REDUCE = (torch.float16, torch.bfloat16)
+_CARRIED = [d for d in TABLE if d.mpi is not None]
+SUPPORTED = tuple(getattr(torch, d.torch_name) for d in _CARRIED)
+
+# dtypes that need a user-defined MPI reduction op: floats without an MPI float datatype
+CUSTOM_REDUCE = tuple(getattr(torch, d.torch_name) for d in _CARRIED
+                      if d.is_float and d.mpi == "UINT16_T")
+#: the floating dtypes (an allreduce's op="avg" needs one)
+FLOATING = tuple(getattr(torch, d.torch_name) for d in _CARRIED if d.is_float)
 
 SUPPORTED_SET = frozenset(SUPPORTED)
-_NAMES = {d: str(d).removeprefix("torch.") for d in SUPPORTED}
+_NAMES = {getattr(torch, d.torch_name): d.torch_name for d in _CARRIED}
+_MPI_NAMES = {getattr(torch, d.torch_name): d.mpi for d in _CARRIED}
 
 
 def dtype_name(d: torch.dtype) -> str:
@@ -45,16 +43,7 @@ def mpi_type(d: torch.dtype):
     if _mpi_types is None:
         from mpi4py import MPI
 
-        _mpi_types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.float16: MPI.UINT16_T,
-            torch.bfloat16: MPI.UINT16_T,
-            torch.int32: MPI.INT32_T,
-            torch.int64: MPI.INT64_T,
-            torch.int8: MPI.INT8_T,
-            torch.uint8: MPI.UINT8_T,
-        }
+        _mpi_types = {t: getattr(MPI, name) for t, name in _MPI_NAMES.items()}
     return _mpi_types[d]
 
 

@@ -16,3 +16,7 @@ class UserError(Exception):
     def format(self) -> str:
         """The text a command prints for this error (no traceback)."""
         return f"error: {self}"
+
+
+class CommError(UserError, ValueError):
+    """Wrong input to a collective (or ranks that disagree): names the op, the argument, the fix."""

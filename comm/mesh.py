@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from soapstone.comm.communicator import CommError, Communicator
+from soapstone.comm.communicator import Communicator
+from soapstone.comm.errors import CommError
 
 
 class Mesh:

@@ -63,17 +63,19 @@ def keep_old_paths(package: str, moved: dict[str, str],
     return __getattr__
 
 
-def names_from(package: str, module: str) -> Callable[[str], object]:
-    """A package's `__getattr__` that lends the public names of one of its modules, imported
-    on first use (a module that became a package of the same name keeps its names this way)."""
+def names_from(package: str, *modules: str) -> Callable[[str], object]:
+    """A package's `__getattr__` that lends the public names of its `modules` (the first that
+    has the name), imported on first use (a module that became a package of the same name
+    keeps its names this way, also those that moved to a module of their own)."""
 
     def __getattr__(attr: str):
         if importlib.util.find_spec(f"{package}.{attr}") is not None:  # a module of the package
             return importlib.import_module(f"{package}.{attr}")
         if not attr.startswith("_"):
-            found = getattr(importlib.import_module(f"{package}.{module}"), attr, _MISSING)
-            if found is not _MISSING:
-                return found
+            for module in modules:
+                found = getattr(importlib.import_module(f"{package}.{module}"), attr, _MISSING)
+                if found is not _MISSING:
+                    return found
         raise AttributeError(f"module {package!r} has no attribute {attr!r}")
 
     return __getattr__

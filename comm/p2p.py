@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from soapstone.comm.communicator import CommError, Work
+from soapstone.comm.communicator import Work
+from soapstone.comm.errors import CommError
 
 OPS = ("isend", "irecv")
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from soapstone.comm.communicator import CommError, Communicator
+from soapstone.comm.communicator import Communicator
+from soapstone.comm.errors import CommError
 from soapstone.comm.failure import install_failure_handler
 
-BACKENDS = ("mpi", "nccl", "auto")
+BACKENDS = ("mpi", "nccl", "auto", "mpi-staged")
 _world: Communicator | None = None
 
 
@@ -13,7 +14,9 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
     """Return the world communicator (created on the first call; later calls return it).
 
     backend: "mpi" (CPU tensors), "nccl" (CUDA tensors; selects this rank's GPU from its
-    node-local rank first), or "auto" (nccl when CUDA and cupy's NCCL are usable, else mpi).
+    node-local rank first), "auto" (nccl when CUDA and cupy's NCCL are usable, else mpi), or
+    "mpi-staged" (CUDA tensors over MPI through host memory, for ranks sharing a GPU: the GPU
+    must be chosen already, as comm.device.pick does; backends/staged.py).
     Also installs the failure handler (an uncaught exception on any rank aborts the job) and
     starts the watchdog (watchdog.py: collective deadlines, flight-recorder dumps); a bad
     SOAPSTONE_COLLECTIVE_TIMEOUT, SOAPSTONE_TRACE_DIR or SOAPSTONE_FLIGHT_RECORDER is a
@@ -23,7 +26,7 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
     if backend not in BACKENDS:
         raise CommError(f"init: `backend`={backend!r} is unknown; pass one of {BACKENDS}")
     if _world is not None:
-        have = "nccl" if _world.device_type == "cuda" else "mpi"
+        have = _backend_of(_world)
         if backend not in ("auto", have):
             raise CommError(
                 f"init: already initialised with backend {have!r}, asked for {backend!r}; "
@@ -40,7 +43,11 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
         from soapstone.comm.backends.nccl import nccl_available
 
         backend = "nccl" if nccl_available() else "mpi"
-    if backend == "nccl":
+    if backend == "mpi-staged":
+        from soapstone.comm.backends.staged import StagedMPICommunicator
+
+        _world = StagedMPICommunicator()
+    elif backend == "nccl":
         from soapstone.comm.backends.nccl import NCCLCommunicator, select_local_device
 
         select_local_device()
@@ -53,3 +60,11 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
 
     watchdog.start(MPI.COMM_WORLD)
     return _world
+
+
+def _backend_of(world: Communicator) -> str:
+    from soapstone.comm.backends.staged import StagedMPICommunicator
+
+    if isinstance(world, StagedMPICommunicator):
+        return "mpi-staged"
+    return "nccl" if world.device_type == "cuda" else "mpi"

@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "write a GPT-2 / LLaMA model's weights as a Hugging Face directory (--hf DIR)"),
     "plan": ("soapstone.dsl.commands.plan",
              "choose a layout for N devices of a hardware profile (no torch)"),
+    "gpu-check": ("soapstone.dsl.commands.gpu_check",
+                  "check the CUDA path on one GPU, with a JSON report (exit 2 without a GPU)"),
 }
 
 

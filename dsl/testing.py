@@ -4,7 +4,7 @@
     from soapstone.dsl.testing import record_golden, assert_matches_golden
     record_golden("model.par", "tests/golden/model.npz", steps=5)
 
-    # in a test that runs under `mpiexec -n N` (e.g. a case of tests/mpirun.py):
+    # in a test that runs under `mpiexec -n N` (e.g. a case of tests/support/mpirun.py):
     assert_matches_golden("model.par", "tp2", "tests/golden/model.npz")
 
 `assert_matches_golden` trains the layout on this process's MPI world exactly as the record

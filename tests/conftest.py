@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-# `import mpirun` works whether or not tests/ becomes a package
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the shared helpers (mpirun, measure, golden_show, hf_models) import by their own names
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from mpirun import run_cases  # noqa: E402
 
-COMM_CASES = "tests/cases/comm_cases.py"
+COMM_CASES = "tests/comm/comm_cases.py"
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS / "support"))
 
 from golden_show import EXAMPLES, GOLDEN, PLUGIN, golden_shows, stale_files  # noqa: E402
 

@@ -45,6 +45,12 @@ def _waiter(reqs):
     return lambda: MPI.Request.Waitall(reqs)
 
 
+def _tester(reqs):
+    if isinstance(reqs, MPI.Request):
+        return reqs.Test
+    return lambda: MPI.Request.Testall(reqs)
+
+
 class MPICommunicator(GroupedP2P, Communicator):
     """Collectives over an mpi4py communicator (default: MPI.COMM_WORLD) on CPU tensors."""
 
@@ -58,7 +64,8 @@ class MPICommunicator(GroupedP2P, Communicator):
     def _run(self, blocking, nonblocking, args, result, async_op, finish=None, keep=None):
         # One place that chooses the blocking or the I-variant, so each op is written once.
         if async_op:
-            return Work(_waiter(nonblocking(*args)), result, finish, keep=(args, keep))
+            reqs = nonblocking(*args)
+            return Work(_waiter(reqs), result, finish, keep=(args, keep), test=_tester(reqs))
         blocking(*args)
         return finish() if finish is not None else result
 
@@ -140,13 +147,15 @@ class MPICommunicator(GroupedP2P, Communicator):
     def _send(self, t, dst, tag, async_op):
         if async_op:
             post = self.mpi.Issend if self._synchronous else self.mpi.Isend
-            return Work(post(_spec(t), dst, tag).Wait, None, keep=t)
+            req = post(_spec(t), dst, tag)
+            return Work(req.Wait, None, keep=t, test=req.Test)
         self.mpi.Send(_spec(t), dst, tag)
         return None
 
     def _recv(self, t, src, tag, async_op):
         if async_op:
-            return Work(self.mpi.Irecv(_spec(t), src, tag).Wait, t, keep=t)
+            req = self.mpi.Irecv(_spec(t), src, tag)
+            return Work(req.Wait, t, keep=t, test=req.Test)
         self.mpi.Recv(_spec(t), src, tag)
         return t
 

@@ -11,7 +11,7 @@ run on a GPU.
 Set-up goes over MPI: rank 0's `nccl.get_unique_id()` is broadcast unchanged (bytes in cupy 14,
 a tuple in cupy 13). cupy is imported lazily: soapstone imports and runs without it.
 
-Testing: tests/test_comm_nccl.py runs the comm cases at world size 1 by default, which moves
+Testing: tests/comm/test_comm_nccl.py runs the comm cases at world size 1 by default, which moves
 no bytes between GPUs (near-trivial); only SOAPSTONE_NCCL_RANKS=2 (or 4) on a machine with that
 many GPUs exercises real NCCL traffic.
 """
@@ -24,7 +24,6 @@ import math
 import torch
 
 from soapstone.comm.communicator import (
-    CommError,
     Communicator,
     Work,
     chunks_first,
@@ -33,6 +32,7 @@ from soapstone.comm.communicator import (
     flat_view,
     gather_layout,
 )
+from soapstone.comm.errors import CommError
 from soapstone.comm.p2p import GroupedP2P
 
 # ncclDataType_t and ncclRedOp_t values, used when a cupy build lacks the named constant.
@@ -57,7 +57,8 @@ def nccl_module():
     except Exception as e:  # ImportError, or cupy present without a usable CUDA
         raise CommError(
             f"nccl backend: cannot import cupy.cuda.nccl ({e}); install soapstone[gpu] "
-            "(cupy-cuda12x) or use backend='mpi'"
+            "(cupy-cuda12x), or soapstone[gpu13] (cupy-cuda13x) for a CUDA 13 torch, or use "
+            "backend='mpi'"
         ) from e
     if not getattr(nccl, "available", True):
         raise CommError("nccl backend: cupy was built without NCCL; use backend='mpi'")
@@ -165,8 +166,10 @@ class NCCLCommunicator(GroupedP2P, Communicator):
                 self._grouped.append((event, None))
             else:
                 event.record(self._side)
+            # test(): the event has fired (a grouped op's is recorded at groupEnd, before
+            # batch_p2p returns its Works, so none is asked earlier)
             return Work(lambda: torch.cuda.current_stream().wait_event(event), result, finish,
-                        keep=keep)
+                        keep=keep, test=event.query)
         return finish() if finish is not None else result
 
     def _allreduce(self, t, op, async_op):

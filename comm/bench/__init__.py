@@ -1,4 +1,5 @@
-"""The collectives benchmark behind `soapstone bench comm`."""
+"""The collectives benchmark behind `soapstone bench comm`, and the timing harness (harness.py)
+of the side-by-side benchmarks and `soapstone gpu-check`."""
 
 from soapstone.comm import moved
 

@@ -15,10 +15,13 @@ import statistics
 import time
 from collections.abc import Iterator
 
-OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+from soapstone.comm.op_table import BENCHED_OPS
+
+OPS = BENCHED_OPS  # what this benchmark times, in its default order
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free local TCP port (for a torch.distributed rendezvous)."""
     import socket
 
     with socket.socket() as s:
@@ -37,13 +40,13 @@ def init_gloo(mpi):
     # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor; the old names still work
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
-    port = mpi.bcast(_free_port() if mpi.Get_rank() == 0 else None, root=0)
+    port = mpi.bcast(free_port() if mpi.Get_rank() == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=mpi.Get_rank(), world_size=mpi.Get_size())
     return dist
 
 
-def _soapstone(op, comm, x, chunk, full_out, chunk_out):
+def soapstone_call(op, comm, x, chunk, full_out, chunk_out):
     """soapstone's call of `op` on communicator `comm` (the buffers of `implementations`)."""
     if op == "allreduce":
         return lambda: comm.allreduce(x)
@@ -74,9 +77,9 @@ def implementations(op, nbytes, world, mpi, dist, alloc=False, bare=None):
     o = out.numpy()
     full_out = {} if alloc else {"out": out}  # soapstone's out=, like mpi4py's reused buffer
     chunk_out = {} if alloc else {"out": chunk}
-    impls = {"soapstone": _soapstone(op, world, x, chunk, full_out, chunk_out)}
+    impls = {"soapstone": soapstone_call(op, world, x, chunk, full_out, chunk_out)}
     if bare is not None:
-        impls["no-recorder"] = _soapstone(op, bare, x, chunk, full_out, chunk_out)
+        impls["no-recorder"] = soapstone_call(op, bare, x, chunk, full_out, chunk_out)
     if op == "allreduce":
         impls |= {"mpi4py": lambda: mpi.Allreduce(MPI.IN_PLACE, a),
                   "gloo": lambda: dist.all_reduce(x)}

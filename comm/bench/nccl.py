@@ -20,9 +20,9 @@ def init_torch_nccl(mpi, device):
     free local TCP port for the rendezvous and broadcasts it); the module. Collective."""
     import torch.distributed as dist
 
-    from soapstone.comm.bench.collectives import _free_port
+    from soapstone.comm.bench.collectives import free_port
 
-    port = mpi.bcast(_free_port() if mpi.Get_rank() == 0 else None, root=0)
+    port = mpi.bcast(free_port() if mpi.Get_rank() == 0 else None, root=0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=mpi.Get_rank(), world_size=mpi.Get_size(), device_id=device)
     return dist
@@ -32,7 +32,7 @@ def implementations(op: str, nbytes: int, world, dist, device) -> tuple[dict, in
     """({impl: zero-arg callable}, bytes timed) for one op and size on CUDA buffers."""
     import torch
 
-    from soapstone.comm.bench.collectives import _soapstone
+    from soapstone.comm.bench.collectives import soapstone_call
 
     n = world.size
     count = max(nbytes // 4, n)
@@ -40,7 +40,7 @@ def implementations(op: str, nbytes: int, world, dist, device) -> tuple[dict, in
     x = torch.zeros(count, device=device)
     chunk = torch.zeros(count // n, device=device)
     out = torch.empty(count, device=device)
-    impls = {"soapstone": _soapstone(op, world, x, chunk, {"out": out}, {"out": chunk})}
+    impls = {"soapstone": soapstone_call(op, world, x, chunk, {"out": out}, {"out": chunk})}
     if dist is not None:
         impls["torch-nccl"] = {
             "allreduce": lambda: dist.all_reduce(x),

@@ -18,25 +18,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from soapstone.comm.communicator import REDUCE_OPS, CommError
 from soapstone.comm.dtypes import SUPPORTED, dtype_name
+from soapstone.comm.errors import CommError
+from soapstone.comm.op_table import OPS, REDUCE_OPS
 
-_OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "p2p")
-_ARG_NAMES = {
-    "allreduce": ("op_index",),
-    "reduce_scatter": ("dim",),
-    "allgather": ("dim",),
-    "broadcast": ("src",),
-    "alltoall": ("split_dim", "concat_dim"),
-    "alltoallv": ("dim",),
-}
+_CODES = (*OPS, "p2p")  # a descriptor's op: a table op, or "p2p" for a message's
 _MAX_DIMS = 8
 _LEN = 4 + _MAX_DIMS + 4
 
 
 def _descriptor(op: str, t: torch.Tensor, args) -> np.ndarray:
     d = np.full(_LEN, -1, dtype=np.int64)
-    d[0] = _OPS.index(op)
+    d[0] = _CODES.index(op)
     d[1] = SUPPORTED.index(t.dtype)
     d[2] = t.dim()
     d[3] = t.numel()
@@ -47,15 +40,15 @@ def _descriptor(op: str, t: torch.Tensor, args) -> np.ndarray:
 
 
 def _describe(d: np.ndarray, skip_dim: int | None = None) -> str:
-    op = _OPS[int(d[0])]
+    op = _CODES[int(d[0])]
     nd = int(d[2])
     shape = [int(x) for x in d[4 : 4 + min(nd, _MAX_DIMS)]]
     if skip_dim is not None and nd:
         shape[skip_dim] = "*"  # alltoallv: sizes along dim may differ by design
     text = f"{op}(shape={tuple(shape)}, dtype={dtype_name(SUPPORTED[int(d[1])])}"
     args = d[4 + _MAX_DIMS :]
-    for name, v in zip(_ARG_NAMES.get(op, ()), args, strict=False):
-        if name == "op_index":
+    for name, v in zip(OPS[op].args if op in OPS else (), args, strict=False):
+        if name == "op":  # allreduce's, sent as its index in REDUCE_OPS
             text += f", op={REDUCE_OPS[int(v)]!r}" if 0 <= v < len(REDUCE_OPS) else ""
         else:
             text += f", {name}={int(v)}"
@@ -134,6 +127,10 @@ class _Sent:
 
     def wait(self) -> None:
         self._req.Wait()
+
+    def test(self) -> bool:
+        """Whether the descriptor has gone, without blocking."""
+        return self._req.Test()
 
 
 def send_descriptor(comm, t: torch.Tensor, peer: int, tag: int) -> _Sent:

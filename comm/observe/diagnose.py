@@ -1,6 +1,6 @@
 """Reading the flight recorders of all ranks: who is behind, in which operation (pure data).
 
-Input: one *status* per world rank, the JSON data a rank writes in a dump (watchdog.status):
+Input: one *status* per world rank, the JSON data a rank writes in a dump (status.status):
 
     {"rank": R, "host": ..., "pid": ..., "reason": ..., "idle_s": ..., "main_stack": [lines],
      "active": {"key": K, **entry} | None,        # the op this rank is blocked in, if any
@@ -9,14 +9,17 @@ Input: one *status* per world rank, the JSON data a rank writes in a dump (watch
 `divergences(statuses)` finds, per communicator, the ranks that have started fewer collectives
 than others (behind), ranks that disagree on the op (or shape, dtype) of the same collective,
 and p2p messages waited for but never sent (or sends nobody receives). `missing_ranks(...)`
-answers the watchdog's question for one timed-out op: which ranks did not arrive.
+answers the watchdog's question for one timed-out op: which ranks did not arrive, and
+`timeout_report(...)` is the watchdog's report of it.
 Ranks are world ranks everywhere in the text. Used by the watchdog's report and by
 `soapstone debug hang DIR`; no MPI, no torch.
 """
 
 from __future__ import annotations
 
+from soapstone.comm.observe import expected
 from soapstone.comm.observe.flight_recorder import SENDS, entry_text
+from soapstone.comm.observe.peers import Peers
 
 
 def _ranks(rs) -> str:
@@ -186,3 +189,52 @@ def stack_tail(st: dict | None, frames: int = 6) -> list[str]:
         return ["(no stack)"]
     lines = st["main_stack"]
     return lines[-2 * frames:]
+
+
+def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: dict,
+                   statuses: dict[int, dict], trace_dir: str | None,
+                   peers: Peers | None = None) -> list[str]:
+    """The watchdog's report for op `entry` on communicator `key` (this rank's, timed out),
+    given every rank's status, as lines."""
+    lines = [f"soapstone watchdog: collective timeout: rank {rank} waited {waited:.1f}s "
+             f"(SOAPSTONE_COLLECTIVE_TIMEOUT={timeout:g}) in "
+             + entry_text(entry, key).split(":")[0]]
+    behind, other, silent = missing_ranks(statuses, key, entry, rank)
+    if behind:
+        lines.append("  did not arrive: " + ", ".join(f"rank {r}" for r in behind))
+        for r in behind:
+            snap = comm_views(statuses).get(key, {}).get(r, {})
+            count = ("" if entry.get("kind") == "p2p" and not snap.get("recording", True) else
+                     f" it has sent {sum(snap.get('sent', []))} and posted "
+                     f"{sum(snap.get('recvd', []))} receives on {key};"
+                     if entry.get("kind") == "p2p" else
+                     f" it has started {snap.get('seq', '?')} collectives on {key};")
+            lines.append(f"    rank {r}:{count} it is {doing(statuses.get(r))}")
+    for r, e in other:
+        lines.append(f"  arrived in another op: rank {r} called {entry_text(e, key)}")
+    for r in silent:
+        lines.append(f"  no status from {peers.name(r) if peers else f'rank {r}'}: "
+                     f"{doing(None)}")
+    plan = [line for r in sorted(statuses) for line in expected.position_lines(
+        r, statuses[r].get("expected") or {}, key, entry.get("kind"))]
+    if plan:
+        lines.append("  where the layout's plan puts each rank (calls of one step):")
+        lines.extend("    " + line for line in plan)
+    if not (behind or other or silent):
+        lines.append("  every rank of the communicator arrived (a hang inside the backend?)")
+    found = divergences(statuses, skip=key if entry.get("kind") != "p2p" else None)
+    if found:
+        lines.append("  divergences:")
+        lines.extend("    " + text for text in found[:6])
+    for r in behind + [r for r, _ in other]:
+        lines.append(f"  rank {r}'s stack, innermost frames:")
+        lines.extend("    " + s for s in stack_tail(statuses.get(r)))
+    return lines
+
+
+def report_end(trace_dir: str | None) -> list[str]:
+    """The last lines of a watchdog report: where the dumps are, and that the job ends."""
+    return [f"  per-rank dumps: {trace_dir} (read them with: soapstone debug hang {trace_dir})"
+            if trace_dir else
+            "  per-rank dumps: set SOAPSTONE_TRACE_DIR (or run --debug-dir) to keep them for "
+            "`soapstone debug hang DIR`", "  aborting the job"]

@@ -31,7 +31,7 @@ of a comm call is the same recorded or not, and recording costs only the entry.
 
 SOAPSTONE_FLIGHT_RECORDER=N keeps the last N entries per communicator (default 512; rounded up
 to a power of two, so that a seq finds its slot with a mask); 0 keeps none, and the watchdog
-then works from samples of the main thread's stack (see watchdog.sample_blocked); dumps hold
+then works from samples of the main thread's stack (see status.sample_blocked); dumps hold
 the op each rank is in, its number and the per-peer counts, not a history. `keep(N)` changes
 it for one communicator. A recorder exists either way (`recording` says which): it names the
 communicator.

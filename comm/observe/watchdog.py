@@ -6,7 +6,7 @@ four things, waking every `poll_s` seconds (and at once on a signal):
 - Deadlines. The flight recorder (flight_recorder.py) marks the entry the main thread is blocked
   in (a blocking collective or p2p call, or a Work's wait()); with recording off
   (SOAPSTONE_FLIGHT_RECORDER=0) this thread finds that call on the main thread's stack instead
-  (sample_blocked: nothing on the hot path, the deadline good to one poll). When one has been
+  (status.sample_blocked: nothing on the hot path, the deadline good to one poll). When one has been
   blocked longer
   than SOAPSTONE_COLLECTIVE_TIMEOUT seconds (default 600; 0 disables; `run --collective-timeout`)
   this rank reports: it asks every rank for its status over a side channel, prints one report
@@ -36,18 +36,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import fcntl
-import json
 import math
 import os
 import select
 import signal
-import socket
 import stat
 import struct
 import sys
-import tempfile
 import termios
 import threading
 import time
@@ -55,24 +51,16 @@ import traceback
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-from soapstone.comm.observe import expected
-from soapstone.comm.observe.diagnose import (
-    comm_views,
-    divergences,
-    doing,
-    missing_ranks,
-    stack_tail,
-)
+from soapstone.comm.observe.diagnose import doing, report_end, stack_tail, timeout_report
 from soapstone.comm.observe.flight_recorder import (
-    STARTED,
     T_START,
     T_WAIT,
-    WAITING,
     describe,
     entry_text,
     live_recorders,
 )
 from soapstone.comm.observe.peers import GONE_AFTER_S, Peers, here
+from soapstone.comm.observe.status import dump_lines, sample_blocked, say, status, write_dump
 
 DEFAULT_TIMEOUT_S = 600.0
 TAG_NOTICE, TAG_REPLY = 30571, 30572
@@ -163,55 +151,6 @@ def configure(timeout: float | None = None, trace_dir: str | None = None) -> Non
             _dog.trace_dir = trace_dir
 
 
-# -- this process's state ----------------------------------------------------------------------
-_COMM_DIR = str(Path(__file__).resolve().parents[1])
-
-
-def main_stack() -> list[str]:
-    """The main thread's Python stack as traceback lines (outermost first), without the frames
-    inside soapstone.comm below the first (the call the program made; faulthandler's stacks
-    in the dump file have every frame)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return []
-    frames = traceback.extract_stack(frame)
-    while len(frames) > 1 and all(f.filename.startswith(_COMM_DIR) for f in frames[-2:]):
-        frames.pop()
-    if frames and frames[-1].filename.startswith(_COMM_DIR) and len(frames) > 1 and \
-            frames[-1].name in ("abort_on_exception", "_on_signals"):
-        frames.pop()  # the failure handler or the watchdog itself: not where the program is
-    return "".join(traceback.format_list(frames)).rstrip("\n").split("\n")
-
-
-def all_stacks() -> str:
-    """faulthandler's dump of every thread's stack (the text it writes to a file)."""
-    with tempfile.TemporaryFile("w+") as f:
-        faulthandler.dump_traceback(file=f, all_threads=True)
-        f.seek(0)
-        return f.read()
-
-
-def status(reason: str, entries: bool = True) -> dict:
-    """This process's state for a dump or a reply (see diagnose.py for the format)."""
-    from mpi4py import MPI
-
-    now = time.monotonic()
-    sample_blocked(now)
-    comms, active, last_end = [], None, 0.0
-    for rec in live_recorders():
-        comms.append(rec.snapshot(now, entries))
-        e = rec.blocked()
-        if e is not None:
-            active = {"key": rec.key, **describe(e, now)}
-        last_end = max(last_end, rec.last_activity())
-    return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
-            "host": socket.gethostname(), "pid": os.getpid(), "reason": reason,
-            "time": time.time(), "active": active,
-            "idle_s": round(now - last_end, 3) if last_end else None,
-            "comms": comms, "main_stack": main_stack(),
-            "expected": expected.positions(comms, active)}  # the layout's plan, if handed one
-
-
 def drain_stdio(deadline_s: float = DRAIN_S) -> None:
     """Flush stdout/stderr and wait (at most `deadline_s`) until whoever reads them as pipes
     (mpiexec's proxy) has read everything: what is still in a pipe when the job is killed is
@@ -231,118 +170,6 @@ def drain_stdio(deadline_s: float = DRAIN_S) -> None:
                 time.sleep(0.005)
         except OSError:
             continue
-
-
-def _say(rank: int, lines, stream=None) -> None:
-    stream = stream or sys.stderr
-    with contextlib.suppress(Exception):
-        stream.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-        stream.flush()
-
-
-def dump_lines(st: dict, limit: int = 4) -> list[str]:
-    """The short stderr form of a dump: what the rank is doing, its newest ops, its stack."""
-    lines = [f"flight recorder ({st['reason']}): {doing(st)}"]
-    newest = []
-    for snap in st["comms"]:
-        for e in snap.get("entries", ())[-limit:]:
-            newest.append((-e["started_s_ago"], snap["key"], e))
-    newest.sort(key=lambda x: x[0])
-    for _, key, e in newest[-limit:]:
-        lines.append("  " + entry_text(e, key))
-    lines.append("  main thread, innermost frames:")
-    lines.extend("  " + s for s in stack_tail(st, 4))
-    return lines
-
-
-def write_dump(st: dict, trace_dir: str | None) -> str | None:
-    """Write `st` (plus every thread's stack) to trace_dir/rank<R>.json; return the path."""
-    if not trace_dir:
-        return None
-    st = dict(st, stacks=all_stacks())
-    path = Path(trace_dir, f"rank{st['rank']}.json")
-    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(st, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        _say(st["rank"], [f"cannot write the dump {path}: {e}"])
-        return None
-    return str(path)
-
-
-# -- communicators that do not record: where the main thread is, from its stack -------------
-_sample: dict = {"frame": None, "rec": None}
-_codes: dict = {}
-
-
-def _blocking_codes() -> dict:
-    """The code objects of the comm calls a main thread can be found blocked in."""
-    if not _codes:
-        from soapstone.comm.communicator import Communicator, Work
-
-        for name in ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall",
-                     "alltoallv", "barrier", "_p2p"):
-            _codes[getattr(Communicator, name).__code__] = name
-        _codes[Work.wait.__code__] = "wait"
-    return _codes
-
-
-def sample_blocked(now: float) -> None:
-    """For communicators that do not record (SOAPSTONE_FLIGHT_RECORDER=0): find the comm call
-    the main thread is in from its stack and keep it as that recorder's `sampled` entry,
-    started when this call was first seen (the same frame object seen again is the same call,
-    still blocked). This costs the hot path nothing; the deadline is then good to a poll."""
-    codes = _blocking_codes()
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    found = None
-    for _ in range(64):
-        if frame is None:
-            break
-        name = codes.get(frame.f_code)
-        if name is not None:
-            found = _sampled_call(frame, name)
-            break
-        frame = frame.f_back
-    prev = _sample["rec"]
-    if found is None or found[0] is not prev or frame is not _sample["frame"]:
-        if prev is not None:
-            prev.sampled = None
-        _sample["frame"], _sample["rec"] = None, None
-        if found is None:
-            return
-        rec, entry = found
-        rec.sampled = entry
-        entry[T_START] = now
-        _sample["frame"], _sample["rec"] = frame, rec
-
-
-def _sampled_call(frame, name: str):
-    """(recorder, entry) for a comm call found on the stack, or None when it is recorded (the
-    recorder watches it) or cannot be attributed."""
-    import torch
-
-    local = frame.f_locals
-    obj = local.get("self")
-    if name == "wait":
-        info = getattr(obj, "_entry", None)
-        if getattr(obj, "_rec", None) is not None or not isinstance(info, tuple):
-            return None
-        comm, op, t, peer = info
-    else:
-        comm = obj
-        flight = getattr(comm, "flight", None)
-        if flight is None or flight.recording:
-            return None
-        op = local.get("op", name) if name == "_p2p" else name
-        t, peer = local.get("t"), local.get("peer", -1)
-    if not isinstance(t, torch.Tensor):
-        t = torch.empty(0)
-    coll, p2p = comm.flight.counts()
-    entry = [coll if peer < 0 else p2p, op, t.shape, t.dtype, t.numel() * t.element_size(),
-             peer, 0.0, 0.0, 0.0, WAITING if name == "wait" else STARTED]
-    return comm.flight, entry
 
 
 # -- the watchdog ------------------------------------------------------------------------------
@@ -416,7 +243,7 @@ class Watchdog:
             if signum == signal.SIGUSR1:
                 st = status("SIGUSR1")
                 path = write_dump(st, self.trace_dir)
-                _say(self.rank, dump_lines(st) + ([f"  dump: {path}"] if path else []))
+                say(self.rank, dump_lines(st) + ([f"  dump: {path}"] if path else []))
             elif signum in (signal.SIGTERM, signal.SIGINT) and self._signal_exit:
                 name = signal.Signals(signum).name
                 if self._deferred and not self.stop_signal:
@@ -449,7 +276,7 @@ class Watchdog:
             except Exception:  # never let the watchdog itself take the job down
                 if not broken:
                     broken = True
-                    _say(self.rank, ["soapstone watchdog: internal error (watching stops):"]
+                    say(self.rank, ["soapstone watchdog: internal error (watching stops):"]
                          + traceback.format_exc().rstrip().split("\n"))
                 time.sleep(self.poll_s)
 
@@ -517,7 +344,7 @@ class Watchdog:
             path = write_dump(st, self.trace_dir)
             lines.append(f"flight recorder ({reason}): {doing(st)}"
                          + (f"; dump: {path}" if path else ""))
-        _say(self.rank, lines)
+        say(self.rank, lines)
         drain_stdio(2.0)
         for snap in st["comms"]:
             snap.pop("entries", None)
@@ -563,7 +390,7 @@ class Watchdog:
                                self.trace_dir, self.peers)
         mine_lines = [f"  rank {self.rank} (this rank): newest ops"] + dump_lines(mine)[1:]
         lines += mine_lines + report_end(self.trace_dir)
-        _say(self.rank, lines)
+        say(self.rank, lines)
         if path:
             with contextlib.suppress(OSError):
                 Path(self.trace_dir, "report.txt").write_text("\n".join(lines) + "\n")
@@ -582,7 +409,7 @@ class Watchdog:
                  + entry_text(entry, rec.key).split(":")[0]]
         lines += dump_lines(mine)[1:] + ([f"  dump: {path}"] if path else []) + \
             ["  aborting the job"]
-        _say(self.rank, lines)
+        say(self.rank, lines)
         self.abort()
 
     def report_failure(self, summary: str) -> None:
@@ -601,7 +428,7 @@ class Watchdog:
         mine["failure"] = summary
         path = write_dump(mine, self.trace_dir)
         lines += dump_lines(mine)[:-1 - len(stack_tail(mine, 4))]  # the traceback is above
-        _say(self.rank, lines + ([f"  dump: {path}"] if path else []))
+        say(self.rank, lines + ([f"  dump: {path}"] if path else []))
         self._notify("failure", summary)
         self._gather(GATHER_S, serve=False)
         self.abort()
@@ -615,52 +442,3 @@ class Watchdog:
 
 def _ignore(signum, frame) -> None:
     """A Python-level handler that does nothing: the watchdog thread acts on the signal."""
-
-
-def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: dict,
-                   statuses: dict[int, dict], trace_dir: str | None,
-                   peers: Peers | None = None) -> list[str]:
-    """The watchdog's report for op `entry` on communicator `key` (this rank's, timed out),
-    given every rank's status, as lines."""
-    lines = [f"soapstone watchdog: collective timeout: rank {rank} waited {waited:.1f}s "
-             f"(SOAPSTONE_COLLECTIVE_TIMEOUT={timeout:g}) in "
-             + entry_text(entry, key).split(":")[0]]
-    behind, other, silent = missing_ranks(statuses, key, entry, rank)
-    if behind:
-        lines.append("  did not arrive: " + ", ".join(f"rank {r}" for r in behind))
-        for r in behind:
-            snap = comm_views(statuses).get(key, {}).get(r, {})
-            count = ("" if entry.get("kind") == "p2p" and not snap.get("recording", True) else
-                     f" it has sent {sum(snap.get('sent', []))} and posted "
-                     f"{sum(snap.get('recvd', []))} receives on {key};"
-                     if entry.get("kind") == "p2p" else
-                     f" it has started {snap.get('seq', '?')} collectives on {key};")
-            lines.append(f"    rank {r}:{count} it is {doing(statuses.get(r))}")
-    for r, e in other:
-        lines.append(f"  arrived in another op: rank {r} called {entry_text(e, key)}")
-    for r in silent:
-        lines.append(f"  no status from {peers.name(r) if peers else f'rank {r}'}: "
-                     f"{doing(None)}")
-    plan = [line for r in sorted(statuses) for line in expected.position_lines(
-        r, statuses[r].get("expected") or {}, key, entry.get("kind"))]
-    if plan:
-        lines.append("  where the layout's plan puts each rank (calls of one step):")
-        lines.extend("    " + line for line in plan)
-    if not (behind or other or silent):
-        lines.append("  every rank of the communicator arrived (a hang inside the backend?)")
-    found = divergences(statuses, skip=key if entry.get("kind") != "p2p" else None)
-    if found:
-        lines.append("  divergences:")
-        lines.extend("    " + text for text in found[:6])
-    for r in behind + [r for r, _ in other]:
-        lines.append(f"  rank {r}'s stack, innermost frames:")
-        lines.extend("    " + s for s in stack_tail(statuses.get(r)))
-    return lines
-
-
-def report_end(trace_dir: str | None) -> list[str]:
-    """The last lines of a watchdog report: where the dumps are, and that the job ends."""
-    return [f"  per-rank dumps: {trace_dir} (read them with: soapstone debug hang {trace_dir})"
-            if trace_dir else
-            "  per-rank dumps: set SOAPSTONE_TRACE_DIR (or run --debug-dir) to keep them for "
-            "`soapstone debug hang DIR`", "  aborting the job"]

@@ -34,8 +34,11 @@ def parse_dims(items: list[str]) -> dict[str, int]:
 
 
 def load_plugins(refs: list[str]) -> None:
-    """Import each plugin; a failure is bad input (SpecError), not a traceback."""
-    from soapstone.dsl.layers.custom import load_plugin
+    """Import each plugin; a failure is bad input (SpecError), not a traceback: at the
+    plugin's line that raised it, when the plugin is a file."""
+    import traceback
+
+    from soapstone.dsl.layers.custom import LayerError, load_plugin
 
     for ref in refs:
         try:
@@ -43,8 +46,12 @@ def load_plugins(refs: list[str]) -> None:
         except SpecError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of user code is reported
-            raise SpecError([Diagnostic(ref, 0, 0, f"cannot load plugin: "
-                                        f"{type(e).__name__}: {e}")]) from None
+            what = str(e) if isinstance(e, LayerError) else f"{type(e).__name__}: {e}"
+            mine = Path(ref).resolve()
+            line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                         if Path(f.filename).resolve() == mine), 0)
+            raise SpecError([Diagnostic(ref, line, 1 if line else 0,
+                                        f"cannot load plugin: {what}")]) from None
 
 
 def default_lr(optimizer: str) -> float:
@@ -52,21 +59,23 @@ def default_lr(optimizer: str) -> float:
     return 1e-2 if optimizer == "adamw" else 0.1
 
 
-def world(device=None):
+def world(device=None, comm: str = "auto"):
     """The world communicator (a singleton when launched without mpiexec): MPI, or NCCL when
-    `device` is a CUDA device (from pick_device)."""
+    `device` is a CUDA device (from pick_device), or MPI through host memory for CUDA ranks
+    sharing GPUs (--comm mpi)."""
     from soapstone.comm import init
+    from soapstone.comm.device import backend
 
-    return init("nccl" if device is not None and device.type == "cuda" else "mpi")
+    return init(backend("cpu" if device is None else device.type, comm))
 
 
-def pick_device(choice: str = "cpu"):
-    """This rank's torch device for --device CHOICE (cpu, cuda, auto) (DeviceError, a
-    UserError, on every rank alike when it cannot be used; collective when CUDA is asked
-    for)."""
+def pick_device(choice: str = "cpu", comm: str = "auto"):
+    """This rank's torch device for --device CHOICE (cpu, cuda, auto) and --comm (auto, nccl,
+    mpi) (DeviceError, a UserError, on every rank alike when it cannot be used; collective
+    when CUDA is asked for)."""
     from soapstone.comm.device import pick
 
-    return pick(choice)
+    return pick(choice, comm=comm)
 
 
 def custom_layers() -> dict:
@@ -142,9 +151,10 @@ def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> s
     """What `soapstone plan` suggests for `world` ranks of `available` bytes each."""
     import attrs
 
-    from soapstone.dsl.search.plan_search import PlanError, Planner, search
-    from soapstone.shard.plan.analysis.explain import format_bytes
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.space import PlanError
     from soapstone.shard.plan.analysis.hardware import presets
+    from soapstone.shard.plan.units import format_bytes
 
     base = presets()["cpu-2core"]
     prof = attrs.evolve(base, name="this machine", memory_bytes=available, usable_fraction=0.9,

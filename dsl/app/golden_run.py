@@ -29,7 +29,7 @@ DEFAULT_STEPS = 5
 def _trainer(graph, mesh, header: dict, model, device=None):
     """The Trainer a record's header describes, for `graph` (a StageGraph of ir.Model
     `model`), on `device` (default cpu)."""
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.train.trainer import Trainer
 
     task = make_task(single_program(model, graph), header["seed"], header.get("data"))
@@ -42,15 +42,16 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
                dims: dict | None = None, plugins: tuple[str, ...] = (),
                steps: int = DEFAULT_STEPS, seed: int = 0, optimizer: str = "sgd",
                lr: float | None = None, precision: str = "fp32", data: str | None = None,
-               device: str = "cpu", parallel: str | None = None):
-    """Train `model` on one rank (on `device`: cpu, cuda or auto) and write the record;
+               device: str = "cpu", parallel: str | None = None, comm: str = "auto"):
+    """Train `model` on one rank (on `device`: cpu, cuda or auto; `comm`: --comm) and write
+    the record;
     returns the Record.
 
     `parallel`: a one-rank layout to train instead of the plain model, e.g. gradient
     accumulation over microbatches, the reference of a pipeline whose layers count each
     microbatch's tokens (moe's capacity)."""
     from soapstone.dsl.lang.spec import load
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.train import golden
 
     load_plugins(list(plugins))
@@ -68,7 +69,7 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
               "dims": dict(dims or {}),
               "steps": steps, "seed": seed, "optimizer": optimizer, "lr": lr,
               "precision": precision, "data": data}
-    comm = world(pick_device(device))
+    comm = world(pick_device(device, comm), comm)
     trainer = _trainer(graph, None, header, model=m, device=comm.device)
     rec = golden.Recorder(header, [p.name for p in program.params])
     for metrics in trainer.run(steps):
@@ -81,13 +82,13 @@ def record_run(spec_path: str, output: str, *, model: str | None = None,
 def check_run(spec_path: str, parallel: str | None, record_file: str, *,
               plugins: tuple[str, ...] = (), tol=None,
               on_step: Callable[[int, float, float], None] | None = None,
-              device: str = "cpu"):
+              device: str = "cpu", comm: str = "auto"):
     """Train `parallel` (on this process's MPI world) as the record says and compare.
 
     Returns the first Mismatch, or None when every step matches. Bad input raises a UserError
     (SpecError, BadInput or golden.GoldenError; all ranks alike) before training starts."""
     return prepare_check(spec_path, parallel, record_file, plugins=plugins,
-                         device=device).run(tol, on_step)
+                         device=device, comm=comm).run(tol, on_step)
 
 
 class GoldenCheck:
@@ -116,9 +117,10 @@ class GoldenCheck:
 
 
 def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
-                  plugins: tuple[str, ...] = (), device: str = "cpu") -> GoldenCheck:
+                  plugins: tuple[str, ...] = (), device: str = "cpu",
+                  comm: str = "auto") -> GoldenCheck:
     """Read the record and build `parallel` on this process's world (MPI, or NCCL for
-    `device` cuda), untrained.
+    `device` cuda, or MPI through host memory for `comm` mpi on cuda), untrained.
 
     Every bad input is found here (a UserError, alike on all ranks), so a caller can stop all
     ranks with exit 2; a failure while training is a bug and aborts the job instead."""
@@ -128,7 +130,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     from soapstone.shard.runtime.executor import check_device
     from soapstone.shard.train import golden
 
-    comm = world(pick_device(device))
+    comm = world(pick_device(device, comm), comm)
     record = golden.load(record_file)
     header = record.header
     load_plugins(list(plugins))

@@ -33,7 +33,7 @@ class CheckpointPlan:
     keep: int | None = None
     resume: str | None = None  # the step dir to resume from
     start: int = 0
-    skipped: tuple[str, ...] = ()  # partial saves passed over
+    skipped: tuple[tuple[str, str], ...] = ()  # step directories passed over, and why
     init: str | None = None
     saved: tuple[tuple[str, object], ...] = ()  # the resumed checkpoint's run settings
 
@@ -61,14 +61,14 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
         return CheckpointPlan(save, every, keep, init=args.init)
     from soapstone.shard.checkpoint.load import open_resume
 
-    d, index, partial = open_resume(args.resume, graph, args.optimizer)
-    if index["step"] >= args.steps:
-        raise BadInput(f"--resume {args.resume}: the checkpoint is at step {index['step']}, "
+    d, index, skipped = open_resume(args.resume, graph, args.optimizer)
+    if index.step >= args.steps:
+        raise BadInput(f"--resume {args.resume}: the checkpoint is at step {index.step}, "
                        f"--steps {args.steps} is the total; give more steps")
-    args.seed = index["seed"]
-    return CheckpointPlan(save, every, keep, str(d), index["step"],
-                          tuple(str(p) for p in partial),
-                          saved=tuple(sorted(index["settings"].items())))
+    args.seed = index.seed
+    return CheckpointPlan(save, every, keep, str(d), index.step,
+                          tuple((str(p), why) for p, why in skipped),
+                          saved=tuple(sorted(index.settings.items())))
 
 
 # settings a resumed run may change on purpose (each change is noted); the model's dims and
@@ -114,9 +114,8 @@ def begin(trainer, plan: CheckpointPlan, args: argparse.Namespace, rank: int) ->
 
         resume(ex, plan.resume)
         if rank == 0:
-            for p in plan.skipped:
-                print(f"checkpoint: ignoring partial save {p} (no index.json: it did not "
-                      "finish)", file=sys.stderr, flush=True)
+            for p, why in plan.skipped:
+                print(f"checkpoint: ignoring {p}: {why}", file=sys.stderr, flush=True)
             print(f"checkpoint: resumed from {plan.resume} at step {plan.start}, seed "
                   f"{args.seed}", file=sys.stderr, flush=True)
             now = settings(args, trainer.graph)

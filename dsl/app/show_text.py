@@ -16,7 +16,12 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     """The text `show` prints for a loaded spec (SpecError for unknown names)."""
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.model.irtext import format_model, format_parallel, to_data
-    from soapstone.shard.plan.program_text import format_program, program_to_data
+    from soapstone.shard.plan.program_text import (
+        format_program,
+        format_stage_graph,
+        program_to_data,
+        stage_graph_to_data,
+    )
 
     par = spec.parallel(parallel) if parallel else None
     model = spec.model(model_name if model_name else (par.model if par else None))
@@ -41,7 +46,7 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
             data["parallel"] = to_data(par)
             data["program"] = program_to_data(program, par.zero) if program else None
             if staged:
-                data["stage_graph"] = graph.to_data(par.zero)
+                data["stage_graph"] = stage_graph_to_data(graph, par.zero)
             if drawn:
                 data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
                                     for r in range(schedule.pipe)]
@@ -54,7 +59,7 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     if par is not None:
         text += "\n" + format_parallel(par) + "\n"
         if staged:
-            text += graph.format(programs=False) + "\n"
+            text += format_stage_graph(graph, programs=False) + "\n"
             if drawn:
                 text += schedule.format()
                 # the schedule above posts receives ahead (MPI tags); NCCL runs p2p in groups

@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     from soapstone.comm.bench.collectives import init_gloo, measure
     from soapstone.comm.errors import UserError
     from soapstone.dsl.commands import fail
-    from soapstone.shard.plan.analysis.explain import format_bytes
+    from soapstone.shard.plan.units import format_bytes
 
     try:
         world = init("mpi")

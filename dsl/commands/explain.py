@@ -17,7 +17,7 @@ import sys
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import compile_layout, load_layout
 from soapstone.dsl.commands import fail
-from soapstone.dsl.commands.flags import add_model_options
+from soapstone.dsl.commands.flags import add_model_options, add_nodes_option
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", metavar="NAME|FILE",
                         help="compare the memory with this device's (a preset or a profile "
                              "file; default: this host's memory over the layout's ranks)")
+    add_nodes_option(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -44,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
         else:  # stages or accumulation: per microbatch x microbatches, the schedule's peak
             est = estimate_pipeline(graph, zero=zero, optimizer=args.optimizer)
         limit, where = _memory_limit(args.profile, est.world_size)
+        nodes = placement(par, args.devices_per_node, args.profile)
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
@@ -64,24 +66,55 @@ def main(args: argparse.Namespace) -> int:
             extra["offload"] = attrs.asdict(offload_figures(est))
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
                                           "memory_limit": where,
-                                          "checkpoint_bytes_per_rank": ckpt} | extra, indent=1))
+                                          "checkpoint_bytes_per_rank": ckpt} | extra
+                         | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
         if par is not None and par.offload:
             from soapstone.shard.parallel.offload_plan import format_offload, offload_figures
-            from soapstone.shard.plan.analysis.explain import format_bytes
+            from soapstone.shard.plan.units import format_bytes
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt, checkpoint_total(graph, args.optimizer),
                                 graph.world_size))
+        if nodes:
+            print(nodes[1])
+    for line in nodes[2] if nodes else ():
+        print(f"warning: {line}", file=sys.stderr)
     if not fits:
-        from soapstone.shard.plan.analysis.explain import format_bytes
+        from soapstone.shard.plan.units import format_bytes
 
         print(f"warning: this layout does not fit: it needs {format_bytes(est.total_bytes)} "
               f"per rank, but a rank has {format_bytes(limit)} ({where}); `run` would refuse "
               "it. `soapstone plan SPEC --world N --profile NAME` finds layouts that fit",
               file=sys.stderr)
     return 0
+
+
+def placement(par, per_node: int | None, profile: str | None,
+              where: str = "--devices-per-node"):
+    """(JSON, line, tensor-parallel warnings) of which mesh axes cross nodes, for
+    --devices-per-node or --profile's devices per node; None when neither is given or there is
+    no layout. BadInput for a --devices-per-node under 1."""
+    from soapstone.dsl.lang.errors import BadInput
+    from soapstone.shard.plan.analysis.hardware import load_profile
+    from soapstone.shard.plan.analysis.placement import (
+        block_nodes,
+        format_placement,
+        place,
+        tp_warnings,
+    )
+
+    if per_node is not None and per_node < 1:
+        raise BadInput(f"--devices-per-node {per_node}: give at least 1")
+    if par is None or (per_node is None and not profile):
+        return None
+    if per_node is None:
+        prof = load_profile(profile)
+        per_node, where = prof.devices_per_node, f"{prof.name}'s devices per node"
+    placed = place(par.mesh, block_nodes(par.world_size, per_node))
+    data = {"devices_per_node": per_node, "axes": [p.to_data() for p in placed]}
+    return data, format_placement(placed, per_node, where), tp_warnings(par, placed, per_node)
 
 
 def _memory_limit(profile: str | None, ranks: int) -> tuple[int, str]:

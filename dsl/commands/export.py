@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Build the model on one rank, load its weights, write the Hugging Face directory."""
     from soapstone.dsl.app.init_weights import check_init, load_init
-    from soapstone.dsl.interop import hf
+    from soapstone.dsl.interop import hf, hf_config
     from soapstone.shard.runtime.executor import Executor
 
     try:
@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         args.parallel = None
         model, _ = load_layout(args)
-        hf.check_model(model, hf.config_of(model), args.spec)
+        hf.check_model(model, hf_config.config_of(model), args.spec)
         graph = compile_layout(model, None)
         if args.init:
             check_init(args.init, graph)

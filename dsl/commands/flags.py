@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from soapstone.comm.dtype_table import RUN_PRECISIONS
+
 
 def add_spec_options(parser: argparse.ArgumentParser) -> None:
     """--dim and --plugin."""
@@ -40,7 +42,7 @@ def add_train_options(parser: argparse.ArgumentParser, steps: int, optimizer: st
     parser.add_argument("--weight-decay", type=float, default=0.0, help="default 0")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="C",
                         help="clip the global gradient norm to C")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
                         help="parameter and activation dtype (default fp32)")
     parser.add_argument("--data", metavar="FILE",
                         help="token data: a .npy of integer ids, or any file read as bytes "
@@ -90,10 +92,14 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device: where each rank computes (soapstone.comm.device)."""
+    """--device and --comm: where each rank computes, over what (soapstone.comm.device)."""
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu (MPI), cuda (a GPU per rank, NCCL; needs the gpu extra) or "
                              "auto (cuda when torch sees a GPU); default cpu")
+    parser.add_argument("--comm", choices=("auto", "nccl", "mpi"), default="auto",
+                        help="auto (NCCL for cuda, MPI for cpu), nccl, or mpi: with --device "
+                             "cuda, ranks that share GPUs (more ranks than GPUs) exchange over "
+                             "MPI through host memory, to debug a layout on one GPU (slow)")
 
 
 def add_nonfinite_options(parser: argparse.ArgumentParser) -> None:
@@ -105,3 +111,11 @@ def add_nonfinite_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-skips", type=int, default=None, metavar="N",
                         help="with --on-nonfinite skip: stop after N skipped steps in a row "
                              "(default 10)")
+
+
+def add_nodes_option(parser: argparse.ArgumentParser) -> None:
+    """--devices-per-node: how many ranks a node holds, for which mesh axes cross nodes."""
+    parser.add_argument("--devices-per-node", type=int, metavar="N",
+                        help="ranks per node (consecutive ranks fill a node): print which mesh "
+                             "axes stay inside a node and which cross nodes (default: "
+                             "--profile's devices per node)")

@@ -87,7 +87,10 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
 
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers())
-    loaded = load_init(ex, args.init)
+    try:  # a damaged byte: every rank raises the same CheckpointError together
+        loaded = load_init(ex, args.init)
+    except UserError as e:
+        return fail(e, comm.rank)
     dims = next(i.type.dims for i in lm.model.inputs if i.name == lm.ids)
     rows = lm.model.size(dims[0]) if len(dims) == 2 else 1
     new = generate(ex, lm.ids, lm.targets, lm.logits_output, prompt, args.tokens,

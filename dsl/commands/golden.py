@@ -64,14 +64,15 @@ def _record(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         if not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
-        comm = world(pick_device(args.device))
+        comm = world(pick_device(args.device, args.comm), args.comm)
         if comm.size != 1:
             raise BadInput(f"golden record runs on one rank; this run has {comm.size} "
                            "(drop mpiexec)")
         rec = record_run(args.spec, args.output, model=args.model, dims=dims,
                          plugins=tuple(args.plugin), steps=args.steps, seed=args.seed,
                          optimizer=args.optimizer, lr=args.lr, precision=args.precision,
-                         data=args.data, parallel=args.parallel, device=args.device)
+                         data=args.data, parallel=args.parallel, device=args.device,
+                         comm=args.comm)
     except UserError as e:
         return fail(e)
     except NonFinite as e:  # nothing worth recording
@@ -87,7 +88,7 @@ def _check(args: argparse.Namespace) -> int:
     from soapstone.dsl.app.golden_run import prepare_check
 
     try:
-        comm = world(pick_device(args.device))
+        comm = world(pick_device(args.device, args.comm), args.comm)
     except UserError as e:
         from soapstone.comm.failure import world_rank
 
@@ -102,7 +103,7 @@ def _check(args: argparse.Namespace) -> int:
 
     try:
         job = prepare_check(args.spec, args.parallel, args.record, plugins=tuple(args.plugin),
-                            device=args.device)
+                            device=args.device, comm=args.comm)
     except UserError as e:
         return fail(e, rank)
     from soapstone.shard.train.nonfinite import NonFinite

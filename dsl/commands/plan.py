@@ -20,10 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
+from soapstone.comm.dtype_table import RUN_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims
 from soapstone.dsl.commands import fail
-from soapstone.dsl.commands.flags import add_spec_options
+from soapstone.dsl.commands.flags import add_nodes_option, add_spec_options
 from soapstone.dsl.lang.errors import BadInput
 from soapstone.shard.plan.sizes import MAX_DIM, MAX_RANKS
 
@@ -41,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the batch per step (default: the spec's batch dim)")
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="table rows (default 10)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
                         help="the compute dtype whose peak the compute runs at (default fp32, "
                              "as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -50,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write a spec holding `include SPEC` and the winning block")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_nodes_option(parser)
     add_spec_options(parser)
 
 
@@ -73,6 +77,10 @@ def main(args: argparse.Namespace) -> int:
         if args.output and not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
         profile = load_profile(args.profile)
+        if args.devices_per_node is not None:  # the search's links and the placement alike
+            if args.devices_per_node < 1:
+                raise BadInput(f"--devices-per-node {args.devices_per_node}: give at least 1")
+            profile = attrs.evolve(profile, devices_per_node=args.devices_per_node)
         dims = parse_dims(args.dim)
         load_plugins(args.plugin)
         model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
@@ -88,14 +96,22 @@ def main(args: argparse.Namespace) -> int:
         return fail(e)
     seconds = time.perf_counter() - t0
     block = plan.source(args.name)
+    from soapstone.dsl.commands.explain import placement
+
+    nodes = placement(plan.parallel(args.name), profile.devices_per_node, None,
+                      "--devices-per-node" if args.devices_per_node else
+                      f"{profile.name}'s devices per node")
     if args.output:
         Path(args.output).write_text(spec_file(args, block, dims))
     if args.json:
         print(json.dumps(plan.to_data(planner, args.top, args.name) | {
-            "seconds": seconds, "dims": dims}, indent=1))
+            "seconds": seconds, "dims": dims, "placement": nodes[0]}, indent=1))
     else:
         sys.stdout.write(plan.format(planner, args.top, args.name, seconds))
+        print(nodes[1])
         sys.stdout.write(_usage(args, dims))
+    for line in nodes[2]:
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,9 @@ Every rank parses the spec, lowers the chosen layout and checks the launch (N mu
 layout's world size) on its own; all ranks reach the same verdict, so a bad input makes every
 rank exit 2 at once (rank 0 prints the error) instead of leaving some waiting in a collective.
 Errors during training are not caught here: one rank's exception aborts the whole job
-(soapstone.comm's failure handler), since the other ranks would wait for it forever.
+(soapstone.comm's failure handler), since the other ranks would wait for it forever. The
+exception: a checkpoint's load or save that fails (a damaged byte, a full disk) raises the same
+CheckpointError on every rank at once (shard/checkpoint/agree.py), so all exit 2 together.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
 A NaN or infinite loss or gradient norm never updates (shard/train/nonfinite.py): the run
 stops with one message on rank 0 and exit 3 on every rank (EXIT_NONFINITE), or under
@@ -64,6 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also write TensorBoard event files to DIR (rank 0; needs "
                              "tensorboardX: pip install 'soapstone[tensorboard]')")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--profile", metavar="NAME|FILE",
+                        help="the device's hardware profile (a preset or a file), whose peak "
+                             "in --precision gives the MFU (default: read off the GPU's name; "
+                             "on a CPU, no MFU)")
     parser.add_argument("--trace", metavar="FILE",
                         help="pipeline layouts: write the last step's timeline as a Chrome "
                              "trace (and FILE with .png if matplotlib is installed) and print "
@@ -90,13 +96,13 @@ def _seconds(text: str) -> float:
 def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.dsl.compile.layout_proof import prove_layout
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import check_device
 
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad
         # SOAPSTONE_* watchdog setting is bad input too
-        comm = world(pick_device(args.device))
+        comm = world(pick_device(args.device, args.comm), args.comm)
         watch(args)
     except UserError as e:
         from soapstone.comm.failure import world_rank
@@ -105,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_train_flags(args)
         model, par, program = build_program(args, comm.size)
+        nodes = launch_nodes(par, comm.size)  # collective; every rank gets the same verdict
         check_device(program, comm.device)
         ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
@@ -115,16 +122,55 @@ def main(args: argparse.Namespace) -> int:
         check_tensorboard(args.tensorboard)
         task = make_task(single_program(model, program), args.seed, args.data, args.val_data,
                          args.data_dtype)
+        speed = throughput(args, model, comm.device)
     except UserError as e:
         return fail(e, comm.rank)
+    if comm.rank == 0 and nodes:
+        for line in nodes:
+            print(line, file=sys.stderr, flush=True)
     from soapstone.shard.train.nonfinite import EXIT_NONFINITE, NonFinite
 
     try:
-        return train(args, comm, par, program, task, schedule, ckpt)
+        return train(args, comm, par, program, task, schedule, ckpt, speed)
     except NonFinite as e:  # raised on every rank alike; nothing of that step was applied
         if comm.rank == 0:
             print(e.format(), file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+
+
+def launch_nodes(par, world: int) -> list[str]:
+    """The launch's nodes checked (NodeError: unequal nodes) and, over more than one node,
+    the lines saying which mesh axes cross nodes (and a warning for a tensor-parallel one)."""
+    from soapstone.comm.nodes import check_nodes, node_map, ranks_per_node_override
+    from soapstone.shard.plan.analysis.placement import format_placement, place, tp_warnings
+
+    node_of = node_map() if world > 1 else [0]
+    check_nodes(node_of)
+    count = len(set(node_of))
+    if count == 1 or par is None:
+        return []
+    per_node = world // count
+    override = ranks_per_node_override()
+    where = ("simulated: SOAPSTONE_RANKS_PER_NODE" if override is not None
+             else "ranks sharing memory")
+    placed = place(par.mesh, node_of)
+    return [format_placement(placed, per_node, f"{count} nodes, {where}"),
+            *(f"warning: {w}" for w in tp_warnings(par, placed, per_node))]
+
+
+def throughput(args, model, device):
+    """(model FLOPs of a step, Peak or None) for the MFU (dsl/app/throughput.py): the FLOPs of
+    the model's single-rank Program (whole batch, whole model), whatever the layout."""
+    from soapstone.dsl.app.throughput import find_peak, step_flops
+    from soapstone.dsl.compile.lower import lower
+
+    gpu = None
+    if device.type == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name(device)
+    return (step_flops(lower(model, None), args.accumulate),
+            find_peak(args.profile, args.precision, gpu))
 
 
 def watch(args) -> None:
@@ -153,8 +199,9 @@ def check_tensorboard(logdir: str | None) -> None:
         raise BadInput(f"--tensorboard {logdir}: exists and is not a directory")
 
 
-def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
-    """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports."""
+def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) -> int:
+    """Train `program` (a StageGraph) on `comm` as the flags say; rank 0 reports. `speed`:
+    (model FLOPs of a step, Peak or None) for TFLOP/s and MFU."""
     from soapstone.comm import Mesh
     from soapstone.comm.observe import expected
     from soapstone.dsl.compile.layout_proof import expected_calls
@@ -169,7 +216,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                       precision=args.precision, optimizer=args.optimizer, lr=lr,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
-                      device=comm.device, on_nonfinite=OnNonFinite(args.on_nonfinite),
+                      device=comm.device, flops_per_step=speed[0] if speed else None,
+                      peak_flops=speed[1].flops if speed and speed[1] else None,
+                      on_nonfinite=OnNonFinite(args.on_nonfinite),
                       max_skips=DEFAULT_MAX_SKIPS if args.max_skips is None else args.max_skips)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
@@ -178,7 +227,16 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
               f"{args.optimizer} lr {lr:g}, "
               f"{'data ' + args.data if args.data else 'synthetic task'}, seed {args.seed}",
               file=sys.stderr, flush=True)
-    start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+        if speed:
+            peak = (f"peak {speed[1].flops / 1e12:g} TFLOP/s {args.precision} per device "
+                    f"({speed[1].source})" if speed[1] else
+                    "no peak known, so no MFU (--profile NAME|FILE gives one)")
+            print(f"model FLOPs: {speed[0] / 1e12:.4g} TFLOP per step; {peak}",
+                  file=sys.stderr, flush=True)
+    try:  # a damaged checkpoint or a full disk: every rank raises the same error together
+        start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+    except UserError as e:
+        return fail(e, rank)
     if rank == 0 and par is not None and par.offload and comm.device.type != "cuda":
         from soapstone.shard.parallel.offload_plan import CPU_RUN_NOTE
 
@@ -218,11 +276,14 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
                          f"{m.skipped_steps} in all; --on-nonfinite skip)")
             if bar:
                 bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
-                                    f"lr {m.lr:.3g}"
+                                    f"{rate(m)}lr {m.lr:.3g}"
                                     + (f", skipped {m.skipped_steps}" if m.skipped_steps
                                        else ""), refresh=False)
                 bar.update(1)
-            stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            try:
+                stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
+            except UserError as e:
+                return fail(e, rank)
             expected.step_began()  # evaluation and checkpoints are not in the plan's step
             if stopped:
                 break
@@ -234,13 +295,26 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None) -> int:
         if board:
             board.close()
     if rank == 0:
+        flops = (speed[0] * (last.step + 1 - start) / comm.size / total_t
+                 if speed and total_t else None)
+        mfu = (f", MFU {flops / speed[1].flops:.1%}" if flops is not None and speed[1]
+               else "")
+        per_dev = f", {flops / 1e12:.3g} TFLOP/s per device{mfu}" if flops is not None else ""
         print(f"done: {last.step + 1} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s"
+              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s{per_dev}"
               + (f", {trainer.skipped} non-finite steps skipped" if trainer.skipped else ""),
               flush=True)
     if trace:
         write_trace(trainer.executor, trace, rank)
     return 128 + stopped if stopped else 0
+
+
+def rate(m) -> str:
+    """The progress line's `T TFLOP/s/dev, MFU x%, ` (empty without FLOPs)."""
+    if m.tflops_per_device is None:
+        return ""
+    mfu = f"MFU {m.mfu:.1%}, " if m.mfu is not None else ""
+    return f"{m.tflops_per_device:.3g} TFLOP/s/dev, {mfu}"
 
 
 def write_trace(pipe, path: str, rank: int) -> None:
@@ -261,7 +335,7 @@ def write_trace(pipe, path: str, rank: int) -> None:
     formula = (f"(p-1)/(v*m+p-1) = {g.pipe - 1}/({g.chunks}*{g.microbatches}+{g.pipe - 1})"
                if g.chunks > 1 else
                f"(p-1)/(m+p-1) = {g.pipe - 1}/({g.microbatches}+{g.pipe - 1})")
-    if pipe.schedule.split:  # zb1p (shard/plan/schedules.py derives it)
+    if pipe.schedule.split:  # zb1p (shard/plan/schedules/ derives it)
         formula = (f"(p-1)/(3m+p-1) = {g.pipe - 1}/(3*{g.microbatches}+{g.pipe - 1})"
                    if g.microbatches >= g.pipe else "1-3m/(2m+2p-1)")
     print(f"bubble: measured {measured:.1%} of the last step, theory {theory:.1%} "

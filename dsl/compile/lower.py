@@ -24,6 +24,7 @@ import attrs
 from soapstone.dsl.compile import rules
 from soapstone.dsl.lang.errors import Diagnostic, SpecError
 from soapstone.dsl.model import ir
+from soapstone.shard.ops.record import Partial, Role
 from soapstone.shard.parallel.selective_plan import selective_drops
 from soapstone.shard.plan.collectives import transition_cost
 from soapstone.shard.plan.dtypes import is_float
@@ -33,6 +34,7 @@ from soapstone.shard.plan.layout import (
     P,
     Placement,
     R,
+    RedistributeKind,
     Split,
     token,
     transition,
@@ -40,6 +42,7 @@ from soapstone.shard.plan.layout import (
 from soapstone.shard.plan.program import (
     Compute,
     CopyTo,
+    GradPlacement,
     InputRole,
     ParamSpec,
     Program,
@@ -279,7 +282,7 @@ class _Lowering:
         ))
 
     def _candidates(self, op: ir.Op, axis: str, args: list[Value],
-                    iter_dims: list[tuple[str, ...]], roles: dict[str, str],
+                    iter_dims: list[tuple[str, ...]], roles: dict[str, Role],
                     used: set[str]) -> list[_Candidate]:
         out_dims = op.type.dims
         order = [d for d in out_dims if d in roles] + [d for d in roles if d not in out_dims]
@@ -305,12 +308,12 @@ class _Lowering:
                            else _split_of(dims, v.dims, owners)
                            for dims, v in zip(iter_dims, args, strict=True)),
                 out=Split(rows), dim=rows, stat=True, exchange=owners))
-        mode = rules.PARTIAL_PASS.get(op.kind)
-        if mode == "one":
+        mode = rules.partial_pass(op)
+        if mode is Partial.ONE:
             for i in range(len(args)):
                 found.append(_Candidate(tuple(P if j == i else R for j in range(len(args))), P,
                                         None))
-        elif mode == "all":
+        elif mode is Partial.ALL:
             found.append(_Candidate((P,) * len(args), P, None))
         found.append(_Candidate((R,) * len(args), R, None))
         return found
@@ -318,9 +321,9 @@ class _Lowering:
     def _arg_split(self, op: ir.Op, axis: str, want: Placement) -> Placement | None:
         """An arg's placement for a split of the op: None where its own dim does not divide
         over the axis (a repeat_dim's src: fewer kv heads than ranks), unless the op reads
-        that arg whole by global index (rules.WHOLE_ARG)."""
+        that arg whole by global index (rules.whole_arg)."""
         if isinstance(want, Split) and self.sizes[want.dim] % self.mesh[axis]:
-            return R if op.kind in rules.WHOLE_ARG else None
+            return R if rules.whole_arg(op) else None
         return want
 
     def _choose(self, op, axis, args, iter_dims, roles, used) -> _Candidate:
@@ -347,16 +350,17 @@ class _Lowering:
         if v.name in self.params:
             return float("inf")  # parameters keep the layout the parallel block gave them
         kind = transition(cur, want)
-        if kind == "slice" and v.is_float:
+        if kind is RedistributeKind.SLICE and v.is_float:
             # Free forward, but its backward is an allgather of the gradient.
-            return transition_cost("allgather", v.nbytes // self.mesh[axis], self.mesh[axis])
+            return transition_cost(RedistributeKind.ALLGATHER, v.nbytes // self.mesh[axis],
+                                   self.mesh[axis])
         return transition_cost(kind, v.nbytes, self.mesh[axis])
 
     def _redistribute(self, name: str, wanted: dict[str, Placement]) -> str:
         v = self.values[name]
         # Gathers and reductions first, so a dim is free before another axis takes it.
-        order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(v.layout.get(a),
-                                                                          wanted[a]) == "alltoall"))
+        order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(
+            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL))
         for axis in order:
             cur, want = v.layout.get(axis), wanted[axis]
             if cur == want:
@@ -370,7 +374,8 @@ class _Lowering:
                 self._emit(Redistribute(
                     out=new.name, src=v.name, axis=axis, kind=kind,
                     frm=cur, to=want,
-                    nbytes=0 if kind in ("slice", "zero_fill") else v.nbytes,
+                    nbytes=0 if kind in (RedistributeKind.SLICE, RedistributeKind.ZERO_FILL)
+                    else v.nbytes,
                 ))
                 self.cache[key] = new.name
             v = self.values[self.cache[key]]
@@ -410,8 +415,9 @@ class _Lowering:
                 if name in self.params and every:
                     grad_sync.setdefault(name, []).append(axis)
                 elif (every and isinstance(prod_step, Redistribute)
-                      and prod_step.kind == "allgather" and prod_step.axis == axis):
-                    self.steps[prod] = attrs.evolve(prod_step, grad="partial")
+                      and prod_step.kind is RedistributeKind.ALLGATHER
+                      and prod_step.axis == axis):
+                    self.steps[prod] = attrs.evolve(prod_step, grad=GradPlacement.PARTIAL)
                 else:
                     # One copy per source: edges already behind another axis's copy keep it.
                     groups: dict[str, list[int]] = {}

@@ -1,17 +1,18 @@
 """Hugging Face GPT-2 and LLaMA checkpoints in and out: a `save_pretrained` directory
 (config.json + safetensors) <-> a .par model and its full parameters.
 
-- `read_config(DIR)` reads config.json into an `HFConfig` (the model's dims and options);
-  a field soapstone cannot express (an activation, rope scaling, ...) is an HFError naming it.
+- `read_config(DIR)` reads config.json into an `HFConfig` (the model's dims and options;
+  hf_config.py); a field soapstone cannot express (an activation, rope scaling, ...) is an
+  HFError naming it.
 - `spec_text(cfg)` is the .par model that computes what the config describes (examples/gpt2.par
   and examples/llama.par are these texts with layouts); `check_model(model, cfg)` proves a
   checked model is that model (dims first, with the --dim flags that fix them, then every param
   and op), so weights are never poured into a model that computes something else.
 - `load(DIR, model)` -> {param name: full tensor} (fp32, soapstone's dim order);
   `save(DIR, model, state)` writes config.json and model.safetensors that transformers loads.
-  The tensor correspondence is `tensor_map(cfg)`: per Hugging Face tensor, the params it holds
-  and how (transposed, heads flattened, q/k/v side by side); a shape that disagrees names the
-  tensor, both shapes and the dim.
+  The tensor correspondence is `tensor_map(cfg)` (hf_tensors.py): per Hugging Face tensor, the
+  params it holds and how (transposed, heads flattened, q/k/v side by side); a shape that
+  disagrees names the tensor, both shapes and the dim.
 
 No transformers import: the files are read and written with json and safetensors.
 """
@@ -19,145 +20,11 @@ No transformers import: the files are read and written with json and safetensors
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-import attrs
-
-from soapstone.comm.errors import UserError
+from soapstone.dsl.interop.hf_config import HFConfig, HFError, config_json, config_of, read_config
+from soapstone.dsl.interop.hf_tensors import HFTensor, from_hf, hf_dims, tensor_map, to_hf
 from soapstone.dsl.model import ir
-
-
-class HFError(UserError):
-    """A Hugging Face directory, config or weight that soapstone cannot use (bad input)."""
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint
-
-    def format(self) -> str:
-        """The message, and the hint on its own line."""
-        return f"error: {self}" + (f"\nhint: {self.hint}" if self.hint else "")
-
-
-@attrs.frozen
-class HFConfig:
-    """What a config.json describes, in soapstone's terms: `kind` (gpt2 | llama), the dims by
-    soapstone's names and the layer options."""
-
-    kind: str
-    dims: tuple[tuple[str, int], ...]  # vocab, hidden, heads, [kv_heads], ffn, [max_seq], layers
-    eps: float
-    activation: str = "gelu_tanh"  # gpt2's mlp activation choice
-    rope_theta: float = 10000.0
-    attention_bias: bool = False  # llama
-    mlp_bias: bool = False  # llama
-    tied: bool = True
-    path: str = ""
-
-    def size(self, dim: str) -> int:
-        """A dim's size."""
-        return dict(self.dims)[dim]
-
-
-# config.json's activation_function -> the mlp activation computing it
-_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-             "relu": "relu", "silu": "silu", "swish": "silu"}
-_ACT_NAME = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-
-
-def _field(conf: dict, key: str, path: str, default=None, kind=int):
-    value = conf.get(key, default)
-    if value is None or (kind is int and (isinstance(value, bool) or not isinstance(value, int))) \
-            or (kind is float and not isinstance(value, int | float)):
-        raise HFError(f"{path}: field {key!r} is {value!r}; soapstone needs "
-                      f"{'an integer' if kind is int else 'a number'} there")
-    return value
-
-
-def _must(conf: dict, key: str, ok, path: str, why: str) -> None:
-    if key in conf and not ok(conf[key]):
-        raise HFError(f"{path}: field {key!r} = {json.dumps(conf[key])} is not supported: {why}")
-
-
-def read_config(directory: str | Path) -> HFConfig:
-    """The config.json of a save_pretrained directory (GPT-2 or LLaMA) as an HFConfig."""
-    path = Path(directory) / "config.json"
-    try:
-        conf = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFError(f"{path}: no such file; --init hf:DIR needs a directory that "
-                      "save_pretrained wrote (config.json + model.safetensors)") from None
-    except (OSError, ValueError) as e:
-        raise HFError(f"{path}: not a readable JSON config ({e})") from None
-    if not isinstance(conf, dict):
-        raise HFError(f"{path}: not a JSON object")
-    kind = conf.get("model_type")
-    if kind == "gpt2":
-        return _gpt2_config(conf, str(path))
-    if kind == "llama":
-        return _llama_config(conf, str(path))
-    raise HFError(f"{path}: field 'model_type' = {json.dumps(kind)} is not supported: soapstone "
-                  "imports gpt2 and llama")
-
-
-def _gpt2_config(conf: dict, path: str) -> HFConfig:
-    act = conf.get("activation_function", "gelu_new")
-    if act not in _GPT2_ACT:
-        raise HFError(f"{path}: field 'activation_function' = {json.dumps(act)} is not "
-                      f"supported: soapstone's mlp computes {', '.join(sorted(_GPT2_ACT))}")
-    _must(conf, "scale_attn_weights", lambda v: v is True, path, "attention scores are scaled "
-          "by 1/sqrt(head_dim)")
-    _must(conf, "scale_attn_by_inverse_layer_idx", lambda v: not v, path,
-          "no per-layer attention scaling")
-    _must(conf, "add_cross_attention", lambda v: not v, path, "no cross-attention")
-    hidden = _field(conf, "n_embd", path)
-    heads = _field(conf, "n_head", path)
-    inner = conf.get("n_inner")
-    ffn = 4 * hidden if inner is None else _field(conf, "n_inner", path)
-    if hidden % heads:
-        raise HFError(f"{path}: n_embd = {hidden} does not divide over n_head = {heads}")
-    dims = (("vocab", _field(conf, "vocab_size", path)),
-            ("max_seq", _field(conf, "n_positions", path)), ("hidden", hidden),
-            ("heads", heads), ("ffn", ffn), ("layers", _field(conf, "n_layer", path)))
-    return HFConfig("gpt2", dims, float(_field(conf, "layer_norm_epsilon", path, 1e-5, float)),
-                    activation=_GPT2_ACT[act], tied=bool(conf.get("tie_word_embeddings", True)),
-                    path=path)
-
-
-def _llama_config(conf: dict, path: str) -> HFConfig:
-    _must(conf, "hidden_act", lambda v: v == "silu", path, "LLaMA's gated mlp uses silu")
-    _must(conf, "rope_scaling", lambda v: v is None, path, "rope computes plain positions "
-          "(no scaling)")
-    rope = conf.get("rope_parameters")
-    if rope is not None:
-        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-            raise HFError(f"{path}: field 'rope_parameters' = {json.dumps(rope)} is not "
-                          "supported: rope computes plain positions (rope_type default)")
-        theta = rope.get("rope_theta", conf.get("rope_theta", 10000.0))
-    else:
-        theta = conf.get("rope_theta", 10000.0)
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
-    hidden = _field(conf, "hidden_size", path)
-    heads = _field(conf, "num_attention_heads", path)
-    kv = _field(conf, "num_key_value_heads", path, heads)
-    if hidden % heads:
-        raise HFError(f"{path}: hidden_size = {hidden} does not divide over "
-                      f"num_attention_heads = {heads}")
-    _must(conf, "head_dim", lambda v: v is None or v == hidden // heads, path,
-          f"soapstone's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
-    if heads % kv:
-        raise HFError(f"{path}: num_key_value_heads = {kv} does not divide "
-                      f"num_attention_heads = {heads}")
-    dims = (("vocab", _field(conf, "vocab_size", path)), ("hidden", hidden), ("heads", heads),
-            ("kv_heads", kv), ("ffn", _field(conf, "intermediate_size", path)),
-            ("layers", _field(conf, "num_hidden_layers", path)))
-    return HFConfig("llama", dims, float(_field(conf, "rms_norm_eps", path, 1e-6, float)),
-                    rope_theta=float(theta), attention_bias=bool(conf.get("attention_bias")),
-                    mlp_bias=bool(conf.get("mlp_bias")),
-                    tied=bool(conf.get("tie_word_embeddings", False)), path=path)
-
 
 # ---- the .par model ------------------------------------------------------------------------
 
@@ -305,183 +172,6 @@ def _attrs(op: ir.Op) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in op.attrs) + ")"
 
 
-def config_of(model: ir.Model) -> HFConfig:
-    """The HFConfig a model was written from (what `export` writes as config.json), read off
-    its ops: rope means LLaMA, else GPT-2. check_model then proves it describes the model."""
-    sizes = dict(model.dims)
-    kinds = {op.kind for op in model.ops}
-    tied = any(p.tied_to for p in model.params)
-    layers = len(model.blocks)
-    norm = next((op for op in model.ops if op.kind in ("layernorm", "rmsnorm")), None)
-    eps = float(norm.attr("eps")) if norm is not None else 1e-5
-    try:
-        if "rope" in kinds:
-            theta = next(float(op.attr("theta")) for op in model.ops if op.kind == "rope")
-            names = {p.name.split(".")[-1] for p in model.params}
-            dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads", "ffn"))
-            return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
-                            attention_bias="bq" in names, mlp_bias="bias" in names, tied=tied,
-                            path=f"model {model.name}")
-        act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
-                    and op.layer == "mlp"), None)
-        activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
-            else (act.kind if act is not None else "gelu_tanh")
-        dims = tuple((d, sizes[d]) for d in ("vocab", "max_seq", "hidden", "heads", "ffn"))
-        return HFConfig("gpt2", (*dims, ("layers", layers)), eps, activation=activation,
-                        tied=tied, path=f"model {model.name}")
-    except KeyError as e:
-        raise HFError(f"model {model.name} has no dim {e.args[0]}: only models written as "
-                      "examples/gpt2.par or examples/llama.par export to Hugging Face") from None
-
-
-def config_json(cfg: HFConfig) -> dict:
-    """The config.json transformers reads for `cfg` (dropout off: the model has none)."""
-    d = dict(cfg.dims)
-    if cfg.kind == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": d["vocab"], "n_positions": d["max_seq"], "n_embd": d["hidden"],
-            "n_layer": d["layers"], "n_head": d["heads"], "n_inner": d["ffn"],
-            "activation_function": _ACT_NAME[cfg.activation],
-            "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tied,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "scale_attn_weights": True, "dtype": "float32",
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": d["vocab"], "hidden_size": d["hidden"],
-        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"],
-        "head_dim": d["hidden"] // d["heads"], "intermediate_size": d["ffn"],
-        "num_hidden_layers": d["layers"], "hidden_act": "silu", "rms_norm_eps": cfg.eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
-        "tie_word_embeddings": cfg.tied, "attention_dropout": 0.0, "dtype": "float32",
-    }
-
-
-# ---- the tensors ---------------------------------------------------------------------------
-
-@attrs.frozen
-class HFTensor:
-    """One Hugging Face tensor and the params it holds. how:
-    same      the param as is
-    t         the param transposed ([in, out] -> nn.Linear's [out, in])
-    cols      params [a, *rest] side by side as [a, sum of prod(rest)] (GPT-2's c_attn)
-    flat      params flattened and concatenated (GPT-2's c_attn bias, LLaMA's q/k/v bias)
-    rows      [*lead, b] -> [prod(lead), b] (GPT-2's attention c_proj from wo)
-    cols_t    [a, *rest] -> [prod(rest), a] (LLaMA's q/k/v_proj from wq, wk, wv)
-    rows_t    [*lead, b] -> [b, prod(lead)] (LLaMA's o_proj from wo)"""
-
-    name: str
-    params: tuple[str, ...]
-    how: str = "same"
-
-
-def tensor_map(cfg: HFConfig) -> list[HFTensor]:
-    """Every Hugging Face tensor of `cfg`'s model and the soapstone params it holds."""
-    T = HFTensor
-    out: list[HFTensor] = []
-    if cfg.kind == "gpt2":
-        out += [T("transformer.wte.weight", ("embedding0.table",)),
-                T("transformer.wpe.weight", ("embedding1.table",))]
-        for i in range(cfg.size("layers")):
-            h, p = f"transformer.h.{i}.", f"layer.{i}."
-            a = p + "attention0."
-            out += [
-                T(h + "ln_1.weight", (p + "layernorm0.gamma",)),
-                T(h + "ln_1.bias", (p + "layernorm0.beta",)),
-                T(h + "attn.c_attn.weight", (a + "wq", a + "wk", a + "wv"), "cols"),
-                T(h + "attn.c_attn.bias", (a + "bq", a + "bk", a + "bv"), "flat"),
-                T(h + "attn.c_proj.weight", (a + "wo",), "rows"),
-                T(h + "attn.c_proj.bias", (a + "bo",)),
-                T(h + "ln_2.weight", (p + "layernorm1.gamma",)),
-                T(h + "ln_2.bias", (p + "layernorm1.beta",)),
-                T(h + "mlp.c_fc.weight", (p + "mlp0.linear0.weight",)),
-                T(h + "mlp.c_fc.bias", (p + "mlp0.linear0.bias",)),
-                T(h + "mlp.c_proj.weight", (p + "mlp0.linear1.weight",)),
-                T(h + "mlp.c_proj.bias", (p + "mlp0.linear1.bias",)),
-            ]
-        out += [T("transformer.ln_f.weight", ("layernorm0.gamma",)),
-                T("transformer.ln_f.bias", ("layernorm0.beta",))]
-    else:
-        out.append(T("model.embed_tokens.weight", ("embedding0.table",)))
-        for i in range(cfg.size("layers")):
-            h, p = f"model.layers.{i}.", f"layer.{i}."
-            a, m = p + "attention0.", p + "mlp0."
-            out += [T(h + "input_layernorm.weight", (p + "rmsnorm0.gamma",))]
-            for x in "qkv":
-                out.append(T(h + f"self_attn.{x}_proj.weight", (a + f"w{x}",), "cols_t"))
-                if cfg.attention_bias:
-                    out.append(T(h + f"self_attn.{x}_proj.bias", (a + f"b{x}",), "flat"))
-            out.append(T(h + "self_attn.o_proj.weight", (a + "wo",), "rows_t"))
-            if cfg.attention_bias:
-                out.append(T(h + "self_attn.o_proj.bias", (a + "bo",)))
-            out.append(T(h + "post_attention_layernorm.weight", (p + "rmsnorm1.gamma",)))
-            for j, x in enumerate(("gate", "up", "down")):
-                out.append(T(h + f"mlp.{x}_proj.weight", (m + f"linear{j}.weight",), "t"))
-                if cfg.mlp_bias:
-                    out.append(T(h + f"mlp.{x}_proj.bias", (m + f"linear{j}.bias",)))
-        out.append(T("model.norm.weight", ("rmsnorm0.gamma",)))
-    if not cfg.tied:
-        head = "lm_head.weight"
-        out.append(T(head, ("linear0.weight",), "t"))
-    return out
-
-
-def to_hf(how: str, parts: list):
-    """The Hugging Face tensor from its params' full tensors (torch, or names for labels)."""
-    import torch
-
-    if how == "same":
-        return parts[0]
-    if how == "t":
-        return parts[0].T
-    if how == "cols":
-        return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
-    if how == "flat":
-        return torch.cat([p.reshape(-1) for p in parts])
-    if how == "rows":
-        return parts[0].reshape(-1, parts[0].shape[-1])
-    if how == "cols_t":
-        return parts[0].reshape(parts[0].shape[0], -1).T
-    if how == "rows_t":
-        return parts[0].reshape(-1, parts[0].shape[-1]).T
-    raise AssertionError(how)
-
-
-def from_hf(how: str, t, shapes: list[tuple[int, ...]]) -> list:
-    """The params' full tensors (of `shapes`) from their Hugging Face tensor (to_hf inverted)."""
-    if how == "same":
-        return [t]
-    if how in ("t", "cols_t", "rows_t"):
-        return [t.T.reshape(shapes[0])]
-    if how == "rows":
-        return [t.reshape(shapes[0])]
-    sizes = [math.prod(s[1:]) if how == "cols" else math.prod(s) for s in shapes]
-    pieces = t.split(sizes, dim=1 if how == "cols" else 0)
-    return [x.reshape(s) for x, s in zip(pieces, shapes, strict=True)]
-
-
-def hf_dims(how: str, dims: list[tuple[str, ...]]) -> list[str]:
-    """The labels of a Hugging Face tensor's dims, in soapstone's dim names."""
-    def flat(ds):
-        return " x ".join(ds)
-
-    if how == "same":
-        return list(dims[0])
-    if how == "t":
-        return list(reversed(dims[0]))
-    if how == "cols":
-        return [dims[0][0], " + ".join(flat(d[1:]) for d in dims)]
-    if how == "flat":
-        return [" + ".join(flat(d) for d in dims)]
-    if how == "rows":
-        return [flat(dims[0][:-1]), dims[0][-1]]
-    if how == "cols_t":
-        return [flat(dims[0][1:]), dims[0][0]]
-    return [dims[0][-1], flat(dims[0][:-1])]  # rows_t
-
-
 # buffers some checkpoints carry that are no parameters (GPT-2's causal mask, rotary tables)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -576,13 +266,13 @@ class _StateReader:
 def load_init(executor, directory: str) -> str:
     """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank copies its
     slices); a line saying what was loaded."""
-    from soapstone.shard.checkpoint.load import _fill
+    from soapstone.shard.checkpoint.load import fill_shares
 
     cfg = check_graph(directory, executor.graph)
     params = {p.name: (p.dims, p.shape) for s in executor.graph.stages
               for p in s.program.params}
     state = read_weights(directory, cfg, params)
-    _fill(executor, _StateReader(state), ("param",))
+    fill_shares(executor, _StateReader(state), ("param",))
     return f"hf:{directory}: {len(state)} parameters of a Hugging Face {cfg.kind}"
 
 

@@ -21,10 +21,12 @@ from pygments.token import (
     Whitespace,
 )
 
+from soapstone.shard.plan.dtypes import DTYPES as SPEC_DTYPES
+
 KEYWORDS = ("include", "model", "dim", "input", "repeat", "as", "output", "tie", "parallel",
             "for", "on", "mesh", "operator", "schedule", "zero")
 SOAP = ("sample", "attribute", "parameter")
-DTYPES = ("f16", "bf16", "f32", "f64", "i8", "i16", "i32", "i64", "u8", "bool")
+DTYPES = tuple(SPEC_DTYPES)  # the names a spec can use (the one dtype table)
 
 
 class ParLexer(RegexLexer):

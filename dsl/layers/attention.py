@@ -11,17 +11,24 @@ from soapstone.shard.plan.sizes import divisors
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
          Arg("kv_heads", "dim", None), Arg("rope", "float", None), Arg("bias", "bool", True),
-         Arg("qkv_bias", "bool", False))
-def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
+         Arg("qkv_bias", "bool", False), Arg("window", "int", None))
+def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
     kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
     heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
     global positions along S (THETA > 0; without the argument, no rotation); bias = false
-    drops bo; qkv_bias = true adds bq, bk, bv.
-    The primitives it emits are listed in ir.PRIMITIVES."""
+    drops bo; qkv_bias = true adds bq, bk, bv; window = N (sliding-window attention,
+    Mistral's): a query sees only the last N positions (query - key < N), an attr of the
+    causal mask. The primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
+    if window is not None and window <= 0:
+        ctx.error(f"attention window = {window} must be a positive number of positions",
+                  "window = N lets each query see itself and the N - 1 positions before it")
+    if window is not None and not causal:
+        ctx.error("attention window needs causal = true: the window is a causal mask's",
+                  "drop causal = false, or the window")
     if len(x.dims) < 2:
         ctx.error(f"attention needs x[..., seq, hidden], got {dims_text(x.dims)}")
     lead, S, h = x.dims[:-2], x.dims[-2], x.dims[-1]
@@ -67,7 +74,9 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias):
     s = ctx.op("einsum", (q, k2), sdims, dt, {"scale": 1.0 / math.sqrt(ctx.size(hd))},
                name="scores")
     if causal:
-        s = ctx.op("causal_mask", (s,), sdims, dt, {"key": Sk, "query": S}, name="masked")
+        mask = {"key": Sk, "query": S} if window is None else {"key": Sk, "query": S,
+                                                                "window": window}
+        s = ctx.op("causal_mask", (s,), sdims, dt, mask, name="masked")
     p = ctx.op("softmax", (s,), sdims, dt, {"over": Sk}, name="probs")
     o = ctx.op("einsum", (p, v2), heads_dims, dt, name="o")
     if not bias:

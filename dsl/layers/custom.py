@@ -45,12 +45,18 @@ from pathlib import Path
 
 import attrs
 
+from soapstone.comm.errors import UserError
 from soapstone.dsl.layers.registry import LAYERS, LayerDef
 
 _PATTERN = re.compile(r"^\s*(?:([A-Za-z_]\w*)\s*)?\[(.*)\]\s*$")
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 _INITS = re.compile(r"^(normal\([0-9.eE+-]+\)|uniform\([0-9.eE+-]+\)|zeros|ones)$")
 SHARD_KINDS = ("split", "partial")
+
+
+class LayerError(UserError, ValueError):
+    """A custom layer's definition that cannot work (a plugin's @layer): names the layer, what
+    is wrong and the fix (exit 2; the plugin's file and line are added where it is loaded)."""
 
 
 @attrs.frozen
@@ -98,19 +104,19 @@ class CustomLayer:
 
 
 def parse_pattern(text: str, what: str) -> Pattern:
-    """`x[..., hidden]` -> Pattern (ValueError naming `what` if malformed)."""
+    """`x[..., hidden]` -> Pattern (LayerError naming `what` if malformed)."""
     m = _PATTERN.match(text)
     if not m:
-        raise ValueError(f"{what}: {text!r} is not a shape pattern like 'x[..., hidden]'")
+        raise LayerError(f"{what}: {text!r} is not a shape pattern like 'x[..., hidden]'")
     parts = [p.strip() for p in m.group(2).split(",") if p.strip()]
     ellipsis = bool(parts) and parts[0] == "..."
     if ellipsis:
         parts = parts[1:]
     for p in parts:
         if not _IDENT.match(p):
-            raise ValueError(f"{what}: {p!r} in {text!r} is not a dim name ('...' only leads)")
+            raise LayerError(f"{what}: {p!r} in {text!r} is not a dim name ('...' only leads)")
     if len(set(parts)) != len(parts):
-        raise ValueError(f"{what}: a dim repeats in {text!r}")
+        raise LayerError(f"{what}: a dim repeats in {text!r}; name each dim once")
     return Pattern(m.group(1) or "", ellipsis, tuple(parts))
 
 
@@ -124,14 +130,14 @@ def define(
     shard: Mapping[str, str] | None = None,
     fn: Callable | None = None,
 ) -> CustomLayer:
-    """A custom layer's checked definition (ValueError if the signature is malformed)."""
+    """A custom layer's checked definition (LayerError if the signature is malformed)."""
     if not _IDENT.match(name):
-        raise ValueError(f"layer name {name!r} is not an identifier")
+        raise LayerError(f"layer name {name!r} is not an identifier; use letters, digits and _")
     if name in LAYERS:
-        raise ValueError(f"{name!r} is a built-in layer")
+        raise LayerError(f"{name!r} is a built-in layer; give yours another name")
     ins = tuple(parse_pattern(p, f"layer {name} input") for p in inputs)
     if not ins:
-        raise ValueError(f"layer {name}: needs at least one input")
+        raise LayerError(f"layer {name}: needs at least one input; give inputs=['x[...]']")
     for i, p in enumerate(ins):
         if not p.name:
             ins = ins[:i] + (attrs.evolve(p, name=f"in{i}"),) + ins[i + 1 :]
@@ -143,32 +149,36 @@ def define(
         shape_text, init = spec
         shape = parse_pattern(shape_text, f"layer {name} param {pname}")
         if shape.ellipsis:
-            raise ValueError(f"layer {name} param {pname}: params cannot use '...'")
+            raise LayerError(f"layer {name} param {pname}: params cannot use '...'; name "
+                             "every dim")
         if not _INITS.match(init):
-            raise ValueError(f"layer {name} param {pname}: init {init!r} is not one of "
+            raise LayerError(f"layer {name} param {pname}: init {init!r} is not one of "
                              "normal(STD), uniform(BOUND), zeros, ones")
         ps.append(CustomParam(pname, shape, init))
         bound.update(shape.dims)
     out = parse_pattern(output, f"layer {name} output")
     if out.ellipsis and not any(p.ellipsis for p in ins):
-        raise ValueError(f"layer {name}: output uses '...' but no input does")
+        raise LayerError(f"layer {name}: output uses '...' but no input does; drop it or "
+                         "lead an input with it")
     unbound = [d for d in out.dims if d not in bound]
     for p in ps:
         unbound += [d for d in p.shape.dims if d not in bound]
     if unbound:
-        raise ValueError(f"layer {name}: dims {unbound} are bound by no input and no `dims` arg")
+        raise LayerError(f"layer {name}: dims {unbound} are bound by no input and no `dims` arg;"
+                         " add them to an input or to dims=[...]")
     free = [d for p in ps for d in p.shape.dims if d not in set(dims) and
             not any(d in i.dims for i in ins)]
     if free:
-        raise ValueError(f"layer {name}: param dims {free} must come from an input or `dims`")
+        raise LayerError(f"layer {name}: param dims {free} must come from an input or `dims`")
     sh = dict(shard or {})
     for d, mode in sh.items():
         if mode not in SHARD_KINDS:
-            raise ValueError(f"layer {name}: shard[{d!r}] must be 'split' or 'partial'")
+            raise LayerError(f"layer {name}: shard[{d!r}] must be 'split' or 'partial'")
         if d not in bound:
-            raise ValueError(f"layer {name}: shard names {d!r}, which is no dim of the layer")
+            raise LayerError(f"layer {name}: shard names {d!r}, which is no dim of the layer; "
+                             "name a dim of its inputs or params")
         if mode == "split" and d not in out.dims:
-            raise ValueError(f"layer {name}: shard[{d!r}] = 'split' needs {d!r} in the output")
+            raise LayerError(f"layer {name}: shard[{d!r}] = 'split' needs {d!r} in the output")
     return CustomLayer(name, ins, tuple(ps), out, tuple(dims), tuple(sorted(sh.items())), fn)
 
 
@@ -193,7 +203,7 @@ class LayerRegistry:
     def add(self, layer: CustomLayer) -> None:
         """Add (or replace) a custom layer."""
         if layer.name in LAYERS:
-            raise ValueError(f"{layer.name!r} is a built-in layer")
+            raise LayerError(f"{layer.name!r} is a built-in layer; give yours another name")
         self._custom[layer.name] = layer
 
     def remove(self, name: str) -> None:

@@ -5,7 +5,7 @@
 
 params: router[hidden, experts], w1[experts, hidden, ffn], w2[experts, ffn, hidden], and with
 activation = swiglu a gate w3[experts, hidden, ffn] (Mixtral's experts). The routed part is one
-primitive op `moe` (its semantics: ir.PRIMITIVES, its kernel: shard/ops/moe.py), because the
+primitive op `moe` (its record, semantics and kernel: shard/ops/moe.py), because the
 capacity and the balance loss see every token of the batch at once. `shared = d` adds a dense
 MLP of width d that every token goes through (DeepSeek-MoE, Qwen-MoE); it is an `mlp` of plain
 einsums, so it shards by their rules and the compiler adds its output to the routed one.

@@ -2,7 +2,7 @@
 
 The front end (parser + layer registry) produces it; the compiler (layouts, lowering) consumes
 it. Every tensor dim is a *name* declared in `Model.dims`. Layers are expanded into the small set
-of primitive ops listed in `PRIMITIVES`; the compiler knows how each primitive shards.
+of primitive ops listed in `PRIMITIVES` (their records: shard/ops/, which say how each shards).
 
 No torch here: `soapstone check` must answer without importing it.
 """
@@ -13,6 +13,8 @@ import math
 
 import attrs
 from attrs import field as _field  # Op has a field named `attrs`, shadowing the module
+
+from soapstone.shard.ops import registry
 
 # A model output is the program's output: one class from spec to runtime (dsl may use shard).
 from soapstone.shard.plan.program import Output
@@ -128,7 +130,7 @@ class Branch:
 
 @attrs.frozen
 class Schedule:
-    """Pipeline schedule: kind in gpipe | 1f1b | interleaved | zb1p."""
+    """Pipeline schedule: kind names one of shard/plan/schedules/registry.py."""
 
     kind: str = "1f1b"
     microbatches: int = 1
@@ -170,33 +172,7 @@ class Parallel:
         return math.prod(size for _, size in self.mesh)
 
 
-# The primitive ops layers expand into, with their arguments and options. The compiler's
-# sharding rules and the runtime's local implementations are keyed by these names; a custom
-# layer registered from Python becomes kind "custom:<name>".
-PRIMITIVES: dict[str, str] = {
-    "einsum": "args (a, b); output dims = type.dims; dims of a or b not in the output are "
-    "contracted (summed). attrs: scale (float, optional, multiplies the result)",
-    "embedding": "args (ids[...], table[vocab, hidden]) -> [..., hidden]. attrs: vocab, hidden",
-    "add": "args (a, b), broadcast by dim name; output dims = type.dims",
-    "mul": "args (a, b), broadcast by dim name",
-    "gelu": "args (x,). attrs: approximate=tanh (optional: GPT-2's tanh form)",
-    "relu": "args (x,)",
-    "silu": "args (x,)",
-    "dropout": "args (x,). attrs: p (float)",
-    "layernorm": "args (x, gamma[d], beta[d]). attrs: over=d, eps",
-    "rmsnorm": "args (x, gamma[d]). attrs: over=d, eps",
-    "softmax": "args (x,). attrs: over=d",
-    "causal_mask": "args (x,). attrs: query=dq, key=dk: -inf where position(dk) > position(dq)",
-    "rename": "args (x,). attrs: src=d, dst=d2 (same size): relabel one dim, no data change",
-    "cross_entropy": "args (logits[..., C], targets[...] int). attrs: over=C. "
-    "-> f32[] mean over all target positions",
-    "positions": "no args -> i64[d]: the global index along d (a rank's own slice where d "
-    "is split). attrs: over=d",
-    "rope": "args (x[..., pos, ..., d]). attrs: pos, over=d, theta: rotary embedding, x's "
-    "halves along d rotated by the global position along pos times theta^(-2i/|d|)",
-    "moe": "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h], w3[E, h, f] with "
-    "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity; attrs: hidden, "
-    "experts, ffn, top_k, capacity, aux, activation (dsl/layers/moe.py, shard/ops/moe.py)",
-    "repeat_dim": "args (x[..., src, ...]) -> the same with dst for src (|dst| a multiple g of "
-    "|src|): index i of dst reads index i // g of src (grouped-query heads). attrs: src, dst",
-}
+# The primitive ops layers expand into, with their arguments and options: each is one record
+# of shard/ops/ (its sharding rule, statistics, costs and kernel beside its doc), keyed by
+# these names; a custom layer registered from Python becomes kind "custom:<name>".
+PRIMITIVES: dict[str, str] = registry.docs()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from soapstone.dsl.model.ir import Model, Op, Parallel, Schedule, TensorType
+from soapstone.shard.plan.schedules import CHUNKED
 
 
 def format_type(t: TensorType) -> str:
@@ -87,7 +88,7 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
     # Stages always run a schedule, so it is printed for them even when unwritten.
     s = par.schedule
     if par.operator or par.schedule_written or s != Schedule():
-        chunks = f", chunks = {s.chunks}" if s.kind == "interleaved" else ""
+        chunks = f", chunks = {s.chunks}" if s.kind in CHUNKED else ""
         lines.append(f"  schedule  {s.kind}, microbatches = {s.microbatches}{chunks}")
     if par.zero:
         lines.append(f"  zero      {par.zero}")

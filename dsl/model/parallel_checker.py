@@ -32,9 +32,12 @@ from soapstone.dsl.model.ir import (
     Schedule,
     StageAssignment,
 )
+from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.schedules import KINDS as SCHEDULES
+from soapstone.shard.plan.schedules import ScheduleKind
 from soapstone.shard.plan.sizes import MAX_RANKS, divisors
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
 SCHEDULE_OPTIONS = ("microbatches", "chunks")
 
 Diags = list[Diagnostic]
@@ -482,7 +485,8 @@ def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
 
 def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
     """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
-    if facts.zero < 1 or facts.soap["sample"] or "sample" in facts.failed:
+    if not ZeroStage.of(facts.zero).shards_optimizer or facts.soap["sample"] \
+            or "sample" in facts.failed:
         return []
     return [ctx.diag(facts.seen["zero"], f"zero {facts.zero} shards optimizer state over the "
                      "sample (data-parallel) axis, but no sample statement maps the batch",
@@ -492,11 +496,11 @@ def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
 # ---- rules of the schedule
 
 
-def _schedule_kind(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[str, Diags]:
+def _schedule_kind(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[ScheduleKind, Diags]:
     """The schedule's kind (1f1b in place of an unknown one, to check the rest)."""
     if s.kind in SCHEDULES:
-        return s.kind, []
-    return "1f1b", [ctx.diag(s.kind_loc, f"unknown schedule '{s.kind}'",
+        return schedules.get(s.kind), []
+    return schedules.get("1f1b"), [ctx.diag(s.kind_loc, f"unknown schedule '{s.kind}'",
                              did_you_mean(s.kind, SCHEDULES)
                              or f"schedules: {', '.join(SCHEDULES)}")]
 
@@ -539,36 +543,39 @@ def _option_loc(s: ast.ScheduleStmt, key: str, default: Loc) -> Loc:
     return {k: loc for k, _, loc in s.options}.get(key, default)
 
 
-def _chunks(ctx: _Ctx, s: ast.ScheduleStmt, kind: str, mb: int, chunks: int,
+def _chunks(ctx: _Ctx, s: ast.ScheduleStmt, kind: ScheduleKind, mb: int, chunks: int,
             nstages: int) -> Diags:
-    """`chunks` belongs to interleaved, which needs >= 2 and microbatches a stage multiple."""
-    if kind != "interleaved":
-        return [] if chunks == 1 else [ctx.diag(
-            _option_loc(s, "chunks", s.loc),
-            f"chunks applies to the interleaved schedule, not {kind}")]
+    """`chunks` belongs to a chunked schedule (interleaved), which needs >= 2; interleaved's
+    microbatches go in groups of the stage count."""
     diags: Diags = []
-    if chunks < 2:
+    if not kind.chunked:
+        if chunks != 1:
+            diags.append(ctx.diag(_option_loc(s, "chunks", s.loc), "chunks applies to the "
+                                  f"{' or '.join(schedules.CHUNKED)} schedule, not {kind.name}"))
+    elif chunks < 2:
         diags.append(ctx.diag(_option_loc(s, "chunks", s.kind_loc),
-                              f"interleaved needs chunks >= 2 (got {chunks})",
+                              f"{kind.name} needs chunks >= 2 (got {chunks})",
                               "add: chunks = 2 (virtual stages per rank)"))
-    if mb % nstages:
+    if kind.whole_groups and mb % nstages:
         diags.append(ctx.diag(_option_loc(s, "microbatches", s.loc),
-                              f"interleaved needs microbatches ({mb}) to be a multiple of the "
+                              f"{kind.name} needs microbatches ({mb}) to be a multiple of the "
                               f"stage count ({nstages})"))
     return diags
 
 
-def _block_order(ctx: _Ctx, facts: _Facts, interleaved: bool, chunks: int, nstages: int,
-                 loc: Loc | None) -> Diags:
-    """Stages follow block order; interleaved stages cycle 0..n-1 `chunks` times."""
+def _block_order(ctx: _Ctx, facts: _Facts, kind: ScheduleKind | None, chunks: int,
+                 nstages: int, loc: Loc | None) -> Diags:
+    """Stages follow block order; a chunked schedule's stages visit the pipe ranks in its
+    placement's order (interleaved: cycle 0..n-1 `chunks` times)."""
     seq = facts.stage_seq
     if not seq:
         return []
-    if interleaved:
+    if kind is not None and kind.chunked:
         runs = [seq[0]] + [b for a, b in zip(seq, seq[1:], strict=False) if a != b]
-        if len(runs) == nstages * chunks and all(r == i % nstages for i, r in enumerate(runs)):
+        if len(runs) == nstages * chunks and all(
+                r == kind.rank_of(i, nstages) for i, r in enumerate(runs)):
             return []  # (compared element by element: chunks may be any number)
-        return [ctx.diag(loc, f"interleaved stages must cycle 0..{nstages - 1} {chunks} times "
+        return [ctx.diag(loc, f"{kind.name} stages must cycle 0..{nstages - 1} {chunks} times "
                          f"over the blocks, got {' '.join(map(str, runs))}",
                          "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")]
     blocks = ctx.model.blocks
@@ -593,38 +600,36 @@ def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
     diags += _microbatches_divide(ctx, facts, s, mb)
     diags += _chunks(ctx, s, kind, mb, chunks, nstages)
     if facts.stages:
-        diags += _block_order(ctx, facts, kind == "interleaved", chunks, nstages, s.kind_loc)
-    if not facts.has_stages and kind == "interleaved":
+        diags += _block_order(ctx, facts, kind, chunks, nstages, s.kind_loc)
+    if not facts.has_stages and kind.needs_stages:
         # without stages the microbatches are gradient accumulation, in 1f1b or gpipe order
-        diags.append(ctx.diag(s.kind_loc, "the interleaved schedule needs pipeline stages",
+        why = f" ({kind.why_stages})" if kind.why_stages else ""
+        diags.append(ctx.diag(s.kind_loc, f"the {kind.name} schedule needs pipeline stages{why}",
                               "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
                               "(gradient accumulation over the microbatches)"))
-    return diags + _zero_bubble(ctx, facts, s, kind)
+    return diags + _split_backward(ctx, facts, kind)
 
 
-def _zero_bubble(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, kind: str) -> Diags:
-    """zb1p splits each stage's backward and runs its weight half later (shard/plan/
-    schedules.py): it needs stages, and what that half reads must still be there."""
-    if kind != "zb1p":
+def _split_backward(ctx: _Ctx, facts: _Facts, kind: ScheduleKind) -> Diags:
+    """A split backward (zb1p) runs each stage's weight half later (shard/plan/schedules/):
+    what that half reads must still be there."""
+    if not kind.split:
         return []
     diags: Diags = []
-    if not facts.has_stages:
-        diags.append(ctx.diag(s.kind_loc, "the zb1p schedule needs pipeline stages (it splits "
-                              "a stage's backward to fill the pipeline's bubble)",
-                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
-                              "(gradient accumulation over the microbatches)"))
-    if facts.zero == 3:
-        diags.append(ctx.diag(facts.seen["zero"], "zero 3 with zb1p: ZeRO-3 gathers a stage's "
-                              "parameters for one backward and frees them at its end, but "
-                              "zb1p runs the weight gradients later, apart from it",
-                              "use zero 1 or 2 with zb1p, or schedule 1f1b with zero 3"))
+    name = kind.name
+    if ZeroStage.of(facts.zero).shards_params:
+        diags.append(ctx.diag(facts.seen["zero"], f"zero 3 with {name}: ZeRO-3 gathers a "
+                              "stage's parameters for one backward and frees them at its end, "
+                              f"but {name} runs the weight gradients later, apart from it",
+                              f"use zero 1 or 2 with {name}, or schedule 1f1b with zero 3"))
     if facts.recompute is not None:
-        why = ("the values it drops are rebuilt for one backward, and zb1p's weight gradients "
-               "run apart from it, later" if facts.recompute == SELECTIVE else
+        why = (f"the values it drops are rebuilt for one backward, and {name}'s weight "
+               "gradients run apart from it, later" if facts.recompute == SELECTIVE else
                "the deferred weight gradients would run each recomputed range's forward a "
                "second time, collectives included")
-        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with zb1p: "
-                              + why, "drop the recompute statement, or use schedule 1f1b"))
+        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with "
+                              f"{name}: " + why, "drop the recompute statement, or use "
+                              "schedule 1f1b"))
     return diags
 
 
@@ -657,5 +662,5 @@ def check_parallel(p: ast.ParallelDef, model: Model,
     for rule in _RULES:
         diags += rule(ctx, facts)
     if not diags and facts.schedule is None:  # order matters without a schedule statement too
-        diags += _block_order(ctx, facts, False, 1, 1, None)
+        diags += _block_order(ctx, facts, None, 1, 1, None)
     return (None if diags else _parallel(p, facts)), diags

@@ -1,53 +1,32 @@
-"""`soapstone plan`'s search: the layouts of a model on N devices, costed, fitted and ranked.
-
-The space (`candidates`): data x tensor x pipeline degrees whose product is N, tensor parallel
-inside a node (at most `devices_per_node`), with or without sequence parallelism on the tensor
-axis, context parallelism (the sequence dims over their own axis `cp`, inside the node beside
-the tensor axis, only where the batch does not divide over as many data ranks: otherwise data
-parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and
-interleaved with 2 or 4 virtual stages per rank; gpipe keeps every microbatch in flight for the
-same bubble, so 1f1b always beats it), the microbatch count, ZeRO 0-3, and activation recompute
-(`recompute_options`: `recompute R` for the model's largest repeat; `search` tries it as it
-tries a ZeRO stage, where no stage fits without it or below the stage that does). The mesh is
-`mesh(pipe, data, cp, model)`: the tensor axis innermost (inside a node), data next, the
-pipeline outermost (seed 004: the chattiest parallelism on the fastest links). Which dims each
-statement maps (`layout_dims`): `sample` the batch (the inputs' leading dim); `parameter` the
-parameter dims that are neither input dims nor dims of the residual stream between blocks,
-largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split);
-`attribute` the other input dims on the tensor axis (sequence parallelism).
-
-Every candidate is costed from explain's Estimate (memory, communication) and the cost model
-(shard/plan/analysis/cost.py). Compiling a 100-block model takes seconds, so a model whose repeat
-blocks are all alike (the usual stack) is not compiled per candidate: `Probes` compile it
-truncated to 1 and 2 blocks (and a 3-stage pipeline of 1 and 2 blocks per stage) for a local
-microbatch of 1 and 2 samples, and every figure of a stage with n blocks and b samples is read
-off them bilinearly (parameters, activations, collectives' calls and bytes, FLOPs are each
-const + n x per-block, and linear in b). Not so the working set above the saved activations
-(explain's transient, less ZeRO's buffers): a peak, at the last block's backward or the head,
-so a stage of n >= 2 blocks has the 2-block probe's, and not linear in b, so it is walked on
-the 1-sample probe with its batch dim scaled to b; with recompute the blocks' inputs it keeps
-are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage do not change the
-compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
-re-estimated on the candidate's; recompute does, so the probes are per recompute form.
-tests/test_plan.py checks the extrapolation against a full compile. Other models (branching,
-several repeats, fewer than 6 blocks) compile each layout.
+"""`soapstone plan`'s search: the layouts of a model on N devices (space.py), costed from
+explain's Estimate and the cost model (shard/plan/analysis/cost.py), exactly or from probes
+(probes.py), fitted and ranked, and the winner's decisions explained.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
-from collections.abc import Iterator
 
 import attrs
 
-from soapstone.comm.errors import UserError
 from soapstone.dsl.compile.lower import LoweringError
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.model.irtext import format_parallel
-from soapstone.shard.plan.analysis.activations import activation_figures
+from soapstone.dsl.search.probes import Probes, uniform
+from soapstone.dsl.search.space import (
+    Candidate,
+    LayoutDims,
+    PlanError,
+    Rejection,
+    candidates,
+    layout_dims,
+    recompute_options,
+    stage_blocks,
+    to_parallel,
+)
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.cost import (
     BACKWARD_FACTOR,
     StepTime,
@@ -56,491 +35,13 @@ from soapstone.shard.plan.analysis.cost import (
     step_time,
 )
 from soapstone.shard.plan.analysis.explain import (
-    EdgeFigures,
     Estimate,
     StageFigures,
-    Traffic,
     combine_pipeline,
-    estimate,
     estimate_pipeline,
-    format_bytes,
 )
 from soapstone.shard.plan.analysis.hardware import Profile
-from soapstone.shard.plan.sizes import divisors
-
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
-PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
-
-
-class PlanError(UserError, ValueError):
-    """No layout of the model fits the devices (or the request cannot be planned)."""
-
-
-# ---- what the statements map -------------------------------------------------------------
-
-
-@attrs.frozen
-class LayoutDims:
-    """The dims a planned layout maps: the batch, the tensor-parallel dims, the sequence dims."""
-
-    batch: str
-    tensor: tuple[str, ...]
-    sequence: tuple[str, ...]
-
-
-def layout_dims(model: ir.Model) -> LayoutDims:
-    """Which dims `sample`, `parameter` and `attribute` map (module doc)."""
-    if not model.inputs or not model.inputs[0].type.dims:
-        raise PlanError(f"model {model.name} has no batched input to split over data "
-                        "parallel ranks")
-    batch = model.inputs[0].type.dims[0]
-    inputs = {d for i in model.inputs for d in i.type.dims}
-    stream = _stream_dims(model)
-    sizes = dict(model.dims)
-    touched: dict[str, int] = {}
-    for p in model.params:
-        n = math.prod(sizes[d] for d in p.type.dims)
-        for d in p.type.dims:
-            if d not in inputs and d not in stream:
-                touched[d] = touched.get(d, 0) + n
-    # a dim two activations contract (attention's head_dim in q.k) would make the product a
-    # partial sum to allreduce: such dims come last
-    params = {p.name for p in model.params}
-    shape = {op.out: op.type.dims for op in model.ops} | {i.name: i.type.dims
-                                                          for i in model.inputs}
-    poor = {d for op in model.ops if op.kind == "einsum" and not params & set(op.args)
-            for a in op.args for d in shape.get(a, ()) if d not in op.type.dims}
-    tensor: list[str] = []
-    for d in sorted(touched, key=lambda d: (d in poor, -touched[d], d)):
-        if not any(d in p.type.dims and any(t in p.type.dims for t in tensor)
-                   for p in model.params):
-            tensor.append(d)
-    sequence = tuple(d for d in model.inputs[0].type.dims[1:] if d != batch)
-    return LayoutDims(batch, tuple(tensor), sequence)
-
-
-def _stream_dims(model: ir.Model) -> set[str]:
-    """Dims of values that cross from one block (or the top level) into a later block."""
-    where = {op.out: op.block for op in model.ops}
-    dims = {op.out: op.type.dims for op in model.ops}
-    out: set[str] = set()
-    for op in model.ops:
-        for a in op.args:
-            if a in where and where[a] != op.block:
-                out.update(dims[a])
-    return out
-
-
-def recompute_options(model: ir.Model) -> tuple[str, ...]:
-    """The `recompute` forms the search tries, the cheapest in forward work first: `recompute
-    R` for the repeat with the most blocks (R: its name); none for a model without repeats."""
-    counts = Counter(b.rsplit(".", 1)[0] for b in model.blocks)
-    return (max(counts, key=counts.get),) if counts else ()
-
-
-# ---- candidates --------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Candidate:
-    """One point of the space: degrees, schedule, microbatches, ZeRO, sequence parallelism
-    (Megatron's, on the tensor axis), context parallelism (the sequence over its own axis),
-    and activation recompute (the `recompute` statement's argument, or None)."""
-
-    data: int
-    tensor: int
-    pipe: int
-    sequence: bool = False
-    zero: int = 0
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    chunks: int = 1
-    context: int = 1
-    recompute: str | None = None
-
-    @property
-    def label(self) -> str:
-        """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2; rc at the
-        end: recompute)."""
-        parts = [f"d{self.data}", f"t{self.tensor}" + ("+sp" if self.sequence else ""),
-                 f"p{self.pipe}"]
-        if self.context > 1:
-            parts.insert(2, f"c{self.context}")
-        if self.pipe > 1:
-            parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
-        if self.microbatches > 1:
-            parts.append(f"m{self.microbatches}")
-        parts.append(f"z{self.zero}")
-        if self.recompute:
-            parts.append("rc")
-        return " ".join(parts)
-
-    @property
-    def stages(self) -> int:
-        """Virtual stages."""
-        return self.pipe * self.chunks
-
-
-def stage_blocks(blocks: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
-    """`blocks` cut into `stages` contiguous runs, as even as they go (the extra blocks on the
-    stages after the first: the first holds the embedding, the last the head)."""
-    base, extra = divmod(len(blocks), stages)
-    sizes = [base] * stages
-    for i in range(extra):
-        sizes[1 + i % max(stages - 1, 1) if stages > 1 else 0] += 1
-    out, at = [], 0
-    for n in sizes:
-        out.append(blocks[at:at + n])
-        at += n
-    return out
-
-
-def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
-                name: str = "planned") -> ir.Parallel:
-    """The candidate as a parallel block of `model`."""
-    mesh = tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("cp", c.context),
-                                     ("model", c.tensor)) if n > 1) or (("data", 1),)
-    sizes = dict(model.dims)
-    tensor = tuple((d, "model") for d in dims.tensor if sizes[d] % c.tensor == 0) \
-        if c.tensor > 1 else ()
-    seq = tuple((d, "model") for d in dims.sequence) if c.sequence else ()
-    if c.context > 1:
-        seq = tuple((d, "cp") for d in dims.sequence)
-    operator: tuple[ir.StageAssignment, ...] = ()
-    schedule = ir.Schedule()
-    if c.pipe > 1:
-        runs = stage_blocks(model.blocks, c.stages)
-        operator = tuple(ir.StageAssignment(run, "pipe", i % c.pipe)
-                         for i, run in enumerate(runs))
-        schedule = ir.Schedule(c.schedule, c.microbatches, c.chunks)
-    elif c.microbatches > 1:
-        schedule = ir.Schedule("1f1b", c.microbatches, 1)
-    return ir.Parallel(name, model.name, mesh,
-                       sample=((dims.batch, "data"),) if c.data > 1 else (),
-                       attribute=seq, parameter=tensor, operator=operator,
-                       schedule=schedule, zero=c.zero, recompute=c.recompute)
-
-
-def _microbatch_options(per_replica: int, pipe: int) -> list[int]:
-    """Microbatch counts to try: without stages 1 (and accumulation, for memory); with stages
-    pipe x 1, 2, 4, 8 and one sample per microbatch, and what divides below that. Tests of
-    divisibility, never a walk over 1..per_replica (any batch is cheap)."""
-    if pipe == 1:
-        return [1 << k for k in range(6) if per_replica % (1 << k) == 0]
-    want = {pipe * k for k in (1, 2, 4, 8)} | {per_replica}
-    opts = [d for d in want if per_replica % d == 0]
-    below = next((d for d in range(min(pipe, per_replica + 1) - 1, 0, -1)
-                  if per_replica % d == 0), None)  # pipe <= the model's blocks: short
-    if below:
-        opts.append(below)
-    return sorted(set(opts))
-
-
-@attrs.frozen
-class Rejection:
-    """Why a part of the space was left out (for the table and the no-fit message)."""
-
-    what: str
-    why: str
-
-
-def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
-               rejected: list[Rejection]) -> Iterator[Candidate]:
-    """Every structurally valid candidate (divisibility, blocks, schedules), in a fixed order;
-    the combinations that do not divide are recorded in `rejected`."""
-    sizes = dict(model.dims)
-    batch, nblocks = sizes[dims.batch], len(model.blocks)
-    for t in divisors(world):
-        if t > profile.devices_per_node and t > 1:
-            rejected.append(Rejection(f"tensor {t}", f"larger than a node "
-                                      f"({profile.devices_per_node} devices)"))
-            continue
-        if t > 1:
-            split = [d for d in dims.tensor if sizes[d] % t == 0]
-            if not split:
-                rejected.append(Rejection(f"tensor {t}", "divides none of " + ", ".join(
-                    f"{d} = {sizes[d]}" for d in dims.tensor) if dims.tensor else
-                    "the model has no parameter dim to split"))
-                continue
-        seq_ok = t > 1 and bool(dims.sequence) and all(sizes[d] % t == 0 for d in dims.sequence)
-        for cp, p in _context_pipe(dims, sizes, world, t, profile, rejected):
-            d = world // (t * cp * p)
-            if cp > 1 and batch % (d * cp) == 0:
-                continue  # dominated: see _context_pipe
-            if p > 1 and nblocks < p:
-                rejected.append(Rejection(f"pipeline {p}", f"the model has {nblocks} repeat "
-                                          "blocks" if nblocks else "the model has no repeat "
-                                          "blocks to cut into stages"))
-                continue
-            if batch % d:
-                rejected.append(Rejection(f"data {d}", f"{dims.batch} = {batch} does not "
-                                          f"divide over {d}"))
-                continue
-            for m in _microbatch_options(batch // d, p):
-                for sched, v in (SCHEDULES if p > 1 else (("1f1b", 1),)):
-                    if v > 1 and (m % p or nblocks < p * v):
-                        continue
-                    for sp in ((False, True) if seq_ok and cp == 1 else (False,)):
-                        for z in (range(4) if d > 1 else (0,)):
-                            yield Candidate(d, t, p, sp, z, sched, m, v, cp)
-
-
-def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: int,
-                  profile: Profile, rejected: list[Rejection]) -> Iterator[tuple[int, int]]:
-    """(context, pipeline) degrees beside tensor parallel `tensor`. Context parallelism c
-    holds the tokens, computes and reduces gradients as data parallelism c over the same
-    devices would, and gathers keys and values every layer on top: the caller keeps it only
-    where the batch does not divide over that many data ranks. It stays inside a node with the
-    tensor axis (both innermost there), and only for sequence dims it divides."""
-    for cp in divisors(world // tensor):
-        if cp > 1:
-            if not dims.sequence or tensor * cp > profile.devices_per_node:
-                continue
-            if any(sizes[d] % cp for d in dims.sequence):
-                rejected.append(Rejection(f"context {cp}", "divides none of " + ", ".join(
-                    f"{d} = {sizes[d]}" for d in dims.sequence)))
-                continue
-        for p in divisors(world // (tensor * cp)):
-            yield cp, p
-
-
-# ---- figures of a candidate --------------------------------------------------------------
-
-
-Figs = dict[tuple, float]
-
-
-def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> Figs:
-    """An estimate's additive figures as one flat dict (for extrapolation); a communicator's
-    axes of size 1 are left out of its name (as a mesh without them would name it).
-    `working_set` (the activation walk's peak above the saved bytes) is kept apart from the
-    rest of the transient (ZeRO's full gradient buffers and gathered bucket), which grows with
-    the blocks; under recompute, what the step would hold without it and the forward work run
-    again come too."""
-    f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
-               ("optimizer_bytes",): est.optimizer_bytes,
-               ("activation_bytes",): est.activation_bytes,
-               ("transient_bytes",): est.transient_bytes - working_set,
-               ("working_set",): working_set,
-               ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
-               ("param_elements",): param_elements}
-    if est.without_recompute is not None:
-        again = work.again or Work()
-        f |= {("plain_saved",): est.without_recompute[0],
-              ("plain_working_set",): est.without_recompute[1],
-              ("again_flops",): again.matmul_flops, ("again_moved",): again.other_bytes,
-              ("again_ops",): again.ops}
-    for t in est.traffic:
-        axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
-        for what, v in (("calls", t.calls), ("bytes", t.bytes)):
-            f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
-    return f
-
-
-# Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set
-# replaces their extrapolation
-PEAKS = (("working_set",), ("plain_working_set",))
-
-
-def _lin(*terms: tuple[float, Figs]) -> Figs:
-    out: Figs = {}
-    for k, f in terms:
-        for key, v in f.items():
-            out[key] = out.get(key, 0.0) + k * v
-    return out
-
-
-def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
-               optimizer: str) -> tuple[Estimate, Work, int]:
-    g = {k: max(0, round(v)) for k, v in f.items()}
-    traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
-               for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
-    rc = ("again_flops",) in f
-    est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
-                   g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
-                   g[("activation_bytes",)], traffic,
-                   transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
-                   without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
-                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0)
-    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)]) if rc else None
-    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again), g[("param_elements",)]
-
-
-def _remesh(program, data: int):
-    mesh = tuple((a, data if a == "data" else n) for a, n in program.mesh)
-    return attrs.evolve(program, mesh=mesh)
-
-
-def _block_signature(model: ir.Model, i: int) -> tuple:
-    me, prev = model.blocks[i] + ".", model.blocks[i - 1] + "."
-
-    def norm(name: str) -> str:
-        if name.startswith(me):
-            return "@." + name[len(me):]
-        return "^." + name[len(prev):] if name.startswith(prev) else name
-
-    ops = tuple((op.kind, op.type, op.attrs, op.layer, op.shard, norm(op.out),
-                 tuple(norm(a) for a in op.args))
-                for op in model.ops if op.block == model.blocks[i])
-    params = tuple((norm(p.name), p.type, p.init, p.tied_to) for p in model.params
-                   if p.block == model.blocks[i])
-    return ops, params
-
-
-def _plain(program):
-    """`program` as it runs without its `recompute` statement."""
-    return attrs.evolve(program, recompute=())
-
-
-def _with_batch(program, batch: str, b: int):
-    """`program` (compiled for one sample per data rank) with its batch dim scaled to b
-    samples: each value's local extent of that dim times b."""
-    if b == 1:
-        return program
-    values = tuple(attrs.evolve(v, local_shape=tuple(
-        n * b if d == batch else n for d, n in zip(v.dims, v.local_shape, strict=True)))
-        if batch in v.dims else v for v in program.values)
-    return attrs.evolve(program, values=values)
-
-
-def uniform(model: ir.Model) -> bool:
-    """Whether blocks 1.. are alike up to their names (block 0 reads the top level) and every
-    value a block makes is named under it: the probes' premise."""
-    if len(model.blocks) < PROBE_BLOCKS:
-        return False
-    if any(op.block is not None and not op.out.startswith(op.block + ".") for op in model.ops):
-        return False
-    made = {op.out: op.block for op in model.ops}
-    inner = set(model.blocks[:-1])
-    if any(made.get(a) in inner for op in model.ops if op.block is None for a in op.args) or \
-            any(made.get(o.value) in inner for o in model.outputs):
-        return False  # the top level reads only the last block
-    first = _block_signature(model, 1)
-    return all(_block_signature(model, i) == first for i in range(2, len(model.blocks)))
-
-
-def truncate(model: ir.Model, k: int) -> ir.Model:
-    """The model with its first k blocks (of a uniform model): what followed the last block
-    reads the k-th block's values instead."""
-    keep = set(model.blocks[:k])
-    last, mine = model.blocks[-1] + ".", model.blocks[k - 1] + "."
-
-    def rename(a: str) -> str:
-        return mine + a[len(last):] if a.startswith(last) else a
-
-    ops = tuple(attrs.evolve(op, args=tuple(rename(a) for a in op.args))
-                for op in model.ops if op.block is None or op.block in keep)
-    used = {a for op in ops for a in op.args}
-    params = tuple(p for p in model.params if p.name in used)
-    outputs = tuple(attrs.evolve(o, value=rename(o.value)) for o in model.outputs)
-    return attrs.evolve(model, ops=ops, params=params, outputs=outputs,
-                        blocks=model.blocks[:k])
-
-
-class Probes:
-    """One (tensor, sequence, context, recompute) setting's probe compiles and their
-    re-estimates (module doc). `compiled` (kind, n, b) -> Program, filled on first use, may be
-    shared with the same setting under another recompute form: its Programs are compiled
-    under `recompute compiled_form`, and `recompute R` changes nothing of a Program but its
-    recompute ranges, so the form without it is the same Program without them."""
-
-    def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
-                 optimizer: str, context: int = 1, recompute: str | None = None,
-                 compiled: dict | None = None, compiled_form: str | None = None):
-        if recompute not in (None, compiled_form):
-            raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
-        self.optimizer = optimizer
-        self.stage: dict[tuple, Figs] = {}
-        self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
-        # (kind, n, b) -> the walk's figures, with and without recompute, and the work
-        self.acts: dict[tuple[str, int, int], tuple] = {}
-        self.cache: dict[tuple, tuple] = {}
-        self.batch = dims.batch
-        self.peaks: dict[tuple[str, int, int], tuple[int, ...]] = {}
-        self._model, self._dims = model, dims
-        self._recompute = recompute
-        self._compiled = {} if compiled is None else compiled
-        self._one = Candidate(2, tensor, 1, sequence, context=context, recompute=compiled_form)
-        # the mesh axes a stage's Program has (the pipe axis never)
-        self.axes = {a for a, _ in to_parallel(model, dims, self._one).mesh}
-
-    def program(self, kind: str, n: int, b: int):
-        """The Program of a probe stage (compiled on first use: a search without stages
-        never compiles the pipelines, nor one with only stages the single programs)."""
-        if (kind, n, b) not in self.programs:
-            prog = self._compile(kind, n, b)
-            self.programs[kind, n, b] = prog if self._recompute else _plain(prog)
-        return self.programs[kind, n, b]
-
-    def _compile(self, kind: str, n: int, b: int):
-        done = self._compiled
-        if (kind, n, b) not in done:
-            base = attrs.evolve(self._model, dims=tuple(
-                (d, 2 * b if d == self._dims.batch else s) for d, s in self._model.dims))
-            if kind == "only":
-                par = to_parallel(base, self._dims, self._one)
-                done[kind, n, b] = lower_graph(truncate(base, n), par).program
-            else:
-                three = truncate(base, 3 * n)
-                pipe = to_parallel(three, self._dims, attrs.evolve(self._one, pipe=3))
-                graph = lower_graph(three, pipe)
-                for st, k in zip(graph.stages, ("first", "middle", "last"), strict=True):
-                    done[k, n, b] = st.program
-                e = graph.edges[1]
-                done["edge", 1, b] = EdgeFigures(0, 1, 0, 1, len(e.tensors), e.nbytes,
-                                                 sum(1 for t in e.tensors if t.is_float),
-                                                 sum(t.nbytes for t in e.tensors
-                                                     if t.is_float))
-        return done[kind, n, b]
-
-    def _at(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
-        key = (kind, n, b, data, zero)
-        if key not in self.stage:
-            prog = self.program(kind, n, b)
-            if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
-                plain = activation_figures(_plain(prog)) if prog.recompute else None
-                self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog))
-            acts, plain, work = self.acts[kind, n, b]
-            est = estimate(_remesh(prog, data), zero, self.optimizer, activations=acts,
-                           plain=plain)
-            self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params),
-                                    acts[1])
-        return self.stage[key]
-
-    def figures(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
-        """A stage of `kind` (only | first | middle | last) with n blocks and b samples per
-        microbatch per data rank, on `data` ranks under ZeRO `zero`: bilinear in (n, b); the
-        b-slope (activations, tensor-parallel traffic, work) is the same for every data
-        degree and ZeRO stage, so it is read at data 2, ZeRO 0. The PEAKS are not sums over
-        blocks and not linear in b: they come from `working_set`."""
-        f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
-        s1 = _lin((1, self._at(kind, 1, 2, 2, 0)), (-1, self._at(kind, 1, 1, 2, 0)))
-        s2 = _lin((1, self._at(kind, 2, 2, 2, 0)), (-1, self._at(kind, 2, 1, 2, 0)))
-        out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
-                   ((b - 1) * (1 - n), s1))
-        for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):
-            out[key] = v
-        return out
-
-    def working_set(self, kind: str, n: int, b: int) -> tuple[int, ...]:
-        """The PEAKS of a stage of n <= 2 blocks and b samples: the walk of the b = 1 probe
-        with its batch dim scaled to b (a peak is a max over the step: not linear in b);
-        under recompute, without it too."""
-        key = (kind, n, b)
-        if key not in self.peaks:
-            prog = _with_batch(self.program(kind, n, 1), self.batch, b)
-            walks = (prog, _plain(prog)) if prog.recompute else (prog,)
-            self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
-        return self.peaks[key]
-
-    def edge_at(self, b: int) -> EdgeFigures:
-        """The boundary tensors per microbatch of b samples per data rank."""
-        self._compile("middle", 1, 1)
-        self._compile("middle", 1, 2)
-        e1, e2 = self._compiled["edge", 1, 1], self._compiled["edge", 1, 2]
-        return attrs.evolve(e1, nbytes=e1.nbytes + (b - 1) * (e2.nbytes - e1.nbytes),
-                            float_bytes=e1.float_bytes + (b - 1) * (e2.float_bytes -
-                                                                    e1.float_bytes))
+from soapstone.shard.plan.units import format_bytes
 
 
 @attrs.frozen
@@ -606,7 +107,7 @@ class Result:
 
 
 class Planner:
-    """Costs candidates of one model on one profile (module doc)."""
+    """Costs candidates of one model on one profile: compiled, or from probes (probes.py)."""
 
     def __init__(self, model: ir.Model, profile: Profile, *, precision: str = "fp32",
                  optimizer: str = "adamw", exact: bool | None = None,
@@ -668,17 +169,13 @@ class Planner:
         inner = {"data": c.data, "cp": c.context, "model": c.tensor}
         inner = {a: n for a, n in inner.items() if a in probes.axes}
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
-            key = (kind, len(run), b, c.data, c.zero)
-            if key not in probes.cache:
-                f = probes.figures(*key)
-                probes.cache[key] = _from_figs(f, self.model.name, inner, c.zero, self.optimizer)
-            est, w, elements = probes.cache[key]
+            est, w, elements = probes.stage_estimate(kind, len(run), b, c.data, c.zero, inner)
             per_stage[i] = est
-            stages.append(StageFigures(i, i % c.pipe, run, elements))
-            work[i % c.pipe] = work[i % c.pipe] + w
+            stages.append(StageFigures(i, c.rank_of(i), run, elements))
+            work[c.rank_of(i)] = work[c.rank_of(i)] + w
         edge = probes.edge_at(b)
-        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=i % c.pipe,
-                              dst_rank=(i + 1) % c.pipe) for i in range(s - 1)]
+        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=c.rank_of(i),
+                              dst_rank=c.rank_of(i + 1)) for i in range(s - 1)]
         par = to_parallel(self.model, self.dims, c)
         shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
                        par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)
@@ -936,9 +433,7 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"device with tensor {c.tensor}; "
                    + _versus(plan, "stages", lambda x: x.pipe > 1))
     if c.data > 1:
-        z = {0: "no ZeRO", 1: "ZeRO-1 shards the optimizer state",
-             2: "ZeRO-2 shards gradients and optimizer state",
-             3: "ZeRO-3 shards parameters too"}[c.zero]
+        z = ZeroStage.of(c.zero).summary
         lower = [r for r in plan.unfit if attrs.evolve(r.candidate, zero=c.zero) == c
                  and r.candidate.zero < c.zero]
         below = max(lower, key=lambda r: r.candidate.zero) if lower else None

@@ -2,15 +2,18 @@
 
     DIR/step-00000003/rank00000.safetensors   each rank's own pieces (no pickle anywhere)
     DIR/step-00000003/rank00000.json          that rank's list of its pieces (its half of the index)
-    DIR/step-00000003/index.json              written last, atomically: the checkpoint exists
-                                              whole or not at all
+    DIR/step-00000003/index.json              the whole index, with every piece's checksums
 
-index.json names, for every tensor (`param/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME`,
-`momentum_buffer/NAME`), its full shape, dtype, named dims and the layout it was saved from
-(placement per mesh axis), and its pieces: which file, which key, and the box of the global
-tensor the key holds. A reader needs no soapstone: open the files with any safetensors library
-and place each piece at its offset. Also: model, layout, mesh, step, seed, the run's settings,
-optimizer name and step count, and the data position. Pure Python (no torch).
+A save writes all of it into DIR/step-00000003.tmp-XXXXXXXX and renames that into place: a
+step-NNNNNNNN directory is a complete checkpoint or absent (save.py). index.json names, for
+every tensor (`param/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME`, `momentum_buffer/NAME`), its
+full shape, dtype, named dims and the layout it was saved from (placement per mesh axis), and
+its pieces: which file, which key, the box of the global tensor the key holds and the CRC-32
+of each 1 MiB chunk of its bytes (checksum.py); for each file its size and its header's CRC-32.
+A reader needs no soapstone: open the files with any safetensors library, check the bytes with
+zlib.crc32 and place each piece at its offset. Also: model, layout, mesh, step, seed, the run's
+settings, optimizer name and step count, and the data position. schema.py checks it field by
+field. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -20,19 +23,20 @@ import os
 import re
 from pathlib import Path
 
-from soapstone.comm.errors import UserError
+from soapstone.shard.checkpoint.schema import (  # noqa: F401  (re-exported)
+    DTYPES,
+    FORMAT,
+    OPTIMIZER_KINDS,
+    CheckpointError,
+    Index,
+    Tensor,
+    parse,
+)
 
-FORMAT = "soapstone-checkpoint/1"
 INDEX = "index.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# dtype name (the index's) -> (safetensors dtype code, bytes per element)
-DTYPES = {"float32": ("F32", 4), "float64": ("F64", 8), "bfloat16": ("BF16", 2),
-          "float16": ("F16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "uint8": ("U8", 1)}
-OPTIMIZER_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be read or does not fit the run (exit 2)."""
+# what a save in progress (tmp) or a replaced checkpoint being swapped out (old) is called
+UNFINISHED = re.compile(r"^step-(\d+)\.(tmp|old)-\w+$")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -66,67 +70,76 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def scan(root: str | Path) -> tuple[list[tuple[int, Path]], list[Path]]:
-    """(complete checkpoints as (step, dir) by step, partial step dirs without an index)."""
-    done, partial = [], []
+def scan(root: str | Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """(complete checkpoints as (step, dir) by step, the step directories passed over with
+    why: unfinished saves, replaced checkpoints set aside, directories without an index)."""
+    done, skipped = [], []
     for p in sorted(Path(root).iterdir()):
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            if (p / INDEX).is_file():
-                done.append((int(m.group(1)), p))
-            else:
-                partial.append(p)
-    return sorted(done), partial
+        m, u = STEP_DIR.match(p.name), UNFINISHED.match(p.name)
+        if not p.is_dir() or not (m or u):
+            continue
+        if m and (p / INDEX).is_file():
+            done.append((int(m.group(1)), p))
+        elif m:
+            skipped.append((p, f"no {INDEX}: a save that did not finish"))
+        elif u.group(2) == "tmp":
+            skipped.append((p, f"an unfinished save of step {int(u.group(1))}: it was never "
+                               "renamed into place"))
+        else:
+            skipped.append((p, f"an earlier save of step {int(u.group(1))} set aside while a "
+                               "new one replaced it"))
+    return sorted(done), skipped
 
 
-def find(path: str | Path) -> tuple[Path, list[Path]]:
-    """The checkpoint `path` names: a step dir (holding index.json), or a --save DIR, whose
-    latest complete checkpoint it is; with the partial saves that were passed over."""
+def find(path: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The checkpoints `path` names, newest first: a step dir (holding index.json) alone, or
+    the complete checkpoints of a --save DIR; with the directories passed over and why."""
     p = Path(path)
+    u = UNFINISHED.match(p.name)
+    if u:
+        raise CheckpointError(f"checkpoint {path}: an unfinished or replaced save (its name "
+                              f"ends .{u.group(2)}-...); give its --save DIR, whose complete "
+                              "checkpoints are step-NNNNNNNN")
     if (p / INDEX).is_file():
-        return p, []
+        return [p], []
     if not p.exists():
         raise CheckpointError(f"checkpoint {path}: no such directory; give the --save DIR of an "
                               "earlier run or one of its step-NNNNNNNN directories")
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {path}: not a directory (a checkpoint is a directory "
                               "with index.json; a single .safetensors file goes to --init)")
-    done, partial = scan(p)
+    done, skipped = scan(p)
     if not done:
-        what = (f"only partial saves without {INDEX} ("
-                + ", ".join(q.name for q in partial) + ")") if partial else "nothing"
+        what = ("only unfinished saves (" + ", ".join(q.name for q, _ in skipped) + ")"
+                if skipped else "nothing")
         raise CheckpointError(f"checkpoint {path}: no complete checkpoint in it ({what}); "
                               "give a directory an earlier `run --save` wrote")
-    return done[-1][1], partial
+    return [d for _, d in reversed(done)], skipped
 
 
-def read(path: str | Path) -> dict:
-    """A checkpoint's index, checked: format, fields, every listed file present at its size."""
+def read(path: str | Path) -> Index:
+    """A checkpoint's index, checked: every field (schema.py), the step against the directory's
+    name, every listed file present at its size."""
     d = Path(path)
     f = d / INDEX
     try:
-        index = json.loads(f.read_text())
+        data = json.loads(f.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing; {d} is not a complete checkpoint") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{f}: unreadable ({e}); the index is damaged") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"{f}: not a soapstone checkpoint index (format "
-                              f"{index.get('format') if isinstance(index, dict) else None!r}, "
-                              f"want {FORMAT!r})")
-    for key in ("model", "step", "seed", "tensors", "files", "optimizer", "settings"):
-        if key not in index:
-            raise CheckpointError(f"{f}: lacks the field {key!r}; the index is damaged")
-    for name, meta in index["files"].items():
+    index = parse(data, str(f))
+    m = STEP_DIR.match(d.name)
+    if m and int(m.group(1)) != index.step:
+        raise CheckpointError(f"{f}: step: {index.step}, but the directory is {d.name}; the "
+                              "index was edited or moved: restore it or resume from another "
+                              "checkpoint")
+    for name, meta in index.files.items():
         p = d / name
         if not p.is_file():
-            raise CheckpointError(f"{p}: missing (the checkpoint lists it: {meta['bytes']} "
-                                  "bytes); restore it or resume from another checkpoint")
-        size = p.stat().st_size
-        if size != meta["bytes"]:
-            raise CheckpointError(f"{p}: {size} bytes, the index says {meta['bytes']} (a "
-                                  "truncated or replaced file); restore it or resume from "
-                                  "another checkpoint")
+            raise CheckpointError(f"{p}: missing (step {index.step}'s index lists it: "
+                                  f"{meta.bytes} bytes); restore it or resume from another "
+                                  "checkpoint")
     return index
 
 
@@ -136,7 +149,8 @@ def merge(parts: list[dict], header: dict) -> dict:
     tensors: dict[str, dict] = {}
     files = {}
     for part in parts:
-        files[part["file"]] = {"rank": part["rank"], "bytes": part["bytes"]}
+        files[part["file"]] = {k: part[k] for k in ("rank", "bytes", "header_bytes",
+                                                     "header_crc32")}
         for name, t in part["tensors"].items():
             have = tensors.setdefault(name, {k: v for k, v in t.items() if k != "pieces"}
                                       | {"pieces": []})
@@ -147,12 +161,13 @@ def merge(parts: list[dict], header: dict) -> dict:
             raise RuntimeError(f"checkpoint save: the pieces of {name} hold {total} elements, "
                                f"the tensor has {_prod(t['shape'])}")
         t["pieces"].sort(key=lambda p: p["offset"])
-    return {"format": FORMAT, **header, "files": files, "tensors": dict(sorted(tensors.items()))}
+    return {"format": FORMAT, **header, "files": files,
+            "tensors": dict(sorted(tensors.items()))}
 
 
-def params(index: dict) -> dict[str, dict]:
+def params(index: Index) -> dict[str, Tensor]:
     """The parameters of a checkpoint: name -> its tensor entry."""
-    return {t["param"]: t for t in index["tensors"].values() if t["kind"] == "param"}
+    return {t.param: t for t in index.tensors.values() if t.kind == "param"}
 
 
 def graph_params(graph) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
@@ -160,7 +175,7 @@ def graph_params(graph) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
     return {p.name: (p.dims, p.shape) for s in graph.stages for p in s.program.params}
 
 
-def check_model(index: dict, where: str, model: str, want: dict[str, tuple[tuple[str, ...],
+def check_model(index: Index, where: str, model: str, want: dict[str, tuple[tuple[str, ...],
                 tuple[int, ...]]]) -> None:
     """CheckpointError unless the checkpoint holds exactly the parameters `want` (name ->
     (dims, shape)), listing every name missing, extra or shaped differently."""
@@ -170,15 +185,15 @@ def check_model(index: dict, where: str, model: str, want: dict[str, tuple[tuple
     differ, sizes = [], {}
     for n in sorted(set(want) & set(have)):
         dims, shape = want[n]
-        if tuple(have[n]["shape"]) != tuple(shape):
-            differ.append(f"{n}: checkpoint {_dims(have[n]['dims'], have[n]['shape'])}, "
+        if have[n].shape != tuple(shape):
+            differ.append(f"{n}: checkpoint {_dims(have[n].dims, have[n].shape)}, "
                           f"model {_dims(dims, shape)}")
-            for d, a, b in zip(dims, have[n]["shape"], shape, strict=False):
+            for d, a, b in zip(dims, have[n].shape, shape, strict=False):
                 if a != b:
                     sizes[d] = (a, b)
     if not (missing or extra or differ):
         return
-    lines = [f"checkpoint {where} (model {index['model']}) does not fit model {model}:"]
+    lines = [f"checkpoint {where} (model {index.model}) does not fit model {model}:"]
     if missing:
         lines.append(f"  not in the checkpoint ({len(missing)}): " + _some(missing))
     if extra:
@@ -203,8 +218,8 @@ def _dims(dims, shape) -> str:
     return "[" + ", ".join(f"{d}={s}" for d, s in zip(dims, shape, strict=True)) + "]"
 
 
-def _fmt_dims(index: dict) -> str:
-    dims = index.get("settings", {}).get("dims") or {}
+def _fmt_dims(index: Index) -> str:
+    dims = index.settings.get("dims") or {}
     return ", ".join(f"{k}={v}" for k, v in dims.items()) or "no dims"
 
 

@@ -12,106 +12,150 @@ ZeRO-3, a pipeline, or one rank, because both sides are boxes of the same global
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from soapstone.shard.checkpoint import index as ix
+from soapstone.shard.checkpoint.agree import agree
+from soapstone.shard.checkpoint.checksum import CHUNK, chunks
 from soapstone.shard.checkpoint.holdings import holdings
+from soapstone.shard.checkpoint.schema import File, Index, Optimizer, Piece, Tensor
 from soapstone.shard.checkpoint.tensorfile import Reader
-from soapstone.shard.checkpoint.verify import verify
+from soapstone.shard.checkpoint.verify import check_files, latest, read_header
 
 
-def open_resume(path: str | Path, graph, optimizer: str | None) -> tuple[Path, dict, list]:
-    """The checkpoint `path` names (a step dir, or the latest complete one under a --save
-    DIR), checked against the model of `graph` and the optimizer without reading tensor data:
-    (its dir, its index, the partial saves passed over); CheckpointError."""
-    d, partial = ix.find(path)
-    index = ix.read(d)
-    verify(d, index)
+def open_resume(path: str | Path, graph, optimizer: str | None
+                ) -> tuple[Path, Index, list[tuple[Path, str]]]:
+    """The checkpoint `path` names (a step dir, or the newest usable one under a --save DIR),
+    checked against the model of `graph` and the optimizer without reading tensor data:
+    (its dir, its index, the directories passed over and why); CheckpointError."""
+    d, index, skipped = latest(path)
     ix.check_model(index, str(d), graph.model, ix.graph_params(graph))
-    saved = index["optimizer"]["name"]
+    saved = index.optimizer.name
     if optimizer is not None and saved != optimizer:
         raise ix.CheckpointError(f"checkpoint {d}: saved with optimizer {saved}, this run uses "
                                  f"{optimizer}; resume with --optimizer {saved}, or start from "
                                  f"its weights alone with --init {d}")
-    return d, index, partial
+    return d, index, skipped
 
 
-def open_params(source: str | Path, graph) -> tuple[Path, dict, str]:
-    """The parameters a checkpoint dir (latest complete) or a full safetensors file offers,
+def open_params(source: str | Path, graph) -> tuple[Path, Index, str]:
+    """The parameters a checkpoint dir (newest usable) or a full safetensors file offers,
     checked against the model of `graph`: (dir, index, what to call it). CheckpointError."""
     p = Path(source)
     if p.is_file():
         d, index, where = p.parent, file_index(p), str(p)
+        check_files(d, index)
     else:
-        d, _ = ix.find(p)
-        index = ix.read(d)
+        d, index, _ = latest(p)
         where = str(d)
-    verify(d, index)
     ix.check_model(index, where, graph.model, ix.graph_params(graph))
     return d, index, where
 
 
 def resume(executor, path: str | Path) -> dict:
     """Load parameters, masters, optimizer state and step count from the checkpoint `path`
-    names (a step dir, or the latest complete one under a --save DIR); its index, with
-    "dir", "skipped" (partial saves passed over) and "bytes_read" (tensor data this rank
-    read) added. Collective."""
+    names (a step dir, or the newest usable one under a --save DIR), every byte read checked
+    against its checksum; its index (as JSON), with "dir", "skipped" (directories passed
+    over) and "bytes_read" (the bytes this rank read and checked) added. Collective."""
     from soapstone.shard.checkpoint.save import optimizer_name
 
     name = optimizer_name(executor)
-    d, index, partial = open_resume(path, executor.graph, name)
+    d, index, skipped = open_resume(path, executor.graph, name)
     kinds = ("param", *ix.OPTIMIZER_KINDS.get(name, ())) if name else ("param",)
-    read = _fill(executor, Reader(d, index), kinds)
+    read = fill_shares(executor, Reader(d, index), kinds)
     for opt in executor.optimizers.values():
-        opt.steps = index["optimizer"]["steps"]
-    return index | {"dir": str(d), "skipped": [str(p) for p in partial], "bytes_read": read}
+        opt.steps = index.optimizer.steps
+    return index.raw | {"dir": str(d), "skipped": [str(p) for p, _ in skipped],
+                        "bytes_read": read}
 
 
 def load_params(executor, source: str | Path) -> str:
-    """The parameters from a checkpoint dir (latest complete) or a full safetensors file,
-    into any layout (optimizer state untouched); a line saying what was loaded. Collective."""
+    """The parameters from a checkpoint dir (newest usable) or a full safetensors file, into
+    any layout (optimizer state untouched); a line saying what was loaded. Collective."""
     d, index, where = open_params(source, executor.graph)
-    _fill(executor, Reader(d, index), ("param",))
+    fill_shares(executor, Reader(d, index), ("param",))
     return f"{where}: {len(ix.params(index))} parameters"
 
 
-def file_index(path: Path) -> dict:
-    """An index for one full safetensors file (key = parameter name, each one piece)."""
-    from soapstone.shard.checkpoint.verify import read_header
-
+def file_index(path: Path) -> Index:
+    """An index for one full safetensors file (key = parameter name, each one piece), with the
+    checksums `ckpt export` puts in its metadata (a file from elsewhere has none)."""
     names = {c: n for n, (c, _) in ix.DTYPES.items()}
     if not path.is_file():
         raise ix.CheckpointError(f"{path}: no such file")
-    header, _ = read_header(path)
+    h = read_header(path)
+    crcs = exported_crcs(path, h.metadata)
     tensors = {}
-    for k, h in header.items():
-        if k == "__metadata__":
-            continue
-        shape = list(h["shape"])
-        tensors[f"param/{k}"] = {
-            "kind": "param", "param": k, "dtype": names.get(h["dtype"], h["dtype"]),
-            "shape": shape, "dims": [f"d{i}" for i in range(len(shape))],
-            "pieces": [{"file": path.name, "key": k, "offset": [0] * len(shape),
-                        "shape": shape}]}
-    return {"format": ix.FORMAT, "model": path.name, "tensors": tensors, "settings": {},
-            "files": {path.name: {"bytes": path.stat().st_size}}}
+    for k, e in h.keys.items():
+        if e["dtype"] not in names:
+            raise ix.CheckpointError(f"{path}: {k} is {e['dtype']}; a checkpoint holds "
+                                     + ", ".join(ix.DTYPES))
+        shape = tuple(e["shape"])
+        crc = crcs.get(k) if crcs is not None else None
+        if crcs is not None and (crc is None or len(crc) != chunks(e["data_offsets"][1]
+                                                                   - e["data_offsets"][0])):
+            raise ix.CheckpointError(f"{path}: its metadata's crc32 has no checksums of {k} "
+                                     "for its size; the file is damaged")
+        tensors[f"param/{k}"] = Tensor(
+            f"param/{k}", "param", k, names[e["dtype"]], shape,
+            tuple(f"d{i}" for i in range(len(shape))), {},
+            (Piece(path.name, k, (0,) * len(shape), shape, crc),))
+    step = h.metadata.get("step", "")  # what `ckpt export` records, for messages
+    return Index(model=path.name, parallel=None, zero=0, mesh={}, world_size=1,
+                 step=int(step) if isinstance(step, str) and step.isdigit() else None,
+                 seed=0, settings={}, optimizer=Optimizer(None, 0),
+                 files={path.name: File(path.name, None, h.size)}, tensors=tensors,
+                 chunk_bytes=CHUNK, raw={})
 
 
-def _fill(executor, reader: Reader, kinds: tuple[str, ...]) -> int:
-    """Read every share this rank holds of the given kinds, then republish parameters; the
-    bytes of tensor data read."""
+def exported_crcs(path: Path, metadata: dict) -> dict[str, tuple[int, ...]] | None:
+    """The checksums `ckpt export` wrote into a file's metadata (key -> CRC-32 per chunk), or
+    None when it has none."""
+    text = metadata.get("crc32")
+    if text is None:
+        return None
+    try:
+        crcs = json.loads(text)
+        return {k: tuple(int(c) for c in v) for k, v in crcs.items()}
+    except (ValueError, TypeError, AttributeError):
+        raise ix.CheckpointError(f"{path}: its metadata's crc32 is not a JSON object of "
+                                 "checksum lists; the file is damaged") from None
+
+
+def fill_shares(executor, reader, kinds: tuple[str, ...]) -> int:
+    """Read every share this rank holds of the given kinds (`reader.read(tensor, box, dtype)`),
+    agree with the other ranks that every read succeeded (else the same CheckpointError on
+    every rank), then republish parameters; the bytes read. Collective."""
     import torch
 
+    problem = None
     with torch.no_grad():
-        for h in holdings(executor):
-            for kind, view in h.views.items():
-                if kind not in kinds:
-                    continue
-                at = 0
-                for box in h.boxes:
-                    t = reader.read(f"{kind}/{h.name}", box, view.dtype)
-                    view[at:at + box.numel].copy_(t.reshape(-1))
-                    at += box.numel
+        try:
+            for h in holdings(executor):
+                for kind, view in h.views.items():
+                    if kind not in kinds:
+                        continue
+                    at = 0
+                    for box in h.boxes:
+                        dest = view[at:at + box.numel]
+                        if hasattr(reader, "read_into"):  # a checkpoint: straight in
+                            reader.read_into(f"{kind}/{h.name}", box, dest)
+                        else:
+                            dest.copy_(reader.read(f"{kind}/{h.name}", box, view.dtype)
+                                       .reshape(-1))
+                        at += box.numel
+        except ix.CheckpointError as e:
+            problem = str(e)
+        except OSError as e:  # a disk that fails under the read
+            problem = f"reading the checkpoint: {e}; resume from another checkpoint"
+        finally:
+            if hasattr(reader, "close"):
+                reader.close()
+        mesh = executor.mesh
+        verdict = agree(mesh.world if mesh is not None else None, problem)
+        if verdict.problem is not None:
+            raise ix.CheckpointError(verdict.where() + verdict.problem)
         for opt in executor.optimizers.values():
             opt.reducer.publish_params()  # masters -> the parameters every rank computes with
     return reader.bytes_read

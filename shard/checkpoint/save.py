@@ -1,27 +1,35 @@
-"""Save a training state: each rank writes its own pieces, rank 0 writes the index last.
+"""Save a training state: each rank writes its own pieces, rank 0 the index; one rename publishes.
 
     save(executor, "ckpt", step=3, seed=0, settings={...}, keep=2)   # collective
 
-1. rank 0 clears DIR/step-NNNNNNNN (a partial save of that step left by a crash), barrier;
-2. every rank writes rankRRRRR.safetensors (the boxes it is the writer of: fp32 masters and
-   optimizer state, straight from the live flat buffers, no gather, no copy) and
-   rankRRRRR.json (its pieces), each through temp file + fsync + rename; barrier;
-3. rank 0 merges the parts into index.json (temp + fsync + rename + directory fsync): from
-   that moment the checkpoint exists; it then drops checkpoints beyond the newest `keep` and
-   partial saves of earlier steps; barrier, so no rank runs ahead of a checkpoint in progress.
-A rank killed before step 3 leaves a directory without index.json, which readers pass over.
+1. rank 0 makes DIR/step-NNNNNNNN.tmp-XXXXXXXX and tells every rank its name;
+2. every rank writes rankRRRRR.safetensors there (the boxes it is the writer of: fp32 masters
+   and optimizer state, straight from the live flat buffers, no gather, no copy; the CRC-32 of
+   each 1 MiB chunk taken as it goes; its header's metadata names rank, step, model and
+   optimizer step count) and rankRRRRR.json (its pieces and checksums), each fsynced;
+3. the ranks agree: a rank whose write failed (a full disk: ENOSPC, EDQUOT, EIO) makes every
+   rank raise the same CheckpointError naming the disk, the bytes written and the last
+   complete checkpoint, after rank 0 removed the temp directory;
+4. rank 0 merges the parts into index.json (fsynced), fsyncs the directory and renames it to
+   DIR/step-NNNNNNNN (an existing one is swapped out whole and then deleted: durable.py); it
+   then drops checkpoints beyond the newest `keep` and what crashed saves of steps up to this
+   one left;
+   the ranks agree again, so none runs ahead of a checkpoint in progress or past a failure.
+A rank killed before the rename leaves only a .tmp directory, which readers pass over.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from soapstone.shard.checkpoint import durable, tensorfile
 from soapstone.shard.checkpoint import index as ix
-from soapstone.shard.checkpoint import tensorfile
+from soapstone.shard.checkpoint.agree import agree, share
 from soapstone.shard.checkpoint.holdings import holdings
 
 
@@ -38,7 +46,8 @@ def optimizer_name(executor) -> str | None:
 def save(executor, root: str | Path, step: int, seed: int, settings: dict,
          keep: int | None = None) -> Path:
     """Write the checkpoint after `step` optimizer steps under `root` (collective); its
-    directory. settings: the run's settings, recorded as they are (JSON-ready)."""
+    directory. settings: the run's settings, recorded as they are (JSON-ready). A failed write
+    on any rank is a CheckpointError on every rank, the partial save removed."""
     mesh = executor.mesh
     world = mesh.world if mesh is not None else None
     rank = world.rank if world is not None else 0
@@ -46,12 +55,49 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
     from soapstone.shard.train.nonfinite import refuse_nonfinite_state
 
     refuse_nonfinite_state(executor, step)  # NonFinite on every rank, before a byte is written
-    d = ix.step_dir(root, step)
+    root = Path(root)
+    tmp, problem = Path(), None
     if rank == 0:
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-    _barrier(world)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = durable.make_temp(root, step)
+        except OSError as e:
+            problem = durable.failure(e, f"making a directory in {root}")
+    _check(agree(world, problem), root, step, None, rank)
+    tmp = Path(share(world, str(tmp)))
+    tally, problem = tensorfile.Tally(), None
+    try:
+        write_part(executor, tmp, step, rank, size, tally)
+    except OSError as e:
+        problem = durable.failure(e, f"writing {tmp / ix.rank_file(rank)}")
+    _check(agree(world, problem, tally.bytes), root, step, tmp, rank)
+    final = ix.step_dir(root, step)
+    if rank == 0:
+        try:
+            write_index(executor, tmp, step, seed, settings, size)
+            durable.publish(tmp, final)
+        except OSError as e:
+            problem = durable.failure(e, f"writing {tmp / ix.INDEX}")
+        else:
+            prune(root, keep, step)
+    _check(agree(world, problem, tally.bytes), root, step, tmp, rank)
+    return final
+
+
+def _check(verdict, root: Path, step: int, tmp: Path | None, rank: int) -> None:
+    """Raise the agreed failure on every rank, rank 0 first removing the partial save."""
+    if verdict.problem is None:
+        return
+    if rank == 0 and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise ix.CheckpointError(durable.disk_message(root, step, verdict.total, verdict.problem,
+                                                  verdict.where()))
+
+
+def write_part(executor, tmp: Path, step: int, rank: int, size: int,
+               tally: tensorfile.Tally) -> None:
+    """This rank's safetensors file and its part of the index, into `tmp` (OSError when the
+    disk fails; `tally` counts the bytes)."""
     tensors, part = [], {}
     counts: dict[str, int] = {}
     for h in holdings(executor):
@@ -70,48 +116,57 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
                 tensors.append((key, view[at:at + box.numel].view(box.shape)))
                 at += box.numel
                 meta["pieces"].append({"file": ix.rank_file(rank), "key": key, **box.to_data()})
-    nbytes = tensorfile.write(d / ix.rank_file(rank), tensors,
-                              {"format": ix.FORMAT, "rank": str(rank), "step": str(step)},
-                              tensorfile.slow_hook(step, rank))
-    ix.write_json_atomic(d / f"rank{rank:05d}.json",
-                         {"rank": rank, "file": ix.rank_file(rank), "bytes": nbytes,
+    opt = next(iter(executor.optimizers.values()), None)
+    # the header says whose file this is: a swapped or stray file, or an index whose step was
+    # edited, cannot pass as this checkpoint's (verify.check_file)
+    metadata = {"format": ix.FORMAT, "rank": str(rank), "step": str(step),
+                "model": executor.graph.model, "world_size": str(size),
+                "optimizer_steps": str(opt.steps if opt is not None else 0)}
+    w = tensorfile.write(tmp / ix.rank_file(rank), tensors, metadata,
+                         tensorfile.slow_hook(step, rank), tally)
+    for meta in part.values():
+        for p in meta["pieces"]:
+            p["crc32"] = w.crc32[p["key"]]
+    ix.write_json_atomic(tmp / f"rank{rank:05d}.json",
+                         {"rank": rank, "file": ix.rank_file(rank), "bytes": w.bytes,
+                          "header_bytes": w.header_bytes, "header_crc32": w.header_crc32,
                           "tensors": part})
-    _barrier(world)
-    if rank == 0:
-        parts = [json.loads((d / f"rank{r:05d}.json").read_text()) for r in range(size)]
-        opt = next(iter(executor.optimizers.values()), None)
-        header = {
-            "model": executor.graph.model, "parallel": executor.graph.parallel,
-            "zero": executor.graph.stages[0].program.zero,
-            "mesh": dict(executor.graph.mesh), "world_size": size, "step": step,
-            "seed": seed, "settings": settings,
-            "optimizer": {"name": optimizer_name(executor),
-                          "steps": opt.steps if opt is not None else 0},
-            "rng": {"seed": seed, "next_step": step,
-                    "dropout": "counter-based: each mask is a function of (seed, step, value)"},
-            "data": {"next_batch": step * settings.get("accumulate", 1), "seed": seed,
-                     "source": settings.get("data") or "synthetic"},
-            "torch": torch.__version__,
-        }
-        ix.write_json_atomic(d / ix.INDEX, ix.merge(parts, header))
-        if keep is not None:
-            prune(root, keep, step)
-    _barrier(world)
-    return d
 
 
-def prune(root: str | Path, keep: int, current: int) -> None:
-    """Keep the newest `keep` complete checkpoints under root; drop partial saves of steps
-    before `current` (what a crash left)."""
-    done, partial = ix.scan(root)
-    for _, d in done[:-keep] if keep > 0 else done:
-        shutil.rmtree(d, ignore_errors=True)
-    for d in partial:
-        m = ix.STEP_DIR.match(d.name)
-        if m and int(m.group(1)) < current:
+def write_index(executor, tmp: Path, step: int, seed: int, settings: dict, size: int) -> None:
+    """Rank 0: merge every rank's part into tmp/index.json (fsynced)."""
+    parts = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(size)]
+    opt = next(iter(executor.optimizers.values()), None)
+    header = {
+        "model": executor.graph.model, "parallel": executor.graph.parallel,
+        "zero": executor.graph.stages[0].program.zero,
+        "mesh": dict(executor.graph.mesh), "world_size": size, "step": step,
+        "seed": seed, "settings": settings, "chunk_bytes": tensorfile.checksum.CHUNK,
+        "optimizer": {"name": optimizer_name(executor),
+                      "steps": opt.steps if opt is not None else 0},
+        "rng": {"seed": seed, "next_step": step,
+                "dropout": "counter-based: each mask is a function of (seed, step, value)"},
+        "data": {"next_batch": step * settings.get("accumulate", 1), "seed": seed,
+                 "source": settings.get("data") or "synthetic"},
+        "torch": torch.__version__,
+    }
+    ix.write_json_atomic(tmp / ix.INDEX, ix.merge(parts, header))
+
+
+def prune(root: str | Path, keep: int | None, current: int) -> None:
+    """Keep the newest `keep` complete checkpoints under root (None: all); drop what crashes
+    left of saves up to `current` (unfinished saves; replaced checkpoints whose replacement is
+    in place). Housekeeping: what it cannot delete stays, for the next save."""
+    try:
+        done, skipped = ix.scan(root)
+    except OSError:
+        return
+    if keep is not None:
+        for _, d in done[:-keep] if keep > 0 else done:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _barrier(world) -> None:
-    if world is not None and world.size > 1:
-        world.barrier()
+    complete = {s for s, _ in done}
+    for d, _ in skipped:
+        step = int(re.match(r"step-(\d+)", d.name).group(1))
+        replaced = ".old-" in d.name
+        if step <= current and (not replaced or step in complete):
+            shutil.rmtree(d, ignore_errors=True)

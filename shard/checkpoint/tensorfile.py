@@ -2,8 +2,10 @@
 
 The writer lays out the format itself (8-byte little-endian header length, the JSON header,
 the raw bytes in header order), so it can write views of live buffers that share storage,
-which safetensors' own save refuses, without copying them first. The reader is the
-safetensors library's `safe_open`: `get_slice` reads only the rows a box needs.
+which safetensors' own save refuses, without copying them first; it takes the CRC-32 of each
+1 MiB chunk of every tensor's bytes as it writes them (checksum.py). The reader reads, for a
+box, the rows of each saved piece it overlaps, in whole checksum chunks, and checks each
+chunk before any byte is used (verify.read_checked).
 """
 
 from __future__ import annotations
@@ -14,20 +16,42 @@ import struct
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
+from soapstone.shard.checkpoint import checksum
 from soapstone.shard.checkpoint.boxes import Box
 from soapstone.shard.checkpoint.index import DTYPES, CheckpointError
+from soapstone.shard.checkpoint.schema import Index, Piece, Tensor
+from soapstone.shard.checkpoint.verify import Header, check_file, read_checked
 
 # torch dtype <-> the index's dtype name (index.DTYPES gives its safetensors code)
 NAMES = {getattr(torch, name): name for name in DTYPES}
 BY_NAME = {name: t for t, name in NAMES.items()}
 
 
+@attrs.define
+class Tally:
+    """Bytes written so far: after a failed write, how far it got."""
+
+    bytes: int = 0
+
+
+@attrs.frozen
+class Written:
+    """A written file: its size, its header's size and CRC-32, each key's chunk CRC-32s."""
+
+    bytes: int
+    header_bytes: int
+    header_crc32: int
+    crc32: dict[str, list[int]]
+
+
 def write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str],
-          slow=None) -> int:
+          slow=None, tally: Tally | None = None) -> Written:
     """Write `tensors` (key, contiguous tensor) as a safetensors file via a temp file, fsync
-    and rename; the bytes written. `slow(i)` is called after the i-th tensor (a test hook)."""
+    and rename. `slow(i)` is called after the i-th tensor (a test hook); `tally` counts the
+    bytes as they are written. An OSError (a full disk) removes the temp file and propagates."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for key, t in tensors:
@@ -37,59 +61,90 @@ def write(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[st
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+    head = struct.pack("<Q", len(text)) + text
+    tally = tally if tally is not None else Tally()
+    crcs: dict[str, list[int]] = {}
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for i, (_, t) in enumerate(tensors):
-            if t.numel():
-                f.write(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().data)
-            if slow is not None:
-                slow(i)
-        if slow is not None and not tensors:
-            slow(0)  # a rank that writes nothing is slowed too
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return 8 + len(text) + offset
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            write_all(f, head, tally)
+            for i, (key, t) in enumerate(tensors):
+                crcs[key] = []
+                if t.numel():
+                    data = memoryview(t.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+                    for at in range(0, len(data), checksum.CHUNK):
+                        chunk = data[at:at + checksum.CHUNK]  # checksum while it is in cache
+                        crcs[key].append(checksum.crc32(chunk))
+                        write_all(f, chunk, tally)
+                if slow is not None:
+                    slow(i)
+            if slow is not None and not tensors:
+                slow(0)  # a rank that writes nothing is slowed too
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return Written(len(head) + offset, len(head), checksum.crc32(head), crcs)
+
+
+def write_all(f, data, tally: Tally) -> None:
+    """All of `data` to the unbuffered file `f` (a write may take part of it), counted."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        tally.bytes += n
+        view = view[n:]
+
+
+def _uninitialised(n: int):
+    """n bytes to read into (numpy, which readinto fills; no zeroing pass first)."""
+    return torch.empty(n, dtype=torch.uint8).numpy()
 
 
 class Reader:
-    """Reads boxes of a checkpoint's tensors from its files (each opened once, lazily)."""
+    """Reads boxes of a checkpoint's tensors from its files (each opened and its header
+    checked once, lazily); every byte it reads is checked against its checksum."""
 
-    def __init__(self, directory: Path, index: dict):
+    def __init__(self, directory: Path, index: Index):
         self.dir, self.index = Path(directory), index
-        self.files: dict[str, object] = {}
+        self.files: dict[str, tuple[object, Header]] = {}
         self.bytes_read = 0
 
     def _open(self, name: str):
-        f = self.files.get(name)
-        if f is None:
-            from safetensors import SafetensorError, safe_open
-
+        got = self.files.get(name)
+        if got is None:
+            h = check_file(self.dir, self.index, name)
             try:
-                f = self.files[name] = safe_open(str(self.dir / name), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{self.dir / name}: not a readable safetensors file "
-                                      f"({e}); restore it or resume from another checkpoint") \
-                    from None
-        return f
+                f = open(self.dir / name, "rb")  # noqa: SIM115 (closed by close())
+            except OSError as e:
+                raise CheckpointError(f"{self.dir / name}: cannot open it ({e.strerror}); "
+                                      "restore it or resume from another checkpoint") from None
+            got = self.files[name] = (f, h)
+        return got
+
+    def close(self) -> None:
+        """Close the files."""
+        for f, _ in self.files.values():
+            f.close()
+        self.files.clear()
 
     def read(self, tensor: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
         """The region `box` of checkpoint tensor `tensor`, as `dtype`, from every saved piece
-        it overlaps (only those bytes are read)."""
-        meta = self.index["tensors"][tensor]
-        out = torch.empty(box.shape, dtype=dtype)
+        it overlaps (only the rows it needs, in whole checksum chunks, checked)."""
+        meta = self.index.tensors[tensor]
+        out = None
         got = 0
-        for p in meta["pieces"]:
-            saved = Box(tuple(p["offset"]), tuple(p["shape"]))
-            common = saved.intersect(box)
+        for p in meta.pieces:
+            common = p.box.intersect(box)
             if common is None:
                 continue
-            piece = self._piece(p, meta, tensor)
-            part = piece[common.within(saved)]
-            self.bytes_read += part.numel() * part.element_size()
-            out[common.within(box)] = part.to(dtype)
+            part = self._part(p, meta, common)
+            if common == box:  # one piece holds it all (a resume in the saved layout)
+                return part.to(dtype)
+            if out is None:
+                out = torch.empty(box.shape, dtype=dtype)
+            out[common.within(box)] = part
             got += common.numel
         if got != box.numel:
             raise CheckpointError(f"{self.dir / 'index.json'}: the pieces of {tensor} cover "
@@ -97,31 +152,41 @@ class Reader:
                                   "damaged")
         return out
 
-    def _piece(self, p: dict, meta: dict, tensor: str):
-        f = self._open(p["file"])
-        where = f"{self.dir / p['file']}: {p['key']}"
-        try:
-            sl = f.get_slice(p["key"])
-        except Exception:  # safetensors raises its own error types for a missing key
-            raise CheckpointError(f"{where}: not in the file, but the index lists it for "
-                                  f"{tensor}; the checkpoint is damaged") from None
-        shape, code = list(sl.get_shape()), sl.get_dtype()
-        want = DTYPES.get(meta["dtype"], ("?",))[0]
-        if shape != list(p["shape"]) or code != want:
-            raise CheckpointError(f"{where}: holds {code} {shape}, the index says "
-                                  f"{want} {list(p['shape'])} for "
-                                  f"{tensor}; the file and its index disagree")
-        return _Sliced(sl)
+    def read_into(self, tensor: str, box: Box, dest: torch.Tensor) -> None:
+        """read(tensor, box) into the contiguous `dest` (box.numel elements). When one saved
+        piece is exactly the box (a resume in the saved layout) its bytes are read straight
+        into a CPU `dest` and checked there: no copy."""
+        meta = self.index.tensors[tensor]
+        whole = [p for p in meta.pieces if p.box == box]
+        if not (whole and dest.device.type == "cpu" and dest.dtype == BY_NAME[meta.dtype]
+                and dest.is_contiguous()):
+            dest.copy_(self.read(tensor, box, dest.dtype).reshape(-1))
+            return
+        (p,) = whole
+        f, h = self._open(p.file)
+        n = box.numel * meta.itemsize
+        raw = dest.view(torch.uint8).numpy()
+        read_checked(f, h, p, n, 0, n, self.index.chunk_bytes,
+                     f"{meta.name}, step {self.index.step}", lambda _: raw)
+        self.bytes_read += n
 
-
-class _Sliced:
-    """A safetensors slice indexed with a tuple of slices (read lazily by the library)."""
-
-    def __init__(self, sl):
-        self.sl = sl
-
-    def __getitem__(self, where: tuple[slice, ...]) -> torch.Tensor:
-        return self.sl[where] if where else self.sl[:]
+    def _part(self, p: Piece, meta: Tensor, common: Box) -> torch.Tensor:
+        """The region `common` of piece `p`: its rows read whole, checked, then sliced."""
+        f, h = self._open(p.file)
+        local = common.within(p.box)
+        nbytes = p.box.numel * meta.itemsize
+        if local:
+            row = p.box.numel // p.shape[0] * meta.itemsize
+            rows = (local[0].start, local[0].stop)
+        else:  # a 0-d tensor: its one element
+            row, rows = nbytes, (0, 1)
+        lo, hi = rows[0] * row, rows[1] * row
+        buf, at = read_checked(f, h, p, nbytes, lo, hi, self.index.chunk_bytes,
+                               f"{meta.name}, step {self.index.step}", _uninitialised)
+        self.bytes_read += len(buf)
+        t = torch.from_numpy(buf)[at:at + hi - lo].view(BY_NAME[meta.dtype])
+        t = t.reshape((rows[1] - rows[0], *p.shape[1:]) if local else ())
+        return t[(slice(None), *local[1:])] if local else t
 
 
 def slow_hook(step: int, rank: int):

@@ -2,5 +2,5 @@
 
 from soapstone.comm import moved
 
-# the tasks' names, as `soapstone.shard.data` (a module before 0.2) had them
-__getattr__ = moved.names_from(__name__, "tasks")
+# the names `soapstone.shard.data` (a module before 0.2) had: the tasks, make_task, DataError
+__getattr__ = moved.names_from(__name__, "tasks", "source", "errors")

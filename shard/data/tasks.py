@@ -32,13 +32,13 @@ import zlib
 import numpy as np
 import torch
 
-from soapstone.shard.data.errors import DataError  # noqa: F401 - where callers find it
 from soapstone.shard.plan.program import Program
 
 MARKOV_P = 0.9
 
 
-def _generator(seed: int, *parts: object) -> torch.Generator:
+def seeded_generator(seed: int, *parts: object) -> torch.Generator:
+    """A torch generator seeded from (seed, *parts): the same stream on every rank."""
     key = "/".join(str(p) for p in (seed, *parts)).encode()
     return torch.Generator().manual_seed(zlib.crc32(key))
 
@@ -48,12 +48,14 @@ def input_roles(program: Program) -> dict[str, tuple[str, int]]:
     return {r.name: (r.role, r.limit) for r in program.roles}
 
 
-def _shape(program: Program, name: str) -> tuple[int, ...]:
+def input_shape(program: Program, name: str) -> tuple[int, ...]:
+    """The full global shape of input `name`."""
     sizes = dict(program.dims)
     return tuple(sizes[d] for d in program.value(name).dims)
 
 
-def _dtype(program: Program, name: str) -> torch.dtype:
+def input_dtype(program: Program, name: str) -> torch.dtype:
+    """The torch dtype of input `name`."""
     from soapstone.shard.runtime.sharded_model import TORCH_DTYPES
 
     return TORCH_DTYPES[program.value(name).dtype]
@@ -65,7 +67,8 @@ def _lm_pair(program: Program, roles) -> tuple[str, str, int] | None:
     labels = [n for n, (r, _) in roles.items() if r == "labels"]
     if len(ids) == 1 and len(labels) == 1:
         (i, v), (t, c) = (ids[0], roles[ids[0]][1]), (labels[0], roles[labels[0]][1])
-        if _shape(program, i) == _shape(program, t) and v == c and _shape(program, i):
+        shape = input_shape(program, i)
+        if shape == input_shape(program, t) and v == c and shape:
             return i, t, v
     return None
 
@@ -78,46 +81,46 @@ class SyntheticTask:
         self.roles = input_roles(program)
         self.lm = _lm_pair(program, self.roles)
         if self.lm:
-            self.perm = torch.randperm(self.lm[2], generator=_generator(seed, "perm"))
+            self.perm = torch.randperm(self.lm[2], generator=seeded_generator(seed, "perm"))
         self.teachers: dict[str, torch.Tensor] = {}
         floats = [n for n, (r, _) in self.roles.items() if r == "float"]
         for name, (role, limit) in self.roles.items():
             if role == "labels" and not self.lm and floats:
-                feat = _shape(program, floats[0])[-1]
+                feat = input_shape(program, floats[0])[-1]
                 self.teachers[name] = torch.randn(feat, limit,
-                                                  generator=_generator(seed, "teacher", name))
+                                                  generator=seeded_generator(seed, "teacher", name))
         self.features = floats[0] if floats else None
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """The full global batch of training step `step`."""
-        g = _generator(self.seed, "batch", step)
+        g = seeded_generator(self.seed, "batch", step)
         out: dict[str, torch.Tensor] = {}
         if self.lm:
             ids, targets, vocab = self.lm
-            shape = _shape(self.program, ids)
+            shape = input_shape(self.program, ids)
             seq = torch.empty(*shape[:-1], shape[-1] + 1, dtype=torch.long)
             seq[..., 0] = torch.randint(0, vocab, shape[:-1], generator=g)
             for t in range(shape[-1]):
                 follow = torch.rand(shape[:-1], generator=g) < MARKOV_P
                 noise = torch.randint(0, vocab, shape[:-1], generator=g)
                 seq[..., t + 1] = torch.where(follow, self.perm[seq[..., t]], noise)
-            out[ids] = seq[..., :-1].to(_dtype(self.program, ids))
-            out[targets] = seq[..., 1:].to(_dtype(self.program, targets))
+            out[ids] = seq[..., :-1].to(input_dtype(self.program, ids))
+            out[targets] = seq[..., 1:].to(input_dtype(self.program, targets))
         for name, (role, limit) in self.roles.items():
             if name in out:
                 continue
-            shape = _shape(self.program, name)
+            shape = input_shape(self.program, name)
             if role == "float":
-                out[name] = torch.randn(shape, generator=g).to(_dtype(self.program, name))
+                out[name] = torch.randn(shape, generator=g).to(input_dtype(self.program, name))
             else:
                 out[name] = torch.randint(0, limit, shape, generator=g) \
-                    .to(_dtype(self.program, name))
+                    .to(input_dtype(self.program, name))
         for name, w in self.teachers.items():
             x = out[self.features].double()
             scores = x.reshape(-1, x.shape[-1]) @ w.double()
-            labels = scores.argmax(-1).reshape(_shape(self.program, name))
+            labels = scores.argmax(-1).reshape(input_shape(self.program, name))
             if labels.shape == out[name].shape:
-                out[name] = labels.to(_dtype(self.program, name))
+                out[name] = labels.to(input_dtype(self.program, name))
         return out
 
     def eval_batch(self, j: int) -> dict[str, torch.Tensor]:
@@ -128,21 +131,7 @@ class SyntheticTask:
         """Tokens (or samples) per global batch: the elements of the label input."""
         name = next((n for n, (r, _) in self.roles.items() if r == "labels"), None)
         name = name or self.program.inputs[0]
-        return int(np.prod(_shape(self.program, name)))
-
-
-def make_task(program: Program, seed: int = 0, data: str | None = None,
-              val_data: str | None = None, data_dtype: str | None = None) -> SyntheticTask:
-    """The data source of a run: a memory-mapped token file with --data (held-out batches
-    from --val-data or its tail), the synthetic task otherwise."""
-    if not data:
-        if val_data:
-            raise DataError(f"--val-data {val_data}: give --data too (the synthetic task "
-                            "has its own held-out batches)")
-        return SyntheticTask(program, seed)
-    from soapstone.shard.data.token_memmap import TokenMemmap
-
-    return TokenMemmap(program, data, seed, val_path=val_data, dtype=data_dtype)
+        return int(np.prod(input_shape(self.program, name)))
 
 
 def random_inputs(program: Program, step: int) -> dict[str, torch.Tensor]:
@@ -151,7 +140,7 @@ def random_inputs(program: Program, step: int) -> dict[str, torch.Tensor]:
     out = {}
     roles = input_roles(program)
     for name in program.inputs:
-        (role, limit), shape = roles[name], _shape(program, name)
+        (role, limit), shape = roles[name], input_shape(program, name)
         if role == "float":
             out[name] = torch.randn(shape, generator=g)
         else:

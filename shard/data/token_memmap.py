@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from soapstone.shard.data.tasks import DataError, SyntheticTask, _dtype, _generator, _shape
+from soapstone.shard.data.errors import DataError
+from soapstone.shard.data.tasks import SyntheticTask, input_dtype, input_shape, seeded_generator
 from soapstone.shard.plan.program import Program
 
 BIN_DTYPES = ("uint16", "uint32", "uint8", "int32", "int64")
@@ -87,7 +88,7 @@ class TokenMemmap(SyntheticTask):
         self.path, self.val_path = str(path), str(val_path) if val_path else None
         tokens = open_tokens(path, dtype)
         ids, _, self.vocab = self.lm
-        self.seq = _shape(program, ids)[-1]
+        self.seq = input_shape(program, ids)[-1]
         if val_path:
             self.train, self.val = tokens, open_tokens(val_path, dtype, "--val-data")
         else:
@@ -121,17 +122,17 @@ class TokenMemmap(SyntheticTask):
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """Training batch `step`: windows at offsets drawn from (seed, step)."""
-        return self._cut(self.train, _generator(self.seed, "data", step), step,
+        return self._cut(self.train, seeded_generator(self.seed, "data", step), step,
                          self.path)
 
     def eval_batch(self, j: int) -> dict[str, torch.Tensor]:
         """Held-out batch j (the same j, the same windows, at every evaluation)."""
-        return self._cut(self.val, _generator(self.seed, "eval", j), -1 - j,
+        return self._cut(self.val, seeded_generator(self.seed, "eval", j), -1 - j,
                          self.val_path or self.path)
 
     def _cut(self, data: np.ndarray, g: torch.Generator, step: int, name: str):
         ids, targets, _ = self.lm
-        shape = _shape(self.program, ids)
+        shape = input_shape(self.program, ids)
         nrows, seq = int(np.prod(shape[:-1])), self.seq
         starts = torch.randint(0, data.size - seq, (nrows,), generator=g).numpy()
         rows = list(range(nrows)) if self.rows is None else self.rows
@@ -146,8 +147,8 @@ class TokenMemmap(SyntheticTask):
         others = [n for n in self.roles if n not in (ids, targets)]
         # other inputs (rare) from the synthetic task; never its Markov chain for these two
         out = {n: v for n, v in super().batch(step).items() if n in others} if others else {}
-        out[ids] = win_t[:, :-1].reshape(shape).to(_dtype(self.program, ids))
-        out[targets] = win_t[:, 1:].reshape(shape).to(_dtype(self.program, targets))
+        out[ids] = win_t[:, :-1].reshape(shape).to(input_dtype(self.program, ids))
+        out[targets] = win_t[:, 1:].reshape(shape).to(input_dtype(self.program, targets))
         return out
 
     def _scan(self, arr: np.ndarray, name: str) -> None:

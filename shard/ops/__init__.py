@@ -1,4 +1,5 @@
-"""The primitive ops: one record each (sharding, kernel, costs)."""
+"""The primitive ops: one record each (doc, sharding rule, distributed statistics, costs,
+saves, fusion eligibility, kernel); registry.py lists them, kernels.py is what kernels run in."""
 
 from soapstone.comm import moved
 

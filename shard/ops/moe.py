@@ -1,4 +1,4 @@
-"""The local kernel of the `moe` primitive: route, cap, run each expert, combine.
+"""moe: the mixture-of-experts primitive: route, cap, run each expert, combine.
 
 Where the batch is split (`step.dist`), each rank routes its own tokens, with slots and the
 balance loss counted over the whole batch (shard/parallel/moe_dispatch.py). Split experts run only
@@ -9,38 +9,58 @@ all-to-all brings from every rank.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import functools
 
-from soapstone.shard.ops.kernels import align, op
-from soapstone.shard.parallel.moe_dispatch import (
-    balance_term,
-    exchange,
-    exchange_group,
-    route,
-    token_split,
-)
-
-_ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}
+from soapstone.shard.ops.record import OpRecord, Role
+from soapstone.shard.parallel.dispatch_plan import kernel_calls
+from soapstone.shard.parallel.dispatch_plan import saved_bytes as moe_saved_bytes
 
 
-class _AddAux(torch.autograd.Function):
-    """Pass y through; in backward give the balance loss the gradient the training loss gets
-    (`scale`: 1 / microbatches), so it is added to the training loss's gradient without
-    changing what the model returns."""
-
-    @staticmethod
-    def forward(ctx, y, aux, scale):
-        ctx.scale = scale
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+def moe_roles(op, arg_dim_lists) -> dict[str, Role]:
+    """Split token dims are routed where they are: the op combines the ranks' per-expert
+    counts of each run of tokens, so slots fall as on one rank (STAT); split experts give
+    partial outputs (unless `exchange` applies), and so does each expert's ffn split as
+    Megatron's column/row pair (w1, w3 by column, w2 by row): both SUM."""
+    lead = arg_dim_lists[0][:-1]
+    return {**dict.fromkeys(lead, Role.STAT), op.attr("experts"): Role.SUM,
+            op.attr("ffn"): Role.SUM}
 
 
-def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
-               w3: torch.Tensor | None = None) -> torch.Tensor:
+def moe_exchange(op, arg_dim_lists) -> tuple[tuple[str, str], ...]:
+    """Tokens split along any token dim go to the ranks holding their experts (all-to-all)
+    where the experts split over the same axis."""
+    return tuple((d, str(op.attr("experts"))) for d in arg_dim_lists[0][:-1])
+
+
+@functools.cache
+def add_aux():
+    """The autograd function that passes y through and, in backward, gives the balance loss
+    the gradient the training loss gets (`scale`: 1 / microbatches), so it is added to the
+    training loss's gradient without changing what the model returns (made on first use:
+    this module imports no torch)."""
+    import torch
+
+    class AddAux(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, aux, scale):
+            ctx.scale = scale
+            return y.view_as(y)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+
+    return AddAux
+
+
+def activation(name: str):
+    """An expert's activation by its choice name (swiglu gates a silu)."""
+    import torch.nn.functional as F
+
+    return {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu}[name]
+
+
+def expert_ffn(x, w1, w2, act, w3=None):
     """One expert's FFN on its tokens x[n, h]: act(x @ w1) @ w2, or with a gate w3 (SwiGLU,
     as Mixtral and LLaMA) act(x @ w1) * (x @ w3) @ w2."""
     y = act(x @ w1)
@@ -49,10 +69,20 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act,
     return y @ w2
 
 
-@op("moe")
 def moe(step, args, ctx):
     """y[..., h] = sum over kept choices of gate * expert(x); records aux and drops in
     ctx.moe[step.out]."""
+    import torch
+
+    from soapstone.shard.ops.kernels import align
+    from soapstone.shard.parallel.moe_dispatch import (
+        balance_term,
+        exchange,
+        exchange_group,
+        route,
+        token_split,
+    )
+
     x, router, w1, w2 = args[:4]
     xv = ctx.arg(step, 0)
     h, e, f = step.attr("hidden"), step.attr("experts"), step.attr("ffn")
@@ -68,7 +98,7 @@ def moe(step, args, ctx):
     comm = ctx.mesh.comm(*step.dist) if step.dist else None
     r = route(tokens, router, int(step.attr("top_k")), float(step.attr("capacity")), split,
               comm)
-    act = _ACT[str(step.attr("activation"))]
+    act = activation(str(step.attr("activation")))
     first = ctx.offset(ctx.arg(step, 2), e)  # this rank's experts, where they are split
 
     def expert(rows: torch.Tensor, j: int) -> torch.Tensor:
@@ -108,7 +138,30 @@ def moe(step, args, ctx):
                        "sizes": (send, recv), "sent": sum(send[:me] + send[me + 1:]),
                        "returned": sum(recv[:me] + recv[me + 1:])}
     if torch.is_grad_enabled() and aux.requires_grad:
-        y = _AddAux.apply(y, aux, ctx.loss_scale)
+        y = add_aux().apply(y, aux, ctx.loss_scale)
     y = y.reshape(shape)
     order = [(*lead, h).index(d) for d in xv.dims]
     return y.permute(order) if order != list(range(len(order))) else y
+
+
+def moe_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
+    """Its input (the router's matmul) and what its experts keep."""
+    return floats[:1], moe_saved_bytes(step, program)
+
+
+def moe_keeps(step) -> tuple[str, ...]:
+    """Its weights, in the order backward meets them: the experts' matmuls first, the router
+    last."""
+    return tuple(reversed(step.args[1:]))
+
+
+RECORDS = (
+    OpRecord(
+        "moe",
+        "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h], w3[E, h, f] with "
+        "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity; attrs: hidden, "
+        "experts, ffn, top_k, capacity, aux, activation (dsl/layers/moe.py, shard/ops/moe.py)",
+        kernel=moe, roles=moe_roles, exchange=moe_exchange, saves=moe_saves, keeps=moe_keeps,
+        calls=kernel_calls,
+    ),
+)

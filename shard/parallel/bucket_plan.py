@@ -13,6 +13,7 @@ import math
 
 import attrs
 
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.dtypes import is_float
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -31,12 +32,13 @@ class BucketPlan:
     deferred: bool
 
 
-def plan_buckets(program, zero: int, data_axes: tuple[str, ...],
+def plan_buckets(program, zero: int | ZeroStage, data_axes: tuple[str, ...],
                  deferred: tuple[str, ...] = (), bucket_mb: float = 25.0) -> list[BucketPlan]:
     """The buckets GradReducer builds for `program` (the module doc's rules), from the Program
     alone (torch-free, so `soapstone explain` counts the same collectives the runtime issues).
     Float parameters in reverse program order; a bucket's key is (grad_sync, data axes among
     them, split axes, block under ZeRO-3, own name if deferred)."""
+    per_block = ZeroStage.of(zero).shards_params
     cap = max(int(bucket_mb * (1 << 20)), 1)
     axes_order = [a for a, _ in program.mesh]
     open_: dict[tuple, list[str]] = {}
@@ -49,7 +51,7 @@ def plan_buckets(program, zero: int, data_axes: tuple[str, ...],
             continue
         split = spec.layout.split_axes()
         dp = tuple(a for a in axes_order if a in spec.grad_sync and a in data_axes)
-        key = (spec.grad_sync, dp, split, spec.block if zero == 3 else None,
+        key = (spec.grad_sync, dp, split, spec.block if per_block else None,
                spec.name if spec.name in deferred else None)
         n = numel[spec.name] = math.prod(spec.local_shape)
         group = open_.get(key)

@@ -37,6 +37,7 @@ import attrs
 import torch
 
 from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.zero_stage import ZeroStage
 
 
 @attrs.define
@@ -71,7 +72,7 @@ class Bucket:
 
     def __init__(self, index: int, slots: list[Slot], sync: tuple[str, ...],
                  dp: tuple[str, ...], split: tuple[str, ...], block: str | None, mesh,
-                 zero: int, dtype: torch.dtype, deferred: bool = False):
+                 zero: ZeroStage, dtype: torch.dtype, deferred: bool = False):
         self.index, self.slots, self.block = index, slots, block
         self.deferred = deferred  # reduced only in finish() (see the module doc)
         self.sync, self.dp, self.split = sync, dp, split
@@ -81,8 +82,8 @@ class Bucket:
         self.comm_rest = mesh.comm(*self.rest) if self.rest and mesh is not None else None
         self.n = self.comm_dp.size if self.comm_dp is not None else 1
         self.rank = self.comm_dp.rank if self.comm_dp is not None else 0
-        self.sharded = zero >= 1 and self.n > 1
-        self.zero = zero if self.sharded else 0
+        self.zero = zero.on(self.n)  # the stage this bucket runs (0 on one data rank)
+        self.sharded = self.zero.shards_optimizer
         used = sum(s.numel for s in slots)
         self.numel = -(-used // self.n) * self.n  # padded so that it splits evenly
         self.shard = self.numel // self.n
@@ -102,7 +103,7 @@ class Bucket:
     @property
     def keeps_full_grad(self) -> bool:
         """Whether the full gradient buffer persists between steps (stages 0 and 1)."""
-        return self.zero <= 1
+        return self.zero.keeps_full_grad
 
     def shard_range(self) -> slice:
         """This rank's slice of the bucket's flat buffers."""
@@ -128,14 +129,14 @@ class Bucket:
     def launch(self) -> None:
         """Start this bucket's reduction (async)."""
         self.dirty = False
-        if self.zero == 0:
+        if not self.sharded:
             if self.comm_all is None:
                 self._fold_full()
             else:
                 self.handle = self.comm_all.allreduce(self.full_grad, async_op=True)
             return
         self.handle = self.comm_dp.reduce_scatter(self.full_grad, 0, async_op=True)
-        if self.zero >= 2:
+        if not self.keeps_full_grad:
             self.full_grad = None  # freed once the reduce-scatter is done (the handle holds it)
 
     def _fold_full(self) -> None:
@@ -151,7 +152,7 @@ class Bucket:
             return
         out = self.handle.wait()
         self.handle = None
-        if self.zero == 0:
+        if not self.sharded:
             self._fold_full()
             return
         if self.comm_rest is not None:
@@ -160,7 +161,7 @@ class Bucket:
             self.grad_shard = out
         else:
             self.grad_shard.add_(out)
-        if self.zero == 1:
+        if self.keeps_full_grad:  # stage 1: the persistent buffer starts again from zero
             self.full_grad.zero_()
 
     def segment(self) -> Segment:
@@ -171,12 +172,12 @@ class Bucket:
 class GradReducer:
     """Owns a ShardedModel's buckets: flat params, gradient hooks, reductions (one per model)."""
 
-    def __init__(self, model, zero: int | None = None, bucket_mb: float = 25.0,
+    def __init__(self, model, zero: int | ZeroStage | None = None, bucket_mb: float = 25.0,
                  data_axes: tuple[str, ...] | None = None, deferred: tuple[str, ...] = (),
                  overlap: bool = True):
         program = model.program
         self.model = model
-        self.zero = program.zero if zero is None else zero
+        self.zero = ZeroStage.of(program.zero if zero is None else zero)
         self.mesh = model.mesh
         self.overlap = overlap
         self.data_axes = tuple(program.data_axes if data_axes is None else data_axes)
@@ -196,7 +197,7 @@ class GradReducer:
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
         self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
-        if self.zero == 3:
+        if self.zero.shards_params:
             from soapstone.shard.parallel.zero import Zero3Provider
 
             self.provider = Zero3Provider(self)
@@ -225,7 +226,7 @@ class GradReducer:
                 full = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
                 for s in b.slots:
                     full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-                if b.zero == 3:
+                if b.zero.shards_params:
                     b.master = full[b.shard_range()].clone()
                     from soapstone.shard.parallel.zero import release_params
 
@@ -240,7 +241,7 @@ class GradReducer:
                         b.shard_range()].clone()
                 else:
                     b.master = b.flat_param if self.dtype == b.mdtype else full
-                if b.zero <= 1:
+                if b.keeps_full_grad:
                     b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
 
     # --- during backward ------------------------------------------------------------------
@@ -311,7 +312,7 @@ class GradReducer:
         """A deferred parameter's gradient as accumulated on this rank, not yet reduced over
         any axis: a flat view the caller may add to in place before finish()."""
         b, s = self.slot_of[id(self.model.params[name])]
-        if not b.deferred:
+        if not b.deferred:  # not user input: the executor asks for its tied weights only
             raise ValueError(f"{name} is not a deferred parameter (build_optimizer(deferred=...))")
         if b.full_grad is None:
             b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
@@ -399,7 +400,7 @@ class GradReducer:
         pending = []
         with torch.no_grad():
             for b in self.buckets:
-                if b.zero == 3:
+                if b.zero.shards_params:
                     continue  # gathered from the master shard at the next forward
                 if b.sharded:
                     src = b.master if b.master.dtype == self.dtype else b.master.to(self.dtype)
@@ -417,12 +418,12 @@ class GradReducer:
         for b in self.buckets:
             b.complete()
             b.dirty = False
-            if b.zero == 0:
+            if not b.sharded:
                 if b.acc is not None:
                     b.full_grad, b.acc = b.acc.zero_(), None
                 elif b.full_grad is not None:
                     b.full_grad.zero_()
-            elif b.zero == 1:
+            elif b.keeps_full_grad:
                 b.full_grad.zero_()
                 b.grad_shard = None
             else:

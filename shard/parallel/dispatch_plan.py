@@ -1,6 +1,6 @@
 """The collectives a routing op makes inside its kernel: moe's counts and token exchange.
 
-A `moe` Compute whose tokens are split over axes (`step.dist`: rules.py gives the token dims
+A `moe` Compute whose tokens are split over axes (`step.dist`: its record gives the token dims
 a STAT role) routes only this rank's tokens. So that every choice takes the slot it takes on
 one rank, the kernel gathers each rank's per-expert choice counts over those axes: one
 allgather of an int64 [1, top_k, runs, experts] tensor over their communicator (runs: the
@@ -81,7 +81,7 @@ def runs(step: Compute, program: Program) -> int:
 
 def kernel_calls(program: Program, step: Compute) -> list[Call]:
     """The collectives `step`'s kernel makes, forward in call order then backward in call
-    order ([] for ops without any besides DIST_STATS's statistics)."""
+    order ([] for ops without any besides their records' dist_stats)."""
     if step.kind != "moe" or not step.dist:
         return []
     x = program.value(step.args[0])

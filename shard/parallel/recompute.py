@@ -45,7 +45,7 @@ class Segment:
     def of(cls, program: Program, start: int, stop: int, run_index: dict[int, int]) -> Segment:
         """The segment of steps [start, stop); a fused chain must lie inside or outside it."""
         for i, at in run_index.items():
-            if (start <= i < stop) != (start <= at < stop):
+            if (start <= i < stop) != (start <= at < stop):  # a compiler bug, not user input
                 raise ValueError(f"recompute range {start}..{stop} of {program.model} cuts "
                                  f"the fused chain running at step {at}")
         made = {program.steps[i].out for i in range(start, stop)}

@@ -7,8 +7,9 @@ cheap elementwise ops. The rule, per value `v` a Compute step makes (pure data, 
 
 - something keeps v for backward (activations.py's model of each kernel's saves, fused chains
   included): else dropping it frees nothing;
-- rebuilding v is cheap per byte kept: the FLOPs per element of v of its step (OP_FLOPS for
-  the elementwise ops, norms, softmax, masks, dropout; 2 x the contracted size for an einsum),
+- rebuilding v is cheap per byte kept: the FLOPs per element of v of its step (its op's
+  record's `flops`: a count of the kernel's arithmetic for the elementwise ops, norms,
+  softmax, masks, dropout; 2 x the contracted size for an einsum),
   plus those of any unsaved intermediates it needs again (scores -> mask -> softmax), below
   the cheapest matmul with a weight of the program. A weight matmul is never dropped, and
   neither is an op whose cost the rule does not know (embedding, moe, custom layers, losses);
@@ -27,34 +28,24 @@ from __future__ import annotations
 
 import math
 
-from soapstone.shard.plan.analysis.activations import ALIASES, _saved
+from soapstone.shard.ops.record import Bound
+from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.plan.analysis.activations import step_saves
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import find_fusions
-
-# FLOPs per output element of the ops the rule may drop (a count of the kernel's arithmetic:
-# a softmax takes a max, a subtraction, an exponential, a sum and a division)
-OP_FLOPS: dict[str, float] = {
-    "add": 1, "mul": 1, "relu": 1, "causal_mask": 1, "dropout": 2, "silu": 4, "gelu": 8,
-    "softmax": 5, "layernorm": 8, "rmsnorm": 5, "rope": 6, "repeat_dim": 0,
-}
 
 
 def _flops_per_element(program: Program, step: Compute) -> float | None:
     """FLOPs per output element of `step`; None for an op the rule never drops."""
-    if step.kind == "einsum":
-        sizes: dict[str, int] = {}
-        for name in step.args:
-            v = program.value(name)
-            sizes.update(zip(v.dims, v.local_shape, strict=True))
-        out = set(program.value(step.out).dims)
-        return 2.0 * math.prod(n for d, n in sizes.items() if d not in out)
-    return OP_FLOPS.get(step.kind)
+    return record_of(step.kind).flops_per_element(step, program)
 
 
 def _threshold(program: Program, params: set[str]) -> float:
     """FLOPs per output element of the cheapest matmul with a weight (inf without one)."""
-    costs = [_flops_per_element(program, s) for s in program.steps
-             if isinstance(s, Compute) and s.kind == "einsum" and set(s.args) & params]
+    costs = [_flops_per_element(program, s) for s in program.steps if isinstance(s, Compute)
+             and record_of(s.kind).bound is Bound.MATMUL and set(s.args) & params]
     return min((c for c in costs if c is not None), default=math.inf)
 
 
@@ -68,20 +59,20 @@ def selective_drops(program: Program) -> tuple[str, ...]:
     kept: set[str] = set()  # what some kernel keeps for backward
     for i in range(len(steps)):
         if i not in {c for f in fused.values() for c in f.covered}:
-            kept.update(_saved(program, i, fused, params)[0])
+            kept.update(step_saves(program, i, fused, params)[0])
     viewed = set()  # values another is a view or copy-to of
     for s in steps:
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             viewed.add(s.src)
-        elif isinstance(s, Compute) and (s.kind in ALIASES or (
-                s.kind == "dropout" and not float(s.attr("p", 0.0) or 0.0))):
-            viewed.add(s.args[0])  # dropout at p = 0 returns its input
+        elif isinstance(s, Compute) and record_of(s.kind).aliases(s):
+            viewed.add(s.args[0])  # a view, or an identity (dropout at p = 0)
     limit = _threshold(program, params)
     cost: dict[str, float] = {}  # value -> FLOPs per element to rebuild it, where rebuildable
     dropped: list[str] = []
     for i, s in enumerate(steps):
         if not isinstance(s, Compute) or i in in_fusion or s.dist or s.owner \
-                or s.kind in ALIASES or s.out in outputs or s.out in viewed:
+                or record_of(s.kind).bound is Bound.VIEW or s.out in outputs or s.out in viewed:
             continue
         own = _flops_per_element(program, s)
         if own is None or not program.value(s.out).is_float:
@@ -90,7 +81,7 @@ def selective_drops(program: Program) -> tuple[str, ...]:
         n_out = math.prod(program.value(s.out).local_shape) or 1
         for a in s.args:
             if a in params:
-                if program.zero >= 3:
+                if ZeroStage.of(program.zero).shards_params:
                     break
             elif not program.value(a).is_float:
                 break
@@ -117,7 +108,7 @@ def rebuild_steps(program: Program, name: str) -> tuple[int, ...]:
     covered = {c for f in fused.values() for c in f.covered}
     for i in range(len(program.steps)):
         if i not in covered:
-            kept.update(_saved(program, i, fused, params)[0])
+            kept.update(step_saves(program, i, fused, params)[0])
     kept -= set(program.dropped)
     order: list[int] = []
 

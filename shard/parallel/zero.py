@@ -50,7 +50,7 @@ class Zero3Provider:
         self.reducer = reducer
         self.model = reducer.model
         self.buckets = reducer.buckets
-        owner = {s.name: b for b in self.buckets if b.zero == 3 for s in b.slots}
+        owner = {s.name: b for b in self.buckets if b.zero.shards_params for s in b.slots}
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for i, step in enumerate(self.model.program.steps):
@@ -161,7 +161,7 @@ class Zero3Provider:
 
     def grad_done(self, b) -> None:
         """Called by the gradient hook: once a bucket has all its gradients, free it."""
-        if b.zero == 3 and b.filled == len(b.slots):
+        if b.zero.shards_params and b.filled == len(b.slots):
             self.release(b.index)
 
     def backward_done(self) -> None:

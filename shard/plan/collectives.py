@@ -17,7 +17,8 @@ from __future__ import annotations
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.plan.program import CopyTo, Program, Redistribute, Step
+from soapstone.shard.plan.layout import RedistributeKind
+from soapstone.shard.plan.program import CopyTo, GradPlacement, Program, Redistribute, Step
 
 
 @attrs.frozen
@@ -31,7 +32,7 @@ class Kind:
     backward_payload: str = "src"  # "src" | "out", as forward_payload
 
 
-KINDS: dict[str, Kind] = {k.name: k for k in (
+KINDS: dict[RedistributeKind, Kind] = {RedistributeKind(k.name): k for k in (
     Kind("allreduce", "allreduce", "src", None),  # P -> R: the gradient is already whole
     Kind("reduce_scatter", "reduce_scatter", "src", "allgather", "src"),  # P -> S
     Kind("allgather", "allgather", "out", None),  # S -> R (grad="partial": see backward_op)
@@ -61,7 +62,8 @@ def backward_op(step: Step) -> str | None:
     """The collective that runs in backward for this step (None: none). An allgather whose
     consumers all vary per rank takes its gradient as a partial sum (`grad="partial"`): its
     backward is a reduce_scatter (sequence parallelism)."""
-    if isinstance(step, Redistribute) and step.kind == "allgather" and step.grad == "partial":
+    if isinstance(step, Redistribute) and step.kind is RedistributeKind.ALLGATHER \
+            and step.grad is GradPlacement.PARTIAL:
         return "reduce_scatter"
     if not isinstance(step, Redistribute | CopyTo):
         return None
@@ -83,7 +85,7 @@ def backward_bytes(program: Program, step: Redistribute | CopyTo) -> int:
     if backward_op(step) is None:
         return 0
     k = kind_of(step)
-    side = "out" if isinstance(step, Redistribute) and step.kind == "allgather" \
+    side = "out" if isinstance(step, Redistribute) and step.kind is RedistributeKind.ALLGATHER \
         else k.backward_payload
     return _payload(program, step, side)
 
@@ -91,13 +93,13 @@ def backward_bytes(program: Program, step: Redistribute | CopyTo) -> int:
 LATENCY_BYTES = 16 * 1024  # a collective's fixed cost, in bytes of bandwidth (alpha-beta model)
 
 
-def transition_cost(kind: str | None, local_bytes: int, n: int) -> float:
+def transition_cost(kind: RedistributeKind | None, local_bytes: int, n: int) -> float:
     """Lowering's modelled cost of turning one placement into another on an axis of n ranks,
     for a tensor holding `local_bytes` on this rank before: the latency plus the bytes this
     rank sends in the forward collective (comm.accounting's ring formulas)."""
     if kind is None or n == 1:
         return 0.0
-    if kind == "invalid":
+    if kind is RedistributeKind.INVALID:
         return float("inf")
     k = KINDS[kind]
     if k.forward is None:

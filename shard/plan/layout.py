@@ -7,6 +7,8 @@ Mesh-TensorFlow. An axis absent from a layout is replicated. Pure Python: the co
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 from soapstone.shard.plan.dtypes import DTYPE_BYTES
@@ -122,21 +124,35 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
+class RedistributeKind(enum.StrEnum):
+    """What turns one placement into another on one axis (a Redistribute step's kind; what
+    each moves forward and backward: shard/plan/collectives.py's table). Its str is its name
+    as `show` prints it."""
+
+    ALLREDUCE = "allreduce"  # P -> R
+    REDUCE_SCATTER = "reduce_scatter"  # P -> S
+    ALLGATHER = "allgather"  # S -> R
+    SLICE = "slice"  # R -> S (local, free)
+    ALLTOALL = "alltoall"  # S(a) -> S(b)
+    BROADCAST = "broadcast"  # owned -> R
+    ZERO_FILL = "zero_fill"  # owned -> P (free)
+    # R -> P and S -> P are never needed: partials only arise from contractions (and
+    # branches), so transition refuses them (lowering's cost: infinite)
+    INVALID = "invalid"
+
+
 # What turning one placement into another on one axis costs, in the collective that does it.
-# (src, dst) kind: "allreduce" P->R, "reduce_scatter" P->S, "allgather" S->R, "slice" R->S
-# (local, free), "alltoall" S(a)->S(b), "zero_fill" owned->P (free), "broadcast" owned->R.
-# R->P and S->P are never needed: partials only arise from contractions (and branches), so
-# they are refused.
-def transition(src: Placement, dst: Placement) -> str | None:
+def transition(src: Placement, dst: Placement) -> RedistributeKind | None:
     """The collective that turns placement `src` into `dst` on one axis (None: nothing to do)."""
+    K = RedistributeKind
     if src == dst:
         return None
     if isinstance(src, Owned):  # the owner's value as a partial sum (zeros elsewhere) or R
-        return {P: "zero_fill", R: "broadcast"}.get(dst, "invalid")
+        return {P: K.ZERO_FILL, R: K.BROADCAST}.get(dst, K.INVALID)
     if isinstance(dst, Owned):
-        return "invalid"
+        return K.INVALID
     if src == P:
-        return "allreduce" if dst == R else "reduce_scatter"
+        return K.ALLREDUCE if dst == R else K.REDUCE_SCATTER
     if src == R:
-        return "slice" if dst != P else "invalid"
-    return "allgather" if dst == R else ("alltoall" if dst != P else "invalid")
+        return K.SLICE if dst != P else K.INVALID
+    return K.ALLGATHER if dst == R else (K.ALLTOALL if dst != P else K.INVALID)

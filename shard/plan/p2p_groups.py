@@ -19,7 +19,7 @@ import functools
 
 import attrs
 
-from soapstone.shard.plan.schedules import Action, Schedule
+from soapstone.shard.plan.schedules import Action, ActionKind, Direction, Schedule
 
 
 @attrs.frozen
@@ -34,12 +34,12 @@ class P2P:
     @property
     def sending(self) -> bool:
         """Whether this op sends (SA, SG) rather than receives."""
-        return self.action.kind[0] == "S"
+        return self.action.kind.sending
 
     @property
-    def direction(self) -> str:
+    def direction(self) -> Direction:
         """A (an activation) or G (a gradient)."""
-        return self.action.kind[1]
+        return self.action.kind.direction
 
     def __str__(self) -> str:
         way = "to" if self.sending else "from"
@@ -63,28 +63,7 @@ Item = Action | Group
 
 def p2p_of(sched: Schedule, a: Action) -> P2P:
     """The message a communication action (RA, RG, SA, SG) of `sched` moves."""
-    s = a.stage
-    edge, other = {"SA": (s, s + 1), "RA": (s - 1, s - 1), "SG": (s - 1, s - 1),
-                   "RG": (s, s + 1)}[a.kind]
-    return P2P(a, sched.rank_of(other), edge)
-
-
-def _recv_of(sched: Schedule, a: Action) -> Action | None:
-    last = sched.stages - 1
-    if a.kind == "F" and a.stage > 0:
-        return Action("RA", a.mb, a.stage)
-    if a.kind == "B" and a.stage < last:
-        return Action("RG", a.mb, a.stage)
-    return None
-
-
-def _sends_of(sched: Schedule, a: Action) -> list[Action]:
-    last = sched.stages - 1
-    if a.kind == "F" and a.stage < last:
-        return [Action("SA", a.mb, a.stage)]
-    if a.kind == "B" and a.stage > 0:
-        return [Action("SG", a.mb, a.stage)]
-    return []
+    return P2P(a, sched.rank_of(a.kind.peer(a.stage)), a.kind.edge(a.stage))
 
 
 GROUPINGS = ("consume", "pairs")
@@ -98,10 +77,10 @@ def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[A
     units: list[list[Action]] = []
     for a in compute:
         prev = units[-1] if units else None
-        if prev is not None and (a.kind == "W" or (
-                grouping == "pairs" and a.kind == "B" and len(prev) == 1
-                and prev[0].kind == "F" and not (a.mb == prev[0].mb
-                                                 and a.stage >= prev[0].stage))):
+        if prev is not None and (not a.kind.messages or (
+                grouping == "pairs" and a.kind is ActionKind.B and len(prev) == 1
+                and prev[0].kind is ActionKind.F and not (a.mb == prev[0].mb
+                                                          and a.stage >= prev[0].stage))):
             prev.append(a)
         else:
             units.append([a])
@@ -117,14 +96,15 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     action reading it); pairs: Megatron's interleaved steady state (a forward and a backward
     run back to back, their sends and the next pair's receives in one group).
     forward_only: the forward actions alone (Executor.infer)."""
-    if grouping not in GROUPINGS:
+    if grouping not in GROUPINGS:  # not user input: p2p_proof.choose picks it
         raise ValueError(f"grouping {grouping!r}: use one of {GROUPINGS}")
-    compute = [a for a in sched.ranks[rank] if not forward_only or a.kind == "F"]
+    compute = [a for a in sched.ranks[rank] if not forward_only or a.kind is ActionKind.F]
     out: list[Item] = []
     pending: list[Action] = []  # sends of the unit just run
     weights: list[Action] = []  # its trailing W actions
+    last = sched.stages - 1
     for unit in _units(sched, compute, grouping):
-        ops = pending + [r for r in (_recv_of(sched, a) for a in unit) if r is not None]
+        ops = pending + [r for r in (a.receive(last) for a in unit) if r is not None]
         if ops:
             out.append(Group(tuple(p2p_of(sched, x) for x in ops)))
         # a W runs after the group carrying its unit's sends, not before: zb1p's point is that
@@ -132,11 +112,11 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
         # order of groups, which is what the proof checks, is the same)
         out.extend(weights)
         k = len(unit)
-        while k and unit[k - 1].kind == "W":
+        while k and not unit[k - 1].kind.messages:
             k -= 1
         out.extend(unit[:k])
         weights = unit[k:]
-        pending = [s for a in unit for s in _sends_of(sched, a)]
+        pending = [s for s in (a.send(last) for a in unit) if s is not None]
     if pending:
         out.append(Group(tuple(p2p_of(sched, x) for x in pending)))
     out.extend(weights)
@@ -152,8 +132,7 @@ def plans(sched: Schedule, forward_only: bool = False,
 def format_plans(sched: Schedule, grouping: str) -> str:
     """Every pipe rank's grouped plan as text, one line each: compute actions as in
     Schedule.format (`F3`, `B3`, `W3`; `:c` the chunk) and each group in brackets."""
-    def label(a: Action) -> str:
-        return f"{a.kind}{a.mb}" + (f":{a.stage // sched.pipe}" if sched.chunks > 1 else "")
+    label = sched.label
 
     def item(x: Item) -> str:
         return "[" + " ".join(label(o.action) for o in x.ops) + "]" if isinstance(x, Group) \

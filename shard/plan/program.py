@@ -9,13 +9,14 @@ mesh axis and byte count, so `soapstone show` can print all traffic before launc
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 
 import attrs
 
 from soapstone.shard.plan.dtypes import is_float
-from soapstone.shard.plan.layout import Layout, Placement, nbytes
+from soapstone.shard.plan.layout import Layout, Placement, RedistributeKind, nbytes
 
 
 @attrs.frozen
@@ -76,22 +77,30 @@ class Compute:
         return dict(self.attrs).get(key, default)
 
 
+class GradPlacement(enum.StrEnum):
+    """How a gathered value's gradient arrives (Redistribute.grad, allgather only): equal on
+    every rank (backward: a local slice) or as a partial sum (backward: a reduce_scatter)."""
+
+    REPLICATE = "replicate"
+    PARTIAL = "partial"
+
+
 @attrs.frozen
 class Redistribute:
     """Change `src`'s placement on one axis. kind: allreduce | reduce_scatter | allgather |
     slice | alltoall | broadcast (from a branch's owner) | zero_fill (a branch's value as a
-    partial sum: zeros off the owner). `grad` (allgather only): "partial" when the gathered
-    value's gradient arrives as a partial sum (backward reduce_scatter) or "replicate"
+    partial sum: zeros off the owner). `grad` (allgather only): partial when the gathered
+    value's gradient arrives as a partial sum (backward reduce_scatter) or replicate
     (backward local slice)."""
 
     out: str
     src: str
     axis: str
-    kind: str
+    kind: RedistributeKind = attrs.field(converter=RedistributeKind)
     frm: Placement  # placement before
     to: Placement  # placement after
     nbytes: int  # payload this rank sends into the collective (0 for slice)
-    grad: str = "replicate"
+    grad: GradPlacement = attrs.field(default=GradPlacement.REPLICATE, converter=GradPlacement)
 
 
 @attrs.frozen
@@ -105,17 +114,6 @@ class CopyTo:
 
 
 Step = Compute | Redistribute | CopyTo
-
-# The allreduces of statistics a distributed form runs per split axis, in order: (reduce op,
-# whether backward allreduces it too). `show` and `explain` count them; shard/ops/kernels.py takes
-# its reductions from here one by one (ops._Stats), so the two cannot drift.
-DIST_STATS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "layernorm": (("sum", True), ("sum", True)),
-    "rmsnorm": (("sum", True),),
-    "softmax": (("max", False), ("sum", True)),
-    "cross_entropy": (("max", False), ("sum", False), ("sum", False)),
-}
-
 
 @attrs.frozen
 class InputRole:
@@ -181,7 +179,7 @@ class Program:
         for p in self.params:
             if p.name == name:
                 return p
-        raise KeyError(name)
+        raise KeyError(name)  # a lookup (callers catch it), never user input
 
     @property
     def loss(self) -> Output | None:

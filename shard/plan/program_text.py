@@ -1,4 +1,5 @@
-"""Printing a Program: the text `soapstone show` prints and golden files pin, and its JSON.
+"""Printing a Program and a stage graph: the text `soapstone show` prints and golden files
+pin, and its JSON.
 
 Every collective appears twice over: in place, in the step list (with its payload: the bytes
 of the tensor it moves), and totalled per phase, kind and mesh axis at the end. The totals are
@@ -16,10 +17,12 @@ import attrs
 
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
 from soapstone.shard.parallel.selective_plan import rebuild_steps
-from soapstone.shard.plan.analysis.explain import Traffic, estimate, format_bytes, format_traffic
+from soapstone.shard.plan.analysis.explain import Traffic, estimate, format_traffic
 from soapstone.shard.plan.collectives import backward_op
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
+from soapstone.shard.plan.stage_graph import StageGraph
+from soapstone.shard.plan.units import format_bytes
 
 
 def _shape(program: Program, name: str) -> str:
@@ -137,3 +140,67 @@ def program_to_data(program: Program, zero: int = 0,
     data = convert(program)
     data["collectives"] = [attrs.asdict(t) for t in traffic(program, zero, deferred)]
     return data
+
+
+def format_stage_graph(graph: StageGraph, programs: bool = True, zero: int = 0) -> str:
+    """The text `soapstone show` prints for a stage graph: stages, edges with bytes, then each
+    program (its collective totals for one microbatch of that stage under ZeRO `zero`)."""
+    inner = [(a, n) for a, n in graph.mesh if a != graph.axis]
+    others = " x ".join(f"{a}={n}" for a, n in inner) or "nothing else"
+    lines = [f"stage graph: {len(graph.stages)} virtual stages over {graph.axis}="
+             f"{graph.pipe} ({graph.schedule}, microbatches={graph.microbatches}"
+             + (f", chunks={graph.chunks}" if graph.chunks > 1 else "") + "); "
+             f"each stage on {others}",
+             f"  microbatch: {graph.batch_dim} {graph.batch} / {graph.microbatches} = "
+             f"{graph.microbatch}"]
+    for s in graph.stages:
+        blocks = f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0]
+        extra = []
+        if s.data_inputs:
+            extra.append("reads " + ", ".join(s.data_inputs))
+        if s.is_last:
+            extra.append("loss")
+        lines.append(f"  stage {s.index}  {graph.axis} {s.rank}  blocks {blocks}  "
+                     f"{len(s.program.params)} params, {len(s.program.steps)} steps"
+                     + (f"  ({'; '.join(extra)})" if extra else ""))
+    for e in graph.edges:
+        lines.append(f"  edge {e.src} -> {e.dst}  ({graph.axis} {e.src_rank} -> "
+                     f"{e.dst_rank}): {format_bytes(e.nbytes)} per microbatch per rank, "
+                     "the same back as gradients")
+        for t in e.tensors:
+            dims = " ".join(f"{d}:{n}" for d, n in zip(t.dims, t.local_shape, strict=True))
+            lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  "
+                         f"{format_bytes(t.nbytes)}")
+    for name, where in graph.shared:
+        lines.append(f"  shared {name}: stages {', '.join(map(str, where))} hold copies; "
+                     f"gradient summed over {graph.axis}")
+    per_step = sum(e.nbytes for e in graph.edges) * graph.microbatches * 2
+    lines.append("  p2p per step (all edges, forward + backward): "
+                 f"{format_bytes(per_step)} per rank column")
+    text = "\n".join(lines) + "\n"
+    if programs:
+        for s in graph.stages:
+            text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
+            text += format_program(s.program, zero, graph.deferred(s), stage=True)
+    return text
+
+
+def stage_graph_to_data(graph: StageGraph, zero: int = 0) -> dict:
+    """A stage graph's JSON-ready summary (the programs via program_to_data, under ZeRO
+    `zero`)."""
+    return {
+        "model": graph.model, "parallel": graph.parallel, "axis": graph.axis,
+        "schedule": graph.schedule, "microbatches": graph.microbatches,
+        "chunks": graph.chunks, "batch_dim": graph.batch_dim, "batch": graph.batch,
+        "stages": [{"index": s.index, "rank": s.rank, "chunk": s.chunk,
+                    "blocks": list(s.blocks), "data_inputs": list(s.data_inputs),
+                    "recv": list(s.recv), "send": list(s.send),
+                    "program": program_to_data(s.program, zero, graph.deferred(s))}
+                   for s in graph.stages],
+        "edges": [{"src": e.src, "dst": e.dst, "bytes": e.nbytes,
+                   "tensors": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims),
+                                "local_shape": list(t.local_shape),
+                                "layout": str(t.layout), "bytes": t.nbytes}
+                               for t in e.tensors]} for e in graph.edges],
+        "shared": [{"param": n, "stages": list(w)} for n, w in graph.shared],
+    }

@@ -91,6 +91,7 @@ class StageGraph:
     def program(self) -> Program:
         """The one stage's Program of a layout without a pipeline."""
         if len(self.stages) != 1:
+            # not user input: only code that knows the layout has one stage asks
             raise ValueError(f"layout {self.parallel} has {len(self.stages)} stages, not one")
         return self.stages[0].program
 
@@ -108,73 +109,7 @@ class StageGraph:
         """The virtual stages pipe rank `rank` runs, in chunk order."""
         return tuple(s for s in self.stages if s.rank == rank)
 
-    def format(self, programs: bool = True, zero: int = 0) -> str:
-        """The text `soapstone show` prints: stages, edges with bytes, then each program (its
-        collective totals for one microbatch of that stage under ZeRO `zero`)."""
-        from soapstone.shard.plan.analysis.explain import format_bytes
-        from soapstone.shard.plan.program_text import format_program
-
-        inner = [(a, n) for a, n in self.mesh if a != self.axis]
-        others = " x ".join(f"{a}={n}" for a, n in inner) or "nothing else"
-        lines = [f"stage graph: {len(self.stages)} virtual stages over {self.axis}="
-                 f"{self.pipe} ({self.schedule}, microbatches={self.microbatches}"
-                 + (f", chunks={self.chunks}" if self.chunks > 1 else "") + "); "
-                 f"each stage on {others}",
-                 f"  microbatch: {self.batch_dim} {self.batch} / {self.microbatches} = "
-                 f"{self.microbatch}"]
-        for s in self.stages:
-            blocks = f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0]
-            extra = []
-            if s.data_inputs:
-                extra.append("reads " + ", ".join(s.data_inputs))
-            if s.is_last:
-                extra.append("loss")
-            lines.append(f"  stage {s.index}  {self.axis} {s.rank}  blocks {blocks}  "
-                         f"{len(s.program.params)} params, {len(s.program.steps)} steps"
-                         + (f"  ({'; '.join(extra)})" if extra else ""))
-        for e in self.edges:
-            lines.append(f"  edge {e.src} -> {e.dst}  ({self.axis} {e.src_rank} -> "
-                         f"{e.dst_rank}): {format_bytes(e.nbytes)} per microbatch per rank, "
-                         "the same back as gradients")
-            for t in e.tensors:
-                dims = " ".join(f"{d}:{n}" for d, n in zip(t.dims, t.local_shape, strict=True))
-                lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  "
-                             f"{format_bytes(t.nbytes)}")
-        for name, where in self.shared:
-            lines.append(f"  shared {name}: stages {', '.join(map(str, where))} hold copies; "
-                         f"gradient summed over {self.axis}")
-        per_step = sum(e.nbytes for e in self.edges) * self.microbatches * 2
-        lines.append("  p2p per step (all edges, forward + backward): "
-                     f"{format_bytes(per_step)} per rank column")
-        text = "\n".join(lines) + "\n"
-        if programs:
-            for s in self.stages:
-                text += f"\n--- stage {s.index} ({self.axis} {s.rank}) ---\n"
-                text += format_program(s.program, zero, self.deferred(s), stage=True)
-        return text
-
     def deferred(self, stage: Stage) -> tuple[str, ...]:
         """The stage's parameters tied across stages (a gradient bucket each, reduced last)."""
         mine = {p.name for p in stage.program.params}
         return tuple(n for n, _ in self.shared if n in mine)
-
-    def to_data(self, zero: int = 0) -> dict:
-        """JSON-ready summary (the programs via program_to_data, under ZeRO `zero`)."""
-        from soapstone.shard.plan.program_text import program_to_data
-
-        return {
-            "model": self.model, "parallel": self.parallel, "axis": self.axis,
-            "schedule": self.schedule, "microbatches": self.microbatches,
-            "chunks": self.chunks, "batch_dim": self.batch_dim, "batch": self.batch,
-            "stages": [{"index": s.index, "rank": s.rank, "chunk": s.chunk,
-                        "blocks": list(s.blocks), "data_inputs": list(s.data_inputs),
-                        "recv": list(s.recv), "send": list(s.send),
-                        "program": program_to_data(s.program, zero, self.deferred(s))}
-                       for s in self.stages],
-            "edges": [{"src": e.src, "dst": e.dst, "bytes": e.nbytes,
-                       "tensors": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims),
-                                    "local_shape": list(t.local_shape),
-                                    "layout": str(t.layout), "bytes": t.nbytes}
-                                   for t in e.tensors]} for e in self.edges],
-            "shared": [{"param": n, "stages": list(w)} for n, w in self.shared],
-        }

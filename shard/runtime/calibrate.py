@@ -23,6 +23,7 @@ import time
 import torch
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.comm.dtype_table import PRECISIONS, RUN_PRECISIONS
 from soapstone.shard.plan.analysis.fit import host_memory_per_rank
 from soapstone.shard.plan.analysis.hardware import Link, Profile
 
@@ -44,7 +45,8 @@ model probe {
 """
 MATMUL_SIZES = (256, 512, 1024)
 LINK_SIZES = (8, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the compute dtypes a run's --precision offers, each measured
+DTYPES = {p: getattr(torch, PRECISIONS[p].torch_name) for p in RUN_PRECISIONS}
 
 
 def _time(fn, seconds: float = 0.3, least: int = 3, group_s: float = 0.02) -> float:
@@ -87,7 +89,7 @@ def memory_bandwidth(nbytes: int = 64 << 20) -> float:
 def op_overhead(graph) -> float:
     """Seconds per op (forward and backward) of the one-rank StageGraph `graph` of a model
     too small to compute: its forward-backward time over its op count (cost.program_work)."""
-    from soapstone.shard.data.tasks import make_task
+    from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.cost import program_work
     from soapstone.shard.runtime.executor import Executor
 

@@ -14,12 +14,13 @@ Each virtual stage this rank runs is a `ShardedModel` of its stage Program on th
 the pipe axis, so collectives inside a stage are those of the single-program runtime. Without a
 pipe axis there is one stage and no p2p; its microbatches (`schedule ..., microbatches = k`)
 are gradient accumulation, by the same code as a pipeline's. The schedule
-(shard/plan/schedules.py) is a list of actions, and its p2p runs in one of two modes:
+(shard/plan/schedules/) is a list of actions, and its p2p runs in one of two modes:
 
 - `ahead` (the default on CPU): receives are posted ahead as non-blocking irecvs into buffers
-  of the compile-time boundary shapes, sends are non-blocking isends waited on at the end of
-  the step, so a rank computes while its messages travel. Every message has a tag naming
-  (direction, edge, microbatch, tensor), so matching never depends on arrival order.
+  of the compile-time boundary shapes, sends are non-blocking isends, each let go once it
+  completes (tested between actions), so a rank computes while its messages travel. Every
+  message has a tag naming (direction, edge, microbatch, tensor), so matching never depends
+  on arrival order.
 - `grouped` (always on CUDA; `p2p="grouped"` or SOAPSTONE_P2P=grouped on CPU): NCCL has no
   tags and runs a rank's p2p in issue order, so each rank issues its sends and receives in
   the groups of shard/plan/p2p_groups.py (one `batch_p2p` each, a receive at the compute
@@ -30,7 +31,9 @@ are gradient accumulation, by the same code as a pipeline's. The schedule
   CPU run then has NCCL's blocking structure.
 
 Before sending, the actual tensor is checked against the stage graph (ShapeMismatch, which
-aborts the MPI job through the failure handler instead of leaving the receiver hanging).
+aborts the MPI job through the failure handler instead of leaving the receiver hanging); the
+messages themselves are shard/runtime/pipe_p2p.py's. Memory: a microbatch's stored values go at the
+last part of its backward, sends as they complete (forward_backward).
 
 Gradients take one path: each stage's optimizer (build_optimizer: buckets, ZeRO, overlap)
 reduces them; weights tied across stages are its deferred parameters, summed over the pipe axis
@@ -47,21 +50,23 @@ import contextlib
 import math
 import os
 
+import attrs
 import torch
 
 from soapstone.comm.errors import UserError
 from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
+from soapstone.shard.plan.schedules import ActionKind
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify import p2p_proof
 from soapstone.shard.runtime import trace as tr
-from soapstone.shard.runtime.sharded_model import (
-    TORCH_DTYPES,
-    ShapeMismatch,
-    ShardedModel,
-    check_mesh,
-)
+from soapstone.shard.runtime.pipe_p2p import PipeP2P
+from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel, check_mesh
 from soapstone.shard.runtime.split_backward import WeightPass, backward_input
+
+# the compute kinds the step loops dispatch on, read once: an enum member read through its
+# class costs ~0.2 us on Python 3.11, and the loops ask for every action of every step
+FORWARD, BACKWARD, WEIGHTS = ActionKind.F, ActionKind.B, ActionKind.W
 
 
 class SubMesh:
@@ -88,7 +93,6 @@ class SubMesh:
 
 
 P2P_MODES = ("ahead", "grouped")
-GROUPED_TAG = 0  # grouped mode pairs messages by order alone, as NCCL does
 
 
 class P2PModeError(UserError, ValueError):
@@ -134,6 +138,23 @@ def check_device(graph: StageGraph, device: torch.device) -> None:
         "microbatch count")
 
 
+@attrs.define
+class _Step:
+    """What one forward_backward holds, keyed (microbatch, virtual stage), each only until
+    its last use: a rank's memory follows the microbatches its schedule has in flight."""
+
+    mbs: list  # the microbatches' inputs (views of the batch)
+    step: int
+    scale: int
+    sync: bool
+    stored: dict = attrs.Factory(dict)  # F's inputs (received) and outputs, until its B
+    back: dict = attrs.Factory(dict)  # B's input gradients, until SG sends them
+    weights: dict = attrs.Factory(dict)  # split backward: B done, its WeightPass until W
+    pending: dict = attrs.Factory(dict)  # posted receives, until the compute reading them
+    inflight: list = attrs.Factory(list)  # grouped: the works of the last group issued
+    losses: dict = attrs.Factory(dict)  # detached scalars
+
+
 class Executor:
     """This rank's share of a layout (see the module doc for the training loop)."""
 
@@ -162,6 +183,7 @@ class Executor:
                                         graph.chunks)
         # p2p: "ahead" or "grouped" (the module doc; p2p_mode picks it when None)
         self.p2p = p2p_mode(p2p, self.device)
+        self.wire = PipeP2P(graph, self.pipe_comm, self.device, self.compute_dtype)
         if self.p2p == "grouped":
             grouping = p2p_proof.choose(self.schedule)
             if grouping is None:
@@ -177,7 +199,6 @@ class Executor:
         self.last_loss: float | None = None
         self.optimizers: dict[int, object] = {}
         self.grad_norm: float | None = None  # the global norm of the last step
-        self._ntensors = max([len(e.tensors) for e in graph.edges] + [1])
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -276,7 +297,7 @@ class Executor:
                 if stage.rank == self.pipe_rank:
                     t = mine[spec.name].contiguous()
                 else:
-                    t = torch.empty(spec.shape, dtype=self._float_dtype(spec.dtype),
+                    t = torch.empty(spec.shape, dtype=self.wire.float_dtype(spec.dtype),
                                     device=self.device)
                 if self.graph.pipe > 1:
                     self.pipe_comm.broadcast(t, src=stage.rank)
@@ -349,104 +370,113 @@ class Executor:
     def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0, scale: int = 1,
                          sync: bool = True) -> float:
         """Forward and backward of every microbatch by the schedule; the whole batch's loss.
-        Gradients are of loss / scale; sync=False reduces none of them (more batches follow)."""
-        g = self.graph
-        mbs = self.microbatches(batch)
+        Gradients are of loss / scale; sync=False reduces none of them (more batches follow).
+        A microbatch's stored values go at its backward's last part (B, or W where the
+        backward is split), sends as they complete: a rank holds what its schedule keeps in
+        flight, not every microbatch of the step."""
+        st = _Step(self.microbatches(batch), step, scale, sync)
         if self.trace and self.pipe_comm is not None:
             self.pipe_comm.barrier()
         self.timeline.begin()
-        store: dict[tuple[int, int], tuple[dict, list]] = {}
-        pending: dict[tuple[str, int, int], list] = {}
-        sends: list = []
-        inflight: list = []  # grouped: the works of the last group issued
-        losses: dict[int, torch.Tensor] = {}
-        weights: dict[tuple[int, int], WeightPass] = {}  # zb1p: B done, W to run
+        wire = self.wire
         for a in self.actions:
             if isinstance(a, p2p_groups.Group):
-                self._issue(a, lambda x: self._outgoing(x, store), pending, inflight)
-            elif a.kind == "RA":
-                pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
-            elif a.kind == "RG":
-                pending[("G", a.mb, a.stage)] = self._post_recv(a.mb, a.stage, "G")
-            elif a.kind == "F":
-                got = self._wait(pending.pop(("A", a.mb, a.stage), None), a)
-                t0 = self.timeline.now()
-                stage = self.stages[a.stage]
-                leaves = {}
-                for b, t in got:
-                    leaves[b.name] = t.requires_grad_() if b.is_float else t
-                model = self.models[a.stage]
-                # this microbatch's rows of the global batch: dropout draws its mask for the
-                # whole batch and slices them, as on one rank (backward reuses the saved mask)
-                window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
-                    if g.microbatches > 1 else None
-                opt = self.optimizers.get(a.stage)
-                model.ctx.loss_scale = 1.0 / (g.microbatches * scale)
-                outs = model.forward(mbs[a.mb], local=leaves, rng_step=step, window=window,
-                                     provider=opt.param_provider if opt else None)
-                if stage.is_last:
-                    loss = outs[model.program.loss.name]
-                    losses[a.mb] = loss.detach()
-                    store[(a.mb, a.stage)] = (leaves, [loss])
-                else:
-                    store[(a.mb, a.stage)] = (leaves, [outs[n] for n in stage.send])
-                self.timeline.record("F", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind == "B":
-                got = self._wait(pending.pop(("G", a.mb, a.stage), None), a)
-                t0 = self.timeline.now()
-                leaves, outs = store[(a.mb, a.stage)]
-                opt = self.optimizers.get(a.stage)
-                last_mb = a.mb == g.microbatches - 1 and sync
-                ctx = opt.no_sync() if opt is not None and not last_mb \
-                    else contextlib.nullcontext()
-                if self.schedule.split:  # the input gradient only; W follows
-                    weights[(a.mb, a.stage)] = self._backward_input(a, leaves, outs, got, scale)
-                else:
-                    with ctx:
-                        if self.stages[a.stage].is_last:
-                            (outs[0] / (g.microbatches * scale)).backward()
-                        else:
-                            pairs = [(o, t) for o, (b, t) in zip(
-                                self._float_outs(a.stage, outs), got, strict=True)
-                                if o.requires_grad]
-                            if pairs:
-                                torch.autograd.backward([o for o, _ in pairs],
-                                                        [t for _, t in pairs])
-                self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind == "W":
-                t0 = self.timeline.now()
-                opt = self.optimizers.get(a.stage)
-                with contextlib.ExitStack() as stack:
-                    if opt is not None:
-                        if not (a.mb == g.microbatches - 1 and sync):
-                            stack.enter_context(opt.no_sync())
-                        stack.enter_context(opt.one_backward())
-                    weights.pop((a.mb, a.stage)).run()
-                self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
-            elif a.kind in ("SA", "SG"):
-                sends += self._send(*self._outgoing(a, store), a.kind[1], a.mb, a.stage)
-        for w in inflight:
+                wire.issue(a, lambda x: self._outgoing(x, st), st.pending, st.inflight)
+            elif a.kind.receiving:
+                st.pending[(a.kind.direction, a.mb, a.stage)] = wire.post_recv(
+                    a.mb, a.kind.edge(a.stage), a.kind.direction)
+            elif a.kind is FORWARD:
+                self._forward(a, st)
+            elif a.kind is BACKWARD:
+                self._backward(a, st)
+            elif a.kind is WEIGHTS:
+                self._weights(a, st)
+            elif a.kind.sending:
+                wire.sends.add(wire.send(*self._outgoing(a, st), a.kind.direction, a.mb,
+                                         a.stage))
+            wire.sends.poll()
+        for w in st.inflight:
             w.wait()
-        for w, _ in sends:
-            w.wait()
-        store.clear()
-        self.last_loss = self._loss(losses)
+        wire.sends.drain()
+        self.last_loss = self._loss(st.losses)
         return self.last_loss
 
-    def _outgoing(self, a, store: dict) -> tuple[list, list, int, int]:
-        """What send action `a` (SA | SG) of a training step sends: (boundary values,
-        tensors, destination pipe rank, edge index); SG drops the microbatch's stored values."""
+    def _forward(self, a, st: _Step) -> None:
+        """F: run the stage on microbatch a.mb; keep its inputs and outputs for its B."""
         g = self.graph
-        if a.kind == "SA":
-            _, outs = store[(a.mb, a.stage)]
-            edge = g.edges[a.stage]
-            return edge.tensors, outs, edge.dst_rank, a.stage
-        leaves, _ = store.pop((a.mb, a.stage))
-        edge = g.edges[a.stage - 1]
+        got = self._wait(st.pending.pop((a.kind.direction, a.mb, a.stage), None), a)
+        t0 = self.timeline.now()
+        stage = self.stages[a.stage]
+        leaves = {b.name: t.requires_grad_() if b.is_float else t for b, t in got}
+        model = self.models[a.stage]
+        # this microbatch's rows of the global batch: dropout draws its mask for the
+        # whole batch and slices them, as on one rank (backward reuses the saved mask)
+        window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} if g.microbatches > 1 else None
+        opt = self.optimizers.get(a.stage)
+        model.ctx.loss_scale = 1.0 / (g.microbatches * st.scale)
+        outs = model.forward(st.mbs[a.mb], local=leaves, rng_step=st.step, window=window,
+                             provider=opt.param_provider if opt else None)
+        if stage.is_last:
+            loss = outs[model.program.loss.name]
+            st.losses[a.mb] = loss.detach()
+            st.stored[(a.mb, a.stage)] = (leaves, [loss])
+        else:
+            st.stored[(a.mb, a.stage)] = (leaves, [outs[n] for n in stage.send])
+        self.timeline.record("F", a.mb, a.stage, t0, self.timeline.now())
+
+    def _backward(self, a, st: _Step) -> None:
+        """B: the whole backward of microbatch a.mb through its stage, or (split) the input
+        gradient only, its W to follow. The stored inputs and outputs go here; what SG sends
+        upstream (the float inputs' gradients) stays until sent."""
+        g = self.graph
+        got = self._wait(st.pending.pop((a.kind.direction, a.mb, a.stage), None), a)
+        t0 = self.timeline.now()
+        leaves, outs = st.stored.pop((a.mb, a.stage))
+        opt = self.optimizers.get(a.stage)
+        last_mb = a.mb == g.microbatches - 1 and st.sync
+        ctx = opt.no_sync() if opt is not None and not last_mb else contextlib.nullcontext()
+        if self.schedule.split:  # the input gradient only; W follows (its WeightPass holds
+            # the part of the graph W needs, nothing else of this microbatch)
+            st.weights[(a.mb, a.stage)] = self._backward_input(a, leaves, outs, got, st.scale)
+        else:
+            with ctx:
+                if self.stages[a.stage].is_last:
+                    (outs[0] / (g.microbatches * st.scale)).backward()
+                else:
+                    pairs = [(o, t) for o, (b, t) in zip(
+                        self._float_outs(a.stage, outs), got, strict=True) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [t for _, t in pairs])
+        if a.stage > 0:
+            st.back[(a.mb, a.stage)] = [
+                leaves[b.name].grad if leaves[b.name].grad is not None
+                else torch.zeros_like(leaves[b.name])
+                for b in g.edges[a.stage - 1].tensors if b.is_float]
+        self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
+
+    def _weights(self, a, st: _Step) -> None:
+        """W (split backward): the parameters' gradients of microbatch a.mb; its graph goes."""
+        t0 = self.timeline.now()
+        opt = self.optimizers.get(a.stage)
+        with contextlib.ExitStack() as stack:
+            if opt is not None:
+                if not (a.mb == self.graph.microbatches - 1 and st.sync):
+                    stack.enter_context(opt.no_sync())
+                stack.enter_context(opt.one_backward())
+            st.weights.pop((a.mb, a.stage)).run()
+        self.timeline.record("W", a.mb, a.stage, t0, self.timeline.now())
+
+    def _outgoing(self, a, st: _Step) -> tuple[list, list, int, int]:
+        """What send action `a` (SA | SG) of a training step sends: (boundary values,
+        tensors, destination pipe rank, edge index); SG lets go of the gradients it sends."""
+        g = self.graph
+        at = a.kind.edge(a.stage)
+        edge = g.edges[at]
+        if a.kind is ActionKind.SA:
+            _, outs = st.stored[(a.mb, a.stage)]
+            return edge.tensors, outs, edge.dst_rank, at
         floats = [b for b in edge.tensors if b.is_float]
-        grads = [leaves[b.name].grad if leaves[b.name].grad is not None
-                 else torch.zeros_like(leaves[b.name]) for b in floats]
-        return floats, grads, edge.src_rank, a.stage - 1
+        return floats, st.back.pop((a.mb, a.stage)), edge.src_rank, at
 
     def _backward_input(self, a, leaves: dict, outs: list, got: list,
                         scale: int) -> WeightPass:
@@ -473,10 +503,10 @@ class Executor:
         values of the last stage's outputs named in `gather` (the whole batch), on every rank
         (collective). Parameters, gradients and optimizer state are left as they were."""
         g = self.graph
+        wire = self.wire
         mbs = self.microbatches(batch)
         pending: dict[tuple[str, int, int], list] = {}
         kept: dict[tuple[int, int], list] = {}
-        sends: list = []
         inflight: list = []
         losses: dict[int, torch.Tensor] = {}
         pieces: dict[str, list[torch.Tensor]] = {n: [] for n in gather}
@@ -488,11 +518,12 @@ class Executor:
                 stack.callback(setattr, m.ctx, "training", True)
             for a in self._infer_actions:
                 if isinstance(a, p2p_groups.Group):
-                    self._issue(a, lambda x: self._outgoing_infer(x, kept), pending, inflight)
-                elif a.kind == "RA":
-                    pending[("A", a.mb, a.stage)] = self._post_recv(a.mb, a.stage - 1, "A")
-                elif a.kind == "F":
-                    got = self._received(pending.pop(("A", a.mb, a.stage), []))
+                    wire.issue(a, lambda x: self._outgoing_infer(x, kept), pending, inflight)
+                elif a.kind is ActionKind.RA:  # infer skips backward actions
+                    pending[(a.kind.direction, a.mb, a.stage)] = wire.post_recv(
+                        a.mb, a.kind.edge(a.stage), a.kind.direction)
+                elif a.kind is FORWARD:
+                    got = wire.received(pending.pop((a.kind.direction, a.mb, a.stage), []))
                     model, stage = self.models[a.stage], self.stages[a.stage]
                     window = {g.batch_dim: (a.mb * g.microbatch, g.batch)} \
                         if g.microbatches > 1 else None
@@ -506,18 +537,20 @@ class Executor:
                                                           model.program.value(out.value)))
                     else:
                         kept[(a.mb, a.stage)] = [outs[n] for n in stage.send]
-                elif a.kind == "SA":
-                    sends += self._send(*self._outgoing_infer(a, kept), "A", a.mb, a.stage)
+                elif a.kind is ActionKind.SA:
+                    wire.sends.add(wire.send(*self._outgoing_infer(a, kept), a.kind.direction,
+                                             a.mb, a.stage))
+                wire.sends.poll()
             for w in inflight:
                 w.wait()
-            for w, _ in sends:
-                w.wait()
+            wire.sends.drain()
         return self._loss(losses), {n: self._from_last(n, p) for n, p in pieces.items()}
 
     def _outgoing_infer(self, a, kept: dict) -> tuple[list, list, int, int]:
         """What SA sends in infer (as _outgoing)."""
-        edge = self.graph.edges[a.stage]
-        return edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank, a.stage
+        at = a.kind.edge(a.stage)
+        edge = self.graph.edges[at]
+        return edge.tensors, kept.pop((a.mb, a.stage)), edge.dst_rank, at
 
     def _from_last(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """A last-stage output's full value (microbatches joined on the batch dim), sent from
@@ -532,7 +565,7 @@ class Executor:
             sizes = dict(last.dims)
             shape = [sizes[d] * (g.microbatches if i == k else 1)
                      for i, d in enumerate(value.dims)]
-            full = torch.empty(shape, dtype=self._float_dtype(value.dtype), device=self.device)
+            full = torch.empty(shape, dtype=self.wire.float_dtype(value.dtype), device=self.device)
         if g.pipe > 1:
             full = full.contiguous()
             self.pipe_comm.broadcast(full, src=g.stages[-1].rank)
@@ -542,99 +575,13 @@ class Executor:
         edge = self.graph.edges[stage]
         return [o for o, b in zip(outs, edge.tensors, strict=True) if b.is_float]
 
-    def _float_dtype(self, dtype: str) -> torch.dtype:
-        t = TORCH_DTYPES[dtype]
-        return self.compute_dtype if self.compute_dtype is not None and t.is_floating_point \
-            else t
-
-    def _tag(self, direction: str, mb: int, edge: int, i: int) -> int:
-        g = self.graph
-        d = 0 if direction == "A" else 1
-        return ((d * max(len(g.edges), 1) + edge) * g.microbatches + mb) * self._ntensors + i
-
-    def _recv_buffers(self, edge_index: int, direction: str) -> tuple[list, int]:
-        """Fresh buffers of the compiled boundary shapes for one receive: [(value, buffer)],
-        and the source pipe rank (gradients: of the float values only)."""
-        edge = self.graph.edges[edge_index]
-        if direction == "A":
-            tensors, src = edge.tensors, edge.src_rank
-        else:
-            tensors, src = [b for b in edge.tensors if b.is_float], edge.dst_rank
-        return [(b, torch.empty(b.local_shape, dtype=self._float_dtype(b.dtype),
-                                device=self.device)) for b in tensors], src
-
-    def _post_recv(self, mb: int, edge_index: int, direction: str) -> list:
-        bufs, src = self._recv_buffers(edge_index, direction)
-        return [(b, buf, self.pipe_comm.irecv(buf, src, self._tag(direction, mb, edge_index, i)))
-                for i, (b, buf) in enumerate(bufs)]
-
-    def _issue(self, group: p2p_groups.Group, outgoing, pending: dict, inflight: list) -> None:
-        """Grouped mode: once the group before is complete (NCCL runs a rank's groups in
-        order on one stream), issue `group` as one batch_p2p: each receive into fresh buffers,
-        registered in `pending` for the compute reading it together with the group's sends
-        (that compute waits for its receives and the group's sends; on NCCL every work of a
-        group waits on one event after it, so this is the whole group there), and each send
-        of what `outgoing(action)` gives (as _outgoing). Leaves the group's works in
-        `inflight`."""
-        for w in inflight:
-            w.wait()
-        inflight.clear()
-        ops, recvs, sent = [], [], []
-        for o in group.ops:
-            a = o.action
-            # the message goes to the peer the proof paired it with (p2p_groups.P2P)
-            if o.sending:
-                bounds, tensors, dst, _ = outgoing(a)
-                assert dst == o.peer, (a, dst, o.peer)
-                for buf in self._checked(bounds, tensors, o.direction, a.mb, a.stage):
-                    ops.append(("isend", buf, dst, GROUPED_TAG))
-                    sent.append(len(ops) - 1)
-            else:
-                bufs, src = self._recv_buffers(o.edge, o.direction)
-                assert src == o.peer, (a, src, o.peer)
-                recvs.append(((o.direction, a.mb, a.stage), bufs, len(ops)))
-                ops.extend(("irecv", buf, src, GROUPED_TAG) for _, buf in bufs)
-        works = self.pipe_comm.batch_p2p(ops, synchronous=True)
-        sends = [(None, None, works[i]) for i in sent]
-        for key, bufs, at in recvs:
-            pending[key] = [(b, buf, works[at + i]) for i, (b, buf) in enumerate(bufs)] + sends
-        inflight.extend(works)
-
-    @staticmethod
-    def _received(posted: list) -> list[tuple[Value, torch.Tensor]]:
-        """Wait for posted receives (and, grouped, their group's sends: value None); the
-        received (value, tensor) pairs."""
-        got = [(b, w.wait()) for b, _, w in posted]
-        return [(b, t) for b, t in got if b is not None]
-
     def _wait(self, posted: list | None, a) -> list[tuple[Value, torch.Tensor]]:
         if not posted:
             return []
         t0 = self.timeline.now()
-        got = self._received(posted)
+        got = self.wire.received(posted)
         self.timeline.record("R", a.mb, a.stage, t0, self.timeline.now())
         return got
-
-    def _send(self, bounds, tensors, dst: int, edge_index: int, direction: str, mb: int,
-              stage: int) -> list:
-        return [(self.pipe_comm.isend(buf, dst, self._tag(direction, mb, edge_index, i)), buf)
-                for i, buf in enumerate(self._checked(bounds, tensors, direction, mb, stage))]
-
-    def _checked(self, bounds, tensors, direction: str, mb: int, stage: int) -> list:
-        """The tensors to send, contiguous, after checking each against its compiled
-        boundary shape and dtype (ShapeMismatch: the receiver allocates the compiled one)."""
-        out = []
-        for b, t in zip(bounds, tensors, strict=True):
-            want = self._float_dtype(b.dtype)
-            if tuple(t.shape) != b.local_shape or t.dtype != want:
-                what = "activation" if direction == "A" else "gradient"
-                raise ShapeMismatch(
-                    f"stage {stage} would send the {what} of {b.name} (microbatch {mb}) as "
-                    f"{t.dtype} {list(t.shape)}, but the stage graph compiled {want} "
-                    f"{list(b.local_shape)} (dims {', '.join(b.dims)}); the receiver allocates "
-                    "the compiled shape, so this is refused before sending")
-            out.append(t.detach().contiguous())
-        return out
 
     def _loss(self, losses: dict[int, torch.Tensor]) -> float:
         g = self.graph

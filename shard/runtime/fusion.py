@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.program import Program
 from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the plan, run here
     FusedAttention,
@@ -62,14 +63,15 @@ def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Prog
     k = align(env[f.k], kv.dims, (*lead, f.key, qd))
     v = align(env[f.v], vv.dims, (*lead, f.key, vd))
     mask, causal = None, False
-    if f.causal:
+    if f.causal:  # the mask op's own rule (its record), from global positions
+        rule, attrs = record_of(f.mask_kind).mask, dict(f.mask_attrs)
         q0, k0 = offset(sv, f.query), offset(sv, f.key)
-        if q0 == k0 == 0 and q.shape[-2] == k.shape[-2]:
+        if rule.causal(attrs) and q0 == k0 == 0 and q.shape[-2] == k.shape[-2]:
             causal = True
-        else:  # shards of the sequence: compare global positions
+        else:  # shards of the sequence, or another rule: compare global positions
             qi = torch.arange(q.shape[-2], device=q.device) + q0
             ki = torch.arange(k.shape[-2], device=q.device) + k0
-            mask = ki.view(1, -1) <= qi.view(-1, 1)
+            mask = rule.visible(attrs, qi, ki)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        scale=f.scale)
     return align(y, (*lead, f.query, vd), ov.dims)

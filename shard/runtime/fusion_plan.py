@@ -4,14 +4,20 @@ shard/runtime/fusion.py runs them (attention as `scaled_dot_product_attention`, 
 `addmm`); this module only finds them, so that `explain` can count what a fused chain
 materialises and keeps for backward (nothing of the attention scores, no matmul temporary)
 without importing torch.
+
+Which op may fill which slot of a chain is its record's (shard/ops/, `fuses`): per slot, the
+attrs the fused kernel honours. A step setting any other attr is left to its own kernel, so a
+fused kernel never silently drops an option; the mask slot's rule is the mask's own
+(`OpRecord.mask`), which the fused attention kernel applies.
 """
 
 from __future__ import annotations
 
-import functools
-
 import attrs
 
+from soapstone.shard.ops.einsum import matmul_split  # noqa: F401 - found here before 0.2
+from soapstone.shard.ops.record import Slot
+from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.program import Compute, Program
 
 
@@ -29,8 +35,10 @@ class FusedAttention:
     scores: str  # the scores value (its layout gives the causal mask's offsets)
     query: str  # dim names
     key: str
-    causal: bool
+    causal: bool  # a mask applies: its op's kind and attrs (the fused call applies its rule)
     scale: float
+    mask_kind: str = ""
+    mask_attrs: tuple[tuple[str, object], ...] = ()
 
 
 @attrs.frozen
@@ -46,15 +54,9 @@ class FusedLinear:
     k: int
 
 
-@functools.cache
-def matmul_split(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) -> int:
-    """k when a's last k dims are b's first k (contracted) and the output is the rest of a
-    then the rest of b: the contraction is one matmul. 0 otherwise."""
-    for k in range(min(len(a), len(b)), 0, -1):
-        if a[len(a) - k:] == b[:k] and out == a[:len(a) - k] + b[k:] \
-                and not set(a[:len(a) - k]) & set(b[k:]):
-            return k
-    return 0
+def fits(step, slot: Slot) -> bool:
+    """Whether `step` (a Compute, or None) may fill `slot` of a fused chain (its record)."""
+    return step is not None and record_of(step.kind).fits(step, slot)
 
 
 def find_fusions(program: Program) -> dict:
@@ -89,13 +91,13 @@ def find_linear(program: Program) -> dict[int, FusedLinear]:
     u = _Uses(program)
     found: dict[int, FusedLinear] = {}
     for i, s in enumerate(program.steps):
-        if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner
-                and s.args[1] in u.params and s.attr("scale") is None):
+        if not (isinstance(s, Compute) and fits(s, Slot.MATMUL) and not s.owner
+                and s.args[1] in u.params):
             continue
         x, w, y = (program.value(n).dims for n in (*s.args, s.out))
         k = matmul_split(x, w, y)
         add = u.only_use(s.out)
-        if not k or add is None or add.kind != "add" or add.args[0] != s.out:
+        if not k or not fits(add, Slot.BIAS) or add.args[0] != s.out:
             continue
         bias = add.args[1]
         if bias not in u.params or program.value(bias).dims != w[k:] \
@@ -112,19 +114,19 @@ def find_attention(program: Program) -> dict[int, FusedAttention]:
     steps, where, params, only_use = program.steps, u.where, u.params, u.only_use
     found: dict[int, FusedAttention] = {}
     for s in steps:
-        if not (isinstance(s, Compute) and s.kind == "einsum" and not s.owner):
+        if not (isinstance(s, Compute) and fits(s, Slot.SCORES) and not s.owner):
             continue
         if any(a in params for a in s.args):
             continue
         nxt = only_use(s.out)
         mask = None
-        if nxt is not None and nxt.kind == "causal_mask":
+        if fits(nxt, Slot.MASK):
             mask, nxt = nxt, only_use(nxt.out)
-        if nxt is None or nxt.kind != "softmax" or nxt.dist:
+        if not fits(nxt, Slot.PROBS) or nxt.dist:
             continue
         soft = nxt
         o = only_use(soft.out)
-        if o is None or o.kind != "einsum" or o.args[0] != soft.out:
+        if not fits(o, Slot.CONTEXT) or o.args[0] != soft.out:
             continue
         chain = _shapes_fit(program, s, soft, o, mask)
         if chain is None:
@@ -135,6 +137,7 @@ def find_attention(program: Program) -> dict[int, FusedAttention]:
             q=s.args[0], k=s.args[1], v=o.args[1], out=o.out, scores=s.out,
             query=query, key=key, causal=mask is not None,
             scale=float(s.attr("scale", 1.0)),
+            mask_kind=mask.kind if mask else "", mask_attrs=mask.attrs if mask else (),
         )
     return found
 

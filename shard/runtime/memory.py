@@ -1,9 +1,13 @@
 """Memory accounting: the bytes each rank holds for parameters, gradients and optimizer state,
-measured from the tensors themselves (each storage counted once), not from a formula."""
+measured from the tensors themselves (each storage counted once), not from a formula; and
+`LiveBytes`, the tensors a stretch of code allocates and still holds, with their peak."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # its only home in torch
 
 
 def _add(seen: dict[int, int], t: torch.Tensor | None) -> None:
@@ -49,3 +53,59 @@ def memory_report(model, optimizer=None) -> dict[str, int]:
                 _add(opt_seen, t)
         opt = sum(v for k, v in opt_seen.items() if k not in seen and k not in grads_seen)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+class LiveBytes(TorchDispatchMode):
+    """While active: the bytes of tensor storage allocated since it began and still alive
+    (`live`), and their high-water mark (`peak`).
+
+    Every op's outputs pass through this dispatch mode (forward, and backward, which autograd
+    runs on the calling thread on CPU); an output whose storage is new (none of the op's
+    inputs has it: not a view, not in place) is counted until CPython frees that storage, which
+    a finalizer on torch's Python storage object (kept as long as the storage lives) reports.
+    So the figures follow the tensors themselves, exactly and deterministically: no timing, no
+    allocator or resident-memory noise, and buffers written outside torch (an MPI receive
+    into a torch.empty) count from their allocation. Storage made before it began
+    (parameters, the batch) is not counted; nor is a kernel's internal scratch, which never
+    becomes a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.tracked: dict[int, int] = {}  # data pointer -> bytes of each storage counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = list(_tensors(out))
+        if outs:
+            given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+                     if t.layout == torch.strided}
+            for t in outs:
+                if t.layout == torch.strided:
+                    self._count(t.untyped_storage(), given)
+        return out
+
+    def _count(self, st, given: set[int]) -> None:
+        ptr, n = st.data_ptr(), st.nbytes()
+        if not n or ptr in given or ptr in self.tracked:
+            return
+        self.tracked[ptr] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, ptr)
+
+    def _free(self, ptr: int) -> None:
+        self.live -= self.tracked.pop(ptr)
+
+
+def _tensors(x):
+    """The tensors in an op's arguments or results (nested tuples, lists, dicts)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, list | tuple):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)

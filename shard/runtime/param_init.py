@@ -26,7 +26,7 @@ def init_shard(p: ParamSpec, seed: int, box: tuple[slice, ...], device=None) -> 
     if p.init == "ones":
         return torch.ones(shape, dtype=dtype, device=device)
     kind, _, arg = p.init.partition("(")
-    if kind not in ("normal", "uniform"):
+    if kind not in ("normal", "uniform"):  # not user input: the checkers admit no other init
         raise ValueError(f"parameter {p.name}: unknown init {p.init!r}")
     return draw(kind, key_of(seed, p.name), p.shape, box, float(arg.rstrip(")")), dtype,
                 device)

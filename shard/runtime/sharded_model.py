@@ -15,11 +15,11 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
-from soapstone.shard.ops import moe as _moe  # noqa: F401 - registers the moe kernel
-from soapstone.shard.ops.kernels import Shards, run_op
+from soapstone.shard.ops.dispatch import run_op
+from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
-from soapstone.shard.plan.layout import P, Split
+from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.param_init import TORCH_DTYPES, init_full, init_shard  # noqa: F401
@@ -32,7 +32,7 @@ class ShapeMismatch(UserError, RuntimeError):
 def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
     """ValueError unless `mesh` has exactly the axes and sizes `what` was compiled for."""
     have = dict(getattr(mesh, "shape", {}) or {})
-    if have != dict(want):
+    if have != dict(want):  # a caller's argument (the commands build the mesh from the layout)
         raise ValueError(f"{what} needs a mesh {dict(want)}, got {have or 'none'}")
 
 
@@ -120,7 +120,7 @@ class ShardedModel:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors, keeping this rank's slices."""
         missing = sorted(set(self.params) - set(state))
-        if missing:
+        if missing:  # a caller's argument (the commands load checkpoints through shard/checkpoint)
             raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[0]}")
         with torch.no_grad():
             for n, p in self.params.items():
@@ -148,7 +148,7 @@ class ShardedModel:
             elif name in inputs:
                 env[name] = self._cast(self.local(inputs[name], self.program.value(name))
                                        .to(self.device))
-            else:
+            else:  # a caller's argument: the commands' tasks make every input
                 raise KeyError(f"missing input {name!r}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
         self._dropping = self.drop_plan.begin(self) \
@@ -202,9 +202,9 @@ class ShardedModel:
         if isinstance(step, CopyTo):
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
-        if not src.is_float and step.kind in ("allgather", "slice"):
+        if not src.is_float and step.kind in (RedistributeKind.ALLGATHER, RedistributeKind.SLICE):
             # integer data (token ids): no gradient to route
-            if step.kind == "allgather":
+            if step.kind is RedistributeKind.ALLGATHER:
                 return comm.allgather(x.contiguous(), dim=src.dims.index(step.frm.dim))
             return x.chunk(comm.size, src.dims.index(step.to.dim))[comm.rank].contiguous()
         return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
@@ -238,18 +238,19 @@ class ShardedModel:
 
 # Each redistribution kind of shard/plan/collectives.py as the autograd collective that runs it
 # (forward and, through autograd, the backward the table names): (x, comm, step, dim index).
+K = RedistributeKind
 REDISTRIBUTE = {
-    "allreduce": lambda x, comm, step, dim: ag.reduce_from(x, comm),
-    "reduce_scatter": lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
-    "allgather": lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
+    K.ALLREDUCE: lambda x, comm, step, dim: ag.reduce_from(x, comm),
+    K.REDUCE_SCATTER: lambda x, comm, step, dim: ag.reduce_scatter(x, comm, dim(step.to.dim)),
+    K.ALLGATHER: lambda x, comm, step, dim: ag.all_gather(x, comm, dim(step.frm.dim),
                                                           grad=step.grad),
-    "slice": lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
-    "alltoall": lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
+    K.SLICE: lambda x, comm, step, dim: ag.split(x, comm, dim(step.to.dim)),
+    K.ALLTOALL: lambda x, comm, step, dim: ag.all_to_all(x, comm, split_dim=dim(step.to.dim),
                                                          concat_dim=dim(step.frm.dim)),
-    "broadcast": lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
+    K.BROADCAST: lambda x, comm, step, dim: ag.broadcast(x.contiguous(), comm,
                                                          src=step.frm.coord),
     # a branch's value as a partial sum: zeros off the owner
-    "zero_fill": lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
+    K.ZERO_FILL: lambda x, comm, step, dim: x if comm.rank == step.frm.coord else x * 0,
 }
 
 

@@ -23,8 +23,8 @@ CODE_KIND = {v: k for k, v in KIND_CODE.items()}
 
 @attrs.frozen
 class Event:
-    """One action on one rank: kind F | B | W | R (F, B, W as in schedules.py; R waiting
-    for a receive), microbatch, virtual stage, start, end (s)."""
+    """One action on one rank: kind F | B | W | R (F, B, W as in shard/plan/schedules/
+    actions.py; R waiting for a receive), microbatch, virtual stage, start, end (s)."""
 
     rank: int
     kind: str

@@ -17,7 +17,7 @@ Tolerances (`Tolerance`): losses rtol 1e-5. Parameters are compared against thei
 sum). That holds for SGD (the default optimizer of golden runs): an update is lr * gradient,
 and the gradient differs between layouts only by summation order (~1e-7 relative). AdamW
 divides each gradient by its own running magnitude, so an element whose gradient is near zero
-turns that rounding into a visible change of its update (tests/cases/numerics_cases.py): for
+turns that rounding into a visible change of its update (tests/shard/runtime/numerics_cases.py): for
 AdamW records the parameter tolerance adds an absolute 1e-2 * lr per step, 1% of one update.
 SGD records add fp32's epsilon * lr per step, one rounding of an update with a unit gradient:
 a parameter whose exact gradient is zero (GPT-2's key bias: softmax ignores a shift shared by
@@ -34,7 +34,9 @@ import attrs
 import numpy as np
 import torch
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.comm.errors import UserError
+from soapstone.shard.train.optim import OPTIMIZERS
 
 FORMAT = "soapstone-golden/1"
 SAMPLES = 8
@@ -157,6 +159,11 @@ def load(path: str | Path) -> Record:
             missing = [k for k in REQUIRED if k not in header]
             if missing:
                 raise GoldenError(f"{path}: header lacks {', '.join(map(repr, missing))}")
+            for key, known in (("optimizer", OPTIMIZERS), ("precision", tuple(PRECISIONS))):
+                if header[key] not in known:
+                    raise GoldenError(f"{path}: header {key} {header[key]!r} is none of "
+                                      f"{', '.join(known)}; record it again with `soapstone "
+                                      "golden record`")
             steps = header["steps"]
             loss = z["loss"]
             if loss.shape != (steps,):

@@ -18,6 +18,8 @@ import math
 
 import attrs
 
+from soapstone.shard.train.errors import SettingError
+
 KINDS = ("cosine", "linear", "constant")
 
 
@@ -33,11 +35,11 @@ class LRSchedule:
 
     def __attrs_post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"lr schedule must be one of {', '.join(KINDS)}, not {self.kind!r}")
+            raise SettingError(f"lr schedule must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"warmup {self.warmup} must be between 0 and steps {self.steps}")
+            raise SettingError(f"warmup {self.warmup} must be between 0 and steps {self.steps}")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr {self.min_lr} must be between 0 and lr {self.lr}")
+            raise SettingError(f"min_lr {self.min_lr} must be between 0 and lr {self.lr}")
 
     def at(self, i: int) -> float:
         """The learning rate of step i (0-based)."""

@@ -27,6 +27,10 @@ import torch
 from soapstone.shard.parallel.data_parallel import GradReducer
 from soapstone.shard.parallel.offload import HostStep
 from soapstone.shard.parallel.offload import wanted as offload_wanted
+from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.train.errors import SettingError
+
+OPTIMIZERS = ("adamw", "sgd")  # the update rules build_optimizer knows
 
 
 class FlatAdamW:
@@ -94,7 +98,7 @@ class Optimizer:
             rule.init_state(seg.master) if seg.master is not None else {} for seg in segs]
 
     @property
-    def zero(self) -> int:
+    def zero(self) -> ZeroStage:
         """The ZeRO stage."""
         return self.reducer.zero
 
@@ -159,7 +163,8 @@ class Optimizer:
     def gathered(self):
         """Context: under ZeRO-3, every parameter holds its full value inside it (for
         model.full_state_dict() or evaluation); a no-op otherwise."""
-        return self.reducer.gathered() if self.reducer.zero == 3 else contextlib.nullcontext()
+        return self.reducer.gathered() if self.reducer.zero.shards_params \
+            else contextlib.nullcontext()
 
 
 def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
@@ -185,9 +190,9 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
     elif name == "sgd":
         rule = FlatSGD(lr, momentum, weight_decay)
     else:
-        raise ValueError(f"unknown optimizer {name!r}; use 'adamw' or 'sgd'")
+        raise SettingError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     if zero not in (None, 0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+        raise SettingError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     reducer = GradReducer(model, zero=zero, bucket_mb=bucket_mb, data_axes=data_axes,
                           deferred=deferred, overlap=overlap)
     if offload is None:

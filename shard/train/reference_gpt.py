@@ -1,8 +1,8 @@
 """A plain-torch GPT (and LLaMA-style variant) equal to examples/gpt.par and swiglu.par.
 
 Written with torch's own building blocks, independently of soapstone: the reference the
-single-rank soapstone run is tested against (tests/test_reference.py) and the peer model the
-benchmarks run under PyTorch's own parallelism (DTensor, DDP, FSDP2). `transformer_map` maps
+single-rank soapstone run is tested against (tests/shard/train/test_reference.py) and the peer model
+the benchmarks run under PyTorch's own parallelism (DTensor, DDP, FSDP2). `transformer_map` maps
 soapstone parameter names onto it.
 """
 

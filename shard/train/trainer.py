@@ -24,13 +24,13 @@ from collections.abc import Iterator
 import attrs
 import torch
 
+from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
+from soapstone.shard.train.errors import SettingError
 from soapstone.shard.train.lr_schedule import LRSchedule
 from soapstone.shard.train.nonfinite import DEFAULT_MAX_SKIPS, NonFinite, OnNonFinite
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 @attrs.define
@@ -46,14 +46,18 @@ class StepMetrics:
     lr: float | None = None
     skipped: bool = False  # non-finite: its update was dropped (OnNonFinite.SKIP)
     skipped_steps: int | None = None  # the run's skipped steps so far (under SKIP only)
+    tflops_per_device: float | None = None  # model FLOPs (no recompute) per device and second
+    mfu: float | None = None  # tflops_per_device over the device's peak (None: no peak known)
 
     def to_json(self) -> dict:
         """The --metrics line: step, loss (null when not finite: JSON has no NaN), lr,
-        step_time_s, tokens_per_s, max_rss_bytes; under --on-nonfinite skip also skipped
-        (this step's update dropped) and skipped_steps (so far)."""
+        step_time_s, tokens_per_s, max_rss_bytes, tflops_per_device, mfu; under
+        --on-nonfinite skip also skipped (this step's update dropped) and skipped_steps (so
+        far)."""
         out = {"step": self.step, "loss": self.loss if math.isfinite(self.loss) else None,
                "lr": self.lr, "step_time_s": self.step_time_s,
-               "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes}
+               "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes,
+               "tflops_per_device": self.tflops_per_device, "mfu": self.mfu}
         if self.skipped_steps is not None:
             out |= {"skipped": self.skipped, "skipped_steps": self.skipped_steps}
         return out
@@ -78,12 +82,16 @@ class EvalMetrics:
 
 
 def rank_memory(comm=None) -> tuple[int, str]:
-    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA,
-    else this host's physical memory over the ranks the launcher put on it."""
+    """(bytes, whose) one rank may hold: its GPU's memory when its communicator is on CUDA
+    (over the ranks sharing it, under --comm mpi), else this host's physical memory over the
+    ranks the launcher put on it."""
     from soapstone.shard.plan.analysis.fit import host_memory_per_rank
 
     if comm is not None and comm.device.type == "cuda":
         props = torch.cuda.get_device_properties(comm.device)
+        share = comm.ranks_per_gpu  # --comm mpi: ranks sharing one GPU
+        if share > 1:
+            return props.total_memory // share, f"{props.name} shared by {share} ranks"
         return props.total_memory, props.name
     return host_memory_per_rank()
 
@@ -102,29 +110,35 @@ class Trainer:
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float | None = None,
                  trace: bool = False, check_memory: bool = True,
                  schedule: LRSchedule | None = None, accumulate: int = 1,
-                 device: torch.device | str | None = None,
+                 device: torch.device | str | None = None, flops_per_step: float | None = None,
+                 peak_flops: float | None = None,
                  on_nonfinite: OnNonFinite = OnNonFinite.STOP,
                  max_skips: int = DEFAULT_MAX_SKIPS):
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+            raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
+                               f"{precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
 
             check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
+        want = getattr(torch, PRECISIONS[precision].torch_name)
         self.executor = Executor(
             graph, mesh, seed=seed, custom=custom,
-            dtype=torch.float64 if precision == "fp64" else None,
-            compute_dtype=torch.bfloat16 if precision == "bf16" else None, trace=trace,
+            dtype=want if precision == "fp64" else None,
+            compute_dtype=want if precision == "bf16" else None, trace=trace,
             device=device)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:
-            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+            raise SettingError(f"accumulate must be >= 1, got {accumulate}")
         self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
         self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
         self.skipped = self.skips_in_a_row = 0
+        # MFU: a step's model FLOPs shared by every device, and one device's peak FLOP/s
+        self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
+        self.world = mesh.world.size if mesh is not None else 1
         self.task = task
         if hasattr(task, "read_rows"):  # a loader that reads only this rank's rows
             task.read_rows(self.executor.input_rows())
@@ -154,10 +168,13 @@ class Trainer:
         dt = time.perf_counter() - t0
         norm = self.executor.grad_norm
         tokens = sum(self.task.tokens(k * i + j) for j in range(k))
+        flops = (self.flops_per_step / self.world / dt
+                 if self.flops_per_step is not None and dt > 0 else None)
+        mfu = flops / self.peak_flops if flops is not None and self.peak_flops else None
         return StepMetrics(i, loss, dt, tokens / dt if dt > 0 else 0.0,
                            max_rss_bytes(), None if norm is None else float(norm), lr,
                            skipped, self.skipped if self.on_nonfinite is OnNonFinite.SKIP
-                           else None)
+                           else None, None if flops is None else flops / 1e12, mfu)
 
     def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
         """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,

@@ -1,21 +1,12 @@
 """What one microbatch's forward keeps for backward, and the working set on top of it.
 
-explain's activation figure is the bytes autograd saves for backward: per primitive, what the
-runtime's kernels (shard/ops/kernels.py, the fused chains of shard/runtime/fusion.py) keep, each
-tensor once:
-
-- einsum: its float operands that are not parameters (a matmul keeps both sides; a weight is
-  parameter memory); fused attention (scores -> mask -> softmax -> . v as one
-  scaled_dot_product_attention): q, k, v and the output, never the scores; fused linear
-  (x . W + bias as one addmm): x, and no matmul temporary;
-- mul: both float operands; add, rename, redistributions: nothing;
-- gelu, silu: the input; relu: the output; dropout: a mask of the input's size;
-- layernorm over the last dim: the input (and per-row statistics); rmsnorm, and a layernorm
-  in its composite form (a distributed one, or over another dim): the input and one or two
-  products of its size;
-- softmax: the output (its distributed form: the exponentials); cross_entropy: the
-  log-probabilities, a tensor of the logits' size; causal_mask: a boolean mask;
-- a custom layer: its float operands and its output (an upper bound).
+explain's activation figure is the bytes autograd saves for backward, each tensor once: per
+primitive, what its kernel keeps, as the op's record says (`saves`, shard/ops/: a matmul its
+float operands, a norm its input and a product or two, softmax its output, a custom layer its
+operands and output as an upper bound); per fused chain (shard/runtime/fusion.py), what the
+fused call keeps: attention (scores -> mask -> softmax -> . v as one
+scaled_dot_product_attention) q, k, v and the output, never the scores; linear + bias (one
+addmm) x, and no matmul temporary.
 
 On top of the saved bytes, a step also needs a working set: in forward the values not saved
 but still to be read, in backward the gradients in flight (each value's from its first
@@ -23,24 +14,24 @@ consumer's backward until its producer's) and one parameter's gradient before it
 bucket. `activation_figures` walks the Program forward then backward, freeing each value
 after its last use (the runtime does) and each saved tensor after the backward of the step
 that saved it, and returns the saved bytes and the peak above them (`transient`).
-tests/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
+tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
 backward its own saves come back for as long as backward runs through it. `recompute_flops`
 is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
 is kept by no one after forward, and in backward lives from its last saver's backward (where
 it is rebuilt) to its first saver's.
+
+`weight_grad_bytes` is what a split backward (zb1p) keeps from B to W beside the saved bytes.
 """
 
 from __future__ import annotations
 
-import math
-
-from soapstone.shard.parallel.dispatch_plan import saved_bytes as moe_saved_bytes
+from soapstone.shard.ops.record import Bound
+from soapstone.shard.ops.registry import record_of
+from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import FusedAttention, FusedLinear, find_fusions
-
-ALIASES = ("rename",)  # outputs that are views of their first operand
 
 
 def _roots(program: Program, covered: set[int]) -> dict[str, str]:
@@ -49,16 +40,18 @@ def _roots(program: Program, covered: set[int]) -> dict[str, str]:
     for i, s in enumerate(program.steps):
         if i in covered:
             continue
-        if isinstance(s, CopyTo) or (isinstance(s, Redistribute) and s.kind == "slice"):
+        if isinstance(s, CopyTo) or (
+                isinstance(s, Redistribute) and s.kind is RedistributeKind.SLICE):
             root[s.out] = root.get(s.src, s.src)
-        elif isinstance(s, Compute) and (s.kind in ALIASES or (
-                s.kind == "dropout" and not float(s.attr("p", 0.0) or 0.0))):
+        elif isinstance(s, Compute) and record_of(s.kind).aliases(s):
             root[s.out] = root.get(s.args[0], s.args[0])
     return root
 
 
-def _saved(program: Program, i: int, fused: dict, params: set[str]) -> tuple[list[str], int]:
-    """(values step i keeps for backward, bytes of new tensors it keeps besides them)."""
+def step_saves(program: Program, i: int, fused: dict,
+               params: set[str]) -> tuple[list[str], int]:
+    """(values step i keeps for backward, bytes of new tensors it keeps besides them): a fused
+    chain's saves, else its op's record's."""
     s = program.steps[i]
     if i in fused:
         f = fused[i]
@@ -68,35 +61,8 @@ def _saved(program: Program, i: int, fused: dict, params: set[str]) -> tuple[lis
             return [f.x], 0
     if not isinstance(s, Compute):
         return [], 0
-    val = program.value
-    floats = [a for a in s.args if a not in params and val(a).is_float]
-    x = val(s.args[0]).nbytes if s.args else 0
-    kind = s.kind
-    if kind in ("einsum", "mul") or kind.startswith("custom:"):
-        return floats + ([s.out] if kind.startswith("custom:") else []), 0
-    if kind in ("gelu", "silu"):
-        return floats[:1], 0
-    if kind == "relu":
-        return [s.out], 0
-    if kind == "dropout":
-        return [], x if float(s.attr("p", 0.0) or 0.0) else 0
-    if kind == "layernorm":
-        last = val(s.args[0]).dims[-1] == s.attr("over")
-        return floats[:1], 0 if last and not s.dist else 2 * x
-    if kind == "rmsnorm":
-        return floats[:1], x
-    if kind == "softmax":
-        return ([s.out], 0) if not s.dist else ([], x)
-    if kind == "cross_entropy":
-        return [], x
-    if kind == "moe":  # its input (the router's matmul) and what its experts keep
-        return floats[:1], moe_saved_bytes(s, program)
-    if kind == "causal_mask":
-        v = val(s.args[0])
-        q, k = s.attr("query"), s.attr("key")
-        return [], math.prod(n for d, n in zip(v.dims, v.local_shape, strict=True)
-                             if d in (q, k))
-    return [], 0  # add, rename, embedding (integer ids), ...
+    floats = [a for a in s.args if a not in params and program.value(a).is_float]
+    return record_of(s.kind).saves(s, program, floats)
 
 
 def activation_figures(program: Program) -> tuple[int, int]:
@@ -115,7 +81,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
     saves: dict[int, tuple[set[str], int]] = {}
     for i in range(len(steps)):
         if i not in covered:
-            names, extra = _saved(program, i, fused, params)
+            names, extra = step_saves(program, i, fused, params)
             saves[i] = ({r(n) for n in names if n not in params and val(n).is_float}, extra)
     # recompute: a range keeps its float inputs (saved by its first step) instead of what its
     # steps keep; backward holds the range's own saves again while it runs through it
@@ -167,8 +133,8 @@ def activation_figures(program: Program) -> tuple[int, int]:
     keep = {r(o.value) for o in program.outputs}
     makes = {i: r(steps[i].out) for i in saves if r(steps[i].out) == steps[i].out
              and val(steps[i].out).is_float}
-    # forward: saved so far (from when each is made) + values still to be read (+ an
-    # einsum's scaled copy)
+    # forward: saved so far (from when each is made) + values still to be read (+ a
+    # kernel's scratch: an einsum's scaled copy)
     made = set(makes.values())
     held = sum(val(n).nbytes for n in first_saver if n not in made)  # saved inputs
     live = peak = 0
@@ -182,9 +148,9 @@ def activation_figures(program: Program) -> tuple[int, int]:
             live += val(out).nbytes
         held += extra
         step = steps[i]
-        scaled = val(step.out).nbytes if isinstance(step, Compute) and i not in fused and \
-            step.kind == "einsum" and step.attr("scale") is not None else 0
-        peak = max(peak, held + live + scaled)
+        scratch = record_of(step.kind).scratch(step, program) \
+            if isinstance(step, Compute) and i not in fused else 0
+        peak = max(peak, held + live + scratch)
         for a in reads(i):
             a = r(a)
             if a in alive and last_use.get(a) == i and a not in keep:
@@ -222,10 +188,28 @@ def recompute_flops(program: Program) -> float:
     total = 0.0
     for a, b in program.recompute:
         for step in program.steps[a:b]:
-            if isinstance(step, Compute) and step.kind == "einsum":
-                sizes: dict[str, int] = {}
-                for name in step.args:
-                    v = program.value(name)
-                    sizes.update(zip(v.dims, v.local_shape, strict=True))
-                total += 2 * math.prod(sizes.values())
+            if isinstance(step, Compute):
+                rec = record_of(step.kind)
+                if rec.bound is Bound.MATMUL:
+                    total += rec.flops(step, program)
+    return total
+
+
+def weight_grad_bytes(program: Program) -> int:
+    """The gradients a split backward's B keeps for its W (shard/split_backward.py: the
+    joints' incoming gradients), one microbatch: for each step whose backward gives a
+    parameter its gradient from the one arriving at its output (x . W, a fused linear, a
+    norm's or a bias's weights), that output's size. An embedding's table is not counted: its
+    lookup is off B's path (integer ids), so its W starts above it."""
+    fused = find_fusions(program)
+    covered = {i for f in fused.values() for i in f.covered}
+    params = {p.name for p in program.params}
+    total = 0
+    for i, s in enumerate(program.steps):
+        if i in covered or not isinstance(s, Compute) or s.kind == "embedding":
+            continue
+        f = fused.get(i)
+        reads = (f.w, f.bias) if isinstance(f, FusedLinear) else s.args
+        if any(a in params for a in reads) and program.value(s.out).is_float:
+            total += program.value(s.out).nbytes
     return total

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 
 from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.layout import Owned, Split
+from soapstone.shard.plan.units import format_bytes
 
 STATE_COPIES = {"adamw": 2, "sgd": 1}
 COUNTED_RANKS = 16384  # each rank's share up to this world size; above, the total only
@@ -91,7 +93,7 @@ def _stage_rows(stage, optimizer: str, bucket_mb: float, shared: tuple[str, ...]
     rows = []
     for b in plan_buckets(program, program.zero, program.data_axes, deferred, bucket_mb):
         n = math.prod(sizes[a] for a in b.dp)
-        sharded = program.zero >= 1 and n > 1
+        sharded = ZeroStage.of(program.zero).on(n).shards_optimizer
         shard = -(-b.numel // n) if sharded else 0
         offset = 0
         for name in b.names:
@@ -139,8 +141,6 @@ def writes(layout, coords: dict[str, int], sizes: dict[str, int],
 def format_checkpoint(per_rank: list[int] | None, total: int = 0, world: int = 0) -> str:
     """explain's line: the most a rank writes, the total, and how many ranks write (with
     per_rank None, the total of a `world` too large to count rank by rank)."""
-    from soapstone.shard.plan.analysis.explain import format_bytes
-
     if per_rank is None:
         return (f"checkpoint (run --save): {format_bytes(total)} in all over {world} ranks "
                 f"(each rank's share is counted up to {COUNTED_RANKS} ranks)")

@@ -4,10 +4,11 @@ Nothing here counts bytes again: memory and communication are `explain`'s Estima
 rank, per phase, kind and axis, in the comm layer's bus-byte convention). This module adds
 time, on a `hardware.Profile`:
 
-- compute: each Compute step of a Program, forward, per microbatch (`program_work`): an einsum
-  costs 2 x the product of its iteration dims' local sizes in FLOPs, run at the profile's
-  achievable matmul rate in the run's precision; every other op (elementwise, norms, softmax,
-  embedding, cross entropy) is memory-bound: the bytes of its float inputs and output at the
+- compute: each Compute step of a Program, forward, per microbatch (`program_work`), by what
+  its op's record says bounds it (shard/ops/): a matmul (einsum) costs its record's FLOPs (2
+  x the product of its iteration dims' local sizes), run at the profile's achievable matmul
+  rate in the run's precision; every other op (elementwise, norms, softmax, embedding, cross
+  entropy) is memory-bound: the bytes of its float inputs and output at the
   memory bandwidth (half of them in bf16). Backward costs twice the forward (a matmul's two
   gradients; an elementwise op reads and writes its gradients). Each op (a fused chain is
   one, a redistribution is one) also costs the profile's fixed `op_overhead_us`, forward and
@@ -37,15 +38,24 @@ import math
 
 import attrs
 
+from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.shard.ops.record import Bound
+from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.selective_plan import rebuild_steps
+from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
+from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
 HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
-FREE_OPS = ("rename",)  # views: no work
+
+
+def _width(precision: str) -> float:
+    """Bytes of a `precision` value relative to the spec's f32 (what other ops' traffic is)."""
+    return PRECISIONS[precision].nbytes / DTYPES["f32"].nbytes
 
 
 @attrs.frozen
@@ -65,14 +75,14 @@ class Work:
 
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
-        width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
+        width = _width(precision)
         return self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth + self.ops * profile.op_overhead_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, and the
         forward that recompute runs again."""
-        width = 0.5 if precision == "bf16" else 1.0  # bytes relative to the spec's f32
+        width = _width(precision)
         fwd = self.matmul_flops / profile.matmul_flops(precision) + \
             self.other_bytes * width / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
@@ -96,17 +106,15 @@ def _work(program: Program, indices) -> Work:
     moved = 0.0
     indices = set(indices)
     covered = {i for f in find_fusions(program).values() for i in f.covered}
-    ops = sum(1 for i, s in enumerate(program.steps) if i in indices and i not in covered and
-              not (isinstance(s, Compute) and s.kind in FREE_OPS))
+    work = {i: record_of(s.kind).bound for i, s in enumerate(program.steps)
+            if i in indices and isinstance(s, Compute)}
+    ops = sum(1 for i in range(len(program.steps)) if i in indices and i not in covered and
+              work.get(i) is not Bound.VIEW)  # a view is no work
     for i, step in enumerate(program.steps):
-        if i not in indices or not isinstance(step, Compute) or step.kind in FREE_OPS:
+        if work.get(i, Bound.VIEW) is Bound.VIEW:
             continue
-        if step.kind == "einsum":
-            sizes: dict[str, int] = {}
-            for name in step.args:
-                v = program.value(name)
-                sizes.update(zip(v.dims, v.local_shape, strict=True))
-            flops += 2 * math.prod(sizes.values())
+        if work[i] is Bound.MATMUL:
+            flops += record_of(step.kind).flops(step, program)
         else:
             vals = [program.value(a) for a in step.args] + [program.value(step.out)]
             moved += sum(v.nbytes for v in vals if v.is_float)
@@ -174,7 +182,7 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
             out["after"] += s
     # the reduction hides behind backward: the last microbatch's, or every one's (ZeRO >= 2)
     backward = compute * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-    window = backward if est.zero >= 2 else backward / m
+    window = backward if ZeroStage.of(est.zero).shards_grads else backward / m
     out["reduce"] = max(out["reduce"] - window, out["reduce"] / buckets)
     out["busy"] = max(compute, out["zero3"]) + out["blocking"]
     out["per_axis"] = per_axis
@@ -196,6 +204,7 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
     whose pipe rank r does `work[r]` forward per microbatch (module doc)."""
     ranks = est.rank_traffic or [est.traffic]
     if len(work) != len(ranks):
+        # not user input: the planner and explain pass one figure per pipe rank
         raise ValueError(f"{len(work)} work figures for {len(ranks)} pipe ranks")
     seen: dict[tuple, dict] = {}  # the middle ranks of a pipeline are alike
     rows = []

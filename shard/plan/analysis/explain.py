@@ -16,19 +16,19 @@ Memory (bytes per rank):
   forward, gradients in flight in backward), from a walk of the Program that frees each value
   after its last use as the runtime does. activations + transient is the step's peak above
   the parameter state (within a few percent of the measured peak on the examples:
-  bench/bench_memory.py, tests/test_plan.py).
+  bench/bench_memory.py, tests/dsl/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
 2(n-1)/n of the tensor, reduce_scatter / allgather / alltoall (n-1)/n of the full tensor), so
 the figures equal what the communicators' `stats` counters record during one step of
-`soapstone run` (tests/test_explain.py checks it):
-- forward: the Program's redistributions, and the statistics allreduces of distributed ops
-  (layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2 sums), and a moe
-  op's own calls (shard/parallel/dispatch_plan.py: the counts allgather; where tokens and experts
-  share an axis, the dispatch and combine alltoallv, counted as their expected bytes at the
-  capacity bound, so these rows alone are estimates: the counters record what the routing
-  sent).
+`soapstone run` (tests/shard/plan/test_explain.py checks it):
+- forward: the Program's redistributions, the statistics allreduces of distributed ops (their
+  records' dist_stats: layernorm 2 sums, rmsnorm 1, softmax max + sum, cross_entropy max + 2
+  sums), and a moe op's own calls (its record's `calls`, shard/parallel/dispatch_plan.py:
+  the counts allgather; where tokens and experts share an axis, the dispatch and combine
+  alltoallv, counted as their expected bytes at the capacity bound, so these rows alone are
+  estimates: the counters record what the routing sent).
 - backward: the transpose of each forward collective (CopyTo -> allreduce, allgather with a
   partial gradient -> reduce_scatter, reduce_scatter/slice -> allgather, alltoall ->
   alltoall, and the backward allreduce of each statistics sum).
@@ -48,12 +48,16 @@ Pipelines (`estimate_pipeline`, from the StageGraph): each virtual stage's Progr
 for one microbatch on the mesh without the pipe axis) is estimated as above, and a pipe rank's
 figures add up its virtual stages:
 - params, grads, optimizer: the sum over the rank's stages (a tied weight counts per copy).
-- activations: one microbatch's saved bytes per stage times the microbatches in flight,
-  taken from the schedule itself (the transient: the largest of the rank's stages', plus
-  every tensor it sends in the step, whose sends are waited on at the step's end):
-  walking the rank's F/B actions, the peak over time of
-  sum(live forwards of stage s x its bytes). For 1F1B that is p - s microbatches on pipe rank s
-  (at most m); GPipe keeps all m; interleaved keeps its warm-up depth.
+- activations: what the executor keeps per microbatch in flight, from the schedule itself:
+  walking the rank's F/B/W actions, the peak over time of sum over its stages s of
+  (microbatches past F, before their backward's last part) x s's saved bytes + (those
+  before B) x the bytes s sends forward (its outputs, stored for its B; a received input is
+  read by the stage's first op, which saves it). For 1F1B that is p - s microbatches on pipe
+  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; zb1p keeps the
+  saved bytes until W, and from B to W the gradients B keeps for it (activations.py's
+  weight_grad_bytes). The transient: the largest of the rank's stages', plus the one
+  message received ahead of the compute reading it; sends add nothing, each let go as it
+  completes (shard/runtime/pipe_p2p.py). Flat in m but for GPipe.
 - communication: a stage's forward and backward collectives run once per microbatch (x m);
   gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
   reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
@@ -63,7 +67,8 @@ figures add up its virtual stages:
   counts each boundary tensor per microbatch (activations forward, float gradients back).
   These equal the comm counters of one `soapstone run` step on every rank (tests).
 - bubble: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved with v chunks per rank, or zb1p's
-  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules.py derives both).
+  (p-1)/(3m+p-1) (1-3m/(2m+2p-1) for m < p; shard/plan/schedules/zb1p.py derives both):
+  each schedule's own (its `bubble` and `formula`).
 - imbalance: per pipe rank, the parameter elements of its stages (full, unsharded), the largest
   over the mean. Parameters stand in for compute: every repeat block of a stage costs the same,
   but the embedding and the output projection are counted by their size, which overstates the
@@ -74,18 +79,26 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.parallel.dispatch_plan import expert_figures, kernel_calls
+from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.selective_plan import selective_flops
-from soapstone.shard.plan.analysis.activations import activation_figures, recompute_flops
+from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.analysis.activations import (
+    activation_figures,
+    recompute_flops,
+    weight_grad_bytes,
+)
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
-from soapstone.shard.plan.program import DIST_STATS, Compute, CopyTo, Program, Redistribute
-from soapstone.shard.plan.schedules import SPLIT
+from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.units import format_bytes
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -130,6 +143,8 @@ class Estimate:
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
     recompute_flops: float = 0.0
+    # a split backward (zb1p): the gradients B keeps for W, one microbatch (activations.py)
+    weight_grad_bytes: int = 0
     # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
     experts: list[dict] = attrs.field(factory=list)
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
@@ -161,7 +176,7 @@ class Estimate:
         return d
 
 
-def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
+def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adamw",
              deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
              plain: tuple[int, int] | None = None) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
@@ -169,7 +184,8 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
     activations: activation_figures(program) when the caller has them already; plain: the
     same of the program without recompute (one that has it)."""
     mesh = dict(program.mesh)
-    dp_axes = program.data_axes if zero else ()
+    z = ZeroStage.of(zero)
+    dp_axes = program.data_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
     rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -196,19 +212,21 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-        if isinstance(step, Compute):  # a routing kernel's own calls (parallel/dispatch_plan.py)
-            for c in kernel_calls(program, step):
-                add(c.phase, c.kind, c.axes, c.payload)
-                if i in again and c.phase == "forward":
-                    add("recompute", c.kind, c.axes, c.payload)
-        if isinstance(step, Compute) and step.dist and step.kind in DIST_STATS:
+        if not isinstance(step, Compute):
+            continue
+        rec = record_of(step.kind)
+        for c in rec.calls(program, step):  # a routing kernel's own (parallel/dispatch_plan.py)
+            add(c.phase, c.kind, c.axes, c.payload)
+            if i in again and c.phase == "forward":
+                add("recompute", c.kind, c.axes, c.payload)
+        if step.dist and rec.dist_stats:
             x = program.value(step.args[0])
             item = FLOAT_BYTES.get(x.dtype, 4)
             over = str(step.attr("over"))
             stat = math.prod(s for dim, s in zip(x.dims, x.local_shape, strict=True)
                              if dim != over) * item
             for axis in step.dist:
-                for _, backward in DIST_STATS.get(step.kind, ()):
+                for backward in (s.backward for s in rec.dist_stats):
                     add("forward", "allreduce", axis, stat)
                     if i in again:
                         add("recompute", "allreduce", axis, stat)
@@ -237,14 +255,14 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
         # a weight tied across pipeline stages is reduced once, at the step, after its sum
         # over the pipe axis; every other bucket in backward (each microbatch's at ZeRO >= 2)
         sync = "tied sum" if plan.deferred else "grad sync"
-        if zero == 0 or n_dp == 1:
+        if not z.on(n_dp).shards_optimizer:
             add(sync, "allreduce", plan.sync, padded * master)
             norm_keys.add(tuple(a for a in mesh if a in plan.split))
             continue
         rest = tuple(a for a in plan.sync if a not in plan.dp)
         add(sync, "reduce_scatter", plan.dp, padded * master)
         add(sync, "allreduce", rest, padded // n_dp * master)
-        if zero <= 2:  # the updated shards, gathered after the optimizer step
+        if z.publishes_params:  # the updated shards, gathered after the optimizer step
             add("grad sync", "allgather", plan.dp, padded * item)
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
             add("forward", "allgather", plan.dp, padded * item)
@@ -261,80 +279,105 @@ def estimate(program: Program, zero: int = 0, optimizer: str = "adamw",
                 add("loss", "allreduce", axis, lv.nbytes)
             else:
                 add("loss", "allgather", axis, lv.nbytes * mesh[axis])
-    def held(total: int, item: float, from_stage: int) -> int:
-        """The bytes of `total` (item bytes an element) a rank holds where ZeRO >= from_stage
-        shards all but the `whole` elements over the data axes."""
-        if zero < from_stage:
+    def held(total: int, item: float, sharded: bool) -> int:
+        """The bytes of `total` (item bytes an element) a rank holds where ZeRO shards it
+        (`sharded`): all but the `whole` elements over the data axes."""
+        if not sharded:
             return total
         kept = int(whole * item)
         return kept + (total - kept) // d
 
-    grad_bytes = held(elems * 4, 4, 2)
-    if zero == 1:  # the full buffer persists (it accumulates) beside the reduced shard
-        grad_bytes += held(elems * 4, 4, 1) - int(whole * 4)
+    grad_bytes = held(elems * 4, 4, z.shards_grads)
+    if z.shards_optimizer and z.keeps_full_grad:
+        # ZeRO-1: the full buffer persists (it accumulates) beside the reduced shard
+        grad_bytes += held(elems * 4, 4, True) - int(whole * 4)
     state = OPTIMIZER_STATE.get(optimizer, 8)
-    opt_bytes = held(elems * state, state, 1)
-    return Estimate(program.model, program.parallel, program.world_size, mesh, zero, optimizer,
-                    held(param_bytes, param_bytes / elems if elems else 0, 3),
+    opt_bytes = held(elems * state, state, z.shards_optimizer)
+    return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
+                    optimizer, held(param_bytes, param_bytes / elems if elems else 0,
+                                    z.shards_params),
                     grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
-                        elems * 4 - grad_bytes if zero >= 2 else 0),
+                        elems * 4 - grad_bytes if z.shards_grads else 0),
                     without_recompute=(plain or activation_figures(
                         attrs.evolve(program, recompute=(), dropped=())))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
+                    weight_grad_bytes=weight_grad_bytes(program),
                     experts=expert_figures(program))
 
 
-def _in_flight(schedule, rank: int, act: dict[int, int]) -> tuple[int, dict[int, int]]:
-    """Peak activation bytes held by pipe rank `rank` under `schedule` ((kind, pipe,
-    microbatches, chunks)), and the peak number of microbatches in flight per virtual stage."""
-    snapshots, peak_live = in_flight(*schedule, rank)
-    peak = max((sum(n * act.get(s, 0) for s, n in snap) for snap in snapshots), default=0)
+def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | None = None,
+              kept: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
+    """Peak bytes of the microbatches pipe rank `rank` holds under `schedule` (a built Schedule
+    or a ScheduleShape: never built here), as the executor
+    keeps them, per virtual stage s: from a microbatch's F to its B, act[s] (saved for
+    backward) and sent[s] (the outputs s sends forward, stored for its B); where the backward
+    is split, from B to W, act[s] and kept[s] (the gradients B keeps for W). And the peak
+    number in flight (F done, the backward's last part not) per stage."""
+    sent, kept = sent or {}, kept or {}
+    snapshots, peak_live = live_in_flight(schedule.kind, schedule.pipe,
+                                          schedule.microbatches, schedule.chunks, rank)
+    peak = max((sum(n * (act.get(s, 0) + sent.get(s, 0)) + w * (act.get(s, 0) + kept.get(s, 0))
+                    for s, n, w in snap) for snap in snapshots), default=0)
     return peak, dict(peak_live)
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
-    """`walk_in_flight`'s answer for any M without a walk over M: one stage per rank has a
-    closed form (the rank's stage holds M under gpipe, min(P-r, M) under 1f1b, min(P, M)
-    under zb1p, which keeps values until W); interleaved walks a schedule of as few
-    microbatches as keep the same peaks (schedules.equivalent_microbatches). Cached: the
-    planner asks for many layouts."""
-    from soapstone.shard.plan import schedules
-
-    if chunks == 1 and kind in ("gpipe", "1f1b", "zb1p"):
-        n = {"gpipe": m, "1f1b": min(pipe - rank, m), "zb1p": min(pipe, m)}[kind]
-        return (((rank, n),),), ((rank, n),)
-    return walk_in_flight(kind, pipe, schedules.equivalent_microbatches(kind, pipe, m), chunks,
-                          rank)
+def live_in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
+    """`walk_in_flight`'s answer for any M without a walk over M: a schedule with one stage
+    per rank and a closed form for what its stage holds (its `held`: gpipe M, 1f1b
+    min(P-r, M)) answers at once; the others walk a schedule of as few microbatches as keep
+    the same peaks (their `walked`). Cached: the planner asks for many layouts."""
+    spec = schedules.get(kind)
+    if chunks == 1 and spec.held is not None:
+        stage, n = spec.stage_at(rank, 0, pipe), spec.held(pipe, m, rank)
+        return (((stage, n, 0),),), ((stage, n),)
+    return walk_in_flight(kind, pipe, spec.walked(pipe, m), chunks, rank)
 
 
 def walk_in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
-    """Walking rank `rank`'s F/B actions: the microbatches in flight per stage after each
-    forward (only those no other snapshot dominates: activation bytes are >= 0, so the peak
-    is at one of them), and the peak per stage."""
-    from soapstone.shard.plan import schedules
-
-    live: dict[int, int] = {}
+    """Walking rank `rank`'s F/B/W actions: after each F (and each B of a split backward),
+    per stage, the microbatches before their B and those between B and W (only snapshots no
+    other dominates: bytes are >= 0, so the peak is at one of them), and the peak in flight
+    per stage."""
+    before_b: dict[int, int] = {}
+    before_w: dict[int, int] = {}
     peak_live: dict[int, int] = {}
-    snaps: set[tuple[tuple[int, int], ...]] = set()
+    snaps: set[tuple[tuple[int, int, int], ...]] = set()
     sched = schedules.build(kind, pipe, m, chunks)
-    done = "W" if sched.split else "B"  # a split backward keeps its values until W
+    F, B = schedules.ActionKind.F, schedules.ActionKind.B
     for a in sched.ranks[rank]:
-        if a.kind not in ("F", done):
-            continue
-        live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
-        peak_live[a.stage] = max(peak_live.get(a.stage, 0), live[a.stage])
-        if a.kind == "F":
-            snaps.add(tuple(sorted(live.items())))
+        s = a.stage
+        if a.kind is F:
+            before_b[s] = before_b.get(s, 0) + 1
+        elif a.kind is B:
+            before_b[s] -= 1
+            if sched.split:  # its saved values stay until W
+                before_w[s] = before_w.get(s, 0) + 1
+        else:
+            before_w[s] -= 1
+        peak_live[s] = max(peak_live.get(s, 0), before_b[s] + before_w.get(s, 0))
+        if a.kind is F or (a.kind is B and sched.split):
+            snaps.add(tuple((t, n, before_w.get(t, 0)) for t, n in sorted(before_b.items())))
 
-    keep: list[dict[int, int]] = []  # by total, largest first: a dominating one comes first
-    for x in sorted(snaps, key=lambda x: -sum(n for _, n in x)):
-        if not any(all(n <= y.get(s, 0) for s, n in x) for y in keep):
-            keep.append(dict(x))
-    return tuple(tuple(k.items()) for k in keep), tuple(peak_live.items())
+    keep: list[dict[int, tuple[int, int]]] = []  # by total, largest first: a dominating one
+    for x in sorted(snaps, key=lambda x: -sum(n + w for _, n, w in x)):  # comes first
+        if not any(all(n <= y.get(s, (0, 0))[0] and w <= y.get(s, (0, 0))[1]
+                       for s, n, w in x) for y in keep):
+            keep.append({s: (n, w) for s, n, w in x})
+    return (tuple(tuple((s, n, w) for s, (n, w) in y.items()) for y in keep),
+            tuple(peak_live.items()))
+
+
+class ScheduleShape(NamedTuple):
+    """A schedule's name and size, for what has closed forms (never built: M may be 1e9)."""
+
+    kind: str
+    pipe: int
+    microbatches: int
+    chunks: int
 
 
 @attrs.frozen
@@ -361,7 +404,7 @@ class EdgeFigures:
     float_bytes: int
 
 
-def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
+def estimate_pipeline(graph, zero: int | ZeroStage = 0, optimizer: str = "adamw",
                       rank: int | None = None) -> Estimate:
     """A pipeline layout's estimate (module doc). Memory and traffic are pipe rank `rank`'s;
     default: the rank holding the most memory. `pipe_ranks` lists every pipe rank."""
@@ -384,29 +427,37 @@ def estimate_pipeline(graph, zero: int = 0, optimizer: str = "adamw",
 
 
 def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFigures],
-                     edges: list[EdgeFigures], tied_elements: int, zero: int, optimizer: str,
-                     rank: int | None = None) -> Estimate:
+                     edges: list[EdgeFigures], tied_elements: int, zero: int | ZeroStage,
+                     optimizer: str, rank: int | None = None) -> Estimate:
     """The pipeline estimate from each virtual stage's estimate (module doc): `graph` gives
     the layout (model, parallel, mesh, axis, pipe, schedule, microbatches, chunks); the
     planner passes stage estimates it extrapolated instead of compiling every stage."""
-    from soapstone.shard.plan import schedules
-
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
-    sched = (graph.schedule, pipe, m, graph.chunks)  # never built: closed forms (in_flight)
+    z = ZeroStage.of(zero)
+    # never built: in_flight's closed forms and short walks, and the bubble's formula
+    sched = ScheduleShape(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
     backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
+    sent: dict[int, int] = {}  # stage -> bytes it sends forward per microbatch
+    kept = {i: e.weight_grad_bytes for i, e in per_stage.items()}  # split: B keeps for W
     for st in stages:
         of_rank.setdefault(st.rank, []).append(st)
     for e in edges if pipe > 1 else ():
         sends.setdefault(e.src_rank, []).append(e)
         backs.setdefault(e.dst_rank, []).append(e)
+        sent[e.src] = sent.get(e.src, 0) + e.nbytes
+    for e in edges if pipe > 1 else ():
+        # a stage without float inputs has no B to run: W keeps its outputs and their
+        # gradients instead (split_backward.py: the roots off B's path)
+        if not any(x.dst == e.src and x.float_tensors for x in edges):
+            kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
-        peak, flight = _in_flight(sched, r, act)
+        peak, flight = in_flight(sched, r, act, sent, kept)
         rows: dict[tuple[str, str, str], Traffic] = {}
 
         def add(phase, kind, ax, calls, nbytes, rows=rows):
@@ -417,7 +468,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         for st in mine:
             for t in per_stage[st.index].traffic:
                 times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
-                    zero >= 2 and t.phase == "grad sync" and t.kind != "allgather") else 1
+                    z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
                 add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
         if pipe > 1:
             for e in sends.get(r, ()):
@@ -436,11 +487,10 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
             "activation_bytes": peak,
-            # + the step's sends, held until its end (the executor waits on them there)
-            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine) + m * (
-                sum(e.nbytes for e in sends.get(r, ()))
-                + sum(e.float_bytes for e in backs.get(r, ()))),
-            "activation_bytes_per_microbatch": {st.index: act[st.index] for st in mine},
+            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine)
+            + received_ahead(r, sends, backs),
+            "activation_bytes_per_microbatch": {st.index: act[st.index] + sent.get(st.index, 0)
+                                                for st in mine},
             "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
             "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
@@ -454,7 +504,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     edge_data = [{"src": e.src, "dst": e.dst, "src_rank": e.src_rank, "dst_rank": e.dst_rank,
                   "activation_bytes": e.nbytes * m, "gradient_bytes": e.float_bytes * m}
                  for e in edges]
-    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, zero, optimizer,
+    return Estimate(graph.model, graph.parallel, graph.world_size, mesh, z.level, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
                     transient_bytes=pick["transient_bytes"],
@@ -466,10 +516,22 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
                     edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
-                    **_recompute_figures(sched, pick, per_stage))
+                    **_recompute_figures(sched, pick, per_stage, sent, kept,
+                                         received_ahead(pick["pipe_rank"], sends, backs)))
 
 
-def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dict:
+def received_ahead(rank: int, sends: dict[int, list], backs: dict[int, list]) -> int:
+    """The receive buffer pipe rank `rank` holds beside a compute: the next compute's message,
+    posted before this one runs (the largest it receives: an activation on an edge into it,
+    a gradient on one out of it). Its own sends are let go as they complete, so they add
+    nothing here: what it sends forward is stored for its B anyway (`in_flight`), and a
+    gradient goes as soon as its B is done."""
+    return max([e.nbytes for e in backs.get(rank, ())]
+               + [e.float_bytes for e in sends.get(rank, ())] + [0])
+
+
+def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate],
+                       sent: dict[int, int], kept: dict[int, int], ahead: int) -> dict:
     """A pipe rank's figures without `recompute` (activations in flight, working set) and
     the FLOPs it runs again per microbatch, as Estimate's fields; {} without recompute."""
     mine = pick["stages"]
@@ -477,18 +539,10 @@ def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate]) -> dic
         return {}
     plain = {i: (e.without_recompute or (e.activation_bytes, e.transient_bytes))
              for i, e in per_stage.items()}
-    peak, _ = _in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()})
-    return {"without_recompute": (peak, max(plain[i][1] for i in mine)),
+    peak, _ = in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()}, sent,
+                        kept)
+    return {"without_recompute": (peak, max(plain[i][1] for i in mine) + ahead),
             "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
-
-
-def format_bytes(n: float) -> str:
-    """A byte count for people: "512 B", "1.5 KiB", "2.25 MiB", "1.00 GiB" (show, explain)."""
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.2f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
 
 
 def format_traffic(traffic: list[Traffic]) -> list[str]:
@@ -541,9 +595,7 @@ def format_estimate(e: Estimate) -> str:
                      f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
         return "\n".join(lines) + "\n"
     p = len(e.pipe_ranks)
-    formula = "(p-1)/(v*m+p-1)" if e.stages > p else "(p-1)/(m+p-1)"
-    if e.schedule in SPLIT:  # zb1p (schedules.py): its steady state needs m >= p
-        formula = "(p-1)/(3m+p-1)" if e.microbatches >= p else "1-3m/(2m+2p-1)"
+    formula = schedules.get(e.schedule).formula(p, e.microbatches, e.stages // p)
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")

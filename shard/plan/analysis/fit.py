@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
-from soapstone.shard.plan.analysis.explain import Estimate, estimate_pipeline, format_bytes
+from soapstone.shard.plan.analysis.explain import Estimate, estimate_pipeline
+from soapstone.shard.plan.units import format_bytes
 
 LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 

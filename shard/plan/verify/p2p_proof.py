@@ -22,7 +22,7 @@ import functools
 import attrs
 
 from soapstone.shard.plan.p2p_groups import GROUPINGS, P2P, Group, Item, plans
-from soapstone.shard.plan.schedules import Schedule
+from soapstone.shard.plan.schedules import Direction, Schedule
 
 
 @attrs.frozen
@@ -110,13 +110,13 @@ def simulate(rank_plans: dict[int, tuple[Item, ...]]) -> Rendezvous:
 class Message:
     """What one send or receive carries: direction, microbatch, edge, tensor index."""
 
-    direction: str
+    direction: Direction
     mb: int
     edge: int
     tensor: int
 
     def __str__(self) -> str:
-        return f"{'activation' if self.direction == 'A' else 'gradient'} of microbatch " \
+        return f"{self.direction.noun} of microbatch " \
                f"{self.mb} over edge {self.edge}, tensor {self.tensor}"
 
 

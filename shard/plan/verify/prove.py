@@ -19,7 +19,8 @@ from __future__ import annotations
 import attrs
 
 from soapstone.comm.errors import UserError
-from soapstone.shard.plan.verify.sequence import Op, rank_sequences
+from soapstone.shard.plan.verify.calls import Op
+from soapstone.shard.plan.verify.sequence import rank_sequences
 
 
 class VerifyError(UserError):

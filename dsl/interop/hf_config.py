@@ -1,0 +1,200 @@
+"""A Hugging Face GPT-2 or LLaMA config.json in soapstone's terms (`HFConfig`): read from a
+save_pretrained directory (`read_config`; a field soapstone cannot express, an activation,
+rope scaling, ..., is an HFError naming it), read off a .par model (`config_of`), and written
+(`config_json`). No transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from soapstone.comm.errors import UserError
+from soapstone.dsl.model import ir
+
+
+class HFError(UserError):
+    """A Hugging Face directory, config or weight that soapstone cannot use (bad input)."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+    def format(self) -> str:
+        """The message, and the hint on its own line."""
+        return f"error: {self}" + (f"\nhint: {self.hint}" if self.hint else "")
+
+
+@attrs.frozen
+class HFConfig:
+    """What a config.json describes, in soapstone's terms: `kind` (gpt2 | llama), the dims by
+    soapstone's names and the layer options."""
+
+    kind: str
+    dims: tuple[tuple[str, int], ...]  # vocab, hidden, heads, [kv_heads], ffn, [max_seq], layers
+    eps: float
+    activation: str = "gelu_tanh"  # gpt2's mlp activation choice
+    rope_theta: float = 10000.0
+    attention_bias: bool = False  # llama
+    mlp_bias: bool = False  # llama
+    tied: bool = True
+    path: str = ""
+
+    def size(self, dim: str) -> int:
+        """A dim's size."""
+        return dict(self.dims)[dim]
+
+
+# config.json's activation_function -> the mlp activation computing it
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+             "relu": "relu", "silu": "silu", "swish": "silu"}
+_ACT_NAME = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+
+
+def _field(conf: dict, key: str, path: str, default=None, kind=int):
+    value = conf.get(key, default)
+    if value is None or (kind is int and (isinstance(value, bool) or not isinstance(value, int))) \
+            or (kind is float and not isinstance(value, int | float)):
+        raise HFError(f"{path}: field {key!r} is {value!r}; soapstone needs "
+                      f"{'an integer' if kind is int else 'a number'} there")
+    return value
+
+
+def _must(conf: dict, key: str, ok, path: str, why: str) -> None:
+    if key in conf and not ok(conf[key]):
+        raise HFError(f"{path}: field {key!r} = {json.dumps(conf[key])} is not supported: {why}")
+
+
+def read_config(directory: str | Path) -> HFConfig:
+    """The config.json of a save_pretrained directory (GPT-2 or LLaMA) as an HFConfig."""
+    path = Path(directory) / "config.json"
+    try:
+        conf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{path}: no such file; --init hf:DIR needs a directory that "
+                      "save_pretrained wrote (config.json + model.safetensors)") from None
+    except (OSError, ValueError) as e:
+        raise HFError(f"{path}: not a readable JSON config ({e})") from None
+    if not isinstance(conf, dict):
+        raise HFError(f"{path}: not a JSON object")
+    kind = conf.get("model_type")
+    if kind == "gpt2":
+        return _gpt2_config(conf, str(path))
+    if kind == "llama":
+        return _llama_config(conf, str(path))
+    raise HFError(f"{path}: field 'model_type' = {json.dumps(kind)} is not supported: soapstone "
+                  "imports gpt2 and llama")
+
+
+def _gpt2_config(conf: dict, path: str) -> HFConfig:
+    act = conf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACT:
+        raise HFError(f"{path}: field 'activation_function' = {json.dumps(act)} is not "
+                      f"supported: soapstone's mlp computes {', '.join(sorted(_GPT2_ACT))}")
+    _must(conf, "scale_attn_weights", lambda v: v is True, path, "attention scores are scaled "
+          "by 1/sqrt(head_dim)")
+    _must(conf, "scale_attn_by_inverse_layer_idx", lambda v: not v, path,
+          "no per-layer attention scaling")
+    _must(conf, "add_cross_attention", lambda v: not v, path, "no cross-attention")
+    hidden = _field(conf, "n_embd", path)
+    heads = _field(conf, "n_head", path)
+    inner = conf.get("n_inner")
+    ffn = 4 * hidden if inner is None else _field(conf, "n_inner", path)
+    if hidden % heads:
+        raise HFError(f"{path}: n_embd = {hidden} does not divide over n_head = {heads}")
+    dims = (("vocab", _field(conf, "vocab_size", path)),
+            ("max_seq", _field(conf, "n_positions", path)), ("hidden", hidden),
+            ("heads", heads), ("ffn", ffn), ("layers", _field(conf, "n_layer", path)))
+    return HFConfig("gpt2", dims, float(_field(conf, "layer_norm_epsilon", path, 1e-5, float)),
+                    activation=_GPT2_ACT[act], tied=bool(conf.get("tie_word_embeddings", True)),
+                    path=path)
+
+
+def _llama_config(conf: dict, path: str) -> HFConfig:
+    _must(conf, "hidden_act", lambda v: v == "silu", path, "LLaMA's gated mlp uses silu")
+    _must(conf, "rope_scaling", lambda v: v is None, path, "rope computes plain positions "
+          "(no scaling)")
+    rope = conf.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+            raise HFError(f"{path}: field 'rope_parameters' = {json.dumps(rope)} is not "
+                          "supported: rope computes plain positions (rope_type default)")
+        theta = rope.get("rope_theta", conf.get("rope_theta", 10000.0))
+    else:
+        theta = conf.get("rope_theta", 10000.0)
+    if not isinstance(theta, int | float) or theta <= 0:
+        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    hidden = _field(conf, "hidden_size", path)
+    heads = _field(conf, "num_attention_heads", path)
+    kv = _field(conf, "num_key_value_heads", path, heads)
+    if hidden % heads:
+        raise HFError(f"{path}: hidden_size = {hidden} does not divide over "
+                      f"num_attention_heads = {heads}")
+    _must(conf, "head_dim", lambda v: v is None or v == hidden // heads, path,
+          f"soapstone's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
+    if heads % kv:
+        raise HFError(f"{path}: num_key_value_heads = {kv} does not divide "
+                      f"num_attention_heads = {heads}")
+    dims = (("vocab", _field(conf, "vocab_size", path)), ("hidden", hidden), ("heads", heads),
+            ("kv_heads", kv), ("ffn", _field(conf, "intermediate_size", path)),
+            ("layers", _field(conf, "num_hidden_layers", path)))
+    return HFConfig("llama", dims, float(_field(conf, "rms_norm_eps", path, 1e-6, float)),
+                    rope_theta=float(theta), attention_bias=bool(conf.get("attention_bias")),
+                    mlp_bias=bool(conf.get("mlp_bias")),
+                    tied=bool(conf.get("tie_word_embeddings", False)), path=path)
+
+
+def config_of(model: ir.Model) -> HFConfig:
+    """The HFConfig a model was written from (what `export` writes as config.json), read off
+    its ops: rope means LLaMA, else GPT-2. check_model then proves it describes the model."""
+    sizes = dict(model.dims)
+    kinds = {op.kind for op in model.ops}
+    tied = any(p.tied_to for p in model.params)
+    layers = len(model.blocks)
+    norm = next((op for op in model.ops if op.kind in ("layernorm", "rmsnorm")), None)
+    eps = float(norm.attr("eps")) if norm is not None else 1e-5
+    try:
+        if "rope" in kinds:
+            theta = next(float(op.attr("theta")) for op in model.ops if op.kind == "rope")
+            names = {p.name.split(".")[-1] for p in model.params}
+            dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads", "ffn"))
+            return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
+                            attention_bias="bq" in names, mlp_bias="bias" in names, tied=tied,
+                            path=f"model {model.name}")
+        act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
+                    and op.layer == "mlp"), None)
+        activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
+            else (act.kind if act is not None else "gelu_tanh")
+        dims = tuple((d, sizes[d]) for d in ("vocab", "max_seq", "hidden", "heads", "ffn"))
+        return HFConfig("gpt2", (*dims, ("layers", layers)), eps, activation=activation,
+                        tied=tied, path=f"model {model.name}")
+    except KeyError as e:
+        raise HFError(f"model {model.name} has no dim {e.args[0]}: only models written as "
+                      "examples/gpt2.par or examples/llama.par export to Hugging Face") from None
+
+
+def config_json(cfg: HFConfig) -> dict:
+    """The config.json transformers reads for `cfg` (dropout off: the model has none)."""
+    d = dict(cfg.dims)
+    if cfg.kind == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": d["vocab"], "n_positions": d["max_seq"], "n_embd": d["hidden"],
+            "n_layer": d["layers"], "n_head": d["heads"], "n_inner": d["ffn"],
+            "activation_function": _ACT_NAME[cfg.activation],
+            "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tied,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "scale_attn_weights": True, "dtype": "float32",
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": d["vocab"], "hidden_size": d["hidden"],
+        "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"],
+        "head_dim": d["hidden"] // d["heads"], "intermediate_size": d["ffn"],
+        "num_hidden_layers": d["layers"], "hidden_act": "silu", "rms_norm_eps": cfg.eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
+        "tie_word_embeddings": cfg.tied, "attention_dropout": 0.0, "dtype": "float32",
+    }

@@ -1,0 +1,280 @@
+"""The probes of `soapstone plan`: a candidate's figures read off small compiles.
+
+Every candidate is costed from explain's Estimate (memory, communication) and the cost model
+(shard/plan/analysis/cost.py). Compiling a 100-block model takes seconds, so a model whose repeat
+blocks are all alike (the usual stack) is not compiled per candidate: `Probes` compile it
+truncated to 1 and 2 blocks (and a 3-stage pipeline of 1 and 2 blocks per stage) for a local
+microbatch of 1 and 2 samples, and every figure of a stage with n blocks and b samples is read
+off them bilinearly (parameters, activations, collectives' calls and bytes, FLOPs are each
+const + n x per-block, and linear in b). Not so the working set above the saved activations
+(explain's transient, less ZeRO's buffers): a peak, at the last block's backward or the head,
+so a stage of n >= 2 blocks has the 2-block probe's, and not linear in b, so it is walked on
+the 1-sample probe with its batch dim scaled to b; with recompute the blocks' inputs it keeps
+are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage do not change the
+compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
+re-estimated on the candidate's; recompute does, so the probes are per recompute form.
+tests/dsl/test_plan.py checks the extrapolation against a full compile. Other models (branching,
+several repeats, fewer than 6 blocks) compile each layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.dsl.model import ir
+from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
+from soapstone.shard.plan.analysis.activations import activation_figures
+from soapstone.shard.plan.analysis.cost import Work, program_work
+from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
+
+PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
+
+
+Figs = dict[tuple, float]
+
+
+def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> Figs:
+    """An estimate's additive figures as one flat dict (for extrapolation); a communicator's
+    axes of size 1 are left out of its name (as a mesh without them would name it).
+    `working_set` (the activation walk's peak above the saved bytes) is kept apart from the
+    rest of the transient (ZeRO's full gradient buffers and gathered bucket), which grows with
+    the blocks; under recompute, what the step would hold without it and the forward work run
+    again come too."""
+    f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
+               ("optimizer_bytes",): est.optimizer_bytes,
+               ("activation_bytes",): est.activation_bytes,
+               ("transient_bytes",): est.transient_bytes - working_set,
+               ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
+               ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
+               ("param_elements",): param_elements}
+    if est.without_recompute is not None:
+        again = work.again or Work()
+        f |= {("plain_saved",): est.without_recompute[0],
+              ("plain_working_set",): est.without_recompute[1],
+              ("again_flops",): again.matmul_flops, ("again_moved",): again.other_bytes,
+              ("again_ops",): again.ops}
+    for t in est.traffic:
+        axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
+        for what, v in (("calls", t.calls), ("bytes", t.bytes)):
+            f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
+    return f
+
+
+# Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set
+# replaces their extrapolation
+PEAKS = (("working_set",), ("plain_working_set",))
+
+
+def _lin(*terms: tuple[float, Figs]) -> Figs:
+    out: Figs = {}
+    for k, f in terms:
+        for key, v in f.items():
+            out[key] = out.get(key, 0.0) + k * v
+    return out
+
+
+def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
+               optimizer: str) -> tuple[Estimate, Work, int]:
+    g = {k: max(0, round(v)) for k, v in f.items()}
+    traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
+               for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
+    rc = ("again_flops",) in f
+    est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
+                   g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
+                   g[("activation_bytes",)], traffic,
+                   transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
+                   without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
+                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0,
+                   weight_grad_bytes=g[("weight_grad_bytes",)])
+    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)]) if rc else None
+    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again), g[("param_elements",)]
+
+
+def _remesh(program, data: int):
+    mesh = tuple((a, data if a == "data" else n) for a, n in program.mesh)
+    return attrs.evolve(program, mesh=mesh)
+
+
+def _block_signature(model: ir.Model, i: int) -> tuple:
+    me, prev = model.blocks[i] + ".", model.blocks[i - 1] + "."
+
+    def norm(name: str) -> str:
+        if name.startswith(me):
+            return "@." + name[len(me):]
+        return "^." + name[len(prev):] if name.startswith(prev) else name
+
+    ops = tuple((op.kind, op.type, op.attrs, op.layer, op.shard, norm(op.out),
+                 tuple(norm(a) for a in op.args))
+                for op in model.ops if op.block == model.blocks[i])
+    params = tuple((norm(p.name), p.type, p.init, p.tied_to) for p in model.params
+                   if p.block == model.blocks[i])
+    return ops, params
+
+
+def _plain(program):
+    """`program` as it runs without its `recompute` statement."""
+    return attrs.evolve(program, recompute=())
+
+
+def _with_batch(program, batch: str, b: int):
+    """`program` (compiled for one sample per data rank) with its batch dim scaled to b
+    samples: each value's local extent of that dim times b."""
+    if b == 1:
+        return program
+    values = tuple(attrs.evolve(v, local_shape=tuple(
+        n * b if d == batch else n for d, n in zip(v.dims, v.local_shape, strict=True)))
+        if batch in v.dims else v for v in program.values)
+    return attrs.evolve(program, values=values)
+
+
+def uniform(model: ir.Model) -> bool:
+    """Whether blocks 1.. are alike up to their names (block 0 reads the top level) and every
+    value a block makes is named under it: the probes' premise."""
+    if len(model.blocks) < PROBE_BLOCKS:
+        return False
+    if any(op.block is not None and not op.out.startswith(op.block + ".") for op in model.ops):
+        return False
+    made = {op.out: op.block for op in model.ops}
+    inner = set(model.blocks[:-1])
+    if any(made.get(a) in inner for op in model.ops if op.block is None for a in op.args) or \
+            any(made.get(o.value) in inner for o in model.outputs):
+        return False  # the top level reads only the last block
+    first = _block_signature(model, 1)
+    return all(_block_signature(model, i) == first for i in range(2, len(model.blocks)))
+
+
+def truncate(model: ir.Model, k: int) -> ir.Model:
+    """The model with its first k blocks (of a uniform model): what followed the last block
+    reads the k-th block's values instead."""
+    keep = set(model.blocks[:k])
+    last, mine = model.blocks[-1] + ".", model.blocks[k - 1] + "."
+
+    def rename(a: str) -> str:
+        return mine + a[len(last):] if a.startswith(last) else a
+
+    ops = tuple(attrs.evolve(op, args=tuple(rename(a) for a in op.args))
+                for op in model.ops if op.block is None or op.block in keep)
+    used = {a for op in ops for a in op.args}
+    params = tuple(p for p in model.params if p.name in used)
+    outputs = tuple(attrs.evolve(o, value=rename(o.value)) for o in model.outputs)
+    return attrs.evolve(model, ops=ops, params=params, outputs=outputs,
+                        blocks=model.blocks[:k])
+
+
+class Probes:
+    """One (tensor, sequence, context, recompute) setting's probe compiles and their
+    re-estimates (module doc). `compiled` (kind, n, b) -> Program, filled on first use, may be
+    shared with the same setting under another recompute form: its Programs are compiled
+    under `recompute compiled_form`, and `recompute R` changes nothing of a Program but its
+    recompute ranges, so the form without it is the same Program without them."""
+
+    def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
+                 optimizer: str, context: int = 1, recompute: str | None = None,
+                 compiled: dict | None = None, compiled_form: str | None = None):
+        if recompute not in (None, compiled_form):  # the Planner's pairing: not user input
+            raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
+        self.optimizer = optimizer
+        self.stage: dict[tuple, Figs] = {}
+        self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
+        # (kind, n, b) -> the walk's figures, with and without recompute, and the work
+        self.acts: dict[tuple[str, int, int], tuple] = {}
+        self.cache: dict[tuple, tuple] = {}
+        self.batch = dims.batch
+        self.peaks: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self._model, self._dims = model, dims
+        self._recompute = recompute
+        self._compiled = {} if compiled is None else compiled
+        self._one = Candidate(2, tensor, 1, sequence, context=context, recompute=compiled_form)
+        # the mesh axes a stage's Program has (the pipe axis never)
+        self.axes = {a for a, _ in to_parallel(model, dims, self._one).mesh}
+
+    def program(self, kind: str, n: int, b: int):
+        """The Program of a probe stage (compiled on first use: a search without stages
+        never compiles the pipelines, nor one with only stages the single programs)."""
+        if (kind, n, b) not in self.programs:
+            prog = self._compile(kind, n, b)
+            self.programs[kind, n, b] = prog if self._recompute else _plain(prog)
+        return self.programs[kind, n, b]
+
+    def _compile(self, kind: str, n: int, b: int):
+        done = self._compiled
+        if (kind, n, b) not in done:
+            base = attrs.evolve(self._model, dims=tuple(
+                (d, 2 * b if d == self._dims.batch else s) for d, s in self._model.dims))
+            if kind == "only":
+                par = to_parallel(base, self._dims, self._one)
+                done[kind, n, b] = lower_graph(truncate(base, n), par).program
+            else:
+                three = truncate(base, 3 * n)
+                pipe = to_parallel(three, self._dims, attrs.evolve(self._one, pipe=3))
+                graph = lower_graph(three, pipe)
+                for st, k in zip(graph.stages, ("first", "middle", "last"), strict=True):
+                    done[k, n, b] = st.program
+                e = graph.edges[1]
+                done["edge", 1, b] = EdgeFigures(0, 1, 0, 1, len(e.tensors), e.nbytes,
+                                                 sum(1 for t in e.tensors if t.is_float),
+                                                 sum(t.nbytes for t in e.tensors
+                                                     if t.is_float))
+        return done[kind, n, b]
+
+    def _at(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
+        key = (kind, n, b, data, zero)
+        if key not in self.stage:
+            prog = self.program(kind, n, b)
+            if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
+                plain = activation_figures(_plain(prog)) if prog.recompute else None
+                self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog))
+            acts, plain, work = self.acts[kind, n, b]
+            est = estimate(_remesh(prog, data), zero, self.optimizer, activations=acts,
+                           plain=plain)
+            self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params),
+                                    acts[1])
+        return self.stage[key]
+
+    def figures(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
+        """A stage of `kind` (only | first | middle | last) with n blocks and b samples per
+        microbatch per data rank, on `data` ranks under ZeRO `zero`: bilinear in (n, b); the
+        b-slope (activations, tensor-parallel traffic, work) is the same for every data
+        degree and ZeRO stage, so it is read at data 2, ZeRO 0. The PEAKS are not sums over
+        blocks and not linear in b: they come from `working_set`."""
+        f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
+        s1 = _lin((1, self._at(kind, 1, 2, 2, 0)), (-1, self._at(kind, 1, 1, 2, 0)))
+        s2 = _lin((1, self._at(kind, 2, 2, 2, 0)), (-1, self._at(kind, 2, 1, 2, 0)))
+        out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
+                   ((b - 1) * (1 - n), s1))
+        for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):
+            out[key] = v
+        return out
+
+    def stage_estimate(self, kind: str, n: int, b: int, data: int, zero: int,
+                       mesh: dict[str, int]) -> tuple[Estimate, Work, int]:
+        """A stage's (estimate, forward work, parameter elements) read off the probes
+        (`figures`) on `mesh`, the stage's axes and sizes (cached)."""
+        key = (kind, n, b, data, zero)
+        if key not in self.cache:
+            self.cache[key] = _from_figs(self.figures(*key), self._model.name, mesh, zero,
+                                         self.optimizer)
+        return self.cache[key]
+
+    def working_set(self, kind: str, n: int, b: int) -> tuple[int, ...]:
+        """The PEAKS of a stage of n <= 2 blocks and b samples: the walk of the b = 1 probe
+        with its batch dim scaled to b (a peak is a max over the step: not linear in b);
+        under recompute, without it too."""
+        key = (kind, n, b)
+        if key not in self.peaks:
+            prog = _with_batch(self.program(kind, n, 1), self.batch, b)
+            walks = (prog, _plain(prog)) if prog.recompute else (prog,)
+            self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
+        return self.peaks[key]
+
+    def edge_at(self, b: int) -> EdgeFigures:
+        """The boundary tensors per microbatch of b samples per data rank."""
+        self._compile("middle", 1, 1)
+        self._compile("middle", 1, 2)
+        e1, e2 = self._compiled["edge", 1, 1], self._compiled["edge", 1, 2]
+        return attrs.evolve(e1, nbytes=e1.nbytes + (b - 1) * (e2.nbytes - e1.nbytes),
+                            float_bytes=e1.float_bytes + (b - 1) * (e2.float_bytes -
+                                                                    e1.float_bytes))

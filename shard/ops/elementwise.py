@@ -1,0 +1,105 @@
+"""Elementwise ops: add and mul (broadcast by dim name), the activations, dropout."""
+
+from __future__ import annotations
+
+import zlib
+
+from soapstone.shard.ops.record import (
+    OpRecord,
+    Partial,
+    Slot,
+    keeps_args,
+    per_element,
+    saves_input,
+    saves_inputs,
+    saves_output,
+)
+
+
+def binary(step, args, ctx, fn):
+    """fn(a, b) with both operands laid out along the output's dims."""
+    from soapstone.shard.ops.kernels import align
+
+    out = ctx.out(step).dims
+    a, b = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims
+    return fn(align(args[0], a, out), align(args[1], b, out))
+
+
+def add(step, args, ctx):
+    """Broadcasting sum by dim name."""
+    import torch
+
+    return binary(step, args, ctx, torch.add)
+
+
+def mul(step, args, ctx):
+    """Broadcasting product by dim name."""
+    import torch
+
+    return binary(step, args, ctx, torch.mul)
+
+
+def gelu(step, args, ctx):
+    """GELU, exact or (approximate = tanh) GPT-2's form."""
+    import torch.nn.functional as F
+
+    return F.gelu(args[0], approximate=str(step.attr("approximate", "none")))
+
+
+def relu(step, args, ctx):
+    """max(x, 0)."""
+    import torch.nn.functional as F
+
+    return F.relu(args[0])
+
+
+def silu(step, args, ctx):
+    """x * sigmoid(x)."""
+    import torch.nn.functional as F
+
+    return F.silu(args[0])
+
+
+def dropout_p(step) -> float:
+    """The drop probability (0 when unset)."""
+    return float(step.attr("p", 0.0) or 0.0)
+
+
+def dropout(step, args, ctx):
+    """The mask is drawn for the global tensor (the whole batch, even when this program runs
+    one microbatch of it) and sliced, so every layout and schedule drops the same. Autograd
+    saves the mask for backward (a product with a constant), so it is never redrawn."""
+    import torch
+
+    p = float(step.attr("p", 0.0))
+    if p == 0.0 or not ctx.training:
+        return args[0]
+    v = ctx.arg(step, 0)
+    key = f"{ctx.rng_seed}/{ctx.rng_step}/{step.out}".encode()
+    g = torch.Generator().manual_seed(zlib.crc32(key))
+    # drawn on the CPU on every device, so a GPU run drops what the CPU run drops
+    keep = (torch.rand(ctx.global_sizes(v), generator=g) >= p)[ctx.global_slices(v)]
+    keep = keep.to(args[0].device)
+    return args[0] * keep.to(args[0].dtype) / (1.0 - p)
+
+
+def dropout_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
+    """A mask of the input's size (none at p = 0)."""
+    return [], program.value(step.args[0]).nbytes if dropout_p(step) else 0
+
+
+RECORDS = (
+    OpRecord("add", "args (a, b), broadcast by dim name; output dims = type.dims",
+             kernel=add, partial_pass=Partial.ALL, flops=per_element(1),
+             fuses={Slot.BIAS: frozenset()}),
+    OpRecord("mul", "args (a, b), broadcast by dim name", kernel=mul,
+             partial_pass=Partial.ONE, flops=per_element(1), saves=saves_inputs,
+             keeps=keeps_args),
+    OpRecord("gelu", "args (x,). attrs: approximate=tanh (optional: GPT-2's tanh form)",
+             kernel=gelu, flops=per_element(8), saves=saves_input),
+    OpRecord("relu", "args (x,)", kernel=relu, flops=per_element(1), saves=saves_output),
+    OpRecord("silu", "args (x,)", kernel=silu, flops=per_element(4), saves=saves_input),
+    OpRecord("dropout", "args (x,). attrs: p (float)", kernel=dropout,
+             partial_pass=Partial.ONE, flops=per_element(2),
+             identity=lambda step: not dropout_p(step), saves=dropout_saves),
+)

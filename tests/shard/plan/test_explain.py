@@ -1,0 +1,123 @@
+"""`soapstone explain`: the estimates agree with a real step (cases in
+tests/shard/train/run_cases.py: communication bytes equal the comm layer's counters per axis and
+collective; param/grad/optimizer memory within 10% of the measured tensors), and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mpirun import case_names, case_params, run_mpi
+
+from soapstone.shard.plan.schedules import build
+
+CASES = "tests/shard/train/run_cases.py"
+CLI = ["-m", "soapstone.dsl.cli", "explain"]
+
+
+# the explain cases of the run cases (test_golden.py takes the rest): one launch per size for both
+EXPLAIN = [c for c in case_names(CASES) if c.startswith("case_explain_")]
+
+
+@pytest.mark.parametrize("case,n", case_params(CASES, EXPLAIN))
+def test_explain_matches_a_real_step(comm_runs, case, n):
+    comm_runs(n, CASES).check(case)
+
+
+def test_bubble_formula():
+    assert build("1f1b", 1, 8).theory_bubble() == 0.0
+    assert build("gpipe", 2, 4).theory_bubble() == pytest.approx(1 / 5)
+    assert build("1f1b", 4, 8).theory_bubble() == pytest.approx(3 / 11)
+
+
+def test_explain_table_and_json():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "dp2tp2"], check=True)
+    for needle in ("params", "optimizer", "activations", "grad sync  allreduce       [data]",
+                   "total", "bubble 0.000"):
+        assert needle in r.stdout, r.stdout
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "tp2", "--json"], check=True)
+    data = json.loads(r.stdout)
+    assert data["optimizer_bytes"] == 2 * data["grad_bytes"]  # AdamW: 2 x fp32 per param
+    assert data["bubble"] == 0.0 and data["imbalance"] == 1.0
+    assert data["comm_bytes_per_axis"]["model"] > 0
+
+
+def test_explain_pipeline_layout_per_stage():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "gpt8", "--json"], check=True)
+    data = json.loads(r.stdout)
+    assert data["stages"] == 2 and data["bubble"] == pytest.approx(1 / 5)
+    ranks = data["pipe_ranks"]
+    assert [r["pipe_rank"] for r in ranks] == [0, 1]
+    # 1F1B: pipe rank s holds p - s microbatches' activations
+    assert ranks[0]["microbatches_in_flight"] == {"0": 2}
+    assert ranks[1]["microbatches_in_flight"] == {"1": 1}
+    assert ranks[0]["activation_bytes"] == 2 * ranks[0]["activation_bytes_per_microbatch"]["0"]
+    # one edge, [1, 8, 32] f32 = 1 KiB per microbatch, 4 microbatches, both directions
+    assert data["edges"] == [{"src": 0, "dst": 1, "src_rank": 0, "dst_rank": 1,
+                              "activation_bytes": 4096, "gradient_bytes": 4096}]
+    assert data["comm_bytes_per_axis"]["pipe"] == 4096 + 8 + 8  # p2p + norm + loss
+    r = run_mpi(1, [*CLI, "tests/specs/pipe_layouts.par", "--parallel", "pp2inter"],
+                check=True)
+    assert "bubble 0.111 = (p-1)/(v*m+p-1)" in r.stdout, r.stdout
+    assert "edge 2 -> 3  p2p per step" in r.stdout and "in flight" in r.stdout
+
+
+def test_explain_unknown_layout_exit_2():
+    r = run_mpi(1, [*CLI, "examples/gpt.par", "--parallel", "tp3"])
+    assert r.returncode == 2 and "no parallel block named 'tp3'" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_pipeline_memory_is_what_the_executor_keeps_by_hand():
+    """A pipe rank's activations and working set, computed by hand from its stages' own
+    estimates and the edge's bytes, at a fixed microbatch size (gpt.par cut in two, 2 rows a
+    microbatch): 1F1B holds p - s microbatches, each its saved bytes and (stage 0) the
+    outputs it sends, stored for its B; the transient is the stage's working set plus the one
+    message received ahead. The same at every m under 1F1B; m microbatches under GPipe."""
+    import sys
+    from pathlib import Path
+
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_pipeline
+    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    from bench_pipe_memory import DIMS, layout
+
+    for kind in ("1f1b", "gpipe"):
+        for m in (4, 16, 64):
+            model = dsl.load("examples/gpt.par", dims=DIMS | {"batch": 2 * m}).model()
+            graph = lower_pipeline(model, layout(model, kind, m))
+            (edge,) = graph.edges
+            saved, work = zip(*[(e.activation_bytes, e.transient_bytes) for e in
+                                (estimate(st.program) for st in graph.stages)], strict=True)
+            flight = (2, 1) if kind == "1f1b" else (m, m)
+            want = [(flight[0] * (saved[0] + edge.nbytes), work[0] + edge.nbytes),
+                    (flight[1] * saved[1], work[1] + edge.nbytes)]
+            ranks = estimate_pipeline(graph).pipe_ranks
+            assert [(r["activation_bytes"], r["transient_bytes"]) for r in ranks] == want, \
+                (kind, m)
+
+
+def test_in_flight_walks_the_schedules_action_lists():
+    """in_flight by hand: zb1p keeps the saved bytes (100) until W, the stored outputs (10)
+    until B and the gradients B keeps for W (50) from B to W; pipe 3, rank 1 runs F0 F1 B0
+    F2 B1 W0 F3 B2 W1 B3 W2 W3: after F2 two microbatches await B and one W (2 x 110 + 150),
+    after B1 one awaits B and two W (110 + 2 x 150, the peak; without the kept gradients
+    it is after F2: 3 x 100 + 2 x 10). Interleaved pipe 2, 2 chunks,
+    m 4, rank 0: its warm-up runs F0 F1 of stage 0 and F0 F1 of stage 2, then F2 of stage 0
+    before the first B: 3 x stage 0 + 2 x stage 2 is its peak; stage 0 alone reaches 4 after
+    F3@0, when stage 2 holds 1 (4 x 101 + 1010 is less)."""
+    from soapstone.shard.plan.analysis.explain import in_flight
+
+    zb = build("zb1p", 3, 4)
+    assert [str(a) for a in zb.ranks[1]][:6] == ["F0@1", "F1@1", "B0@1", "F2@1", "B1@1",
+                                                 "W0@1"]
+    assert in_flight(zb, 1, {1: 100}, {1: 10}, {1: 50}) == (410, {1: 3})
+    assert in_flight(zb, 1, {1: 100}, {1: 10}) == (320, {1: 3})
+    assert in_flight(build("1f1b", 3, 4), 1, {1: 100}, {1: 10}) == (220, {1: 2})
+    inter = build("interleaved", 2, 4, 2)
+    assert [str(a) for a in inter.ranks[0]][:6] == ["F0@0", "F1@0", "F0@2", "F1@2", "F2@0",
+                                                    "B0@2"]
+    assert in_flight(inter, 0, {0: 100, 2: 1000}, {0: 1, 2: 10}) == (3 * 101 + 2 * 1010,
+                                                                     {0: 4, 2: 2})

@@ -1,0 +1,154 @@
+"""House rules that the source itself can be checked for, read statically (ast, no imports):
+no import circles between soapstone's modules, no private name used outside its own file, no
+module over 600 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = {"dsl": "soapstone.dsl", "shard": "soapstone.shard", "comm": "soapstone.comm",
+         "grammar": "soapstone.grammar"}
+# The C halves of Python modules (setup.py's extensions): private by the usual convention, and
+# imported only by the Python module each serves.
+EXTENSIONS = {"soapstone.comm.observe._flight_ring", "soapstone.comm.observe._tensor_reader"}
+MAX_LINES = 600
+# Over MAX_LINES, being split by the engineers who own them (remove each when it is done).
+TOO_LONG_FOR_NOW = {"shard/runtime/executor.py", "dsl/model/parallel_checker.py"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package's __init__)."""
+    out = {}
+    for room, package in ROOMS.items():
+        for f in sorted((ROOT / room).rglob("*.py")):
+            parts = list(f.relative_to(ROOT / room).with_suffix("").parts)
+            init = parts[-1] == "__init__"
+            out[".".join([package, *(parts[:-1] if init else parts)])] = (f, init)
+    return out
+
+
+MODULES = _modules()
+
+
+def _base(name: str, init: bool, node: ast.ImportFrom) -> str:
+    """The module an ImportFrom reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    parts = name.split(".")[: len(name.split(".")) - (0 if init else 1)]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _imports(name: str) -> list[tuple[str, int, str | None]]:
+    """(module imported, line, the name taken from it or None) for every import statement of
+    module `name`, wherever it stands: at the top, under TYPE_CHECKING or inside a function.
+    A function's import runs later than the module's, but the modules still depend on each
+    other both ways, which is the circle the house forbids (issue 26: communicator <-> debug
+    and tasks <-> token_memmap were circles only through function imports)."""
+    f, init = MODULES[name]
+    out = []
+    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _base(name, init, node)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((sub, node.lineno, None) if sub in MODULES or sub in EXTENSIONS
+                           else (base, node.lineno, a.name))
+    return out
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_circles():
+    graph = {m: {t for t, _, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+    circles = _circles(graph)
+    assert not circles, "import circles (each a set of modules that import each other):\n" + \
+        "\n".join("  " + " <-> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_private_name_crosses_a_file():
+    """No `from X import _name` and no `module._name` of another soapstone module."""
+    bad = []
+    for name, (f, _) in MODULES.items():
+        tree = ast.parse(f.read_text(), str(f))
+        modules = {}  # local name -> the soapstone module it is bound to
+        for t, line, taken in _imports(name):
+            if not t.startswith("soapstone."):
+                continue
+            private = taken if taken is not None else t.rsplit(".", 1)[-1]
+            if private.startswith("_") and not private.startswith("__") and \
+                    t not in EXTENSIONS and (taken is not None or t != name):
+                bad.append(f"{f.relative_to(ROOT)}:{line}: imports {private} from "
+                           f"{t if taken is not None else t.rsplit('.', 1)[0]}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _base(name, MODULES[name][1], node)
+                for a in node.names:
+                    if f"{base}.{a.name}" in MODULES:
+                        modules[a.asname or a.name] = f"{base}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in MODULES:
+                        modules[a.asname] = a.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in modules and node.attr.startswith("_") and \
+                    not node.attr.startswith("__"):
+                bad.append(f"{f.relative_to(ROOT)}:{node.lineno}: uses "
+                           f"{modules[node.value.id]}.{node.attr}")
+    assert not bad, "private names used outside their file:\n  " + "\n  ".join(bad)
+
+
+def test_no_module_over_600_lines():
+    long = {str(f.relative_to(ROOT)): n for f, _ in MODULES.values()
+            if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= TOO_LONG_FOR_NOW, f"modules over {MAX_LINES} lines: {long}"
