@@ -276,7 +276,7 @@ def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys
 
 
 def test_plan_runs_without_torch():
-    from test_torch_free import _run
+    from no_torch import run_without_torch as _run
 
     r = _run("plan", "examples/gpt.par", "--world", "2", "--profile", "cpu-2core")
     assert r.returncode == 0, r.stderr

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plot_writes_a_png_and_refuses_other_files(tmp_path):
-    from test_checkpoint import cli
+    from cli_calls import cli
 
     rows = [{"step": i, "loss": 4 - i / 10, "lr": 1e-3, "step_time_s": 0.1,
              "tokens_per_s": 1000 + i, "max_rss_bytes": 1} for i in range(10)]

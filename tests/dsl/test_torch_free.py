@@ -3,20 +3,10 @@ process where importing torch fails (a machine that cannot load it, or a login n
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from no_torch import BLOCKED
+from no_torch import run_without_torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCKED, *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=120)
+_run = run_without_torch
 
 
 @pytest.mark.parametrize("args", [

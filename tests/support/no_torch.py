@@ -1,6 +1,14 @@
 """The soapstone CLI in a process where importing torch fails (a login node): `python -c
 BLOCKED ARGS...`, for the tests that prove a command needs no torch."""
 
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
 # The CLI with an import hook that refuses torch, and proves the hook works first.
 BLOCKED = """
 import sys
@@ -26,3 +34,9 @@ from soapstone.dsl.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
+
+
+def run_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`soapstone ARGS...` from the repository root in a process that cannot import torch."""
+    return subprocess.run([sys.executable, "-c", BLOCKED, *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_calls import cli
 from mpirun import case_params
 
 from soapstone import dsl
@@ -107,29 +108,7 @@ def test_checkpoint_case(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
 
 
-# --- the command line: one process runs every command in turn (one torch import) -------------
-CLI_SCRIPT = r"""
-import contextlib, io, json, sys
-from soapstone.dsl.cli import main
-
-out = []
-for argv in json.loads(sys.argv[1]):
-    err, std = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
-        rc = main(argv)
-    out.append({"argv": argv, "rc": rc, "text": std.getvalue() + err.getvalue()})
-print(json.dumps(out))
-"""
-
-
-def cli(*argvs: list[str]) -> list[dict]:
-    import subprocess
-    import sys
-
-    p = subprocess.run([sys.executable, "-c", CLI_SCRIPT, json.dumps(argvs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.splitlines()[-1])
+# --- the command line: one process runs every command in turn (tests/support/cli_calls.py)
 
 
 def _damaged(src: Path, dst: Path, how) -> str:

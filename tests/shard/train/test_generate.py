@@ -97,7 +97,7 @@ BAD = [
 
 def test_bad_input_exit_2(checkpoint, tmp_path):
     """One clear line and exit 2 each (one process runs them all: test_checkpoint's cli)."""
-    from test_checkpoint import cli
+    from cli_calls import cli
 
     (tmp_path / "bad.json").write_text('{"model": ')
     (tmp_path / "bad2.json").write_text('{"version": "1.0", "model": 7}')
@@ -113,7 +113,7 @@ def test_bad_input_exit_2(checkpoint, tmp_path):
 
 
 def test_tokenize_bytes(tmp_path):
-    from test_checkpoint import cli
+    from cli_calls import cli
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("héllo\n")
@@ -147,7 +147,7 @@ def test_tokenize_with_a_tokenizer_json(tmp_path):
 
 
 def test_tokenize_needs_no_torch(tmp_path):
-    from test_torch_free import _run
+    from no_torch import run_without_torch as _run
 
     r = _run("tokenize", "README.md", "-o", str(tmp_path / "t.bin"))
     assert r.returncode == 0, r.stderr

@@ -182,7 +182,7 @@ BAD = [
 def test_bad_input_exit_2(tmp_path):
     """Every bad flag or file: exit 2, one line naming it, no traceback (one process runs
     them all: tests/shard/checkpoint/test_checkpoint.py's cli)."""
-    from test_checkpoint import cli
+    from cli_calls import cli
 
     (tmp_path / "odd.bin").write_bytes(b"\1" * 4001)
     big = np.zeros(200, dtype="<u2")
