@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.dsl.compile.layout_proof import prove_layout
     from soapstone.shard.data.source import make_task
-    from soapstone.shard.runtime.executor import check_device
+    from soapstone.shard.runtime.p2p_mode import check_device
 
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from soapstone.shard.plan import schedules
-from soapstone.shard.plan.analysis import explain
+from soapstone.shard.plan.analysis import in_flight
 from soapstone.shard.plan.sizes import MAX_DIM, divisors, factorise, is_prime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,8 +143,8 @@ def test_in_flight_without_a_long_walk_is_the_walk(kind):
         for v in (2, 3) if spec.chunked else (1,):
             for m in range(p, 9 * p + 1, p) if spec.whole_groups else range(1, 25):
                 for r in range(p):
-                    assert explain.live_in_flight(kind, p, m, v, r) == \
-                        explain.walk_in_flight(kind, p, m, v, r), (p, v, m, r)
+                    assert in_flight.live_in_flight(kind, p, m, v, r) == \
+                        in_flight.walk_in_flight(kind, p, m, v, r), (p, v, m, r)
 
 
 def test_huge_microbatch_counts_walk_short_schedules():
