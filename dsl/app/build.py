@@ -131,17 +131,20 @@ def build_program(args: argparse.Namespace, world_size: int | None):
     return model, par, compile_layout(model, par)
 
 
-def check_memory(model, graph, comm, optimizer: str, spec: str) -> None:
+def check_memory(model, graph, comm, optimizer: str, spec: str,
+                 precision: str = "fp32") -> None:
     """The fit check before anything is allocated (shard/plan/analysis/fit.py): DoesNotFit (exit 2)
     with the numbers and a layout `soapstone plan` finds for this many ranks, when the
-    layout's estimate exceeds what a rank has. Alike on every rank (the estimate is the
-    busiest rank's; the memory is the host's MemTotal over the ranks on it, or the GPU's)."""
+    layout's estimate (what `precision` keeps) exceeds what a rank has. Alike on every rank
+    (the estimate is the busiest rank's; the memory is the host's MemTotal over the ranks on
+    it, or the GPU's)."""
     from soapstone.shard.plan.analysis.fit import DoesNotFit, check_fit
+    from soapstone.shard.plan.analysis.precision import graph_as_run
     from soapstone.shard.train.trainer import rank_memory
 
     available, where = rank_memory(comm)
     try:
-        check_fit(graph, optimizer, available, where)
+        check_fit(graph_as_run(graph, precision), optimizer, available, where)
     except DoesNotFit as e:
         raise DoesNotFit(f"{e}\nhint: {plan_hint(model, comm.size, available, optimizer, spec)}"
                          ) from None

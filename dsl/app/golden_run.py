@@ -154,7 +154,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
     prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
-    check_memory(model, graph, comm, header["optimizer"], spec_path)
+    check_memory(model, graph, comm, header["optimizer"], spec_path, header["precision"])
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     trainer = _trainer(graph, mesh, header, model=model, device=comm.device)
     if mesh is not None:  # the watchdog's reports say where each rank should be

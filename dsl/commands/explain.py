@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from soapstone.comm.dtype_table import RUN_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import compile_layout, load_layout
 from soapstone.dsl.commands import fail
@@ -25,6 +26,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
+                        help="what `run --precision` keeps and moves: bf16 counts bf16 "
+                             "activations, collectives and p2p, fp32 masters and gradients "
+                             "(default fp32, as `run`)")
     parser.add_argument("--profile", metavar="NAME|FILE",
                         help="compare the memory with this device's (a preset or a profile "
                              "file; default: this host's memory over the layout's ranks)")
@@ -35,11 +40,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
     from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.analysis.precision import graph_as_run
 
     try:
         model, par = load_layout(args)
         zero = par.zero if par is not None else 0
-        graph = compile_layout(model, par)  # every layout is a stage graph
+        # every layout is a stage graph, its dtypes those the run computes in
+        graph = graph_as_run(compile_layout(model, par), args.precision)
         if len(graph.stages) == 1 and graph.microbatches == 1:
             est = estimate(graph.program, zero=zero, optimizer=args.optimizer)
         else:  # stages or accumulation: per microbatch x microbatches, the schedule's peak

@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
         prove_layout(model, program, args.optimizer)  # every rank's calls match, statically
-        check_memory(model, program, comm, args.optimizer, args.spec)
+        check_memory(model, program, comm, args.optimizer, args.spec, args.precision)
         schedule = lr_schedule(args, args.lr if args.lr is not None else default_lr(args.optimizer))
         check_tensorboard(args.tensorboard)
         task = make_task(single_program(model, program), args.seed, args.data, args.val_data,

@@ -41,6 +41,7 @@ from soapstone.shard.plan.analysis.explain import (
     estimate_pipeline,
 )
 from soapstone.shard.plan.analysis.hardware import Profile
+from soapstone.shard.plan.analysis.precision import graph_as_run
 from soapstone.shard.plan.units import format_bytes
 
 
@@ -135,7 +136,8 @@ class Planner:
             form = recompute if recompute != self._ranges else None
             compiled = self._compiled.setdefault((tensor, sequence, context, form), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
-                                       context, recompute, compiled, form or self._ranges)
+                                       context, recompute, compiled, form or self._ranges,
+                                       self.precision)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -150,7 +152,8 @@ class Planner:
     def _exact(self, c: Candidate) -> tuple[Estimate, list[Work]]:
         key = attrs.evolve(c, zero=0)
         if key not in self._graphs:
-            self._graphs[key] = lower_graph(self.model, to_parallel(self.model, self.dims, c))
+            self._graphs[key] = graph_as_run(lower_graph(
+                self.model, to_parallel(self.model, self.dims, c)), self.precision)
         graph = self._graphs[key]
         est = estimate_pipeline(graph, c.zero, self.optimizer)
         work = [Work()] * graph.pipe

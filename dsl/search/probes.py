@@ -29,6 +29,7 @@ from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
+from soapstone.shard.plan.analysis.precision import graph_as_run, program_as_run
 
 PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
 
@@ -173,10 +174,12 @@ class Probes:
 
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
                  optimizer: str, context: int = 1, recompute: str | None = None,
-                 compiled: dict | None = None, compiled_form: str | None = None):
+                 compiled: dict | None = None, compiled_form: str | None = None,
+                 precision: str = "fp32"):
         if recompute not in (None, compiled_form):  # the Planner's pairing: not user input
             raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
         self.optimizer = optimizer
+        self.precision = precision  # the probes' Programs hold what `run --precision` keeps
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
         # (kind, n, b) -> the walk's figures, with and without recompute, and the work
@@ -206,11 +209,12 @@ class Probes:
                 (d, 2 * b if d == self._dims.batch else s) for d, s in self._model.dims))
             if kind == "only":
                 par = to_parallel(base, self._dims, self._one)
-                done[kind, n, b] = lower_graph(truncate(base, n), par).program
+                done[kind, n, b] = program_as_run(lower_graph(truncate(base, n), par).program,
+                                                  self.precision)
             else:
                 three = truncate(base, 3 * n)
                 pipe = to_parallel(three, self._dims, attrs.evolve(self._one, pipe=3))
-                graph = lower_graph(three, pipe)
+                graph = graph_as_run(lower_graph(three, pipe), self.precision)
                 for st, k in zip(graph.stages, ("first", "middle", "last"), strict=True):
                     done[k, n, b] = st.program
                 e = graph.edges[1]

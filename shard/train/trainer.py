@@ -119,8 +119,11 @@ class Trainer:
                                f"{precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
+            from soapstone.shard.plan.analysis.precision import graph_as_run
 
-            check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
+            # what this precision keeps: bf16 activations beside fp32 masters
+            check_fit(graph_as_run(graph, precision), optimizer,
+                      *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
         want = getattr(torch, PRECISIONS[precision].torch_name)

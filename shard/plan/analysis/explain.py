@@ -146,6 +146,9 @@ class Estimate:
     weight_grad_bytes: int = 0
     # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
     experts: list[dict] = attrs.field(factory=list)
+    # of param_bytes, the fp32 master copies kept apart from a narrower (bf16) model copy
+    master_bytes: int = 0
+    compute_dtype: str | None = None  # the parameters' dtype as the model computes with them
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
     rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
@@ -292,10 +295,10 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         grad_bytes += held(elems * 4, 4, True) - int(whole * 4)
     state = OPTIMIZER_STATE.get(optimizer, 8)
     opt_bytes = held(elems * state, state, z.shards_optimizer)
+    params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
+                                                   for p in float_params), elems, master, held, z)
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
-                    optimizer, held(param_bytes, param_bytes / elems if elems else 0,
-                                    z.shards_params),
-                    grad_bytes, opt_bytes, activations,
+                    optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + gathered + (
                         elems * 4 - grad_bytes if z.shards_grads else 0),
@@ -304,7 +307,24 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
                     weight_grad_bytes=weight_grad_bytes(program),
-                    experts=expert_figures(program))
+                    experts=expert_figures(program), master_bytes=masters,
+                    compute_dtype=float_params[0].dtype if float_params else None)
+
+
+def held_params(param_bytes: int, float_bytes: int, elems: int, master: int, held,
+                z: ZeroStage) -> tuple[int, int]:
+    """A rank's parameter bytes as shard/parallel/data_parallel.py keeps them: the model's copy
+    (in its compute dtype) and, where that is narrower than the master width (bf16 or f16
+    parameters), the fp32 master copy beside it (ZeRO >= 1: a 1/D shard of it); ZeRO-3 keeps
+    only the master shard (the model's copy is gathered for use). `held(total, item,
+    sharded)` is explain's rule for what ZeRO shards. (total, of which masters kept apart)"""
+    if z.shards_params:
+        masters = held(elems * master, master, True)
+        return param_bytes - float_bytes + masters, masters if float_bytes != elems * master \
+            else 0
+    apart = float_bytes != elems * master  # a narrower model copy: the masters are apart
+    masters = held(elems * master, master, z.shards_optimizer) if apart else 0
+    return param_bytes + masters, masters
 
 
 @attrs.frozen
@@ -411,6 +431,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
             "param_bytes": sum(per_stage[st.index].param_bytes for st in mine),
+            "master_bytes": sum(per_stage[st.index].master_bytes for st in mine),
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
             "activation_bytes": peak,
@@ -443,6 +464,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
                     edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
+                    master_bytes=pick["master_bytes"],
+                    compute_dtype=next((e.compute_dtype for e in per_stage.values()
+                                        if e.compute_dtype), None),
                     **_recompute_figures(sched, pick, per_stage, sent, kept,
                                          received_ahead(pick["pipe_rank"], sends, backs)))
 
@@ -495,7 +519,9 @@ def format_estimate(e: Estimate) -> str:
              f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
              f"zero {e.zero}, {e.optimizer}",
              f"memory per rank ({who}):",
-             f"  params        {format_bytes(e.param_bytes):>12}",
+             f"  params        {format_bytes(e.param_bytes):>12}" + (
+                 f"   ({e.compute_dtype} model copy + fp32 masters "
+                 f"{format_bytes(e.master_bytes)})" if e.master_bytes else ""),
              f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
              f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
              f"  activations   {format_bytes(e.activation_bytes):>12}   (what backward keeps"

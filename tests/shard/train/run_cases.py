@@ -82,6 +82,22 @@ def case_explain_matches_counters_sgd():
     _explain_all("sgd")
 
 
+# bf16 (`run --precision bf16`): one layout of each kind, against explain --precision bf16
+BF16_LAYOUTS = {1: (("gpt", "single"),),
+                2: (("gpt", "tp2"), ("gpt", "sp2"), ("gpt", "cp2"), ("gpt", "dp2"),
+                    (ZERO_SPEC, "dp2z1"), (ZERO_SPEC, "dp2z3"))}
+BF16_PIPES = {2: ((PIPE_SPEC, "pp2f1b"), (ACC_SPEC, "tp2acc2"))}
+
+
+@ranks(1, 2)
+def case_explain_matches_counters_bf16():
+    """bf16 activations, collectives, gathers and p2p; fp32 masters, gradients and state."""
+    for spec, layout in BF16_LAYOUTS[W.size]:
+        measure(spec, layout, "adamw", "bf16")
+    for path, layout in BF16_PIPES.get(W.size, ()):
+        measure_pipeline(path, layout, "adamw", "bf16")
+
+
 @ranks(1, 2, 4, 8)
 def case_golden_examples():
     """Every runnable example layout of this size reproduces its single-rank record."""
