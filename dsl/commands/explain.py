@@ -32,7 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default fp32, as `run`)")
     parser.add_argument("--profile", metavar="NAME|FILE",
                         help="compare the memory with this device's (a preset or a profile "
-                             "file; default: this host's memory over the layout's ranks)")
+                             "file; default: this host's memory over the layout's ranks), and "
+                             "predict the step time, TFLOP/s per device, MFU and tokens/s on it")
     add_nodes_option(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -53,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
             est = estimate_pipeline(graph, zero=zero, optimizer=args.optimizer)
         limit, where = _memory_limit(args.profile, est.world_size)
         nodes = placement(par, args.devices_per_node, args.profile)
+        scored = predict(args, model, graph, est) if args.profile else None
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
@@ -74,9 +76,16 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
                                           "memory_limit": where,
                                           "checkpoint_bytes_per_rank": ckpt} | extra
+                         | ({"score": scored[0].to_data(), "time": scored[1].to_data()}
+                            if scored else {})
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        if scored:
+            from soapstone.shard.plan.analysis.score import format_time
+
+            print(scored[0].line())
+            print(format_time(scored[1]))
         if par is not None and par.offload:
             from soapstone.shard.parallel.offload_plan import format_offload, offload_figures
             from soapstone.shard.plan.units import format_bytes
@@ -96,6 +105,25 @@ def main(args: argparse.Namespace) -> int:
               "it. `soapstone plan SPEC --world N --profile NAME` finds layouts that fit",
               file=sys.stderr)
     return 0
+
+
+def predict(args, model, graph, est):
+    """(Score, StepTime) of the layout on --profile in --precision (shard/plan/analysis/
+    score.py): the cost model's step, the model FLOPs as `run` counts them (its single-rank
+    Program), --devices-per-node overriding the profile's."""
+    import attrs
+
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.plan.analysis.cost import step_time
+    from soapstone.shard.plan.analysis.hardware import load_profile
+    from soapstone.shard.plan.analysis.score import graph_work, score
+
+    prof = load_profile(args.profile)
+    if args.devices_per_node is not None:
+        prof = attrs.evolve(prof, devices_per_node=args.devices_per_node)
+    t = step_time(est, graph_work(graph), prof, args.precision,
+                  graph.stages[0].program.data_axes)
+    return score(t, lower(model, None), graph.world_size, prof, args.precision), t
 
 
 def placement(par, per_node: int | None, profile: str | None,

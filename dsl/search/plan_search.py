@@ -10,7 +10,7 @@ import math
 
 import attrs
 
-from soapstone.dsl.compile.lower import LoweringError
+from soapstone.dsl.compile.lower import LoweringError, lower
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.model.irtext import format_parallel
@@ -42,6 +42,7 @@ from soapstone.shard.plan.analysis.explain import (
 )
 from soapstone.shard.plan.analysis.hardware import Profile
 from soapstone.shard.plan.analysis.precision import graph_as_run
+from soapstone.shard.plan.analysis.score import Score, model_flops, peak_of, tokens_per_step
 from soapstone.shard.plan.units import format_bytes
 
 
@@ -77,6 +78,7 @@ class Result:
     memory: int  # the fullest device's bytes
     exact: bool  # from a full compile (else from the probes)
     work: tuple[Work, ...] = ()  # each pipe rank's forward work per microbatch
+    score: Score | None = None  # TFLOP/s per device, MFU, tokens/s at the predicted step
 
     @property
     def state_bytes(self) -> int:
@@ -125,6 +127,9 @@ class Planner:
         self.exact = not uniform(model) if exact is None else exact
         self._probes: dict[tuple[int, bool, int, str | None], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
+        # what every layout's score shares: run's model FLOPs and tokens of a step (score.py)
+        single = lower(model, None)
+        self._flops, self._tokens = model_flops(single), tokens_per_step(single)
 
     def probes(self, tensor: int, sequence: bool, context: int = 1,
                recompute: str | None = None) -> Probes:
@@ -146,8 +151,11 @@ class Planner:
         est, work = self._exact(c) if exact else self._probed(c)
         t = step_time(est, work, self.profile, self.precision,
                       ("data",) if c.data > 1 else ())
+        devices = c.data * c.tensor * c.pipe * c.context
+        scored = Score(t.total, self._flops, self._tokens, devices,
+                       peak_of(self.profile, self.precision), self.profile.name, self.precision)
         return Result(c, est, t, est.total_bytes <= self.profile.usable_bytes,
-                      est.total_bytes, exact, tuple(work))
+                      est.total_bytes, exact, tuple(work), scored)
 
     def _exact(self, c: Candidate) -> tuple[Estimate, list[Work]]:
         key = attrs.evolve(c, zero=0)
@@ -230,15 +238,15 @@ class Plan:
                seconds: float | None = None) -> str:
         """The table, the reasons and the block (`soapstone plan`)."""
         out = [self.header()]
-        rows = [("rank", "layout", "memory/dev", "step s", "bubble", "comm/step per axis",
-                 "why")]
+        rows = [("rank", "layout", "memory/dev", "step s", "TFLOP/s/dev", "MFU", "tokens/s",
+                 "bubble", "comm/step per axis", "why")]
         for i, r in enumerate(self.ranked[:top]):
             rows.append((str(i + 1), r.candidate.label, format_bytes(r.memory),
-                         f"{r.time.total:.4g}", f"{r.estimate.bubble:.0%}", _comm(r),
-                         why(self, r)))
+                         f"{r.time.total:.4g}", *_rates(r), f"{r.estimate.bubble:.0%}",
+                         _comm(r), why(self, r)))
         for r in self.unfit[:max(1, top // 3)]:
             rows.append(("-", r.candidate.label, format_bytes(r.memory), f"{r.time.total:.4g}",
-                         f"{r.estimate.bubble:.0%}", _comm(r),
+                         *_rates(r), f"{r.estimate.bubble:.0%}", _comm(r),
                          f"does not fit: {format_bytes(r.memory)} > "
                          f"{format_bytes(self.profile.usable_bytes)}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -258,6 +266,9 @@ class Plan:
                     "fits": r.fits, "memory_bytes": r.memory, "step_time_s": r.time.total,
                     "time": r.time.to_data(), "bubble": r.estimate.bubble,
                     "comm_bytes_per_axis": r.comm_per_axis, "exact": r.exact,
+                    "tflops_per_device": r.score.tflops_per_device if r.score else None,
+                    "mfu": r.score.mfu if r.score else None,
+                    "tokens_per_s": r.score.tokens_per_s if r.score else None,
                     "why": why(self, r) if r.fits else "does not fit"}
 
         return {"model": self.model.name, "world": self.world,
@@ -267,6 +278,14 @@ class Plan:
                 "ranked": [row(r) for r in self.ranked[:top]],
                 "unfit": [row(r) for r in self.unfit[:top]],
                 "decisions": decisions(self, planner), "parallel": self.source(name)}
+
+
+def _rates(r: Result) -> tuple[str, str, str]:
+    """TFLOP/s per device, MFU and tokens/s at the predicted step."""
+    s = r.score
+    if s is None:
+        return "-", "-", "-"
+    return f"{s.tflops_per_device:.4g}", f"{s.mfu:.1%}", f"{s.tokens_per_s:.4g}"
 
 
 def _comm(r: Result) -> str:
