@@ -4,7 +4,9 @@ All ranks of a Program hold equal shards (the compiler only splits evenly), so o
 figures are every rank's.
 
 Memory (bytes per rank):
-- params: the local shards in the spec's dtype (ZeRO-3: 1/D of them, D the data-parallel size).
+- params: the local shards in the dtype the model computes in (the spec's, or --precision's:
+  precision.py), plus the fp32 masters kept apart from a narrower copy (ZeRO >= 1: 1/D of
+  them); ZeRO-3: only the master shard, 1/D (D the data-parallel size).
 - grads: the optimizer's fp32 gradient buffers, one element per local parameter element
   (ZeRO-2/3: 1/D).
 - optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
@@ -242,6 +244,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
     # gradient buffers, held until their reduce-scatters complete
     gathered = 0
+    cached = 0  # ZeRO-3 under bf16: the compute-dtype copies of the master shards (zero.py)
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
     # elements no data axis shards: a param whose gradient arrives summed over the data axes
@@ -270,6 +273,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
             add("forward", "allgather", plan.dp, padded * item)
             add("backward", "allgather", plan.dp, padded * item)
             gathered = max(gathered, padded * item)
+            if item != master:  # a bf16 copy of the master shard, gathered from, kept all step
+                cached += padded // n_dp * item
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -300,7 +305,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + gathered + (
+                    transient_bytes=transient + gathered + cached + (
                         elems * 4 - grad_bytes if z.shards_grads else 0),
                     without_recompute=(plain or activation_figures(
                         attrs.evolve(program, recompute=(), dropped=())))

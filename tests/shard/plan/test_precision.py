@@ -69,6 +69,11 @@ def test_zero3_gathers_bf16_and_keeps_only_the_fp32_master_shard():
     key = ("grad sync", "reduce_scatter", "data")
     assert rows(b)[key] == rows(f)[key]
     assert b.param_bytes == f.param_bytes == 4 * n // 2 == b.master_bytes
+    # above ZeRO-2's working set: the largest bucket gathered (bf16: half fp32's) and, in
+    # bf16 only, the bf16 copy of the master shard the gathers send, cached all step
+    f2, b2, _ = both(ZERO, "dp2z2")
+    assert (b.transient_bytes - b2.transient_bytes) * 2 - \
+        (f.transient_bytes - f2.transient_bytes) == 2 * (2 * n // 2)
 
 
 def test_pipeline_boundaries_travel_in_bf16():
