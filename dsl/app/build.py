@@ -146,12 +146,14 @@ def check_memory(model, graph, comm, optimizer: str, spec: str,
     try:
         check_fit(graph_as_run(graph, precision), optimizer, available, where)
     except DoesNotFit as e:
-        raise DoesNotFit(f"{e}\nhint: {plan_hint(model, comm.size, available, optimizer, spec)}"
-                         ) from None
+        hint = plan_hint(model, comm.size, available, optimizer, spec, precision)
+        raise DoesNotFit(f"{e}\nhint: {hint}") from None
 
 
-def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> str:
-    """What `soapstone plan` suggests for `world` ranks of `available` bytes each."""
+def plan_hint(model, world: int, available: int, optimizer: str, spec: str,
+              precision: str = "fp32") -> str:
+    """What `soapstone plan` suggests for `world` ranks of `available` bytes each, in
+    `precision`."""
     import attrs
 
     from soapstone.dsl.search.plan_search import Planner, search
@@ -164,7 +166,7 @@ def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> s
                         devices_per_node=max(world, 1))
     ranks = f"{world} rank{'s' if world > 1 else ''} of {format_bytes(available)}"
     try:
-        plan = search(Planner(model, prof, optimizer=optimizer), world)
+        plan = search(Planner(model, prof, optimizer=optimizer, precision=precision), world)
     except PlanError as e:
         why = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         return (f"no layout of {model.name} fits {ranks} ({why}): launch more ranks or use "
