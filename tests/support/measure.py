@@ -1,6 +1,7 @@
 """Measuring one real training step against explain, for the mpiexec cases: the bytes every
 communicator's counters record equal explain's figures, its flight recorder holds the planned
-sequence, and param/grad/optimizer memory is within 10% of the tensors held."""
+sequence, and param/grad/optimizer memory is within 10% of the tensors held; under a
+`precision` (bf16), against explain of the same precision."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ tests/shard/train/test_golden.py).
   optimizer step, loss report) equal `soapstone explain`'s figures per mesh axis and
   collective (calls and bytes; for pipelines bytes), ZeRO 2/3 layouts of
   tests/specs/zero_layouts.par included, and its param/grad/optimizer memory is within 10% of
-  the measured tensors.
+  the measured tensors. Under `run --precision bf16` (case_explain_matches_counters_bf16, 1
+  and 2 ranks) the same against `explain --precision bf16`.
 - the expected sequence (shard/plan/verify/sequence.py, what the static verifier proves): in the
   same step, every communicator's flight recorder holds exactly the collectives and p2p messages
   (op, shape, dtype) the plan lists for this rank, in its order.
