@@ -155,6 +155,27 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
         _assert_probed_is_full(planner, c)
 
 
+def test_probes_under_bf16_are_the_bf16_compiles():
+    """Under --precision bf16 the probes are retyped as the full compiles are: the same
+    figures (bf16 activations and traffic, fp32 masters) and step time, on a sample of the
+    candidates; and the bf16 step keeps and moves about half the bytes in its ops."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates
+
+    model = load(gpt(12)).model()
+    planner = Planner(model, load_profile("a100-40gb"), precision="bf16")
+    fp32 = Planner(model, load_profile("a100-40gb"))
+    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
+    for c in cands[::7]:
+        r = _assert_probed_is_full(planner, c)
+        f = fp32.cost(c)
+        # float saves halve; integer ones (the targets a loss keeps) do not
+        assert r.estimate.activation_bytes * 2 == \
+            pytest.approx(f.estimate.activation_bytes, rel=0.01), c.label
+        assert sum(w.other_bytes for w in r.work) * 2 == \
+            pytest.approx(sum(w.other_bytes for w in f.work)), c.label
+
+
 def _assert_probed_is_full(planner, c):
     probed, full = planner.cost(c, exact=False), planner.cost(c, exact=True)
     a, b = probed.estimate.to_data(), full.estimate.to_data()
@@ -367,6 +388,23 @@ def test_explains_activations_match_a_measured_step(tmp_path):
                        env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert r.returncode == 0, r.stderr
     for row in json.loads(out.read_text()):
+        assert abs(row["saved_error"]) < 0.05, r.stdout
+        assert abs(row["peak_error"]) < 0.15, r.stdout
+
+
+def test_explains_bf16_activations_match_a_measured_bf16_step(tmp_path):
+    """The same under `--precision bf16`: a step with bf16 compute over fp32 masters against
+    explain --precision bf16 (BENCHMARKS.md has the 2-rank layouts)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "memory.json"
+    r = subprocess.run([sys.executable, "bench/bench_memory.py", "--small", "--precision",
+                        "bf16", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    for row in json.loads(out.read_text()):
+        assert row["precision"] == "bf16"
         assert abs(row["saved_error"]) < 0.05, r.stdout
         assert abs(row["peak_error"]) < 0.15, r.stdout
 
