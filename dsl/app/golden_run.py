@@ -160,6 +160,9 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     if mesh is not None:  # the watchdog's reports say where each rank should be
         from soapstone.comm.observe import expected
         from soapstone.dsl.compile.layout_proof import expected_calls
+        from soapstone.shard.plan.analysis.precision import graph_as_run
 
-        expected.expect(expected_calls(graph, comm.rank, model))
+        # in the record's precision: the dtypes its calls carry
+        expected.expect(expected_calls(graph_as_run(graph, header["precision"]), comm.rank,
+                                       model))
     return GoldenCheck(record, trainer)

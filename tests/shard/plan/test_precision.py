@@ -111,3 +111,21 @@ def test_a_spec_in_bf16_keeps_its_masters_apart():
     n = sum(math.prod(p.local_shape) for p in program.params)
     assert estimate(declared).param_bytes == 2 * n + 4 * n
     assert estimate(program).param_bytes == 4 * n
+
+
+def test_the_watchdogs_plan_names_the_dtypes_a_bf16_run_sends():
+    """run hands the watchdog the calls of the retyped graph: bf16 for tensor-parallel
+    collectives, fp32 for the gradient reduction, float64 for the norm, as the recorder
+    will see them (a hang report flags a call whose dtype differs from the plan's)."""
+    from soapstone.dsl.compile.layout_proof import expected_calls
+
+    s = dsl.load(ZERO)
+    par = s.parallel("dp2tp2z3")
+    graph = graph_as_run(lower_graph(s.model(par.model), par), "bf16")
+    calls = expected_calls(graph, 0)
+    dtypes = {(c["op"], c["dtype"]) for per in calls.values() for c in per.get("collective", [])}
+    assert ("allreduce", "bfloat16") in dtypes  # tensor parallel
+    assert ("allgather", "bfloat16") in dtypes  # ZeRO-3 gathers
+    assert ("reduce_scatter", "float32") in dtypes  # fp32 gradient buffers
+    assert ("allreduce", "float64") in dtypes  # the grad norm
+    assert ("allreduce", "float32") not in dtypes
