@@ -419,8 +419,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"axis inside a node): each device holds 1/{c.context} of every activation "
                    "and gathers keys and values per layer; "
                    + _versus(plan, "no context parallelism", lambda x: x.context == 1))
-    where = "across nodes" if c.tensor * c.context * c.pipe > prof.devices_per_node \
-        else "inside a node"
+    # the pipe axis is the mesh's outermost (space.py: mesh(pipe, data, cp, model)): a group
+    # of it spans the whole world, so it stays inside a node only when the world does
+    world = c.pipe * c.data * c.context * c.tensor
+    where = "across nodes" if world > prof.devices_per_node else "inside a node"
     if c.pipe > 1:
         chunks = f", {c.chunks} virtual stages per rank" if c.chunks > 1 else ""
         out.append(f"pipeline {c.pipe} ({c.schedule}{chunks}, {c.microbatches} microbatches, "

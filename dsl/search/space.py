@@ -14,7 +14,9 @@ tries a ZeRO stage, where no stage fits without it or below the stage that does)
 pipeline outermost (seed 004: the chattiest parallelism on the fastest links). Which dims each
 statement maps (`layout_dims`): `sample` the batch (the inputs' leading dim); `parameter` the
 parameter dims that are neither input dims nor dims of the residual stream between blocks,
-largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split);
+largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split;
+for a mixture of experts the experts dim: expert parallelism over the tensor axis), never a
+derived dim that renames another (the router's copy of the experts dim stays whole);
 `attribute` the other input dims on the tensor axis (sequence parallelism).
 """
 
@@ -60,12 +62,15 @@ def layout_dims(model: ir.Model) -> LayoutDims:
     batch = model.inputs[0].type.dims[0]
     inputs = {d for i in model.inputs for d in i.type.dims}
     stream = _stream_dims(model)
+    # a derived dim that renames another (the router's experts_r, seq_k) exists to stay whole
+    # where the dim it renames is split: never a dim to map
+    renames = dict(model.dim_alias)
     sizes = dict(model.dims)
     touched: dict[str, int] = {}
     for p in model.params:
         n = math.prod(sizes[d] for d in p.type.dims)
         for d in p.type.dims:
-            if d not in inputs and d not in stream:
+            if d not in inputs and d not in stream and d not in renames:
                 touched[d] = touched.get(d, 0) + n
     # a dim two activations contract (attention's head_dim in q.k) would make the product a
     # partial sum to allreduce: such dims come last
