@@ -483,6 +483,27 @@ def test_a_mixture_of_experts_plans_expert_parallel_and_never_splits_the_router(
     assert ("experts", "model") in plan.parallel().parameter
     assert plan.best.time.total == min(r.time.total for r in plan.ranked)
     assert not any("no layout with tensor > 1" in line for line in decisions(plan, planner))
+    # the experts over the data axis (DeepSpeed-MoE) are searched and rated too
+    assert any(r.candidate.experts_on_data for r in plan.ranked)
+
+
+def test_probes_extrapolate_the_experts_over_data_exactly():
+    """With a mixture's experts over the data axis their shards depend on its size: those
+    probes are compiled on the candidate's data degree, and give what a full compile does."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates, to_parallel
+
+    text = Path("tests/specs/moe_plan.par").read_text().split("parallel single")[0]
+    model = load(text, dims={"batch": 16, "seq": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+                             "experts": 4, "ffn": 64, "vocab": 64}).model()
+    planner = Planner(model, load_profile("a100-40gb"))
+    assert not planner.exact  # 8 alike blocks: probed
+    cands = [c for c in candidates(model, planner.dims, 8, planner.profile, [])
+             if c.experts_on_data]
+    assert {c.data for c in cands} == {2, 4}  # 4 experts: not over 8 data ranks
+    assert ("experts", "data") in to_parallel(model, planner.dims, cands[0]).parameter
+    for c in cands[::8]:
+        _assert_probed_is_full(planner, c)
 
 
 def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
