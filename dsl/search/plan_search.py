@@ -125,24 +125,25 @@ class Planner:
         self._ranges = next((f for f in self.recompute if f in repeats), None)
         self._compiled: dict[tuple, dict] = {}
         self.exact = not uniform(model) if exact is None else exact
-        self._probes: dict[tuple[int, bool, int, str | None], Probes] = {}
+        self._probes: dict[tuple[int, bool, int, str | None, int], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
         # what every layout's score shares: run's model FLOPs and tokens of a step (score.py)
         single = lower(model, None)
         self._flops, self._tokens = model_flops(single), tokens_per_step(single)
 
     def probes(self, tensor: int, sequence: bool, context: int = 1,
-               recompute: str | None = None) -> Probes:
+               recompute: str | None = None, experts_data: int = 0) -> Probes:
         """The probes of one tensor / sequence / context / recompute setting (compiled on
-        first use)."""
-        key = (tensor, sequence, context, recompute)
+        first use); `experts_data`: the data degree the experts are split over (0: not)."""
+        key = (tensor, sequence, context, recompute, experts_data)
         if key not in self._probes:
             # without recompute and with `recompute R` the probes share their compiles
             form = recompute if recompute != self._ranges else None
-            compiled = self._compiled.setdefault((tensor, sequence, context, form), {})
+            compiled = self._compiled.setdefault(
+                (tensor, sequence, context, form, experts_data), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
                                        context, recompute, compiled, form or self._ranges,
-                                       self.precision)
+                                       experts_data, self.precision)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -170,7 +171,8 @@ class Planner:
         return est, work
 
     def _probed(self, c: Candidate) -> tuple[Estimate, list[Work]]:
-        probes = self.probes(c.tensor, c.sequence, c.context, c.recompute)
+        probes = self.probes(c.tensor, c.sequence, c.context, c.recompute,
+                             c.data if c.experts_on_data else 0)
         b = dict(self.model.dims)[self.dims.batch] // (c.data * c.microbatches)
         runs = stage_blocks(self.model.blocks, c.stages)
         s = len(runs)
@@ -333,7 +335,8 @@ def search(planner: Planner, world: int) -> Plan:
     for _, same in itertools.groupby(found, key=lambda c: attrs.evolve(c, zero=0)):
         ladder = list(same)
         c = ladder[0]
-        group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks) + \
+        group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks,
+                 c.experts_on_data) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
@@ -441,8 +444,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"axis inside a node): each device holds 1/{c.context} of every activation "
                    "and gathers keys and values per layer; "
                    + _versus(plan, "no context parallelism", lambda x: x.context == 1))
-    where = "across nodes" if c.tensor * c.context * c.pipe > prof.devices_per_node \
-        else "inside a node"
+    # the pipe axis is the mesh's outermost (space.py: mesh(pipe, data, cp, model)): a group
+    # of it spans the whole world, so it stays inside a node only when the world does
+    world = c.pipe * c.data * c.context * c.tensor
+    where = "across nodes" if world > prof.devices_per_node else "inside a node"
     if c.pipe > 1:
         chunks = f", {c.chunks} virtual stages per rank" if c.chunks > 1 else ""
         out.append(f"pipeline {c.pipe} ({c.schedule}{chunks}, {c.microbatches} microbatches, "
