@@ -1,0 +1,209 @@
+"""Asynchronous checkpoints: the step copies what the rank writes to host memory, a thread writes.
+
+    saver = AsyncSaver(executor, "ckpt", keep=3)
+    saver.start(step, seed, settings)       # collective; blocks only for the staging copy
+    ...                                     # training goes on while the files are written
+    saver.poll(busy_anywhere)               # collective, once per step: publishes when done
+    saver.wait()                            # collective: the save in flight, published
+
+One save of step S goes through three points, each on the main thread of every rank:
+
+1. start (the save point; the stall training sees): rank 0 makes the temp directory and every
+   rank learns its name (save.shared_temp); the rank plans its part (save.plan_part: the same
+   keys, order and header as a synchronous save, so the files are byte-identical) and copies
+   each tensor into one host buffer (the staging copy: on the CPU a copy of the tensors the
+   save writes; from a GPU into pinned memory), takes the index's header (the optimizer's
+   update count moves on), and starts a thread that writes the rank's safetensors file and
+   its part of the index, each fsynced (save.write_planned, with its checksums).
+2. the first step after every rank's writer finished: the ranks agree (agree.py) on the
+   outcome. A failure (a full disk) is the same CheckpointError on every rank, rank 0 having
+   removed the partial save. Otherwise rank 0 starts a thread that merges index.json, fsyncs,
+   publishes with one atomic rename (durable.publish) and prunes (save.prune).
+3. the first step after that thread finished: the ranks agree on the publish's outcome; the
+   checkpoint of step S is complete.
+
+Why the collectives stay on the main thread: soapstone's communicators are used by one thread
+at a time (an MPI communicator's operations are matched in the order they are called, and the
+watchdog and flight recorder follow the main thread's ops), so a background thread running
+agree()'s allgather beside a training allreduce on the same communicator could pair the wrong
+operations across ranks. The threads touch files only; every collective of a save (the temp
+directory's name, the two verdicts) runs between steps on the main thread. Whether every
+rank's writer is done is learnt in the allreduce `run --save` already makes after each step
+for signals (run_checkpoints.py: one tensor of two numbers), so an asynchronous save adds no
+collective to a step, only the small ones at its own three points.
+
+Why a thread, not a process: the writing is file writes, fsyncs and CRC-32s (python-isal), all
+of which release the GIL, so a thread writes beside training without holding it for long; it
+reads the staging buffer in place. A process would need the buffer in shared memory, a start
+(torch's import) per rank, and cleanup when its rank dies; measured side by side in
+bench/bench_async_save.py (BENCHMARKS.md).
+
+A save still in flight when the next one is due is waited for (never skipped): the next save
+then starts from a published checkpoint, every due step gets its checkpoint, and the staging
+buffer is free to be reused (one buffer per rank, the size of what the rank writes: explain's
+`async staging` line). The run's end waits for the last save. A kill -9 at any point leaves the
+save as a .tmp directory (the rename comes last), which readers pass over.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import attrs
+import torch
+
+from soapstone.shard.checkpoint import durable, tensorfile
+from soapstone.shard.checkpoint import index as ix
+from soapstone.shard.checkpoint.agree import agree
+from soapstone.shard.checkpoint.save import (
+    index_header,
+    plan_part,
+    prune,
+    raise_agreed,
+    shared_temp,
+    write_index_from,
+    write_planned,
+)
+
+ALIGN = 64  # each staged tensor starts on a cache line (and any dtype's alignment)
+
+
+@attrs.define
+class Job:
+    """The save in flight: its step, temp directory, index header, and the phase its thread
+    is in ("write": every rank's file; "publish": rank 0's index, rename and pruning)."""
+
+    step: int
+    tmp: Path
+    header: dict
+    phase: str
+    thread: threading.Thread | None = None
+    problem: str | None = None  # an OSError met by the thread, as durable.failure says it
+    error: BaseException | None = None  # anything else: a bug, raised on the main thread
+    tally: tensorfile.Tally = attrs.field(factory=tensorfile.Tally)
+
+
+class AsyncSaver:
+    """Checkpoints of one executor under `root`, written beside training (see the module)."""
+
+    def __init__(self, executor, root: str | Path, keep: int | None = None):
+        self.executor, self.root, self.keep = executor, Path(root), keep
+        mesh = executor.mesh
+        self.world = mesh.world if mesh is not None else None
+        self.rank = self.world.rank if self.world is not None else 0
+        self.size = self.world.size if self.world is not None else 1
+        self.staging: torch.Tensor | None = None  # one flat host buffer, reused
+        self.job: Job | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save was started and is not yet published (the same on every rank)."""
+        return self.job is not None
+
+    def busy(self) -> bool:
+        """Whether this rank's thread is still working (differs between ranks)."""
+        return self.job is not None and self.job.thread is not None and \
+            self.job.thread.is_alive()
+
+    def start(self, step: int, seed: int, settings: dict) -> None:
+        """Stage the checkpoint of `step` and start writing it (collective). A save in flight
+        is waited for first: call wait() before, to learn what it published."""
+        if self.job is not None:
+            self.wait()
+        tmp = shared_temp(self.world, self.rank, self.root, step)
+        part = plan_part(self.executor, step, self.rank, self.size)
+        part = attrs.evolve(part, tensors=self.stage(part.tensors))
+        header = index_header(self.executor, step, seed, settings, self.size)
+        job = self.job = Job(step, tmp, header, "write")
+        job.thread = self._launch(job, write_planned, part, tmp, step, self.rank, job.tally)
+
+    def stage(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Copies of `tensors` in the staging buffer (made, or grown, on first use; pinned
+        when a tensor is on a GPU, whose copies are waited for)."""
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        total = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        cuda = any(t.device.type == "cuda" for _, t in tensors)
+        if self.staging is None or self.staging.numel() < total:
+            self.staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=cuda)
+        out, at = [], 0
+        for (key, t), n in zip(tensors, sizes, strict=True):
+            dst = self.staging[at:at + n].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=cuda)
+            out.append((key, dst))
+            at += -(-n // ALIGN) * ALIGN
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def poll(self, busy_anywhere: bool | None = None) -> Path | None:
+        """Move the save in flight on when no rank's thread is busy (collective; call it on
+        every rank after each step with the agreed flag, or None to agree on it here); the
+        checkpoint's directory when this call published it."""
+        if self.job is None:
+            return None
+        if busy_anywhere is None:
+            busy_anywhere = any_busy(self.world, self.busy())
+        return None if busy_anywhere else self.advance()
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight (collective): its directory, or None when none was."""
+        published = None
+        while self.job is not None:
+            published = self.advance() or published
+        return published
+
+    def advance(self) -> Path | None:
+        """Join this rank's thread, agree on its outcome and go to the next phase
+        (collective; CheckpointError on every rank when a rank failed)."""
+        job = self.job
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:  # not a disk's failure: a bug; this rank brings the job down
+            raise job.error
+        verdict = agree(self.world, job.problem, job.tally.bytes)
+        if verdict.problem is not None:
+            self.job = None
+        raise_agreed(verdict, self.root, job.step, job.tmp, self.rank)
+        if job.phase == "publish":
+            self.job = None
+            return ix.step_dir(self.root, job.step)
+        job.phase, job.thread = "publish", None
+        if self.rank == 0:
+            job.thread = self._launch(job, publish, job.tmp, self.root, job.step, job.header,
+                                      self.size, self.keep)
+        return None
+
+    def _launch(self, job: Job, work, *args) -> threading.Thread:
+        """Run work(*args) on a daemon thread; what it raises is kept on `job`."""
+        what = job.tmp / (ix.rank_file(self.rank) if job.phase == "write" else ix.INDEX)
+
+        def run() -> None:
+            try:
+                work(*args)
+            except OSError as e:
+                job.problem = durable.failure(e, f"writing {what}")
+            except BaseException as e:  # noqa: BLE001 (re-raised on the main thread)
+                job.error = e
+
+        t = threading.Thread(target=run, name=f"checkpoint-step-{job.step}-{job.phase}",
+                             daemon=True)
+        t.start()
+        return t
+
+
+def publish(tmp: Path, root: Path, step: int, header: dict, size: int,
+            keep: int | None) -> None:
+    """Rank 0's part after every rank wrote: the index, the atomic rename, the pruning."""
+    write_index_from(tmp, header, size)
+    durable.publish(tmp, ix.step_dir(root, step))
+    prune(root, keep, step)
+
+
+def any_busy(world, busy: bool) -> bool:
+    """Whether any rank's writer is busy (an allreduce over `world`; None: this rank's)."""
+    if world is None or world.size == 1:
+        return busy
+    t = torch.tensor([1.0 if busy else 0.0], dtype=torch.float64)
+    world.allreduce(t, op="max")
+    return bool(t)
