@@ -62,7 +62,9 @@ def main(args: argparse.Namespace) -> int:
             extra["offload"] = attrs.asdict(offload_figures(est))
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
                                           "memory_limit": where,
-                                          "checkpoint_bytes_per_rank": ckpt} | extra
+                                          "checkpoint_bytes_per_rank": ckpt,
+                                          "async_staging_bytes": max(ckpt) if ckpt else None}
+                         | extra
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
@@ -72,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt))
+        if ckpt:
+            print(format_staging(ckpt))
         if nodes:
             print(nodes[1])
     for line in nodes[2] if nodes else ():
@@ -84,6 +88,15 @@ def main(args: argparse.Namespace) -> int:
               "it. `soapstone plan SPEC --world N --profile NAME` finds layouts that fit",
               file=sys.stderr)
     return 0
+
+
+def format_staging(per_rank: list[int]) -> str:
+    """explain's line for `run --async-save`: the host memory a rank's staging copy takes (what
+    it writes: shard/checkpoint/async_save.py keeps one such buffer per rank)."""
+    from soapstone.shard.plan.units import format_bytes
+
+    return (f"async staging (run --async-save): {format_bytes(max(per_rank))} per rank of host "
+            "memory at most (a copy of what the rank writes, kept for the run)")
 
 
 def placement(par, per_node: int | None, profile: str | None,
