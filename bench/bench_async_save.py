@@ -121,14 +121,17 @@ def main() -> None:
     proc = ProcessWriter(t.executor, base / "soap-proc")
     gloo = dist.new_group(backend="gloo")
 
-    def train(ep: Episode, poll=None) -> None:
+    def train(ep: Episode, writer: AsyncSaver | None = None) -> None:
         nonlocal step
         for _ in range(args.steps):
             _, dt = clock(t.step, step)
             step += 1
             ep.steps += dt
-            if poll is not None:  # what run's after_step does for an async save
-                _, dt = clock(poll)
+            if writer is not None:  # what run's after_step does under --async-save: its
+                # per-step allreduce (which a sync --save run makes too: untimed), then the
+                # save's own agreement when every writer is done (timed: the save's)
+                busy = any_busy(world, writer.busy())
+                _, dt = clock(writer.poll, busy)
                 ep.stall += dt
 
     def soap_sync(ep: Episode, r: int) -> None:
@@ -136,14 +139,18 @@ def main() -> None:
         train(ep)
 
     def soap_async(ep: Episode, r: int) -> None:
+        fenced = saver.fenced_s
         _, ep.stall = clock(saver.start, r, 0, {})
-        train(ep, lambda: saver.poll(any_busy(world, saver.busy())))
+        train(ep, saver)
         _, ep.drain = clock(saver.wait)
+        ep.stall += saver.fenced_s - fenced  # updates that waited for the staging copy
 
     def soap_proc(ep: Episode, r: int) -> None:
+        fenced = proc.fenced_s
         _, ep.stall = clock(proc.start, r)
-        train(ep, proc.poll)
+        train(ep, proc)
         _, ep.drain = clock(proc.wait)
+        ep.stall += proc.fenced_s - fenced
 
     def dcp_sync(ep: Episode, r: int) -> None:
         _, ep.stall = clock(dcp.save, state, checkpoint_id=str(base / f"dcp-sync-{r}"),
@@ -214,67 +221,55 @@ def report(got: dict, staged: int, args, load: list[float]) -> None:
               f"{med[n][2]:8.3f} {share}")
 
 
-class ProcessWriter:
-    """The process variant (bench only): the same staging as AsyncSaver, into a buffer in shared
-    memory that a child process (spawned once per rank) writes from; the agreement and publish
-    as in AsyncSaver, on the main thread."""
+class ProcessWriter(AsyncSaver):
+    """The process variant (bench only): AsyncSaver's staging (the copy deferred to a thread
+    behind the same optimizer fence) into a buffer in shared memory, from which a child process
+    (spawned once per rank) writes the files; the thread only hands the part over and waits
+    for the child's answer. Agreement and publish as in AsyncSaver, on the main thread."""
 
     def __init__(self, executor, root: Path):
         import torch.multiprocessing as mp
 
-        self.saver = AsyncSaver(executor, root, keep=1)
+        super().__init__(executor, root, keep=1)
         ctx = mp.get_context("spawn")
         self.jobs, self.done = ctx.Queue(), ctx.Queue()
         self.child = ctx.Process(target=child_main, args=(self.jobs, self.done), daemon=True)
         self.child.start()
-        self.pending = False
-        self.shared = None
 
-    def start(self, step: int) -> None:
-        """Stage like AsyncSaver.start, then hand the write to the child."""
+    def start(self, step: int, seed: int = 0, settings: dict | None = None) -> None:
+        """As AsyncSaver.start; the writing goes to the child."""
         import attrs
 
         from soapstone.shard.checkpoint.async_save import Job
         from soapstone.shard.checkpoint.save import index_header, shared_temp
 
-        s = self.saver
-        if s.job is not None:
+        if self.job is not None:
             self.wait()
-        tmp = shared_temp(s.world, s.rank, s.root, step)
-        part = plan_part(s.executor, step, s.rank, s.size)
-        if s.staging is None:  # the first stage makes the buffer; it goes to shared memory
-            s.stage(part.tensors)
-            s.staging.share_memory_()
-            self.jobs.put(("buffer", s.staging))
-        staged = s.stage(part.tensors)
-        base = s.staging.data_ptr()
+        tmp = shared_temp(self.world, self.rank, self.root, step)
+        part = plan_part(self.executor, step, self.rank, self.size)
+        header = index_header(self.executor, step, seed, settings or {}, self.size)
+        fresh = self.staging is None
+        staged, copies = self.place(part.tensors)
+        if fresh:  # the buffer moves to shared memory once, and the child maps it
+            self.staging.share_memory_()
+            staged, copies = self.place(part.tensors)
+            self.jobs.put(("buffer", self.staging))
+        base = self.staging.data_ptr()
         layout = [(k, v.data_ptr() - base, v.dtype, tuple(v.shape)) for k, v in staged]
-        s.job = Job(step, tmp, index_header(s.executor, step, 0, {}, s.size), "write")
-        self.jobs.put(("write", attrs.evolve(part, tensors=[]), layout, tmp, step, s.rank))
-        self.pending = True
+        job = self.job = Job(step, tmp, header, "write")
+        message = ("write", attrs.evolve(part, tensors=[]), layout, tmp, step, self.rank)
+        job.thread = self._launch(job, self.hand_over, job, copies, message)
 
-    def busy(self) -> bool:
-        """Whether the child still writes this rank's part."""
-        if self.pending and not self.done.empty():
-            problem, nbytes = self.done.get()
-            self.saver.job.problem, self.saver.job.tally.bytes = problem, nbytes
-            self.pending = False
-        return self.pending
+    def hand_over(self, job, copies, message) -> None:
+        """The parent's thread: the staging copy, then the child writes; its answer."""
+        from soapstone.shard.checkpoint.async_save import copy_all
 
-    def poll(self) -> None:
-        """As AsyncSaver.poll: agree once no rank's child is busy."""
-        s = self.saver
-        if s.job is not None and not any_busy(s.world, self.busy()):
-            s.advance()
-
-    def wait(self) -> None:
-        """Until the save is published."""
-        s = self.saver
-        while s.job is not None:
-            if s.job.phase == "write":
-                while self.busy():
-                    time.sleep(0.001)
-            s.advance()
+        try:
+            copy_all(copies)
+        finally:
+            job.staged.set()
+        self.jobs.put(message)
+        job.problem, job.tally.bytes = self.done.get()
 
     def close(self) -> None:
         """Stop the child."""

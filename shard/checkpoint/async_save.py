@@ -8,13 +8,17 @@
 
 One save of step S goes through three points, each on the main thread of every rank:
 
-1. start (the save point; the stall training sees): rank 0 makes the temp directory and every
-   rank learns its name (save.shared_temp); the rank plans its part (save.plan_part: the same
-   keys, order and header as a synchronous save, so the files are byte-identical) and copies
-   each tensor into one host buffer (the staging copy: on the CPU a copy of the tensors the
-   save writes; from a GPU into pinned memory), takes the index's header (the optimizer's
-   update count moves on), and starts a thread that writes the rank's safetensors file and
-   its part of the index, each fsynced (save.write_planned, with its checksums).
+1. start (the save point): rank 0 makes the temp directory and every rank learns its name
+   (save.shared_temp); the rank plans its part (save.plan_part: the same keys, order and header
+   as a synchronous save, so the files are byte-identical), takes the index's header (the
+   optimizer's update count moves on) and starts a thread that copies each tensor into one
+   host buffer (the staging copy) and then writes the rank's safetensors file and its part of
+   the index, each fsynced (save.write_planned, with its checksums). The copy runs beside the
+   next step's forward and backward, which only read the masters and optimizer state: the
+   first thing that writes them, the next optimizer update, waits at a fence
+   (Optimizer.before_update) until the copy is made. That wait, if any, and the start are the
+   stall training sees. From a GPU the copy is made at the save point instead, into pinned
+   memory, and waited for there.
 2. the first step after every rank's writer finished: the ranks agree (agree.py) on the
    outcome. A failure (a full disk) is the same CheckpointError on every rank, rank 0 having
    removed the partial save. Otherwise rank 0 starts a thread that merges index.json, fsyncs,
@@ -47,7 +51,9 @@ save as a .tmp directory (the rename comes last), which readers pass over.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -82,6 +88,7 @@ class Job:
     problem: str | None = None  # an OSError met by the thread, as durable.failure says it
     error: BaseException | None = None  # anything else: a bug, raised on the main thread
     tally: tensorfile.Tally = attrs.field(factory=tensorfile.Tally)
+    staged: threading.Event = attrs.field(factory=threading.Event)  # the copy is made
 
 
 class AsyncSaver:
@@ -95,6 +102,9 @@ class AsyncSaver:
         self.size = self.world.size if self.world is not None else 1
         self.staging: torch.Tensor | None = None  # one flat host buffer, reused
         self.job: Job | None = None
+        self.fenced_s = 0.0  # seconds optimizer updates waited for a staging copy, in all
+        for opt in executor.optimizers.values():
+            opt.before_update.append(self.fence)
 
     @property
     def in_flight(self) -> bool:
@@ -107,34 +117,48 @@ class AsyncSaver:
             self.job.thread.is_alive()
 
     def start(self, step: int, seed: int, settings: dict) -> None:
-        """Stage the checkpoint of `step` and start writing it (collective). A save in flight
-        is waited for first: call wait() before, to learn what it published."""
+        """Start the checkpoint of `step`: plan it, then copy and write it on a thread
+        (collective). A save in flight is waited for first: call wait() before, to learn
+        what it published."""
         if self.job is not None:
             self.wait()
         tmp = shared_temp(self.world, self.rank, self.root, step)
         part = plan_part(self.executor, step, self.rank, self.size)
-        part = attrs.evolve(part, tensors=self.stage(part.tensors))
         header = index_header(self.executor, step, seed, settings, self.size)
+        staged, copies = self.place(part.tensors)
         job = self.job = Job(step, tmp, header, "write")
-        job.thread = self._launch(job, write_planned, part, tmp, step, self.rank, job.tally)
+        if any(src.device.type == "cuda" for _, src in copies):
+            copy_all(copies, cuda=True)  # on this thread's stream, before training goes on
+            copies = []
+        job.thread = self._launch(job, copy_then_write, job, copies,
+                                  attrs.evolve(part, tensors=staged), tmp, step, self.rank)
 
-    def stage(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copies of `tensors` in the staging buffer (made, or grown, on first use; pinned
-        when a tensor is on a GPU, whose copies are waited for)."""
+    def place(self, tensors: list[tuple[str, torch.Tensor]]):
+        """Where each tensor's copy goes in the staging buffer (made, or grown, on first use;
+        pinned when a tensor is on a GPU): ([(key, staged view)], [(staged view, tensor)])."""
         sizes = [t.numel() * t.element_size() for _, t in tensors]
         total = sum(-(-n // ALIGN) * ALIGN for n in sizes)
         cuda = any(t.device.type == "cuda" for _, t in tensors)
         if self.staging is None or self.staging.numel() < total:
+            self.staging = None  # the old buffer goes before the new one is made
             self.staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=cuda)
-        out, at = [], 0
+        staged, copies, at = [], [], 0
         for (key, t), n in zip(tensors, sizes, strict=True):
             dst = self.staging[at:at + n].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=cuda)
-            out.append((key, dst))
+            staged.append((key, dst))
+            copies.append((dst, t))
             at += -(-n // ALIGN) * ALIGN
-        if cuda:
-            torch.cuda.synchronize()
-        return out
+        return staged, copies
+
+    def fence(self) -> None:
+        """Before an optimizer update: wait until the staging copy of the save in flight is
+        made (the update would change what it copies)."""
+        job = self.job
+        if job is None or job.staged.is_set():
+            return
+        t0 = time.perf_counter()
+        job.staged.wait()
+        self.fenced_s += time.perf_counter() - t0
 
     def poll(self, busy_anywhere: bool | None = None) -> Path | None:
         """Move the save in flight on when no rank's thread is busy (collective; call it on
@@ -190,6 +214,26 @@ class AsyncSaver:
                              daemon=True)
         t.start()
         return t
+
+
+def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]], cuda: bool = False) -> None:
+    """dst.copy_(src) for each pair (from a GPU: asynchronous copies, then waited for)."""
+    for dst, src in copies:
+        dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def copy_then_write(job: Job, copies, part, tmp: Path, step: int, rank: int) -> None:
+    """The writer thread: the staging copy (then the fence lets updates through), the files."""
+    try:
+        hold = os.environ.get("SOAPSTONE_CKPT_TEST_SLOW_STAGE", "")
+        if hold and int(hold.split(":")[0]) == step:  # a test: the copy outlasts a step
+            time.sleep(float(hold.split(":")[1]))
+        copy_all(copies)
+    finally:
+        job.staged.set()  # also after a failure: the fence must not wait forever
+    write_planned(part, tmp, step, rank, job.tally)
 
 
 def publish(tmp: Path, root: Path, step: int, header: dict, size: int,

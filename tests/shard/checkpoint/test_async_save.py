@@ -23,9 +23,9 @@ from test_checkpoint import kill_rank_1_mid_save, launch, losses
 DP2 = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet"]
 
 
-def finished(argv: list[str]) -> str:
+def finished(argv: list[str], env: dict | None = None) -> str:
     """Run `argv` on 2 ranks to the end (exit 0); its stderr."""
-    proc = launch(2, argv)
+    proc = launch(2, argv, env)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     assert "Traceback" not in err, err
@@ -42,13 +42,16 @@ def same_files(a: Path, b: Path) -> None:
 
 def test_async_checkpoints_equal_sync_ones_and_a_due_save_waits(tmp_path):
     """dp2, 3 steps, a save after each: the async run's checkpoints are the sync run's, byte for
-    byte. Each save after the first is due while the previous one is in flight (deterministic:
-    a save is published at the earliest two steps after it started, the write agreed at the
-    next step and rank 0's publish at the one after), so the run says it waits, and every step
-    has its complete checkpoint."""
+    byte, also when the staging copy of step 2 is held back for a second by the test hook (it
+    runs beside step 3's forward and backward; step 3's optimizer update waits for it at the
+    fence, else step 2's files would hold step 3's values). Each save after the first is due
+    while the previous one is in flight (deterministic: a save is published at the earliest
+    two steps after it started, the write agreed at the next step and rank 0's publish at the
+    one after), so the run says it waits, and every step has its complete checkpoint."""
     a, s = tmp_path / "async", tmp_path / "sync"
     err = finished([*DP2, "--steps", "3", "--save", str(a), "--save-every", "1", "--async-save",
-                    "--metrics", str(tmp_path / "a.jsonl")])
+                    "--metrics", str(tmp_path / "a.jsonl")],
+                   {"SOAPSTONE_CKPT_TEST_SLOW_STAGE": "2:1"})
     finished([*DP2, "--steps", "3", "--save", str(s), "--save-every", "1",
               "--metrics", str(tmp_path / "s.jsonl")])
     for step in (2, 3):
