@@ -45,7 +45,7 @@ from soapstone import dsl
 from soapstone.comm import Mesh, init
 from soapstone.comm.bench.collectives import init_gloo
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.checkpoint.async_save import AsyncSaver, any_busy
+from soapstone.shard.checkpoint.async_save import AsyncSaver, status
 from soapstone.shard.checkpoint.save import plan_part, save
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.train.trainer import Trainer
@@ -80,6 +80,7 @@ class Episode:
 
     def __init__(self):
         self.stall = self.steps = self.drain = 0.0
+        self.parts = [0.0, 0.0, 0.0]  # of the stall: the start, the polls, the fence waits
 
 
 def main() -> None:
@@ -130,9 +131,10 @@ def main() -> None:
             if writer is not None:  # what run's after_step does under --async-save: its
                 # per-step allreduce (which a sync --save run makes too: untimed), then the
                 # save's own agreement when every writer is done (timed: the save's)
-                busy = any_busy(world, writer.busy())
-                _, dt = clock(writer.poll, busy)
+                busy, failed = status(world, *writer.status())
+                _, dt = clock(writer.poll, busy, failed)
                 ep.stall += dt
+                ep.parts[1] += dt
 
     def soap_sync(ep: Episode, r: int) -> None:
         _, ep.stall = clock(save, t.executor, base / "soap-sync", r, 0, {}, 1)
@@ -141,16 +143,20 @@ def main() -> None:
     def soap_async(ep: Episode, r: int) -> None:
         fenced = saver.fenced_s
         _, ep.stall = clock(saver.start, r, 0, {})
+        ep.parts[0] = ep.stall
         train(ep, saver)
         _, ep.drain = clock(saver.wait)
-        ep.stall += saver.fenced_s - fenced  # updates that waited for the staging copy
+        ep.parts[2] = saver.fenced_s - fenced  # updates that waited for the staging copy
+        ep.stall += ep.parts[2]
 
     def soap_proc(ep: Episode, r: int) -> None:
         fenced = proc.fenced_s
         _, ep.stall = clock(proc.start, r)
+        ep.parts[0] = ep.stall
         train(ep, proc)
         _, ep.drain = clock(proc.wait)
-        ep.stall += proc.fenced_s - fenced
+        ep.parts[2] = proc.fenced_s - fenced
+        ep.stall += ep.parts[2]
 
     def dcp_sync(ep: Episode, r: int) -> None:
         _, ep.stall = clock(dcp.save, state, checkpoint_id=str(base / f"dcp-sync-{r}"),
@@ -183,7 +189,8 @@ def main() -> None:
             COMM.Barrier()
             ep = Episode()
             modes[name](ep, r + 1)
-            row = (slowest(ep.stall), slowest(ep.steps), slowest(ep.drain))
+            row = (slowest(ep.stall), slowest(ep.steps), slowest(ep.drain),
+                   *(slowest(x) for x in ep.parts))
             if r:  # round 0 warms up
                 got[name].append(row)
     load.append(os.getloadavg()[0])
@@ -206,19 +213,21 @@ def cleanup(d: Path) -> None:
 def report(got: dict, staged: int, args, load: list[float]) -> None:
     """The table: per mode the medians (and min-max) of stall, steps and drain, and the stall
     as a share of the same implementation's synchronous save."""
-    med = {n: [statistics.median(x[i] for x in rows) for i in range(3)]
+    med = {n: [statistics.median(x[i] for x in rows) for i in range(6)]
            for n, rows in got.items()}
     print(f"gpt {DIMS}, dp2, {args.rounds} rounds (+1 warm-up), {args.steps} steps after each "
           f"save, {staged / 1e6:.1f} MB written per rank (most), load average "
           f"{load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores")
     print(f"{'mode':22} {'stall s':>8} {'(min-max)':>15} {'steps s':>8} {'drain s':>8} "
-          f"{'stall/sync':>10}")
+          f"{'stall/sync':>10}  stall: start / agree / fence ms")
     for n, rows in got.items():
         sync = med.get("soapstone sync" if n.startswith("soapstone") else "DCP sync")
         share = f"{med[n][0] / sync[0]:10.3f}" if sync else f"{'':>10}"
         lo, hi = min(x[0] for x in rows), max(x[0] for x in rows)
+        parts = (" / ".join(f"{x * 1e3:.1f}" for x in med[n][3:])
+                 if n.startswith("soapstone async") else "")
         print(f"{n:22} {med[n][0]:8.4f} {f'({lo:.4f}-{hi:.4f})':>15} {med[n][1]:8.3f} "
-              f"{med[n][2]:8.3f} {share}")
+              f"{med[n][2]:8.3f} {share}  {parts}")
 
 
 class ProcessWriter(AsyncSaver):
@@ -241,11 +250,12 @@ class ProcessWriter(AsyncSaver):
         import attrs
 
         from soapstone.shard.checkpoint.async_save import Job
-        from soapstone.shard.checkpoint.save import index_header, shared_temp
+        from soapstone.shard.checkpoint.index import step_dir
+        from soapstone.shard.checkpoint.save import index_header
 
         if self.job is not None:
             self.wait()
-        tmp = shared_temp(self.world, self.rank, self.root, step)
+        tmp = self.root / f"{step_dir(self.root, step).name}.tmp-{self.token}"
         part = plan_part(self.executor, step, self.rank, self.size)
         header = index_header(self.executor, step, seed, settings or {}, self.size)
         fresh = self.staging is None
@@ -268,6 +278,7 @@ class ProcessWriter(AsyncSaver):
             copy_all(copies)
         finally:
             job.staged.set()
+        job.tmp.mkdir(parents=True, exist_ok=True)
         self.jobs.put(message)
         job.problem, job.tally.bytes = self.done.get()
 

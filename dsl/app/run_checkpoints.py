@@ -167,9 +167,10 @@ def after_step(trainer, plan: CheckpointPlan, args: argparse.Namespace, step: in
         return None
     done = step + 1
     saver = plan.background.saver
-    signum, busy = _agreed_signal(trainer.executor, saver is not None and saver.busy())
+    signum, busy, failed = _agreed_signal(trainer.executor,
+                                          *(saver.status() if saver else (False, False)))
     if saver is not None:
-        _saved(saver.poll(busy), rank)
+        _saved(saver.poll(busy, failed), rank)
     due = done == args.steps or (plan.every and done % plan.every == 0) or signum
     if not due:
         return signum or None
@@ -207,19 +208,20 @@ def _defer_signals() -> None:
         dog.defer_signals()
 
 
-def _agreed_signal(executor, busy: bool = False) -> tuple[int, bool]:
+def _agreed_signal(executor, busy: bool = False,
+                   failed: bool = False) -> tuple[int, bool, bool]:
     """(the signal any rank has received, 0: none; whether any rank's checkpoint writer is
-    busy): one allreduce over the world, so every rank stops after the same step and moves an
-    asynchronous save on at the same step."""
+    busy; whether any rank's finished writer failed): one allreduce over the world, so every
+    rank stops after the same step and moves an asynchronous save on at the same step."""
     from soapstone.comm.observe import watchdog
 
     dog = watchdog.get()
     got = dog.stop_signal if dog is not None else 0
     mesh = executor.mesh
     if mesh is None or mesh.world.size == 1:
-        return got, busy
+        return got, busy, failed
     import torch
 
-    t = torch.tensor([got, 1 if busy else 0], dtype=torch.float64)
+    t = torch.tensor([got, float(busy), float(failed)], dtype=torch.float64)
     mesh.world.allreduce(t, op="max")
-    return int(t[0]), bool(t[1])
+    return int(t[0]), bool(t[1]), bool(t[2])

@@ -1,46 +1,48 @@
-"""Asynchronous checkpoints: the step copies what the rank writes to host memory, a thread writes.
+"""Asynchronous checkpoints: a thread copies what the rank writes to host memory and writes it.
 
-    saver = AsyncSaver(executor, "ckpt", keep=3)
-    saver.start(step, seed, settings)       # collective; blocks only for the staging copy
+    saver = AsyncSaver(executor, "ckpt", keep=3)   # collective (once: the run's temp token)
+    saver.start(step, seed, settings)       # no collective; returns at once
     ...                                     # training goes on while the files are written
-    saver.poll(busy_anywhere)               # collective, once per step: publishes when done
+    busy, failed = status(world, *saver.status())  # once per step, every rank (an allreduce)
+    saver.poll(busy, failed)                # every rank: publishes when every writer is done
     saver.wait()                            # collective: the save in flight, published
 
-One save of step S goes through three points, each on the main thread of every rank:
+One save of step S, on every rank:
 
-1. start (the save point): rank 0 makes the temp directory and every rank learns its name
-   (save.shared_temp); the rank plans its part (save.plan_part: the same keys, order and header
-   as a synchronous save, so the files are byte-identical), takes the index's header (the
-   optimizer's update count moves on) and starts a thread that copies each tensor into one
-   host buffer (the staging copy) and then writes the rank's safetensors file and its part of
-   the index, each fsynced (save.write_planned, with its checksums). The copy runs beside the
-   next step's forward and backward, which only read the masters and optimizer state: the
-   first thing that writes them, the next optimizer update, waits at a fence
-   (Optimizer.before_update) until the copy is made. That wait, if any, and the start are the
-   stall training sees. From a GPU the copy is made at the save point instead, into pinned
-   memory, and waited for there.
-2. the first step after every rank's writer finished: the ranks agree (agree.py) on the
-   outcome. A failure (a full disk) is the same CheckpointError on every rank, rank 0 having
-   removed the partial save. Otherwise rank 0 starts a thread that merges index.json, fsyncs,
-   publishes with one atomic rename (durable.publish) and prunes (save.prune).
-3. the first step after that thread finished: the ranks agree on the publish's outcome; the
+1. start (the save point, main thread): the rank plans its part (save.plan_part: the same keys,
+   order and header as a synchronous save, so the files are byte-identical), takes the
+   index's header (the optimizer's update count moves on) and starts a thread. The thread
+   copies each tensor into one host buffer (the staging copy), then makes the temp directory
+   DIR/step-NNNNNNNN.tmp-TOKEN (TOKEN: drawn by rank 0 once per run, so every rank names it
+   without a message) and writes the rank's safetensors file and its part of the index, each
+   fsynced (save.write_planned, with its checksums). The copy runs beside the next step's
+   forward and backward, which only read the masters and optimizer state: the first thing
+   that writes them, the next optimizer update, waits at a fence (Optimizer.before_update)
+   until the copy is made. The start and that wait, if any, are the stall training sees. From
+   a GPU the copy is made at the save point instead, into pinned memory, and waited for there.
+2. the first step after every rank's writer finished: if a rank failed (a full disk), the
+   ranks agree (agree.py) on its message and every rank raises the same CheckpointError, rank 0
+   having removed the partial save. Otherwise rank 0 starts a thread that merges index.json,
+   fsyncs, publishes with one atomic rename (durable.publish) and prunes (save.prune).
+3. the first step after that thread finished: the same for the publish's outcome; the
    checkpoint of step S is complete.
 
 Why the collectives stay on the main thread: soapstone's communicators are used by one thread
 at a time (an MPI communicator's operations are matched in the order they are called, and the
 watchdog and flight recorder follow the main thread's ops), so a background thread running
 agree()'s allgather beside a training allreduce on the same communicator could pair the wrong
-operations across ranks. The threads touch files only; every collective of a save (the temp
-directory's name, the two verdicts) runs between steps on the main thread. Whether every
-rank's writer is done is learnt in the allreduce `run --save` already makes after each step
-for signals (run_checkpoints.py: one tensor of two numbers), so an asynchronous save adds no
-collective to a step, only the small ones at its own three points.
+operations across ranks. The threads touch files and memory only. What the ranks must agree
+on, whether every writer is done and whether one failed, travels in the allreduce `run --save`
+already makes after each step for signals (run_checkpoints.py: one tensor of three numbers),
+so a save that succeeds adds no collective at all; a failure adds agree()'s two, to carry its
+message.
 
-Why a thread, not a process: the writing is file writes, fsyncs and CRC-32s (python-isal), all
-of which release the GIL, so a thread writes beside training without holding it for long; it
-reads the staging buffer in place. A process would need the buffer in shared memory, a start
-(torch's import) per rank, and cleanup when its rank dies; measured side by side in
-bench/bench_async_save.py (BENCHMARKS.md).
+Why a thread, not a process: the writing is file writes, fsyncs, CRC-32s (python-isal) and
+tensor copies, all of which release the GIL, so a thread works beside training without holding
+it for long, and it copies from the live buffers straight into its own. A process would need
+the staging buffer in shared memory, a start (torch's import) per rank, a thread of the parent
+to copy into it behind the same fence anyway, and cleanup when its rank dies; measured side by
+side in bench/bench_async_save.py (BENCHMARKS.md): no better.
 
 A save still in flight when the next one is due is waited for (never skipped): the next save
 then starts from a published checkpoint, every due step gets its checkpoint, and the staging
@@ -54,6 +56,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import attrs
@@ -61,13 +64,12 @@ import torch
 
 from soapstone.shard.checkpoint import durable, tensorfile
 from soapstone.shard.checkpoint import index as ix
-from soapstone.shard.checkpoint.agree import agree
+from soapstone.shard.checkpoint.agree import Verdict, agree, share
 from soapstone.shard.checkpoint.save import (
     index_header,
     plan_part,
     prune,
     raise_agreed,
-    shared_temp,
     write_index_from,
     write_planned,
 )
@@ -92,7 +94,8 @@ class Job:
 
 
 class AsyncSaver:
-    """Checkpoints of one executor under `root`, written beside training (see the module)."""
+    """Checkpoints of one executor under `root`, written beside training (see the module).
+    Made on every rank together (collective)."""
 
     def __init__(self, executor, root: str | Path, keep: int | None = None):
         self.executor, self.root, self.keep = executor, Path(root), keep
@@ -100,6 +103,8 @@ class AsyncSaver:
         self.world = mesh.world if mesh is not None else None
         self.rank = self.world.rank if self.world is not None else 0
         self.size = self.world.size if self.world is not None else 1
+        # this run's temp directories are step-NNNNNNNN.tmp-TOKEN: every rank knows the name
+        self.token = share(self.world, uuid.uuid4().hex[:8] if self.rank == 0 else "")
         self.staging: torch.Tensor | None = None  # one flat host buffer, reused
         self.job: Job | None = None
         self.fenced_s = 0.0  # seconds optimizer updates waited for a staging copy, in all
@@ -111,18 +116,23 @@ class AsyncSaver:
         """Whether a save was started and is not yet published (the same on every rank)."""
         return self.job is not None
 
-    def busy(self) -> bool:
-        """Whether this rank's thread is still working (differs between ranks)."""
-        return self.job is not None and self.job.thread is not None and \
-            self.job.thread.is_alive()
+    def status(self) -> tuple[bool, bool]:
+        """(this rank's thread is still working, it finished and failed): differ by rank;
+        `status()` over the world says whether the save can move on."""
+        job = self.job
+        if job is None or job.thread is None:
+            return False, False
+        if job.thread.is_alive():
+            return True, False
+        return False, job.problem is not None or job.error is not None
 
     def start(self, step: int, seed: int, settings: dict) -> None:
-        """Start the checkpoint of `step`: plan it, then copy and write it on a thread
-        (collective). A save in flight is waited for first: call wait() before, to learn
-        what it published."""
+        """Start the checkpoint of `step`: plan it on this thread, copy and write it on
+        another (no collective; a save in flight is waited for first, collectively: call
+        wait() before, to learn what it published)."""
         if self.job is not None:
             self.wait()
-        tmp = shared_temp(self.world, self.rank, self.root, step)
+        tmp = self.root / f"{ix.step_dir(self.root, step).name}.tmp-{self.token}"
         part = plan_part(self.executor, step, self.rank, self.size)
         header = index_header(self.executor, step, seed, settings, self.size)
         staged, copies = self.place(part.tensors)
@@ -131,7 +141,7 @@ class AsyncSaver:
             copy_all(copies, cuda=True)  # on this thread's stream, before training goes on
             copies = []
         job.thread = self._launch(job, copy_then_write, job, copies,
-                                  attrs.evolve(part, tensors=staged), tmp, step, self.rank)
+                                  attrs.evolve(part, tensors=staged), step, self.rank)
 
     def place(self, tensors: list[tuple[str, torch.Tensor]]):
         """Where each tensor's copy goes in the staging buffer (made, or grown, on first use;
@@ -160,32 +170,34 @@ class AsyncSaver:
         job.staged.wait()
         self.fenced_s += time.perf_counter() - t0
 
-    def poll(self, busy_anywhere: bool | None = None) -> Path | None:
-        """Move the save in flight on when no rank's thread is busy (collective; call it on
-        every rank after each step with the agreed flag, or None to agree on it here); the
-        checkpoint's directory when this call published it."""
-        if self.job is None:
+    def poll(self, busy: bool, failed: bool) -> Path | None:
+        """Move the save in flight on when no rank's thread is busy (`busy`, `failed`: every
+        rank's status() agreed, the same on every rank); the checkpoint's directory when this
+        call published it. Collective only when a rank failed."""
+        if self.job is None or busy:
             return None
-        if busy_anywhere is None:
-            busy_anywhere = any_busy(self.world, self.busy())
-        return None if busy_anywhere else self.advance()
+        return self.advance(failed)
 
     def wait(self) -> Path | None:
         """Finish the save in flight (collective): its directory, or None when none was."""
         published = None
         while self.job is not None:
-            published = self.advance() or published
+            published = self.advance(None) or published
         return published
 
-    def advance(self) -> Path | None:
-        """Join this rank's thread, agree on its outcome and go to the next phase
-        (collective; CheckpointError on every rank when a rank failed)."""
+    def advance(self, failed: bool | None) -> Path | None:
+        """Join this rank's thread and go to the next phase; a failure on any rank is the same
+        CheckpointError on every rank. `failed`: whether a rank failed, agreed (None: not
+        known, agree on it here: a collective)."""
         job = self.job
         if job.thread is not None:
             job.thread.join()
         if job.error is not None:  # not a disk's failure: a bug; this rank brings the job down
             raise job.error
-        verdict = agree(self.world, job.problem, job.tally.bytes)
+        if failed is None or failed:
+            verdict = agree(self.world, job.problem, job.tally.bytes)
+        else:
+            verdict = Verdict(None, None, 0)
         if verdict.problem is not None:
             self.job = None
         raise_agreed(verdict, self.root, job.step, job.tmp, self.rank)
@@ -224,8 +236,9 @@ def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]], cuda: bool = False
         torch.cuda.synchronize()
 
 
-def copy_then_write(job: Job, copies, part, tmp: Path, step: int, rank: int) -> None:
-    """The writer thread: the staging copy (then the fence lets updates through), the files."""
+def copy_then_write(job: Job, copies, part, step: int, rank: int) -> None:
+    """The writer thread: the staging copy (then the fence lets updates through), the temp
+    directory (every rank makes it; it may exist), the files."""
     try:
         hold = os.environ.get("SOAPSTONE_CKPT_TEST_SLOW_STAGE", "")
         if hold and int(hold.split(":")[0]) == step:  # a test: the copy outlasts a step
@@ -233,7 +246,8 @@ def copy_then_write(job: Job, copies, part, tmp: Path, step: int, rank: int) -> 
         copy_all(copies)
     finally:
         job.staged.set()  # also after a failure: the fence must not wait forever
-    write_planned(part, tmp, step, rank, job.tally)
+    job.tmp.mkdir(parents=True, exist_ok=True)
+    write_planned(part, job.tmp, step, rank, job.tally)
 
 
 def publish(tmp: Path, root: Path, step: int, header: dict, size: int,
@@ -244,10 +258,11 @@ def publish(tmp: Path, root: Path, step: int, header: dict, size: int,
     prune(root, keep, step)
 
 
-def any_busy(world, busy: bool) -> bool:
-    """Whether any rank's writer is busy (an allreduce over `world`; None: this rank's)."""
+def status(world, busy: bool, failed: bool) -> tuple[bool, bool]:
+    """(any rank's writer busy, any rank's failed): one allreduce over `world` (None: this
+    rank's own). run's per-step allreduce carries the same two flags."""
     if world is None or world.size == 1:
-        return busy
-    t = torch.tensor([1.0 if busy else 0.0], dtype=torch.float64)
+        return busy, failed
+    t = torch.tensor([float(busy), float(failed)], dtype=torch.float64)
     world.allreduce(t, op="max")
-    return bool(t)
+    return bool(t[0]), bool(t[1])

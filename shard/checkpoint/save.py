@@ -54,7 +54,15 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
     rank = world.rank if world is not None else 0
     size = world.size if world is not None else 1
     root = Path(root)
-    tmp = shared_temp(world, rank, root, step)
+    tmp, problem = Path(), None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = durable.make_temp(root, step)
+        except OSError as e:
+            problem = durable.failure(e, f"making a directory in {root}")
+    raise_agreed(agree(world, problem), root, step, None, rank)
+    tmp = Path(share(world, str(tmp)))
     tally, problem = tensorfile.Tally(), None
     try:
         write_part(executor, tmp, step, rank, size, tally)
@@ -72,20 +80,6 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
             prune(root, keep, step)
     raise_agreed(agree(world, problem, tally.bytes), root, step, tmp, rank)
     return final
-
-
-def shared_temp(world, rank: int, root: Path, step: int) -> Path:
-    """Rank 0 makes the save's temp directory, every rank learns its name (collective; a
-    failure to make it is a CheckpointError on every rank)."""
-    tmp, problem = Path(), None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = durable.make_temp(root, step)
-        except OSError as e:
-            problem = durable.failure(e, f"making a directory in {root}")
-    raise_agreed(agree(world, problem), root, step, None, rank)
-    return Path(share(world, str(tmp)))
 
 
 def raise_agreed(verdict, root: Path, step: int, tmp: Path | None, rank: int) -> None:
