@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 32, "seq": 128, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 256}
 

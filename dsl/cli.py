@@ -3,13 +3,17 @@
 Each subcommand is a module of soapstone.dsl.commands with `configure(parser)` and
 `main(args) -> int`. Only the chosen module is imported, so `soapstone check` never pays for
 torch. Exit codes: 0 ok, 2 bad input (any UserError: spec, flags, files, launch), 1 anything
-else.
+else, 3 a run stopped on a non-finite step (shard/train/nonfinite.py); 141 (128 + SIGPIPE,
+what a Unix tool killed by SIGPIPE reports) when stdout is closed before the output ends
+(`soapstone show ... | head -1`), quietly, as Unix tools do.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # name -> (module, one-line help); every module is in soapstone.dsl.commands
@@ -42,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# the commands launched under mpiexec: each rank runs under a supervisor (comm/supervisor.py)
+SUPERVISED = ("run", "golden", "generate")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; return its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,7 +68,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"soapstone {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(argv[1:])
-    return int(module.main(args) or 0)
+    if name in SUPERVISED:  # under mpiexec: a rank killed outright is still named
+        from soapstone.comm.supervisor import supervise
+
+        supervise()
+    try:
+        code = int(module.main(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is a message and 120
+    except BrokenPipeError:
+        return stdout_closed()
+    return code
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`| head`): no traceback, no message, 128 + SIGPIPE.
+    stdout is pointed at /dev/null so that the interpreter's last flush finds nothing to
+    write either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from soapstone.comm.observe import expected
 from soapstone.comm.observe.flight_recorder import SENDS, entry_text
+from soapstone.comm.observe.peers import Peers
 
 
 def _ranks(rs) -> str:
@@ -191,7 +192,8 @@ def stack_tail(st: dict | None, frames: int = 6) -> list[str]:
 
 
 def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: dict,
-                   statuses: dict[int, dict], trace_dir: str | None) -> list[str]:
+                   statuses: dict[int, dict], trace_dir: str | None,
+                   peers: Peers | None = None) -> list[str]:
     """The watchdog's report for op `entry` on communicator `key` (this rank's, timed out),
     given every rank's status, as lines."""
     lines = [f"soapstone watchdog: collective timeout: rank {rank} waited {waited:.1f}s "
@@ -211,7 +213,8 @@ def timeout_report(rank: int, timeout: float, waited: float, key: str, entry: di
     for r, e in other:
         lines.append(f"  arrived in another op: rank {r} called {entry_text(e, key)}")
     for r in silent:
-        lines.append(f"  no status from rank {r}: {doing(None)}")
+        lines.append(f"  no status from {peers.name(r) if peers else f'rank {r}'}: "
+                     f"{doing(None)}")
     plan = [line for r in sorted(statuses) for line in expected.position_lines(
         r, statuses[r].get("expected") or {}, key, entry.get("kind"))]
     if plan:

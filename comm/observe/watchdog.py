@@ -59,6 +59,7 @@ from soapstone.comm.observe.flight_recorder import (
     entry_text,
     live_recorders,
 )
+from soapstone.comm.observe.peers import GONE_AFTER_S, Peers, here
 from soapstone.comm.observe.status import dump_lines, sample_blocked, say, status, write_dump
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -194,6 +195,7 @@ class Watchdog:
         self._signal_exit: str | None = None  # exit_on_signals(): what to call the program
         self._deferred = False  # defer_signals(): the first SIGTERM/SIGINT only sets stop_signal
         self.stop_signal = 0
+        self.peers = Peers(tuple(side.allgather(here())))  # every rank's (host, pid)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -285,11 +287,17 @@ class Watchdog:
             if rec.pending:
                 self._poll_events(rec)
             e = rec.blocked()
-            if e is not None and self.timeout > 0:
-                waited = now - (e[T_WAIT] or e[T_START])
-                if waited > self.timeout:
-                    self._expire(rec, e, waited)
-                    return
+            if e is None:
+                continue
+            waited = now - (e[T_WAIT] or e[T_START])
+            if self.timeout > 0 and waited > self.timeout:
+                self._expire(rec, e, waited)
+                return
+            gone = self.peers.gone(r for r in rec.world_ranks if r != self.rank) \
+                if waited > GONE_AFTER_S else []
+            if gone:  # they can never arrive: say who, end the job now (peers.py)
+                self._gone(rec, e, gone)
+                return
 
     @staticmethod
     def _poll_events(rec) -> None:
@@ -379,13 +387,29 @@ class Watchdog:
         path = write_dump(mine, self.trace_dir)
         statuses = {self.rank: mine, **replies}
         lines = timeout_report(self.rank, self.timeout, waited, rec.key, entry, statuses,
-                               self.trace_dir)
+                               self.trace_dir, self.peers)
         mine_lines = [f"  rank {self.rank} (this rank): newest ops"] + dump_lines(mine)[1:]
         lines += mine_lines + report_end(self.trace_dir)
         say(self.rank, lines)
         if path:
             with contextlib.suppress(OSError):
                 Path(self.trace_dir, "report.txt").write_text("\n".join(lines) + "\n")
+        self.abort()
+
+    def _gone(self, rec, e: list, gone: list[int]) -> None:
+        """Members of the communicator this rank waits in have no process any more: report
+        who and where, dump, Abort."""
+        self.reporter, self.ending = self.rank, True
+        entry = {"key": rec.key, **describe(e, time.monotonic())}
+        mine = status(f"rank {', '.join(map(str, gone))} gone")
+        self._dumped = True
+        path = write_dump(mine, self.trace_dir)
+        lines = [f"soapstone watchdog: {', '.join(self.peers.name(r) for r in gone)} is gone "
+                 f"(its process ended) while rank {self.rank} waits for it in "
+                 + entry_text(entry, rec.key).split(":")[0]]
+        lines += dump_lines(mine)[1:] + ([f"  dump: {path}"] if path else []) + \
+            ["  aborting the job"]
+        say(self.rank, lines)
         self.abort()
 
     def report_failure(self, summary: str) -> None:

@@ -179,12 +179,29 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise BadInput(f"--steps {args.steps}: give at least 1")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise BadInput(f"--lr {args.lr}: the learning rate must be a positive number")
-    if args.grad_clip is not None and not args.grad_clip > 0:
-        raise BadInput(f"--grad-clip {args.grad_clip}: must be positive")
-    metrics = getattr(args, "metrics", None)
-    if metrics and not Path(metrics).resolve().parent.is_dir():
-        raise BadInput(f"--metrics {metrics}: the directory {Path(metrics).parent} "
-                       "does not exist")
+    if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip > 0):
+        raise BadInput(f"--grad-clip {args.grad_clip}: must be a positive number")
+    wd = getattr(args, "weight_decay", 0.0)
+    if not (math.isfinite(wd) and wd >= 0):
+        raise BadInput(f"--weight-decay {wd}: give a number >= 0 (0: none)")
+    check_output_file(getattr(args, "metrics", None), "--metrics", "metrics.jsonl")
+    skips = getattr(args, "max_skips", None)
+    if skips is not None and getattr(args, "on_nonfinite", "stop") != "skip":
+        raise BadInput(f"--max-skips {skips}: only with --on-nonfinite skip")
+    if skips is not None and skips < 0:
+        raise BadInput(f"--max-skips {skips}: give 0 or more skipped steps in a row")
+
+
+def check_output_file(path: str | None, flag: str, example: str) -> None:
+    """A file a run will write at `path`: its directory exists and it is not one (BadInput,
+    before training rather than a traceback after it)."""
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise BadInput(f"{flag} {path}: is a directory; give a file in it, e.g. "
+                       f"{flag} {Path(path) / example}")
+    if not Path(path).resolve().parent.is_dir():
+        raise BadInput(f"{flag} {path}: the directory {Path(path).parent} does not exist")
 
 
 def lr_schedule(args: argparse.Namespace, lr: float):
@@ -211,5 +228,4 @@ def check_trace_flag(path: str, par) -> None:
     if par is None or not par.operator:
         raise BadInput(f"--trace {path}: only pipeline layouts (an operator statement) have "
                        "a schedule timeline to trace")
-    if not Path(path).resolve().parent.is_dir():
-        raise BadInput(f"--trace {path}: the directory {Path(path).parent} does not exist")
+    check_output_file(path, "--trace", "trace.json")

@@ -127,7 +127,7 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
     from soapstone.comm import Mesh
     from soapstone.dsl.compile.layout_proof import prove_layout
     from soapstone.dsl.lang.spec import load
-    from soapstone.shard.runtime.executor import check_device
+    from soapstone.shard.runtime.p2p_mode import check_device
     from soapstone.shard.train import golden
 
     comm = world(pick_device(device, comm), comm)

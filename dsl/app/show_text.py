@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from soapstone.shard.plan.sizes import DRAWN_MICROBATCHES
+
 
 def render(spec, model_name: str | None = None, parallel: str | None = None,
            as_json: bool = False) -> str:
@@ -30,7 +32,8 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     staged = graph is not None and graph.axis is not None
     program = graph.program if graph is not None and not staged else None
     schedule = grouping = None
-    if staged:
+    drawn = staged and graph.microbatches * graph.chunks <= DRAWN_MICROBATCHES
+    if drawn:  # above that, the action lists alone would be huge: the bubble's formula
         from soapstone.shard.plan import p2p_groups
         from soapstone.shard.plan.schedules import build
         from soapstone.shard.plan.verify import p2p_proof
@@ -44,6 +47,7 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
             data["program"] = program_to_data(program, par.zero) if program else None
             if staged:
                 data["stage_graph"] = stage_graph_to_data(graph, par.zero)
+            if drawn:
                 data["schedule"] = [[str(a) for a in schedule.with_comm(r)]
                                     for r in range(schedule.pipe)]
                 data["p2p_grouping"] = grouping  # None: cannot run on cuda
@@ -55,10 +59,14 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     if par is not None:
         text += "\n" + format_parallel(par) + "\n"
         if staged:
-            text += format_stage_graph(graph, programs=False) + "\n" + schedule.format()
-            # the schedule above posts receives ahead (MPI tags); NCCL runs p2p in groups
-            text += (p2p_groups.format_plans(schedule, grouping) if grouping is not None else
-                     f"p2p: cannot run on cuda ({p2p_proof.unproven(schedule)})\n")
+            text += format_stage_graph(graph, programs=False) + "\n"
+            if drawn:
+                text += schedule.format()
+                # the schedule above posts receives ahead (MPI tags); NCCL runs p2p in groups
+                text += (p2p_groups.format_plans(schedule, grouping) if grouping is not None
+                         else f"p2p: cannot run on cuda ({p2p_proof.unproven(schedule)})\n")
+            else:
+                text += undrawn(graph)
             for s in graph.stages:
                 text += f"\n--- stage {s.index} ({graph.axis} {s.rank}) ---\n"
                 text += format_program(s.program, par.zero, graph.deferred(s), stage=True)
@@ -69,3 +77,14 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
         else:
             text += format_program(program, par.zero)
     return text
+
+
+def undrawn(graph) -> str:
+    """The schedule's line when it has too many microbatches to draw: its theory bubble."""
+    from soapstone.shard.plan.schedules import theory_bubble
+
+    bubble = theory_bubble(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
+    return (f"schedule {graph.schedule}: pipe={graph.pipe} microbatches={graph.microbatches}"
+            + (f" chunks={graph.chunks}" if graph.chunks > 1 else "")
+            + f"  theory bubble {bubble:.1%} (not drawn: more than {DRAWN_MICROBATCHES} "
+            "microbatches x chunks; nor its p2p groups)\n")

@@ -2,7 +2,8 @@
 
 Each module has `configure(parser)` and `main(args) -> int`; it parses flags, calls library
 code (dsl/app/build.py, dsl/app/golden_run.py, dsl/app/show_text.py, ...), prints and returns the
-exit code: 0 ok, 2 bad input, 1 anything else. Bad input is any UserError; `fail` prints it once.
+exit code: 0 ok, 2 bad input, 1 anything else, 3 a run stopped on a non-finite step. Bad input
+is any UserError; `fail` prints it once.
 """
 
 from __future__ import annotations

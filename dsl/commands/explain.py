@@ -49,9 +49,13 @@ def main(args: argparse.Namespace) -> int:
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
-    from soapstone.shard.plan.analysis.checkpoint_size import checkpoint_bytes, format_checkpoint
+    from soapstone.shard.plan.analysis.checkpoint_size import (
+        checkpoint_bytes,
+        checkpoint_total,
+        format_checkpoint,
+    )
 
-    ckpt = checkpoint_bytes(graph, args.optimizer)
+    ckpt = checkpoint_bytes(graph, args.optimizer)  # None: too many ranks to count each
     if args.json:
         extra = {}
         if par is not None and par.offload:  # device and host bytes on a GPU run
@@ -73,8 +77,9 @@ def main(args: argparse.Namespace) -> int:
             from soapstone.shard.plan.units import format_bytes
 
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
-        print(format_checkpoint(ckpt))
-        if ckpt:
+        print(format_checkpoint(ckpt, checkpoint_total(graph, args.optimizer),
+                                graph.world_size))
+        if ckpt:  # counted rank by rank (up to COUNTED_RANKS)
             print(format_staging(ckpt))
         if nodes:
             print(nodes[1])

@@ -108,6 +108,17 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
                              "MPI through host memory, to debug a layout on one GPU (slow)")
 
 
+def add_nonfinite_options(parser: argparse.ArgumentParser) -> None:
+    """--on-nonfinite, --max-skips: what a NaN or infinite loss or gradient norm does (what
+    they mean: shard/train/nonfinite.py)."""
+    parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                        help="a step whose loss or gradient norm is NaN or infinite never "
+                             "updates: stop the run (exit 3; default) or skip the step and go on")
+    parser.add_argument("--max-skips", type=int, default=None, metavar="N",
+                        help="with --on-nonfinite skip: stop after N skipped steps in a row "
+                             "(default 10)")
+
+
 def add_nodes_option(parser: argparse.ArgumentParser) -> None:
     """--devices-per-node: how many ranks a node holds, for which mesh axes cross nodes."""
     parser.add_argument("--devices-per-node", type=int, metavar="N",

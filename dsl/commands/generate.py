@@ -42,7 +42,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Numbers that cannot work (BadInput)."""
     if args.tokens < 1:
         raise BadInput(f"--tokens {args.tokens}: give at least 1")
-    if not args.temperature >= 0:
+    if not 0 <= args.temperature < float("inf"):  # nan and inf too
         raise BadInput(f"--temperature {args.temperature}: give 0 (greedy) or more")
     if args.top_k is not None and args.top_k < 1:
         raise BadInput(f"--top-k {args.top_k}: give at least 1")

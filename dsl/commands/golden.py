@@ -13,6 +13,7 @@ dsl/app/golden_run.py.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
@@ -56,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> int:
     from soapstone.dsl.app.golden_run import record_run
+    from soapstone.shard.train.nonfinite import EXIT_NONFINITE, NonFinite
 
     try:
         check_train_flags(args)
@@ -73,6 +75,9 @@ def _record(args: argparse.Namespace) -> int:
                          comm=args.comm)
     except UserError as e:
         return fail(e)
+    except NonFinite as e:  # nothing worth recording
+        print(e.format(), file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     print(f"recorded {rec.header['model']}: {rec.steps} steps ({rec.header['optimizer']} "
           f"lr {rec.header['lr']:g}, seed {rec.header['seed']}), loss {rec.loss[0]:.6f} -> "
           f"{rec.loss[-1]:.6f}, {len(rec.digests)} parameters -> {args.output}")
@@ -101,8 +106,13 @@ def _check(args: argparse.Namespace) -> int:
                             device=args.device, comm=args.comm)
     except UserError as e:
         return fail(e, rank)
+    from soapstone.shard.train.nonfinite import NonFinite
+
     # not inside the try: an error while training is on one rank, not all; it aborts the job
-    bad = job.run(on_step=show)
+    try:
+        bad = job.run(on_step=show)
+    except NonFinite as e:  # on every rank alike: the layout does not reproduce the record
+        bad = e.message()
     layout = args.parallel or "one rank"
     if bad is not None:
         if rank == 0:

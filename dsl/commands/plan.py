@@ -28,6 +28,7 @@ from soapstone.dsl.app.build import load_plugins, parse_dims
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import add_nodes_option, add_spec_options
 from soapstone.dsl.lang.errors import BadInput
+from soapstone.shard.plan.sizes import MAX_DIM, MAX_RANKS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,12 +65,13 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        if args.world < 1:
-            raise BadInput(f"--world {args.world}: give at least 1 device")
+        if not 1 <= args.world <= MAX_RANKS:
+            raise BadInput(f"--world {args.world}: give 1 to {MAX_RANKS} devices (MPI numbers "
+                           "ranks with 32-bit ints)")
         if args.top < 1:
             raise BadInput(f"--top {args.top}: give at least 1 row")
-        if args.global_batch is not None and args.global_batch < 1:
-            raise BadInput(f"--global-batch {args.global_batch}: give at least 1")
+        if args.global_batch is not None and not 1 <= args.global_batch <= MAX_DIM:
+            raise BadInput(f"--global-batch {args.global_batch}: give 1 to {MAX_DIM}")
         if not args.name.isidentifier():
             raise BadInput(f"--name {args.name!r}: a block name is an identifier")
         if args.output and not Path(args.output).resolve().parent.is_dir():

@@ -8,6 +8,9 @@ Errors during training are not caught here: one rank's exception aborts the whol
 exception: a checkpoint's load or save that fails (a damaged byte, a full disk) raises the same
 CheckpointError on every rank at once (shard/checkpoint/agree.py), so all exit 2 together.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
+A NaN or infinite loss or gradient norm never updates (shard/train/nonfinite.py): the run
+stops with one message on rank 0 and exit 3 on every rank (EXIT_NONFINITE), or under
+--on-nonfinite skip drops that step's update and goes on (--max-skips in a row at most).
 Every comm op runs under the watchdog's deadline (--collective-timeout, default
 SOAPSTONE_COLLECTIVE_TIMEOUT or 600 s; a timeout ends the job with a report naming the op and
 the ranks that did not arrive), dumps go to --debug-dir (`soapstone debug hang DIR` reads them),
@@ -43,6 +46,7 @@ from soapstone.dsl.commands.flags import (
     add_checkpoint_options,
     add_device_options,
     add_model_options,
+    add_nonfinite_options,
     add_schedule_options,
     add_train_options,
 )
@@ -53,6 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     add_train_options(parser, steps=100, optimizer="adamw", lr=None)
     add_schedule_options(parser)
+    add_nonfinite_options(parser)
     add_checkpoint_options(parser)
     add_device_options(parser)
     parser.add_argument("--metrics", metavar="F.jsonl",
@@ -92,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     """Check the flags and the launch on every rank, then train."""
     from soapstone.dsl.compile.layout_proof import prove_layout
     from soapstone.shard.data.source import make_task
-    from soapstone.shard.runtime.executor import check_device
+    from soapstone.shard.runtime.p2p_mode import check_device
 
     try:
         # --device before any NCCL call (every rank reaches the same verdict); a bad
@@ -123,7 +128,14 @@ def main(args: argparse.Namespace) -> int:
     if comm.rank == 0 and nodes:
         for line in nodes:
             print(line, file=sys.stderr, flush=True)
-    return train(args, comm, par, program, task, schedule, ckpt, speed)
+    from soapstone.shard.train.nonfinite import EXIT_NONFINITE, NonFinite
+
+    try:
+        return train(args, comm, par, program, task, schedule, ckpt, speed)
+    except NonFinite as e:  # raised on every rank alike; nothing of that step was applied
+        if comm.rank == 0:
+            print(e.format(), file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
 
 
 def launch_nodes(par, world: int) -> list[str]:
@@ -193,6 +205,7 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
     from soapstone.comm import Mesh
     from soapstone.comm.observe import expected
     from soapstone.dsl.compile.layout_proof import expected_calls
+    from soapstone.shard.train.nonfinite import DEFAULT_MAX_SKIPS, OnNonFinite
     from soapstone.shard.train.trainer import Trainer
 
     rank = comm.rank
@@ -204,7 +217,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
                       device=comm.device, flops_per_step=speed[0] if speed else None,
-                      peak_flops=speed[1].flops if speed and speed[1] else None)
+                      peak_flops=speed[1].flops if speed and speed[1] else None,
+                      on_nonfinite=OnNonFinite(args.on_nonfinite),
+                      max_skips=DEFAULT_MAX_SKIPS if args.max_skips is None else args.max_skips)
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"
@@ -255,9 +270,15 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                     metrics.flush()
                 if board:
                     log_scalars(board, row)
+            if m.skipped and rank == 0:
+                say(bar, f"step {m.step + 1}: loss {m.loss}, gradient norm {m.grad_norm}: "
+                         f"update skipped ({trainer.skips_in_a_row} in a row, "
+                         f"{m.skipped_steps} in all; --on-nonfinite skip)")
             if bar:
                 bar.set_postfix_str(f"loss {m.loss:.4f}, {m.tokens_per_s:,.0f} tok/s, "
-                                    f"{rate(m)}lr {m.lr:.3g}", refresh=False)
+                                    f"{rate(m)}lr {m.lr:.3g}"
+                                    + (f", skipped {m.skipped_steps}" if m.skipped_steps
+                                       else ""), refresh=False)
                 bar.update(1)
             try:
                 stopped = after_step(trainer, ckpt, args, m.step, rank) if ckpt else None
@@ -280,7 +301,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                else "")
         per_dev = f", {flops / 1e12:.3g} TFLOP/s per device{mfu}" if flops is not None else ""
         print(f"done: {last.step + 1} steps, loss {first.loss:.4f} -> {last.loss:.4f}, "
-              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s{per_dev}", flush=True)
+              f"{total_tok / total_t if total_t else 0:,.0f} tokens/s{per_dev}"
+              + (f", {trainer.skipped} non-finite steps skipped" if trainer.skipped else ""),
+              flush=True)
     if trace:
         write_trace(trainer.executor, trace, rank)
     return 128 + stopped if stopped else 0

@@ -100,7 +100,7 @@ def split(model: ir.Model, parallel: ir.Parallel) -> list[StageModel]:
     out = []
     for s, (rank, blocks) in enumerate(runs):
         ops = tuple(op for op, st in zip(model.ops, op_stage, strict=True) if st == s)
-        args = [a for op in ops for a in op.args]
+        args = {a for op in ops for a in op.args}  # a set: membership below, per name
         recv = tuple(crossing[s - 1]) if s > 0 else ()
         send = tuple(crossing[s]) if s < last else ()
         data_inputs = tuple(n for n in inputs if n in args or (s == last and any(

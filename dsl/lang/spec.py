@@ -14,6 +14,7 @@ from soapstone.dsl.layers.custom import DEFAULT, LayerRegistry
 from soapstone.dsl.model.checker import check_model
 from soapstone.dsl.model.ir import Model, Parallel
 from soapstone.dsl.model.parallel_checker import check_parallel
+from soapstone.shard.plan.sizes import MAX_DIM
 
 
 @attrs.define
@@ -98,6 +99,9 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # and dropped
             diags.append(Diagnostic(file, 0, 0, f"--dim {name}={value}: dim sizes are "
                                     "integers >= 1", f"e.g. --dim {name}=16"))
+        elif value > MAX_DIM:
+            diags.append(Diagnostic(file, 0, 0, f"--dim {name}={value}: torch's sizes are "
+                                    f"64-bit: at most {MAX_DIM}", f"e.g. --dim {name}=16"))
         else:
             overrides[name] = value
     used: set[str] = set()

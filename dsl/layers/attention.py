@@ -6,10 +6,11 @@ import math
 
 from soapstone.dsl.layers.positions import rope_op
 from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need_float
+from soapstone.shard.plan.sizes import divisors
 
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
-         Arg("kv_heads", "dim", None), Arg("rope", "float", 0.0), Arg("bias", "bool", True),
+         Arg("kv_heads", "dim", None), Arg("rope", "float", None), Arg("bias", "bool", True),
          Arg("qkv_bias", "bool", False), Arg("window", "int", None))
 def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
@@ -17,10 +18,10 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
     kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
     heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
-    global positions along S; bias = false drops bo; qkv_bias = true adds bq, bk, bv;
-    window = N (sliding-window attention, Mistral's): a query sees only the last N positions
-    (query - key < N), an attr of the causal mask. The primitives it emits: their records in
-    shard/ops/."""
+    global positions along S (THETA > 0; without the argument, no rotation); bias = false
+    drops bo; qkv_bias = true adds bq, bk, bv; window = N (sliding-window attention,
+    Mistral's): a query sees only the last N positions (query - key < N), an attr of the
+    causal mask. The primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
@@ -36,7 +37,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
         ctx.error(f"attention heads dim {H} is already a dim of the input {dims_text(x.dims)}")
     hs, Hs = ctx.size(h), ctx.size(H)
     if hs % Hs:
-        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ok = divisors(hs)
         near = min(ok, key=lambda n: (abs(n - Hs), -n))
         ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
                   f"use {H} = {near} (head_dim = {hs // near})")
@@ -60,7 +61,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
         return ctx.op("add", (y, b), y.dims, dt, name=name)
 
     q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
-    if rope:
+    if rope is not None:  # given: a rotary base, checked (0 never means "off")
         q = rope_op(ctx, q, S, hd, rope, name="q_rot")
         k = rope_op(ctx, k, S, hd, rope, name="k_rot")
     k2 = ctx.op("rename", (k,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="k2")
@@ -93,7 +94,8 @@ def kv_heads_dim(ctx, x: Operand, H: str, kv: str | None) -> str:
         ctx.error(f"attention kv_heads dim {kv} is already a dim of the input {dims_text(x.dims)}")
     hs, ks = ctx.size(H), ctx.size(kv)
     if hs % ks:
-        ok = [n for n in range(1, hs + 1) if hs % n == 0]
+        ok = divisors(hs)
         ctx.error(f"{kv} = {ks} does not divide {H} = {hs}: each kv head serves a whole group "
-                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok))}")
+                  "of query heads", f"use {kv} = one of {', '.join(map(str, ok[:16]))}"
+                  + (", ..." if len(ok) > 16 else ""))
     return kv

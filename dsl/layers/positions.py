@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, last_dim, need_float
 
 
@@ -13,8 +15,9 @@ def _positions(ctx, dim):
 
 
 def rope_op(ctx, x: Operand, pos: str, over: str, theta: float, name: str | None = None):
-    if theta <= 0:
-        ctx.error(f"rope theta = {theta} must be positive", "LLaMA uses 10000.0")
+    if not (math.isfinite(theta) and theta > 0):
+        ctx.error(f"rope theta = {theta}: the rotary base must be a positive number",
+                  "LLaMA uses 10000.0; for no rotary embedding leave the argument out")
     if ctx.size(over) % 2:
         ctx.error(f"rope rotates pairs: {over} = {ctx.size(over)} must be even")
     return ctx.op("rope", (x,), x.dims, x.dtype,

@@ -28,6 +28,7 @@ from soapstone.dsl.model.ir import (
     Param,
     TensorType,
 )
+from soapstone.shard.plan.sizes import MAX_DIM, MAX_REPEAT
 
 NAMED_OPS = ("einsum", "add", "mul")  # ops that read their args by dim name, not position
 
@@ -211,6 +212,9 @@ class ModelBuilder:
                 size = self.overrides[d.name]
             if size < 1:
                 self.fail(d.loc, f"dim '{d.name}' has size {size}; sizes must be >= 1")
+            if size > MAX_DIM:
+                self.fail(d.loc, f"dim '{d.name}' has size {size}; torch's sizes are 64-bit: "
+                          f"at most {MAX_DIM}")
         except _Abort:
             # Still declare it (size 1, marked bad) so that its uses don't cascade into
             # "unknown dim" errors; the model is rejected anyway.
@@ -446,6 +450,9 @@ class ModelBuilder:
         n = self.eval_int(r.count)
         if n < 1:
             self.fail(getattr(r.count, "loc", r.loc), f"repeat count is {n}; it must be >= 1")
+        if n > MAX_REPEAT:  # every instance is unrolled into its own ops
+            self.fail(getattr(r.count, "loc", r.loc), f"repeat count is {n}; at most "
+                      f"{MAX_REPEAT} instances (each is unrolled into its own ops)")
         self.repeats[r.name] = (n, r.loc)
         self.in_repeat = True
         top_counters = self.counters

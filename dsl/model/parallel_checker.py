@@ -8,16 +8,15 @@ the schedule's microbatches divide the per-replica batch (without stages they ar
 accumulation); the interleaved schedule needs pipeline stages and
 `zero N` (N >= 1) a sample mapping. Pure Python; never imports torch.
 
-One function per statement kind reads a statement into `_Facts` and returns its diagnostics;
+One function per statement kind reads a statement into `Facts` and returns its diagnostics;
 one function per rule across statements reads the facts and returns its diagnostics;
 `check_parallel` runs them in a fixed order (the order of the reports).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-
-import attrs
 
 from soapstone.dsl.lang import ast
 from soapstone.dsl.lang.errors import Diagnostic, did_you_mean, nearest_divisible
@@ -31,62 +30,13 @@ from soapstone.dsl.model.ir import (
     Schedule,
     StageAssignment,
 )
+from soapstone.dsl.model.parallel_facts import Ctx, Diags, Facts
+from soapstone.dsl.model.schedule_rules import block_order, schedule_rules
 from soapstone.shard.parallel.zero_stage import ZeroStage
-from soapstone.shard.plan import schedules
-from soapstone.shard.plan.schedules import KINDS as SCHEDULES
-from soapstone.shard.plan.schedules import ScheduleKind
-
-SCHEDULE_OPTIONS = ("microbatches", "chunks")
-
-Diags = list[Diagnostic]
+from soapstone.shard.plan.sizes import MAX_RANKS, divisors
 
 
-@attrs.frozen
-class _Ctx:
-    """The block being checked and its model: what every rule reads, never changes."""
-
-    p: ast.ParallelDef
-    model: Model
-    sources: Sources
-    dims: dict[str, int]
-    batch: str | None  # the inputs' leading dim: what `sample` maps
-
-    @classmethod
-    def of(cls, p: ast.ParallelDef, model: Model, sources: Sources) -> _Ctx:
-        """The context of one parallel block."""
-        first = model.inputs[0].type.dims if model.inputs else ()
-        return cls(p, model, sources, dict(model.dims), first[0] if first else None)
-
-    def diag(self, loc: Loc | None, message: str, hint: str | None = None) -> Diagnostic:
-        """A diagnostic at `loc`, in this block's file."""
-        return self.sources.diag(loc, message, hint, self.p.file)
-
-
-@attrs.define
-class _Facts:
-    """What the statements read so far establish; the rules across statements read it."""
-
-    mesh: dict[str, int]  # the well-formed axes
-    mapped: dict[str, tuple[str, str]] = attrs.Factory(dict)  # dim -> (statement kind, axis)
-    map_loc: dict[str, Loc] = attrs.Factory(dict)  # dim -> where it is mapped
-    soap: dict[str, list[tuple[str, str]]] = attrs.Factory(
-        lambda: {"sample": [], "attribute": [], "parameter": []})
-    failed: set[str] = attrs.Factory(set)  # statement kinds with a mapping rejected
-    used: dict[str, str] = attrs.Factory(dict)  # axis -> what uses it
-    seen: dict[str, Loc] = attrs.Factory(dict)  # once-only statement keyword -> where
-    stages: list[StageAssignment] = attrs.Factory(list)
-    pipe_axis: str | None = None
-    has_stages: bool = False
-    stage_seq: list[int] = attrs.Factory(list)  # each block's stage, when every block has one
-    stage_locs: list[Loc] = attrs.Factory(list)
-    branches: list[Branch] = attrs.Factory(list)
-    schedule: ast.ScheduleStmt | None = None
-    zero: int = 0
-    recompute: str | None = None
-    offload: str | None = None
-
-
-def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
+def _missing_axis(ctx: Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagnostic | None:
     """An error if the mesh has no axis `axis`."""
     if axis in mesh:
         return None
@@ -97,7 +47,7 @@ def _missing_axis(ctx: _Ctx, mesh: dict[str, int], axis: str, loc: Loc) -> Diagn
 # ---- the mesh
 
 
-def _mesh(ctx: _Ctx) -> tuple[_Facts, Diags]:
+def _mesh(ctx: Ctx) -> tuple[Facts, Diags]:
     """The mesh axes, each declared once with a size >= 1."""
     mesh: dict[str, int] = {}
     diags: Diags = []
@@ -108,13 +58,18 @@ def _mesh(ctx: _Ctx) -> tuple[_Facts, Diags]:
             diags.append(ctx.diag(loc, f"mesh axis '{axis}' has size {size}; sizes must be >= 1"))
         else:
             mesh[axis] = size
-    return _Facts(mesh), diags
+    if not diags and math.prod(mesh.values()) > MAX_RANKS:
+        loc = ctx.p.mesh[0][2] if ctx.p.mesh else ctx.p.loc
+        diags.append(ctx.diag(loc, f"mesh({', '.join(f'{a} = {n}' for a, n in mesh.items())}) "
+                              f"has {math.prod(mesh.values())} ranks; MPI numbers ranks with "
+                              f"32-bit ints: at most {MAX_RANKS}", "use smaller axes"))
+    return Facts(mesh), diags
 
 
 # ---- sample / attribute / parameter
 
 
-def _sample_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+def _sample_rule(ctx: Ctx, facts: Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
     if d != ctx.batch:
         return ctx.diag(loc, f"sample maps the batch dim '{ctx.batch}' (the inputs' leading "
                         f"dim), not '{d}'", f"use 'attribute {d} -> {axis}' to split a data dim")
@@ -123,14 +78,14 @@ def _sample_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagn
     return None
 
 
-def _attribute_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+def _attribute_rule(ctx: Ctx, facts: Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
     if d == ctx.batch:
         return ctx.diag(loc, f"'{d}' is the batch dim; split it with sample",
                         f"sample {d} -> {axis}")
     return None
 
 
-def _parameter_rule(ctx: _Ctx, facts: _Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
+def _parameter_rule(ctx: Ctx, facts: Facts, d: str, loc: Loc, axis: str) -> Diagnostic | None:
     if not any(d in prm.type.dims for prm in ctx.model.params):
         return ctx.diag(loc, f"'{d}' is no dim of any parameter",
                         f"use 'attribute {d} -> {axis}' to split activations")
@@ -142,7 +97,7 @@ _SOAP_RULES: dict[str, Callable[..., Diagnostic | None]] = {
     "sample": _sample_rule, "attribute": _attribute_rule, "parameter": _parameter_rule}
 
 
-def _dim_error(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc,
+def _dim_error(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc,
                axis: str) -> Diagnostic | None:
     """Why `kind d -> axis` cannot map d (whatever the axis), or None."""
     if d not in ctx.dims:
@@ -155,7 +110,7 @@ def _dim_error(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc,
     return _SOAP_RULES[kind](ctx, facts, d, loc, axis)
 
 
-def _map_dim(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc, axis: str,
+def _map_dim(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc, axis: str,
              axis_ok: bool) -> Diags:
     """Map one dim to an axis, if it may and divides over it."""
     err = _dim_error(ctx, facts, kind, d, loc, axis)
@@ -175,14 +130,14 @@ def _map_dim(ctx: _Ctx, facts: _Facts, kind: str, d: str, loc: Loc, axis: str,
     return []
 
 
-def _divide_hint(ctx: _Ctx, facts: _Facts, kind: str, d: str, axis: str) -> str:
+def _divide_hint(ctx: Ctx, facts: Facts, kind: str, d: str, axis: str) -> str:
     """The valid choices for `kind d -> axis` when d does not divide: the axis sizes that
     divide d, the dims that could go to the axis instead, and (a weight dim) leaving d
     replicated; then the nearest dim sizes that would divide."""
     size, n = ctx.dims[d], facts.mesh[axis]
-    sizes = [k for k in range(2, min(size, 4096) + 1) if size % k == 0][:8]
+    sizes = divisors(size)[1:9]
     parts = [f"{axis} sizes that divide {d} = {size}: "
-             + (", ".join(map(str, sizes)) if sizes else f"none but 1 ({size} is prime)")]
+             + (", ".join(map(str, sizes)) if sizes else "none but 1 (it is 1)")]
     named = {o for st in ctx.p.body if isinstance(st, ast.Soap)
              for dims, _, _ in st.groups for o, _ in dims}  # mapped by this block already
     others = [o for o in ctx.dims if o not in named and ctx.dims[o] % n == 0
@@ -197,7 +152,7 @@ def _divide_hint(ctx: _Ctx, facts: _Facts, kind: str, d: str, axis: str) -> str:
     return "; ".join(parts) + f"; or {nearest_divisible(size, n)} (--dim {d}=...)"
 
 
-def _soap(ctx: _Ctx, facts: _Facts, s: ast.Soap) -> Diags:
+def _soap(ctx: Ctx, facts: Facts, s: ast.Soap) -> Diags:
     """`sample|attribute|parameter dims -> axis, ...`."""
     diags: Diags = []
     for dims, axis, axis_loc in s.groups:
@@ -211,7 +166,7 @@ def _soap(ctx: _Ctx, facts: _Facts, s: ast.Soap) -> Diags:
 # ---- operator: branches
 
 
-def _branch_error(ctx: _Ctx, mesh: dict[str, int], d: ast.BranchDef, top: set[str],
+def _branch_error(ctx: Ctx, mesh: dict[str, int], d: ast.BranchDef, top: set[str],
                   outputs: set[str]) -> Diagnostic | None:
     """Why value `d.value` cannot be a branch on `d.axis d.coord`, or None."""
     if d.value not in top:
@@ -233,7 +188,7 @@ def _branch_error(ctx: _Ctx, mesh: dict[str, int], d: ast.BranchDef, top: set[st
     return None
 
 
-def _branches(ctx: _Ctx, facts: _Facts, defs: list[ast.BranchDef]) -> Diags:
+def _branches(ctx: Ctx, facts: Facts, defs: list[ast.BranchDef]) -> Diags:
     """`operator a -> branch 0`: top-level values assigned once, on an existing axis."""
     top = {op.out for op in ctx.model.ops if op.block is None}
     outputs = {o.value for o in ctx.model.outputs}
@@ -265,7 +220,7 @@ def _repeats(model: Model) -> dict[str, list[str]]:
     return repeats
 
 
-def _stage_def_error(ctx: _Ctx, mesh: dict[str, int], repeats: dict[str, list[str]],
+def _stage_def_error(ctx: Ctx, mesh: dict[str, int], repeats: dict[str, list[str]],
                      sd: ast.StageDef, axis: str) -> Diagnostic | None:
     """Why `repeat[lo..hi] -> axis stage` is no valid placement, or None."""
     if sd.axis != axis:
@@ -282,14 +237,14 @@ def _stage_def_error(ctx: _Ctx, mesh: dict[str, int], repeats: dict[str, list[st
     return None
 
 
-def _unknown_repeat(ctx: _Ctx, repeats: dict[str, list[str]], sd: ast.StageDef) -> Diagnostic:
+def _unknown_repeat(ctx: Ctx, repeats: dict[str, list[str]], sd: ast.StageDef) -> Diagnostic:
     return ctx.diag(sd.loc, f"model '{ctx.model.name}' has no repeat '{sd.repeat}'",
                     did_you_mean(sd.repeat, repeats) or
                     (f"repeats: {', '.join(repeats)}" if repeats else
                      "pipeline stages hold repeat blocks; the model has none"))
 
 
-def _claim(ctx: _Ctx, owner: dict[str, tuple[int, Loc]], blocks: list[str],
+def _claim(ctx: Ctx, owner: dict[str, tuple[int, Loc]], blocks: list[str],
            sd: ast.StageDef) -> Diags:
     """Give `blocks` to stage `sd.stage`; a block given twice is an error."""
     diags: Diags = []
@@ -301,7 +256,7 @@ def _claim(ctx: _Ctx, owner: dict[str, tuple[int, Loc]], blocks: list[str],
     return diags
 
 
-def _stages(ctx: _Ctx, facts: _Facts, defs: list[ast.StageDef], loc: Loc) -> Diags:
+def _stages(ctx: Ctx, facts: Facts, defs: list[ast.StageDef], loc: Loc) -> Diags:
     """`operator layer[0..1] -> pipe 0, ...`: blocks on the stages of one axis."""
     repeats = _repeats(ctx.model)
     owner: dict[str, tuple[int, Loc]] = {}
@@ -331,7 +286,7 @@ def _stages(ctx: _Ctx, facts: _Facts, defs: list[ast.StageDef], loc: Loc) -> Dia
     return _coverage(ctx, facts, owner, loc)
 
 
-def _coverage(ctx: _Ctx, facts: _Facts, owner: dict[str, tuple[int, Loc]], loc: Loc) -> Diags:
+def _coverage(ctx: Ctx, facts: Facts, owner: dict[str, tuple[int, Loc]], loc: Loc) -> Diags:
     """Every block on a stage and every stage with a block."""
     blocks = ctx.model.blocks
     missing = [b for b in blocks if b not in owner]
@@ -341,14 +296,16 @@ def _coverage(ctx: _Ctx, facts: _Facts, owner: dict[str, tuple[int, Loc]], loc: 
                          "every repeat block goes to exactly one stage")]
     facts.stage_seq = [owner[b][0] for b in blocks]
     facts.stage_locs = [owner[b][1] for b in blocks]
-    empty = [i for i in range(facts.mesh[facts.pipe_axis]) if i not in set(facts.stage_seq)]
-    if empty:
-        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty[0]} gets no block",
+    # the first stage without a block, from the stages named (never a walk over the axis)
+    named = sorted(set(facts.stage_seq))
+    empty = next((i for i, s in enumerate(named) if s != i), len(named))
+    if empty < facts.mesh[facts.pipe_axis]:
+        return [ctx.diag(loc, f"{facts.pipe_axis} stage {empty} gets no block",
                          "every stage needs at least one block")]
     return []
 
 
-def _operator(ctx: _Ctx, facts: _Facts, s: ast.Operator) -> Diags:
+def _operator(ctx: Ctx, facts: Facts, s: ast.Operator) -> Diags:
     """`operator ...`: branches and pipeline stages."""
     stage_defs = [d for d in s.stages if not isinstance(d, ast.BranchDef)]
     diags = _branches(ctx, facts, [d for d in s.stages if isinstance(d, ast.BranchDef)])
@@ -361,13 +318,13 @@ def _operator(ctx: _Ctx, facts: _Facts, s: ast.Operator) -> Diags:
 # ---- schedule and zero (read here, checked by the rules below)
 
 
-def _schedule(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt) -> Diags:
+def _schedule(ctx: Ctx, facts: Facts, s: ast.ScheduleStmt) -> Diags:
     """`schedule kind, options`: checked once the pipeline and the sample mapping are known."""
     facts.schedule = s
     return []
 
 
-def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
+def _zero(ctx: Ctx, facts: Facts, s: ast.Zero) -> Diags:
     """`zero N`: a ZeRO stage 0..3."""
     if not 0 <= s.level <= 3:
         return [ctx.diag(s.loc, f"zero {s.level}: the ZeRO stage is 0, 1, 2 or 3")]
@@ -375,7 +332,7 @@ def _zero(ctx: _Ctx, facts: _Facts, s: ast.Zero) -> Diags:
     return []
 
 
-def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
+def _recompute(ctx: Ctx, facts: Facts, s: ast.Recompute) -> Diags:
     """`recompute R`: R names a repeat of the model, or is `selective`."""
     repeats = _repeats(ctx.model)
     if s.repeat != SELECTIVE and s.repeat not in repeats:
@@ -389,7 +346,7 @@ def _recompute(ctx: _Ctx, facts: _Facts, s: ast.Recompute) -> Diags:
     return []
 
 
-def _offload(ctx: _Ctx, facts: _Facts, s: ast.Offload) -> Diags:
+def _offload(ctx: Ctx, facts: Facts, s: ast.Offload) -> Diags:
     """`offload optimizer`: the only state that moves to host memory is the optimizer's."""
     if s.what != "optimizer":
         return [ctx.diag(s.loc, f"offload {s.what}: only the optimizer's state can be "
@@ -405,7 +362,7 @@ _STATEMENTS: dict[type, Callable[..., Diags]] = {
 _ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload)
 
 
-def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
+def _statement(ctx: Ctx, facts: Facts, s) -> Diags:
     """One statement of the block; a second once-only statement is an error."""
     if isinstance(s, _ONCE):
         if s.KEYWORD in facts.seen:
@@ -418,7 +375,7 @@ def _statement(ctx: _Ctx, facts: _Facts, s) -> Diags:
 # ---- rules across statements
 
 
-def _branch_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+def _branch_axes(ctx: Ctx, facts: Facts) -> Diags:
     """An axis that places branches does nothing else."""
     return [ctx.diag(b.loc, f"axis '{b.axis}' places branches and cannot also "
                      f"{'hold pipeline stages' if b.axis == facts.pipe_axis else 'split dims'}",
@@ -426,7 +383,7 @@ def _branch_axes(ctx: _Ctx, facts: _Facts) -> Diags:
             for b in facts.branches if facts.used.get(b.axis) != "branch"]
 
 
-def _pipe_axis_splits(ctx: _Ctx, facts: _Facts) -> Diags:
+def _pipe_axis_splits(ctx: Ctx, facts: Facts) -> Diags:
     """The axis that holds pipeline stages splits no dim."""
     split = {ax for pairs in facts.soap.values() for _, ax in pairs}
     if facts.pipe_axis is None or facts.pipe_axis not in split:
@@ -435,7 +392,7 @@ def _pipe_axis_splits(ctx: _Ctx, facts: _Facts) -> Diags:
                      "and cannot also split dims", "give the pipeline its own mesh axis")]
 
 
-def _unused_axes(ctx: _Ctx, facts: _Facts) -> Diags:
+def _unused_axes(ctx: Ctx, facts: Facts) -> Diags:
     """Every mesh axis of size > 1 is used by some statement."""
     repeats = list(_repeats(ctx.model))
     diags: Diags = []
@@ -449,7 +406,7 @@ def _unused_axes(ctx: _Ctx, facts: _Facts) -> Diags:
     return diags
 
 
-def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
+def _one_dim_per_axis(ctx: Ctx, facts: Facts) -> Diags:
     """A tensor splits along at most one of its dims per mesh axis: an input (sample and
     attribute mappings) or a parameter (parameter mappings) with two dims mapped to one
     axis is an error (the lowering would keep the first and drop the second)."""
@@ -474,7 +431,7 @@ def _one_dim_per_axis(ctx: _Ctx, facts: _Facts) -> Diags:
     return diags
 
 
-def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
+def _zero_needs_sample(ctx: Ctx, facts: Facts) -> Diags:
     """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
     if not ZeroStage.of(facts.zero).shards_optimizer or facts.soap["sample"] \
             or "sample" in facts.failed:
@@ -484,151 +441,12 @@ def _zero_needs_sample(ctx: _Ctx, facts: _Facts) -> Diags:
                      f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
 
 
-# ---- rules of the schedule
-
-
-def _schedule_kind(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[ScheduleKind, Diags]:
-    """The schedule's kind (1f1b in place of an unknown one, to check the rest)."""
-    if s.kind in SCHEDULES:
-        return schedules.get(s.kind), []
-    return schedules.get("1f1b"), [ctx.diag(s.kind_loc, f"unknown schedule '{s.kind}'",
-                             did_you_mean(s.kind, SCHEDULES)
-                             or f"schedules: {', '.join(SCHEDULES)}")]
-
-
-def _schedule_options(ctx: _Ctx, s: ast.ScheduleStmt) -> tuple[dict[str, int], Diags]:
-    """The valid options, each given once and >= 1."""
-    opts: dict[str, int] = {}
-    diags: Diags = []
-    for key, value, loc in s.options:
-        if key not in SCHEDULE_OPTIONS:
-            diags.append(ctx.diag(loc, f"unknown schedule option '{key}'",
-                                  did_you_mean(key, SCHEDULE_OPTIONS)
-                                  or "options: microbatches, chunks"))
-        elif key in opts:
-            diags.append(ctx.diag(loc, f"schedule option '{key}' is given twice"))
-        elif value < 1:
-            diags.append(ctx.diag(loc, f"{key} = {value}; it must be >= 1"))
-        else:
-            opts[key] = value
-    return opts, diags
-
-
-def _microbatches_divide(ctx: _Ctx, facts: _Facts, s: ast.ScheduleStmt, mb: int) -> Diags:
-    """The microbatches divide the per-replica batch."""
-    if ctx.batch is None or "sample" in facts.failed:
-        return []  # a sample mapping that failed leaves the per-replica batch unknown
-    sample = facts.soap["sample"]
-    replicas = facts.mesh.get(sample[0][1], 1) if sample else 1
-    per = ctx.dims[ctx.batch] // replicas
-    if per % mb == 0:
-        return []
-    near = min((n for n in range(1, per + 1) if per % n == 0), key=lambda n: (abs(n - mb), n))
-    return [ctx.diag(_option_loc(s, "microbatches", s.loc), f"microbatches = {mb} does not "
-                     f"divide the per-replica batch {ctx.batch} / {replicas} = {per}",
-                     f"use microbatches = {near}")]
-
-
-def _option_loc(s: ast.ScheduleStmt, key: str, default: Loc) -> Loc:
-    """Where option `key` is given (the last time), else `default`."""
-    return {k: loc for k, _, loc in s.options}.get(key, default)
-
-
-def _chunks(ctx: _Ctx, s: ast.ScheduleStmt, kind: ScheduleKind, mb: int, chunks: int,
-            nstages: int) -> Diags:
-    """`chunks` belongs to a chunked schedule (interleaved), which needs >= 2; interleaved's
-    microbatches go in groups of the stage count."""
-    diags: Diags = []
-    if not kind.chunked:
-        if chunks != 1:
-            diags.append(ctx.diag(_option_loc(s, "chunks", s.loc), "chunks applies to the "
-                                  f"{' or '.join(schedules.CHUNKED)} schedule, not {kind.name}"))
-    elif chunks < 2:
-        diags.append(ctx.diag(_option_loc(s, "chunks", s.kind_loc),
-                              f"{kind.name} needs chunks >= 2 (got {chunks})",
-                              "add: chunks = 2 (virtual stages per rank)"))
-    if kind.whole_groups and mb % nstages:
-        diags.append(ctx.diag(_option_loc(s, "microbatches", s.loc),
-                              f"{kind.name} needs microbatches ({mb}) to be a multiple of the "
-                              f"stage count ({nstages})"))
-    return diags
-
-
-def _block_order(ctx: _Ctx, facts: _Facts, kind: ScheduleKind | None, chunks: int,
-                 nstages: int, loc: Loc | None) -> Diags:
-    """Stages follow block order; a chunked schedule's stages visit the pipe ranks in its
-    placement's order (interleaved: cycle 0..n-1 `chunks` times)."""
-    seq = facts.stage_seq
-    if not seq:
-        return []
-    if kind is not None and kind.chunked:
-        runs = [seq[0]] + [b for a, b in zip(seq, seq[1:], strict=False) if a != b]
-        if runs == kind.ranks(nstages, chunks):
-            return []
-        return [ctx.diag(loc, f"{kind.name} stages must cycle 0..{nstages - 1} {chunks} times "
-                         f"over the blocks, got {' '.join(map(str, runs))}",
-                         "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")]
-    blocks = ctx.model.blocks
-    for i in range(len(seq) - 1):
-        if seq[i] > seq[i + 1]:
-            return [ctx.diag(facts.stage_locs[i + 1], f"block {blocks[i + 1]} is on stage "
-                             f"{seq[i + 1]}, before the stage {seq[i]} of {blocks[i]}",
-                             "stages must follow block order (block i's stage <= block i+1's)")]
-    return []
-
-
-def _schedule_rules(ctx: _Ctx, facts: _Facts) -> Diags:
-    """The schedule statement: its kind and options against the pipeline and the batch."""
-    s = facts.schedule
-    if s is None:
-        return []
-    kind, diags = _schedule_kind(ctx, s)
-    opts, more = _schedule_options(ctx, s)
-    diags += more
-    mb, chunks = opts.get("microbatches", 1), opts.get("chunks", 1)
-    nstages = facts.mesh.get(facts.pipe_axis, 1) if facts.pipe_axis else 1
-    diags += _microbatches_divide(ctx, facts, s, mb)
-    diags += _chunks(ctx, s, kind, mb, chunks, nstages)
-    if facts.stages:
-        diags += _block_order(ctx, facts, kind, chunks, nstages, s.kind_loc)
-    if not facts.has_stages and kind.needs_stages:
-        # without stages the microbatches are gradient accumulation, in 1f1b or gpipe order
-        why = f" ({kind.why_stages})" if kind.why_stages else ""
-        diags.append(ctx.diag(s.kind_loc, f"the {kind.name} schedule needs pipeline stages{why}",
-                              "add: operator <repeat>[0..k] -> pipe 0, ...; or use 1f1b "
-                              "(gradient accumulation over the microbatches)"))
-    return diags + _split_backward(ctx, facts, kind)
-
-
-def _split_backward(ctx: _Ctx, facts: _Facts, kind: ScheduleKind) -> Diags:
-    """A split backward (zb1p) runs each stage's weight half later (shard/plan/schedules/):
-    what that half reads must still be there."""
-    if not kind.split:
-        return []
-    diags: Diags = []
-    name = kind.name
-    if ZeroStage.of(facts.zero).shards_params:
-        diags.append(ctx.diag(facts.seen["zero"], f"zero 3 with {name}: ZeRO-3 gathers a "
-                              "stage's parameters for one backward and frees them at its end, "
-                              f"but {name} runs the weight gradients later, apart from it",
-                              f"use zero 1 or 2 with {name}, or schedule 1f1b with zero 3"))
-    if facts.recompute is not None:
-        why = (f"the values it drops are rebuilt for one backward, and {name}'s weight "
-               "gradients run apart from it, later" if facts.recompute == SELECTIVE else
-               "the deferred weight gradients would run each recomputed range's forward a "
-               "second time, collectives included")
-        diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with "
-                              f"{name}: " + why, "drop the recompute statement, or use "
-                              "schedule 1f1b"))
-    return diags
-
-
 # The rules across statements, in the order they report.
 _RULES = (_branch_axes, _pipe_axis_splits, _unused_axes, _one_dim_per_axis, _zero_needs_sample,
-          _schedule_rules)
+          schedule_rules)
 
 
-def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
+def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
     """The checked block as IR."""
     s = facts.schedule
     sched = Schedule()
@@ -645,12 +463,12 @@ def _parallel(p: ast.ParallelDef, facts: _Facts) -> Parallel:
 def check_parallel(p: ast.ParallelDef, model: Model,
                    sources: Sources) -> tuple[Parallel | None, list[Diagnostic]]:
     """Check one parallel block against its (checked) model: (ir.Parallel | None, diagnostics)."""
-    ctx = _Ctx.of(p, model, sources)
+    ctx = Ctx.of(p, model, sources)
     facts, diags = _mesh(ctx)
     for s in p.body:
         diags += _statement(ctx, facts, s)
     for rule in _RULES:
         diags += rule(ctx, facts)
     if not diags and facts.schedule is None:  # order matters without a schedule statement too
-        diags += _block_order(ctx, facts, None, 1, 1, None)
+        diags += block_order(ctx, facts, None, 1, 1, None)
     return (None if diags else _parallel(p, facts)), diags

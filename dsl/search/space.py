@@ -30,6 +30,7 @@ from soapstone.comm.errors import UserError
 from soapstone.dsl.model import ir
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.hardware import Profile
+from soapstone.shard.plan.sizes import divisors
 
 # (schedule, chunks) the search tries for a pipeline: each schedule's own `planned`
 SCHEDULES = tuple((k.name, v) for k in schedules.SCHEDULES.values() for v in k.planned)
@@ -188,21 +189,18 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                        schedule=schedule, zero=c.zero, recompute=c.recompute)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _microbatch_options(per_replica: int, pipe: int) -> list[int]:
     """Microbatch counts to try: without stages 1 (and accumulation, for memory); with stages
-    pipe x 1, 2, 4, 8 and one sample per microbatch, and what divides below that."""
-    divs = _divisors(per_replica)
+    pipe x 1, 2, 4, 8 and one sample per microbatch, and what divides below that. Tests of
+    divisibility, never a walk over 1..per_replica (any batch is cheap)."""
     if pipe == 1:
-        return [d for d in divs if d & (d - 1) == 0][:6]
+        return [1 << k for k in range(6) if per_replica % (1 << k) == 0]
     want = {pipe * k for k in (1, 2, 4, 8)} | {per_replica}
-    opts = [d for d in divs if d in want]
-    below = [d for d in divs if d < pipe]
+    opts = [d for d in want if per_replica % d == 0]
+    below = next((d for d in range(min(pipe, per_replica + 1) - 1, 0, -1)
+                  if per_replica % d == 0), None)  # pipe <= the model's blocks: short
     if below:
-        opts.append(below[-1])
+        opts.append(below)
     return sorted(set(opts))
 
 
@@ -220,7 +218,7 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
     the combinations that do not divide are recorded in `rejected`."""
     sizes = dict(model.dims)
     batch, nblocks = sizes[dims.batch], len(model.blocks)
-    for t in _divisors(world):
+    for t in divisors(world):
         if t > profile.devices_per_node and t > 1:
             rejected.append(Rejection(f"tensor {t}", f"larger than a node "
                                       f"({profile.devices_per_node} devices)"))
@@ -262,7 +260,7 @@ def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: i
     devices would, and gathers keys and values every layer on top: the caller keeps it only
     where the batch does not divide over that many data ranks. It stays inside a node with the
     tensor axis (both innermost there), and only for sequence dims it divides."""
-    for cp in _divisors(world // tensor):
+    for cp in divisors(world // tensor):
         if cp > 1:
             if not dims.sequence or tensor * cp > profile.devices_per_node:
                 continue
@@ -270,5 +268,5 @@ def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: i
                 rejected.append(Rejection(f"context {cp}", "divides none of " + ", ".join(
                     f"{d} = {sizes[d]}" for d in dims.sequence)))
                 continue
-        for p in _divisors(world // (tensor * cp)):
+        for p in divisors(world // (tensor * cp)):
             yield cp, p

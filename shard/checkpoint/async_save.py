@@ -12,7 +12,9 @@ One save of step S, on every rank:
 1. start (the save point, main thread): the rank plans its part (save.plan_part: the same keys,
    order and header as a synchronous save, so the files are byte-identical), takes the
    index's header (the optimizer's update count moves on) and starts a thread. The thread
-   copies each tensor into one host buffer (the staging copy), then makes the temp directory
+   copies each tensor into one host buffer (the staging copy), checks that every value of it
+   is finite (a NaN or an infinity is NonFinite on every rank, exit 3, nothing written: what
+   a synchronous save's refuse_nonfinite_state does), then makes the temp directory
    DIR/step-NNNNNNNN.tmp-TOKEN (TOKEN: drawn by rank 0 once per run, so every rank names it
    without a message) and writes the rank's safetensors file and its part of the index, each
    fsynced (save.write_planned, with its checksums). The copy runs beside the next step's
@@ -75,6 +77,7 @@ from soapstone.shard.checkpoint.save import (
 )
 
 ALIGN = 64  # each staged tensor starts on a cache line (and any dtype's alignment)
+NONFINITE = "nonfinite|"  # a staged tensor held a NaN or an infinity: the parameter follows
 
 
 @attrs.define
@@ -200,6 +203,8 @@ class AsyncSaver:
             verdict = Verdict(None, None, 0)
         if verdict.problem is not None:
             self.job = None
+            if verdict.problem.startswith(NONFINITE):
+                raise_nonfinite(verdict, job, self.rank)
         raise_agreed(verdict, self.root, job.step, job.tmp, self.rank)
         if job.phase == "publish":
             self.job = None
@@ -246,8 +251,26 @@ def copy_then_write(job: Job, copies, part, step: int, rank: int) -> None:
         copy_all(copies)
     finally:
         job.staged.set()  # also after a failure: the fence must not wait forever
+    bad = next((key for key, t in part.tensors
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # nothing could resume from it: not written (as save() refuses it)
+        job.problem = f"{NONFINITE}{bad.split('#')[0].split('/', 1)[1]}"
+        return
     job.tmp.mkdir(parents=True, exist_ok=True)
     write_planned(part, job.tmp, step, rank, job.tally)
+
+
+def raise_nonfinite(verdict: Verdict, job: Job, rank: int) -> None:
+    """A rank staged a NaN or an infinity: NonFinite on every rank (run exits 3), as a
+    synchronous save refuses such a state; rank 0 first removes what other ranks wrote."""
+    import shutil
+
+    from soapstone.shard.train.nonfinite import NonFinite
+
+    if rank == 0:
+        shutil.rmtree(job.tmp, ignore_errors=True)
+    where = (verdict.problem[len(NONFINITE):], verdict.rank or 0)
+    raise NonFinite(job.step, None, None, where, what="parameter or optimizer state")
 
 
 def publish(tmp: Path, root: Path, step: int, header: dict, size: int,

@@ -53,6 +53,9 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
     world = mesh.world if mesh is not None else None
     rank = world.rank if world is not None else 0
     size = world.size if world is not None else 1
+    from soapstone.shard.train.nonfinite import refuse_nonfinite_state
+
+    refuse_nonfinite_state(executor, step)  # NonFinite on every rank, before a byte is written
     root = Path(root)
     tmp, problem = Path(), None
     if rank == 0:

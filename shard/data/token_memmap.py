@@ -48,8 +48,10 @@ def open_tokens(path: str | Path, dtype: str | None = None, flag: str = "--data"
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
             if not np.issubdtype(arr.dtype, np.integer):
                 raise DataError(f"{flag} {path}: expected integer token ids, got {arr.dtype}")
-            if arr.ndim != 1:
-                arr = arr.reshape(-1)  # a view of the map for a C-ordered array
+            if arr.ndim != 1:  # rows of a 2-D array are not one stream: say so, not flatten
+                raise DataError(f"{flag} {path}: token ids are one-dimensional, this array has "
+                                f"shape {tuple(arr.shape)}; save it flat "
+                                "(np.save(path, ids.reshape(-1)))")
         else:
             name = (dtype or "uint16") if p.suffix == ".bin" else "uint8"
             if name not in BIN_DTYPES:

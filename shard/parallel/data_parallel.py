@@ -354,6 +354,21 @@ class GradReducer:
         """Every bucket's segment (what the optimizer updates), in bucket order."""
         return [b.segment() for b in self.buckets]
 
+    def nonfinite_slots(self, flats: list[torch.Tensor | None]) -> list[str]:
+        """The parameters whose piece of flats[i] holds a NaN or an infinity, where flats[i]
+        is laid out as bucket i's segment (its reduced gradient, master values or an
+        optimizer state buffer: this rank's shard under ZeRO >= 1). A slow path, for a report."""
+        out = []
+        for b, flat in zip(self.buckets, flats, strict=True):
+            if flat is None or not flat.is_floating_point() or bool(torch.isfinite(flat).all()):
+                continue
+            lo = b.shard_range().start if b.sharded else 0
+            for s in b.slots:
+                a, z = max(s.offset - lo, 0), min(s.offset + s.numel - lo, flat.numel())
+                if a < z and not bool(torch.isfinite(flat[a:z]).all()):
+                    out.append(s.name)
+        return out
+
     def global_grad_norm(self) -> float:
         """sqrt of the sum of squares over every element of the global gradient, counted once:
         a segment split over some axes is summed over them; replicas are not summed."""

@@ -48,94 +48,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import attrs
 import torch
 
-from soapstone.comm.errors import UserError
 from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.schedules import ActionKind
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify import p2p_proof
 from soapstone.shard.runtime import trace as tr
+from soapstone.shard.runtime.p2p_mode import P2PModeError, check_device, p2p_mode
 from soapstone.shard.runtime.pipe_p2p import PipeP2P
 from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel, check_mesh
 from soapstone.shard.runtime.split_backward import WeightPass, backward_input
+from soapstone.shard.runtime.sub_mesh import SubMesh
 
 # the compute kinds the step loops dispatch on, read once: an enum member read through its
 # class costs ~0.2 us on Python 3.11, and the loops ask for every action of every step
 FORWARD, BACKWARD, WEIGHTS = ActionKind.F, ActionKind.B, ActionKind.W
-
-
-class SubMesh:
-    """A mesh seen without one axis: what a stage's ShardedModel runs on. Communicators are
-    the full mesh's (those over the remaining axes hold ranks of one pipe stage)."""
-
-    def __init__(self, mesh, drop: str):
-        self.mesh = mesh
-        self.shape = {a: n for a, n in mesh.shape.items() if a != drop}
-        self.axes = tuple(self.shape)
-        self.rank = mesh.rank
-
-    def comm(self, *axes: str):
-        """The full mesh's communicator over `axes` (none of them the dropped axis)."""
-        return self.mesh.comm(*axes)
-
-    def coord(self, axis: str) -> int:
-        """This rank's coordinate along `axis` of the full mesh."""
-        return self.mesh.coord(axis)
-
-    def size(self, axis: str) -> int:
-        """How many ranks `axis` of the full mesh has."""
-        return self.mesh.size(axis)
-
-
-P2P_MODES = ("ahead", "grouped")
-
-
-class P2PModeError(UserError, ValueError):
-    """An unknown p2p mode, or one the device cannot run."""
-
-
-def p2p_mode(choice: str | None, device: torch.device) -> str:
-    """The p2p mode to run: `choice`, else SOAPSTONE_P2P, else grouped on CUDA and ahead on
-    CPU. CUDA runs grouped only: posting receives ahead needs tags, which NCCL lacks."""
-    where = "p2p" if choice is not None else "SOAPSTONE_P2P"
-    if choice is None:
-        choice = os.environ.get("SOAPSTONE_P2P", "").strip() or None
-    if choice is None:
-        return "grouped" if device.type == "cuda" else "ahead"
-    if choice not in P2P_MODES:
-        raise P2PModeError(f"{where} = {choice!r}: unknown p2p mode; use one of "
-                           f"{', '.join(P2P_MODES)}")
-    if device.type == "cuda" and choice != "grouped":
-        raise P2PModeError(f"{where} = {choice!r} cannot run on --device cuda: NCCL has no tags "
-                           "to match receives posted ahead; use grouped")
-    return choice
-
-
-def check_device(graph: StageGraph, device: torch.device) -> None:
-    """DeviceError for a layout this device cannot run: on CUDA a pipeline runs its p2p in
-    groups (NCCL's in-order semantics, no tags), so its schedule must be one whose groups
-    p2p_proof proves deadlock-free and FIFO-paired, for training and for infer. The proof
-    counts one message per action; an edge's several tensors go as consecutive messages in
-    the same order on both sides, so they pair whenever the actions do."""
-    if device.type != "cuda" or graph.pipe <= 1:
-        return
-    sched = schedules.build(graph.schedule, graph.pipe, graph.microbatches, graph.chunks)
-    why = p2p_proof.unproven(sched)
-    if why is None:
-        return
-    from soapstone.comm.device import DeviceError
-
-    raise DeviceError(
-        f"layout {graph.parallel}: schedule {graph.schedule} (pipe = {graph.pipe}, "
-        f"microbatches = {graph.microbatches}, chunks = {graph.chunks}) cannot run on "
-        f"--device cuda: no grouping of its p2p is proven deadlock-free under NCCL's in-order "
-        f"rendezvous ({why}); run it with --device cpu, or pick another schedule or "
-        "microbatch count")
 
 
 @attrs.define
@@ -231,10 +162,12 @@ class Executor:
         for opt in self.optimizers.values():
             opt.set_lr(lr)
 
-    def step(self) -> None:
+    def step(self, loss: float | None = None, step: int | None = None) -> None:
         """The optimizers' step: sum tied weights' gradients over the pipe axis, reduce, clip
         by the global norm over every stage (collective over the pipe axis), update, clear
-        gradients. The norm before clipping is left in `self.grad_norm`."""
+        gradients. The norm before clipping is left in `self.grad_norm`. A non-finite norm
+        (or `loss`, the step's) updates nothing and raises NonFinite on every rank alike
+        (shard/train/nonfinite.py)."""
         opts = self.optimizers
         if self.graph.shared:
             self._sum_shared(lambda i, name: opts[i].unreduced_grad(name))
@@ -247,6 +180,10 @@ class Executor:
             self.pipe_comm.allreduce(t)
             total = float(t)
         self.grad_norm = total ** 0.5
+        if not math.isfinite(self.grad_norm) or (loss is not None and not math.isfinite(loss)):
+            from soapstone.shard.train.nonfinite import check_step
+
+            check_step(self, loss, step)  # raises, the update undone before it was made
         for opt in opts.values():
             opt.step(grad_norm=self.grad_norm)
             opt.zero_grad()
@@ -358,7 +295,7 @@ class Executor:
         loss = sum(self.forward_backward(b, k * step + j, scale=k, sync=j == k - 1)
                    for j, b in enumerate(batches)) / k
         if self.optimizers:
-            self.step()
+            self.step(loss, step)
         return loss
 
     def forward_backward(self, batch: dict[str, torch.Tensor], step: int = 0, scale: int = 1,

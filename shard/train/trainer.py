@@ -8,6 +8,9 @@ shards. Every layout takes this one path; a layout without stages is a one-stage
 collective: all ranks call it), so any rank may log it. A schedule (shard/train/lr_schedule.py) sets
 each step's learning rate; `accumulate` k > 1 takes batches k*i .. k*i+k-1 into step i's one
 update; `evaluate(n)` is the loss of n held-out batches (the task's `eval_batch`), forward only.
+A non-finite loss or gradient norm updates nothing (shard/train/nonfinite.py): the trainer
+stops with NonFinite, or under OnNonFinite.SKIP counts the step as skipped and goes on, at
+most `max_skips` steps in a row.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
 from soapstone.shard.train.errors import SettingError
 from soapstone.shard.train.lr_schedule import LRSchedule
+from soapstone.shard.train.nonfinite import DEFAULT_MAX_SKIPS, NonFinite, OnNonFinite
 
 
 @attrs.define
@@ -40,16 +44,23 @@ class StepMetrics:
     max_rss_bytes: int
     grad_norm: float | None = None
     lr: float | None = None
+    skipped: bool = False  # non-finite: its update was dropped (OnNonFinite.SKIP)
+    skipped_steps: int | None = None  # the run's skipped steps so far (under SKIP only)
     tflops_per_device: float | None = None  # model FLOPs (no recompute) per device and second
     mfu: float | None = None  # tflops_per_device over the device's peak (None: no peak known)
 
     def to_json(self) -> dict:
-        """The --metrics line: step, loss, lr, step_time_s, tokens_per_s, max_rss_bytes,
-        tflops_per_device, mfu."""
-        return {"step": self.step, "loss": self.loss, "lr": self.lr,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "max_rss_bytes": self.max_rss_bytes,
-                "tflops_per_device": self.tflops_per_device, "mfu": self.mfu}
+        """The --metrics line: step, loss (null when not finite: JSON has no NaN), lr,
+        step_time_s, tokens_per_s, max_rss_bytes, tflops_per_device, mfu; under
+        --on-nonfinite skip also skipped (this step's update dropped) and skipped_steps (so
+        far)."""
+        out = {"step": self.step, "loss": self.loss if math.isfinite(self.loss) else None,
+               "lr": self.lr, "step_time_s": self.step_time_s,
+               "tokens_per_s": self.tokens_per_s, "max_rss_bytes": self.max_rss_bytes,
+               "tflops_per_device": self.tflops_per_device, "mfu": self.mfu}
+        if self.skipped_steps is not None:
+            out |= {"skipped": self.skipped, "skipped_steps": self.skipped_steps}
+        return out
 
 
 @attrs.frozen
@@ -100,7 +111,9 @@ class Trainer:
                  trace: bool = False, check_memory: bool = True,
                  schedule: LRSchedule | None = None, accumulate: int = 1,
                  device: torch.device | str | None = None, flops_per_step: float | None = None,
-                 peak_flops: float | None = None):
+                 peak_flops: float | None = None,
+                 on_nonfinite: OnNonFinite = OnNonFinite.STOP,
+                 max_skips: int = DEFAULT_MAX_SKIPS):
         if precision not in PRECISIONS:
             raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                                f"{precision!r}")
@@ -121,6 +134,8 @@ class Trainer:
         if accumulate < 1:
             raise SettingError(f"accumulate must be >= 1, got {accumulate}")
         self.schedule, self.accumulate, self.lr = schedule, accumulate, lr
+        self.on_nonfinite, self.max_skips = on_nonfinite, max_skips
+        self.skipped = self.skips_in_a_row = 0
         # MFU: a step's model FLOPs shared by every device, and one device's peak FLOP/s
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
         self.world = mesh.world.size if mesh is not None else 1
@@ -137,7 +152,19 @@ class Trainer:
         if self.schedule is not None:
             self.executor.set_lr(lr)
         t0 = time.perf_counter()
-        loss = self.executor.train_step(batch, step=i)
+        skipped = False
+        try:
+            loss = self.executor.train_step(batch, step=i)
+            self.skips_in_a_row = 0
+        except NonFinite as e:  # every rank alike: the same branch everywhere
+            if self.on_nonfinite is not OnNonFinite.SKIP:
+                raise
+            if self.skips_in_a_row >= self.max_skips:
+                raise attrs.evolve(e, skips=self.skips_in_a_row,
+                                   max_skips=self.max_skips) from None
+            self.skips_in_a_row += 1
+            self.skipped += 1
+            loss, skipped = e.loss if e.loss is not None else math.nan, True
         dt = time.perf_counter() - t0
         norm = self.executor.grad_norm
         tokens = sum(self.task.tokens(k * i + j) for j in range(k))
@@ -146,7 +173,8 @@ class Trainer:
         mfu = flops / self.peak_flops if flops is not None and self.peak_flops else None
         return StepMetrics(i, loss, dt, tokens / dt if dt > 0 else 0.0,
                            max_rss_bytes(), None if norm is None else float(norm), lr,
-                           None if flops is None else flops / 1e12, mfu)
+                           skipped, self.skipped if self.on_nonfinite is OnNonFinite.SKIP
+                           else None, None if flops is None else flops / 1e12, mfu)
 
     def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
         """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,

@@ -109,7 +109,7 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.shard.plan.verify import p2p_proof
-    from soapstone.shard.runtime.executor import check_device
+    from soapstone.shard.runtime.p2p_mode import check_device
 
     piped = 0
     for path in sorted([*Path("examples").glob("*.par"), *Path("tests/specs").glob("*.par")]):
@@ -138,7 +138,7 @@ def test_pipelines_run_on_cuda_where_their_grouped_p2p_is_proven(monkeypatch):
 
 def test_p2p_mode_choice_and_bad_values(monkeypatch):
     from soapstone.comm.errors import UserError
-    from soapstone.shard.runtime.executor import P2PModeError, p2p_mode
+    from soapstone.shard.runtime.p2p_mode import P2PModeError, p2p_mode
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("SOAPSTONE_P2P", raising=False)

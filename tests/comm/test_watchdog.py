@@ -101,6 +101,10 @@ def test_a_rank_stuck_in_a_custom_layer_is_named_with_its_stack(tmp_path, capsys
     assert "first divergence: rank 1 behind on model[0,1]: rank 0 reached allreduce #" in text
     assert "time.sleep(600)" in text
     assert "  plan: rank 1 on model[0,1]: has made " in text and "the plan's next" in text
+    # and its reader gone (`| head`): quietly, 128 + SIGPIPE (tests/dsl/test_broken_pipe.py)
+    from closed_pipe import closed_stdout, quiet_141
+
+    quiet_141(closed_stdout("debug", "hang", str(tmp_path)))
 
 
 def test_a_pipeline_stage_that_never_sends_is_found(tmp_path):

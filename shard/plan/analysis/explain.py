@@ -77,7 +77,6 @@ figures add up its virtual stages:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import attrs
@@ -93,6 +92,7 @@ from soapstone.shard.plan.analysis.activations import (
     recompute_flops,
     weight_grad_bytes,
 )
+from soapstone.shard.plan.analysis.in_flight import ScheduleShape, in_flight
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -307,56 +307,6 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     experts=expert_figures(program))
 
 
-def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | None = None,
-              kept: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
-    """Peak bytes of the microbatches pipe rank `rank` holds under `schedule`, as the executor
-    keeps them, per virtual stage s: from a microbatch's F to its B, act[s] (saved for
-    backward) and sent[s] (the outputs s sends forward, stored for its B); where the backward
-    is split, from B to W, act[s] and kept[s] (the gradients B keeps for W). And the peak
-    number in flight (F done, the backward's last part not) per stage."""
-    sent, kept = sent or {}, kept or {}
-    snapshots, peak_live = _live(schedule.kind, schedule.pipe, schedule.microbatches,
-                                 schedule.chunks, rank)
-    peak = max((sum(n * (act.get(s, 0) + sent.get(s, 0)) + w * (act.get(s, 0) + kept.get(s, 0))
-                    for s, n, w in snap) for snap in snapshots), default=0)
-    return peak, dict(peak_live)
-
-
-@functools.lru_cache(maxsize=4096)
-def _live(kind: str, pipe: int, m: int, chunks: int, rank: int):
-    """Walking rank `rank`'s F/B/W actions: after each F (and each B of a split backward),
-    per stage, the microbatches before their B and those between B and W (only snapshots no
-    other dominates: bytes are >= 0, so the peak is at one of them), and the peak in flight
-    per stage. Cached: the planner asks for many layouts."""
-    before_b: dict[int, int] = {}
-    before_w: dict[int, int] = {}
-    peak_live: dict[int, int] = {}
-    snaps: set[tuple[tuple[int, int, int], ...]] = set()
-    sched = schedules.build(kind, pipe, m, chunks)
-    F, B = schedules.ActionKind.F, schedules.ActionKind.B
-    for a in sched.ranks[rank]:
-        s = a.stage
-        if a.kind is F:
-            before_b[s] = before_b.get(s, 0) + 1
-        elif a.kind is B:
-            before_b[s] -= 1
-            if sched.split:  # its saved values stay until W
-                before_w[s] = before_w.get(s, 0) + 1
-        else:
-            before_w[s] -= 1
-        peak_live[s] = max(peak_live.get(s, 0), before_b[s] + before_w.get(s, 0))
-        if a.kind is F or (a.kind is B and sched.split):
-            snaps.add(tuple((t, n, before_w.get(t, 0)) for t, n in sorted(before_b.items())))
-
-    keep: list[dict[int, tuple[int, int]]] = []  # by total, largest first: a dominating one
-    for x in sorted(snaps, key=lambda x: -sum(n + w for _, n, w in x)):  # comes first
-        if not any(all(n <= y.get(s, (0, 0))[0] and w <= y.get(s, (0, 0))[1]
-                       for s, n, w in x) for y in keep):
-            keep.append({s: (n, w) for s, n, w in x})
-    return (tuple(tuple((s, n, w) for s, (n, w) in y.items()) for y in keep),
-            tuple(peak_live.items()))
-
-
 @attrs.frozen
 class StageFigures:
     """What `combine_pipeline` needs of one virtual stage besides its Estimate."""
@@ -412,7 +362,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     m, pipe, axis = graph.microbatches, graph.pipe, graph.axis
     mesh = dict(graph.mesh)
     z = ZeroStage.of(zero)
-    sched = schedules.build(graph.schedule, pipe, m, graph.chunks)
+    # never built: in_flight's closed forms and short walks, and the bubble's formula
+    sched = ScheduleShape(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
@@ -483,7 +434,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     return Estimate(graph.model, graph.parallel, graph.world_size, mesh, z.level, optimizer,
                     pick["param_bytes"], pick["grad_bytes"], pick["optimizer_bytes"],
                     pick["activation_bytes"], pick["traffic"],
-                    transient_bytes=pick["transient_bytes"], bubble=sched.theory_bubble(),
+                    transient_bytes=pick["transient_bytes"],
+                    bubble=schedules.theory_bubble(*sched),
                     imbalance=max(x["param_elements"] for x in ranks) / mean if mean else 1.0,
                     stages=len(stages), microbatches=m, schedule=graph.schedule,
                     pipe_rank=pick["pipe_rank"],

@@ -11,8 +11,17 @@ Adding a schedule: its module, its line in registry.py, its tests. Pure data: no
 
 from soapstone.shard.plan.schedules.actions import Action, ActionKind, Direction
 from soapstone.shard.plan.schedules.kind import ScheduleError, ScheduleKind
-from soapstone.shard.plan.schedules.registry import CHUNKED, KINDS, SCHEDULES, SPLIT, get
+from soapstone.shard.plan.schedules.registry import (
+    CHUNKED,
+    KINDS,
+    SCHEDULES,
+    SPLIT,
+    equivalent_microbatches,
+    get,
+    theory_bubble,
+)
 from soapstone.shard.plan.schedules.schedule import Schedule, build
 
 __all__ = ["CHUNKED", "KINDS", "SCHEDULES", "SPLIT", "Action", "ActionKind", "Direction",
-           "Schedule", "ScheduleError", "ScheduleKind", "build", "get"]
+           "Schedule", "ScheduleError", "ScheduleKind", "build", "equivalent_microbatches", "get",
+           "theory_bubble"]

@@ -14,4 +14,9 @@ def actions(r: int, p: int, m: int, chunks: int, at: Callable[[int], int]) -> li
     return [Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in range(m)]
 
 
-GPIPE = ScheduleKind("gpipe", actions)
+def held(p: int, m: int, r: int) -> int:
+    """Every microbatch is in flight after the last forward."""
+    return m
+
+
+GPIPE = ScheduleKind("gpipe", actions, held=held)

@@ -30,5 +30,11 @@ def actions(r: int, p: int, m: int, chunks: int, at: Callable[[int], int]) -> li
     return acts
 
 
+def walked(p: int, m: int) -> int:
+    """Its pattern is periodic once M >= 2P (tests/dsl/test_bounded.py checks
+    it), so the microbatches in flight at every peak of a huge M are those of 4P."""
+    return 4 * p if m > 4 * p else m
+
+
 INTERLEAVED = ScheduleKind("interleaved", actions, chunked=True, whole_groups=True,
-                           needs_stages=True, planned=(2, 4))
+                           needs_stages=True, planned=(2, 4), walked=walked)

@@ -33,6 +33,12 @@ def staggered_formula(p: int, m: int, v: int) -> str:
     return "(p-1)/(v*m+p-1)" if v > 1 else "(p-1)/(m+p-1)"
 
 
+def every_microbatch(p: int, m: int) -> int:
+    """The microbatches a walk of the schedule needs to find its peaks in flight: all of them
+    (the kinds explain has a closed form for never walk at all)."""
+    return m
+
+
 # (rank, pipe, microbatches, chunks, at) -> the rank's compute actions, where at(c) is the
 # virtual stage of the rank's chunk c under the schedule's placement
 Builder = Callable[[int, int, int, int, Callable[[int], int]], list[Action]]
@@ -54,6 +60,12 @@ class ScheduleKind:
     bubble: Callable[[int, int, int], float] = staggered_bubble  # (p, m, chunks) -> idle
     formula: Callable[[int, int, int], str] = staggered_formula  # its text, for explain
     planned: tuple[int, ...] = ()  # the chunk counts `soapstone plan` tries (none: not tried)
+    # (p, m) -> a microbatch count with the same peaks in flight on every rank: what a walk
+    # of a huge M builds instead (explain, plan and the fit check never build one of M = 1e9)
+    walked: Callable[[int, int], int] = every_microbatch
+    # (p, m, rank) -> the microbatches a rank's one stage holds at its peak, in closed form
+    # (None: walk); read with one chunk per rank and an unsplit backward
+    held: Callable[[int, int, int], int] | None = None
 
     def rank_of(self, stage: int, pipe: int) -> int:
         """The pipe rank holding virtual stage `stage`."""

@@ -21,4 +21,9 @@ def actions(r: int, p: int, m: int, chunks: int, at: Callable[[int], int]) -> li
     return acts
 
 
-ONE_F_ONE_B = ScheduleKind("1f1b", actions, planned=(1,))
+def held(p: int, m: int, r: int) -> int:
+    """The warm-up's P-r-1 forwards and the steady state's one more (M at most)."""
+    return min(p - r, m)
+
+
+ONE_F_ONE_B = ScheduleKind("1f1b", actions, planned=(1,), held=held)

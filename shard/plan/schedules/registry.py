@@ -29,3 +29,15 @@ def get(name: str) -> ScheduleKind:
     if k is None:
         raise ScheduleError(f"unknown schedule {name!r}; use one of {', '.join(KINDS)}")
     return k
+
+
+def theory_bubble(name: str, pipe: int, microbatches: int, chunks: int = 1) -> float:
+    """Schedule `name`'s idle fraction with equal per-stage work, by its formula: no schedule
+    is built, so any size is cheap."""
+    return get(name).bubble(pipe, microbatches, chunks)
+
+
+def equivalent_microbatches(name: str, pipe: int, microbatches: int) -> int:
+    """A microbatch count whose schedule keeps the same peaks in flight on every rank as
+    `microbatches` does (the schedule's `walked`)."""
+    return get(name).walked(pipe, microbatches)

@@ -50,6 +50,12 @@ def formula(p: int, m: int, v: int) -> str:
     return "(p-1)/(3m+p-1)" if m >= p else "1-3m/(2m+2p-1)"
 
 
-ZB1P = ScheduleKind("zb1p", actions, split=True, needs_stages=True,
+def walked(p: int, m: int) -> int:
+    """From M = P on, every M holds the same microbatches at its peaks (before B, and between
+    B and W) as P does (tests/dsl/test_bounded.py walks both)."""
+    return min(p, m)
+
+
+ZB1P = ScheduleKind("zb1p", actions, split=True, needs_stages=True, walked=walked,
                     why_stages="it splits a stage's backward to fill the pipeline's bubble",
                     bubble=bubble, formula=formula)

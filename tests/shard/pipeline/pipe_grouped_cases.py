@@ -34,7 +34,8 @@ from soapstone.dsl.compile.lower import lower  # noqa: E402
 from soapstone.dsl.compile.stages import lower_pipeline  # noqa: E402
 from soapstone.dsl.testing import assert_matches_golden  # noqa: E402
 from soapstone.shard.data.tasks import random_inputs  # noqa: E402
-from soapstone.shard.runtime.executor import Executor, p2p_mode  # noqa: E402
+from soapstone.shard.runtime.executor import Executor  # noqa: E402
+from soapstone.shard.runtime.p2p_mode import p2p_mode  # noqa: E402
 
 PIPE = str(ROOT / "tests/specs/pipe_layouts.par")
 ZB = str(ROOT / "tests/specs/zb_layouts.par")

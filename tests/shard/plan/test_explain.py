@@ -108,7 +108,7 @@ def test_in_flight_walks_the_schedules_action_lists():
     m 4, rank 0: its warm-up runs F0 F1 of stage 0 and F0 F1 of stage 2, then F2 of stage 0
     before the first B: 3 x stage 0 + 2 x stage 2 is its peak; stage 0 alone reaches 4 after
     F3@0, when stage 2 holds 1 (4 x 101 + 1010 is less)."""
-    from soapstone.shard.plan.analysis.explain import in_flight
+    from soapstone.shard.plan.analysis.in_flight import in_flight
 
     zb = build("zb1p", 3, 4)
     assert [str(a) for a in zb.ranks[1]][:6] == ["F0@1", "F1@1", "B0@1", "F2@1", "B1@1",

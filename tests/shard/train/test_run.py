@@ -104,12 +104,26 @@ def one_line_error(r, *needles: str) -> None:
     (["--parallel", "gpt8"], ["layout 'gpt8'", "needs 8 ranks", "mpiexec -n 8"]),
     (["--parallel", "single", "--trace", "t.json"], ["--trace t.json: only pipeline layouts"]),
     (["--dim", "vocab=x"], ["--dim 'vocab=x'"]),
+    (["--weight-decay", "nan"], ["--weight-decay nan: give a number >= 0"]),
+    (["--weight-decay", "inf"], ["--weight-decay inf: give a number >= 0"]),
+    (["--weight-decay", "-0.1"], ["--weight-decay -0.1: give a number >= 0"]),
+    (["--lr", "nan"], ["--lr nan: the learning rate must be a positive number"]),
+    (["--grad-clip", "inf"], ["--grad-clip inf: must be a positive number"]),
+    (["--metrics", "tests"], ["--metrics tests: is a directory", "tests/metrics.jsonl"]),
 ])
 def test_bad_input_exit_2(args, needles):
     r = soapstone(1, "run", "examples/gpt.par", "--steps", "2", *args, timeout=60)
     one_line_error(r, *needles)
     if args[0] in ("--data", "--steps"):
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_two_dimensional_npy_is_bad_data(tmp_path):
+    """README: a .npy of token ids is one-dimensional; a 2-D one is refused, not flattened."""
+    np.save(tmp_path / "rows.npy", np.zeros((16, 100), dtype=np.int32))
+    r = soapstone(1, "run", "examples/gpt.par", "--steps", "1", "--data",
+                  str(tmp_path / "rows.npy"), timeout=60)
+    one_line_error(r, "token ids are one-dimensional", "shape (16, 100)", "reshape(-1)")
 
 
 def test_wrong_world_size_exits_2_on_every_rank():
