@@ -268,7 +268,7 @@ class ProcessWriter(AsyncSaver):
         layout = [(k, v.data_ptr() - base, v.dtype, tuple(v.shape)) for k, v in staged]
         job = self.job = Job(step, tmp, header, "write")
         message = ("write", attrs.evolve(part, tensors=[]), layout, tmp, step, self.rank)
-        job.thread = self._launch(job, self.hand_over, job, copies, message)
+        job.done = self._launch(job, self.hand_over, job, copies, message)
 
     def hand_over(self, job, copies, message) -> None:
         """The parent's thread: the staging copy, then the child writes; its answer."""

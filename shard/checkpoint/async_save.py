@@ -11,7 +11,8 @@ One save of step S, on every rank:
 
 1. start (the save point, main thread): the rank plans its part (save.plan_part: the same keys,
    order and header as a synchronous save, so the files are byte-identical), takes the
-   index's header (the optimizer's update count moves on) and starts a thread. The thread
+   index's header (the optimizer's update count moves on) and hands the rest to the saver's
+   thread (one per rank, started with the saver: a queue put, no thread start). The thread
    copies each tensor into one host buffer (the staging copy), checks that every value of it
    is finite (a NaN or an infinity is NonFinite on every rank, exit 3, nothing written: what
    a synchronous save's refuse_nonfinite_state does), then makes the temp directory
@@ -24,7 +25,7 @@ One save of step S, on every rank:
    a GPU the copy is made at the save point instead, into pinned memory, and waited for there.
 2. the first step after every rank's writer finished: if a rank failed (a full disk), the
    ranks agree (agree.py) on its message and every rank raises the same CheckpointError, rank 0
-   having removed the partial save. Otherwise rank 0 starts a thread that merges index.json,
+   having removed the partial save. Otherwise rank 0's thread merges index.json,
    fsyncs, publishes with one atomic rename (durable.publish) and prunes (save.prune).
 3. the first step after that thread finished: the same for the publish's outcome; the
    checkpoint of step S is complete.
@@ -56,6 +57,7 @@ save as a .tmp directory (the rename comes last), which readers pass over.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import uuid
@@ -89,7 +91,7 @@ class Job:
     tmp: Path
     header: dict
     phase: str
-    thread: threading.Thread | None = None
+    done: threading.Event | None = None  # set when this rank's work of the phase is done
     problem: str | None = None  # an OSError met by the thread, as durable.failure says it
     error: BaseException | None = None  # anything else: a bug, raised on the main thread
     tally: tensorfile.Tally = attrs.field(factory=tensorfile.Tally)
@@ -111,6 +113,7 @@ class AsyncSaver:
         self.staging: torch.Tensor | None = None  # one flat host buffer, reused
         self.job: Job | None = None
         self.fenced_s = 0.0  # seconds optimizer updates waited for a staging copy, in all
+        self.worker = Worker(f"checkpoint-writer-rank-{self.rank}")
         for opt in executor.optimizers.values():
             opt.before_update.append(self.fence)
 
@@ -123,9 +126,9 @@ class AsyncSaver:
         """(this rank's thread is still working, it finished and failed): differ by rank;
         `status()` over the world says whether the save can move on."""
         job = self.job
-        if job is None or job.thread is None:
+        if job is None or job.done is None:
             return False, False
-        if job.thread.is_alive():
+        if not job.done.is_set():
             return True, False
         return False, job.problem is not None or job.error is not None
 
@@ -143,7 +146,7 @@ class AsyncSaver:
         if any(src.device.type == "cuda" for _, src in copies):
             copy_all(copies, cuda=True)  # on this thread's stream, before training goes on
             copies = []
-        job.thread = self._launch(job, copy_then_write, job, copies,
+        job.done = self._launch(job, copy_then_write, job, copies,
                                   attrs.evolve(part, tensors=staged), step, self.rank)
 
     def place(self, tensors: list[tuple[str, torch.Tensor]]):
@@ -193,8 +196,8 @@ class AsyncSaver:
         CheckpointError on every rank. `failed`: whether a rank failed, agreed (None: not
         known, agree on it here: a collective)."""
         job = self.job
-        if job.thread is not None:
-            job.thread.join()
+        if job.done is not None:
+            job.done.wait()
         if job.error is not None:  # not a disk's failure: a bug; this rank brings the job down
             raise job.error
         if failed is None or failed:
@@ -209,14 +212,15 @@ class AsyncSaver:
         if job.phase == "publish":
             self.job = None
             return ix.step_dir(self.root, job.step)
-        job.phase, job.thread = "publish", None
+        job.phase, job.done = "publish", None
         if self.rank == 0:
-            job.thread = self._launch(job, publish, job.tmp, self.root, job.step, job.header,
+            job.done = self._launch(job, publish, job.tmp, self.root, job.step, job.header,
                                       self.size, self.keep)
         return None
 
-    def _launch(self, job: Job, work, *args) -> threading.Thread:
-        """Run work(*args) on a daemon thread; what it raises is kept on `job`."""
+    def _launch(self, job: Job, work, *args) -> threading.Event:
+        """Hand work(*args) to the worker thread; what it raises is kept on `job`; the event
+        is set when it is done."""
         what = job.tmp / (ix.rank_file(self.rank) if job.phase == "write" else ix.INDEX)
 
         def run() -> None:
@@ -227,10 +231,33 @@ class AsyncSaver:
             except BaseException as e:  # noqa: BLE001 (re-raised on the main thread)
                 job.error = e
 
-        t = threading.Thread(target=run, name=f"checkpoint-step-{job.step}-{job.phase}",
-                             daemon=True)
-        t.start()
-        return t
+        return self.worker.submit(run)
+
+
+class Worker:
+    """One daemon thread that runs what it is handed, in order. Started with the saver, so a
+    save point hands work over with a queue put and never waits for a new thread to be
+    scheduled (which on a busy machine takes milliseconds)."""
+
+    def __init__(self, name: str):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, work) -> threading.Event:
+        """Run work() on the thread; the event is set when it returned."""
+        done = threading.Event()
+        self.queue.put((work, done))
+        return done
+
+    def loop(self) -> None:
+        """The thread: each item in turn, for the life of the process."""
+        while True:
+            work, done = self.queue.get()
+            try:
+                work()
+            finally:
+                done.set()
 
 
 def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]], cuda: bool = False) -> None:
