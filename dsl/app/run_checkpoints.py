@@ -10,6 +10,12 @@ continues at its step with its seed (data and dropout follow from seed and step)
 the total. With --save, SIGTERM/SIGINT no longer end the ranks at once: every rank finishes the
 step it is in, they agree (one allreduce per step), save, and exit 128+signal; a second signal
 ends them at once.
+
+--async-save writes each checkpoint beside training (shard/checkpoint/async_save.py): the save
+point only copies the rank's tensors to host memory; the same per-step allreduce also says
+whether every rank's writer is done, and the step after that publishes. A save due while one
+is in flight waits for it (never skips); the last step's save and a signal's are waited for
+before the run ends.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ class CheckpointPlan:
     skipped: tuple[tuple[str, str], ...] = ()  # step directories passed over, and why
     init: str | None = None
     saved: tuple[tuple[str, object], ...] = ()  # the resumed checkpoint's run settings
+    async_save: bool = False
+    background: Background = attrs.field(factory=lambda: Background(), eq=False)
+
+
+@attrs.define
+class Background:
+    """The run's AsyncSaver under --async-save (made by begin(), when the executor exists)."""
+
+    saver: object | None = None
 
 
 def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
@@ -43,8 +58,12 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
     verdict on every rank; no tensor data read); with --resume, args.seed becomes the
     checkpoint's."""
     save, every, keep = args.save, args.save_every, args.keep
+    background = getattr(args, "async_save", False)
     if (every is not None or keep is not None) and not save:
         raise BadInput("--save-every/--keep need --save DIR")
+    if background and not save:
+        raise BadInput("--async-save needs --save DIR: it writes the checkpoints --save asks "
+                       "for beside training")
     for flag, value in (("--save-every", every), ("--keep", keep)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} {value}: give at least 1")
@@ -58,7 +77,7 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
 
         check_init(args.init, graph)
     if not args.resume:
-        return CheckpointPlan(save, every, keep, init=args.init)
+        return CheckpointPlan(save, every, keep, init=args.init, async_save=background)
     from soapstone.shard.checkpoint.load import open_resume
 
     d, index, skipped = open_resume(args.resume, graph, args.optimizer)
@@ -68,7 +87,8 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
     args.seed = index.seed
     return CheckpointPlan(save, every, keep, str(d), index.step,
                           tuple((str(p), why) for p, why in skipped),
-                          saved=tuple(sorted(index.settings.items())))
+                          saved=tuple(sorted(index.settings.items())),
+                          async_save=background)
 
 
 # settings a resumed run may change on purpose (each change is noted); the model's dims and
@@ -131,27 +151,53 @@ def begin(trainer, plan: CheckpointPlan, args: argparse.Namespace, rank: int) ->
             print(f"init: {what}", file=sys.stderr, flush=True)
     if plan.save:
         _defer_signals()
+    if plan.async_save:
+        from soapstone.shard.checkpoint.async_save import AsyncSaver
+
+        plan.background.saver = AsyncSaver(ex, plan.save, plan.keep)
     return plan.start
 
 
 def after_step(trainer, plan: CheckpointPlan, args: argparse.Namespace, step: int,
                rank: int) -> int | None:
     """Save when due (every K steps, the last step, or a signal every rank agreed on);
-    the signal number when the run must stop now (collective)."""
+    the signal number when the run must stop now (collective). Under --async-save, also move
+    the save in flight on (published once every rank's writer is done)."""
     if not plan.save:
         return None
     done = step + 1
-    signum = _agreed_signal(trainer.executor)
+    saver = plan.background.saver
+    signum, busy, failed = _agreed_signal(trainer.executor,
+                                          *(saver.status() if saver else (False, False)))
+    if saver is not None:
+        _saved(saver.poll(busy, failed), rank)
     due = done == args.steps or (plan.every and done % plan.every == 0) or signum
-    if due:
+    if not due:
+        return signum or None
+    why = f" (stopping: {signal.Signals(signum).name})" if signum else ""
+    if saver is None:
         from soapstone.shard.checkpoint import save
 
         d = save(trainer.executor, plan.save, done, args.seed,
                  settings(args, trainer.graph), plan.keep)
-        if rank == 0:
-            why = f" (stopping: {signal.Signals(signum).name})" if signum else ""
-            print(f"checkpoint: saved step {done} to {d}{why}", file=sys.stderr, flush=True)
+        _saved(d, rank, why)
+        return signum or None
+    if saver.in_flight and rank == 0:
+        print(f"checkpoint: step {done} is due while step {saver.job.step} is still being "
+              "written; waiting for it (--async-save waits, it never skips a save)",
+              file=sys.stderr, flush=True)
+    _saved(saver.wait(), rank)
+    saver.start(done, args.seed, settings(args, trainer.graph))
+    if done == args.steps or signum:  # the run ends: it waits for its last save
+        _saved(saver.wait(), rank, why)
     return signum or None
+
+
+def _saved(d, rank: int, why: str = "") -> None:
+    """Rank 0's line for a published checkpoint (None: nothing was published)."""
+    if d is not None and rank == 0:
+        print(f"checkpoint: saved step {int(d.name[5:])} to {d}{why}", file=sys.stderr,
+              flush=True)
 
 
 def _defer_signals() -> None:
@@ -162,18 +208,20 @@ def _defer_signals() -> None:
         dog.defer_signals()
 
 
-def _agreed_signal(executor) -> int:
-    """The signal any rank has received (0: none); an allreduce over the world, so every
-    rank stops after the same step."""
+def _agreed_signal(executor, busy: bool = False,
+                   failed: bool = False) -> tuple[int, bool, bool]:
+    """(the signal any rank has received, 0: none; whether any rank's checkpoint writer is
+    busy; whether any rank's finished writer failed): one allreduce over the world, so every
+    rank stops after the same step and moves an asynchronous save on at the same step."""
     from soapstone.comm.observe import watchdog
 
     dog = watchdog.get()
     got = dog.stop_signal if dog is not None else 0
     mesh = executor.mesh
     if mesh is None or mesh.world.size == 1:
-        return got
+        return got, busy, failed
     import torch
 
-    t = torch.tensor([got], dtype=torch.float64)
+    t = torch.tensor([got, float(busy), float(failed)], dtype=torch.float64)
     mesh.world.allreduce(t, op="max")
-    return int(t)
+    return int(t[0]), bool(t[1]), bool(t[2])

@@ -75,7 +75,9 @@ def main(args: argparse.Namespace) -> int:
             extra["offload"] = attrs.asdict(offload_figures(est))
         print(json.dumps(est.to_data() | {"fits": fits, "memory_limit_bytes": limit,
                                           "memory_limit": where,
-                                          "checkpoint_bytes_per_rank": ckpt} | extra
+                                          "checkpoint_bytes_per_rank": ckpt,
+                                          "async_staging_bytes": max(ckpt) if ckpt else None}
+                         | extra
                          | ({"score": scored[0].to_data(), "time": scored[1].to_data()}
                             if scored else {})
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
@@ -93,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
             print("\n".join(format_offload(offload_figures(est), format_bytes)))
         print(format_checkpoint(ckpt, checkpoint_total(graph, args.optimizer),
                                 graph.world_size))
+        if ckpt:  # counted rank by rank (up to COUNTED_RANKS)
+            print(format_staging(ckpt))
         if nodes:
             print(nodes[1])
     for line in nodes[2] if nodes else ():
@@ -124,6 +128,15 @@ def predict(args, model, graph, est):
     t = step_time(est, graph_work(graph), prof, args.precision,
                   graph.stages[0].program.data_axes)
     return score(t, lower(model, None), graph.world_size, prof, args.precision), t
+
+
+def format_staging(per_rank: list[int]) -> str:
+    """explain's line for `run --async-save`: the host memory a rank's staging copy takes (what
+    it writes: shard/checkpoint/async_save.py keeps one such buffer per rank)."""
+    from soapstone.shard.plan.units import format_bytes
+
+    return (f"async staging (run --async-save): {format_bytes(max(per_rank))} per rank of host "
+            "memory at most (a copy of what the rank writes, kept for the run)")
 
 
 def placement(par, per_node: int | None, profile: str | None,

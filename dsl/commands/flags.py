@@ -75,7 +75,8 @@ def add_schedule_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
-    """--save, --save-every, --keep, --resume, --init (what they do: dsl/app/run_checkpoints.py)."""
+    """--save, --save-every, --keep, --async-save, --resume, --init (what they do:
+    dsl/app/run_checkpoints.py)."""
     parser.add_argument("--save", metavar="DIR",
                         help="save checkpoints under DIR (DIR/step-NNNNNNNN) after the last step, "
                              "every --save-every steps, and on SIGTERM/SIGINT")
@@ -83,6 +84,11 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
                         help="also save every K steps")
     parser.add_argument("--keep", type=int, default=None, metavar="N",
                         help="keep only the newest N checkpoints (default: all)")
+    parser.add_argument("--async-save", action="store_true",
+                        help="write checkpoints beside training: the step only copies its "
+                             "shards to host memory (explain's `async staging` line); a save "
+                             "due while the previous one is still being written waits for it "
+                             "(never skipped); the run's end waits for the last save")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue from the latest complete checkpoint in DIR (or from one "
                              "DIR/step-NNNNNNNN), in this run's layout; --steps is the total")

@@ -25,6 +25,7 @@ import re
 import shutil
 from pathlib import Path
 
+import attrs
 import torch
 
 from soapstone.shard.checkpoint import durable, tensorfile
@@ -63,14 +64,14 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
             tmp = durable.make_temp(root, step)
         except OSError as e:
             problem = durable.failure(e, f"making a directory in {root}")
-    _check(agree(world, problem), root, step, None, rank)
+    raise_agreed(agree(world, problem), root, step, None, rank)
     tmp = Path(share(world, str(tmp)))
     tally, problem = tensorfile.Tally(), None
     try:
         write_part(executor, tmp, step, rank, size, tally)
     except OSError as e:
         problem = durable.failure(e, f"writing {tmp / ix.rank_file(rank)}")
-    _check(agree(world, problem, tally.bytes), root, step, tmp, rank)
+    raise_agreed(agree(world, problem, tally.bytes), root, step, tmp, rank)
     final = ix.step_dir(root, step)
     if rank == 0:
         try:
@@ -80,11 +81,11 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
             problem = durable.failure(e, f"writing {tmp / ix.INDEX}")
         else:
             prune(root, keep, step)
-    _check(agree(world, problem, tally.bytes), root, step, tmp, rank)
+    raise_agreed(agree(world, problem, tally.bytes), root, step, tmp, rank)
     return final
 
 
-def _check(verdict, root: Path, step: int, tmp: Path | None, rank: int) -> None:
+def raise_agreed(verdict, root: Path, step: int, tmp: Path | None, rank: int) -> None:
     """Raise the agreed failure on every rank, rank 0 first removing the partial save."""
     if verdict.problem is None:
         return
@@ -98,6 +99,22 @@ def write_part(executor, tmp: Path, step: int, rank: int, size: int,
                tally: tensorfile.Tally) -> None:
     """This rank's safetensors file and its part of the index, into `tmp` (OSError when the
     disk fails; `tally` counts the bytes)."""
+    write_planned(plan_part(executor, step, rank, size), tmp, step, rank, tally)
+
+
+@attrs.frozen
+class Part:
+    """What one rank writes into a checkpoint: (key, tensor) in file order, its part of the
+    index (tensor name -> entry, pieces without checksums yet) and its file's header metadata."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    index: dict[str, dict]
+    metadata: dict[str, str]
+
+
+def plan_part(executor, step: int, rank: int, size: int) -> Part:
+    """What this rank writes for the checkpoint of `step`: views of its live buffers (no
+    copy), the order and keys the file will have, and its header's metadata."""
     tensors, part = [], {}
     counts: dict[str, int] = {}
     for h in holdings(executor):
@@ -122,22 +139,35 @@ def write_part(executor, tmp: Path, step: int, rank: int, size: int,
     metadata = {"format": ix.FORMAT, "rank": str(rank), "step": str(step),
                 "model": executor.graph.model, "world_size": str(size),
                 "optimizer_steps": str(opt.steps if opt is not None else 0)}
-    w = tensorfile.write(tmp / ix.rank_file(rank), tensors, metadata,
+    return Part(tensors, part, metadata)
+
+
+def write_planned(part: Part, tmp: Path, step: int, rank: int,
+                  tally: tensorfile.Tally) -> None:
+    """Write a planned part (its tensors as they are now) into `tmp`: the safetensors file and
+    rankRRRRR.json, each fsynced (OSError when the disk fails). Touches no collective, so it
+    may run beside training (async_save.py)."""
+    w = tensorfile.write(tmp / ix.rank_file(rank), part.tensors, part.metadata,
                          tensorfile.slow_hook(step, rank), tally)
-    for meta in part.values():
+    for meta in part.index.values():
         for p in meta["pieces"]:
             p["crc32"] = w.crc32[p["key"]]
     ix.write_json_atomic(tmp / f"rank{rank:05d}.json",
                          {"rank": rank, "file": ix.rank_file(rank), "bytes": w.bytes,
                           "header_bytes": w.header_bytes, "header_crc32": w.header_crc32,
-                          "tensors": part})
+                          "tensors": part.index})
 
 
 def write_index(executor, tmp: Path, step: int, seed: int, settings: dict, size: int) -> None:
     """Rank 0: merge every rank's part into tmp/index.json (fsynced)."""
-    parts = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(size)]
+    write_index_from(tmp, index_header(executor, step, seed, settings, size), size)
+
+
+def index_header(executor, step: int, seed: int, settings: dict, size: int) -> dict:
+    """The index's fields besides the tensors and files, as of now (the optimizer's update
+    count moves on with training: an asynchronous save takes it when it stages)."""
     opt = next(iter(executor.optimizers.values()), None)
-    header = {
+    return {
         "model": executor.graph.model, "parallel": executor.graph.parallel,
         "zero": executor.graph.stages[0].program.zero,
         "mesh": dict(executor.graph.mesh), "world_size": size, "step": step,
@@ -150,6 +180,11 @@ def write_index(executor, tmp: Path, step: int, seed: int, settings: dict, size:
                  "source": settings.get("data") or "synthetic"},
         "torch": torch.__version__,
     }
+
+
+def write_index_from(tmp: Path, header: dict, size: int) -> None:
+    """Rank 0: every rank's part in `tmp` and `header` merged into tmp/index.json (fsynced)."""
+    parts = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(size)]
     ix.write_json_atomic(tmp / ix.INDEX, ix.merge(parts, header))
 
 

@@ -90,6 +90,9 @@ class Optimizer:
         self.reducer = reducer
         self.grad_norm: float = 0.0
         self.steps = 0
+        # called at the start of step(), before the masters or the state change: an
+        # asynchronous checkpoint whose copy of them is still being made waits there
+        self.before_update: list = []
         # `offload optimizer` with the parameters on a GPU: state and update in host memory
         # (shard/parallel/offload.py); on a CPU run they are there already
         segs = reducer.segments()
@@ -133,6 +136,8 @@ class Optimizer:
         """Finish gradient reduction, clip by the global norm (if grad_clip), update params.
         grad_norm: a norm the caller computed over more than this model (a pipeline's norm
         over every pipeline stage, Executor.step); default: this model's own global norm."""
+        for hook in self.before_update:
+            hook()
         self.reducer.finish()
         self.steps += 1
         segs = self.reducer.segments()

@@ -147,11 +147,16 @@ def case_damaged_tp2_checkpoint_exits_2_on_every_rank():
     `soapstone ckpt verify` names it too."""
     import contextlib
     import io
+    import os
     import shutil
 
     from ckpt_damage import RANK_CASES
 
     from soapstone.dsl.cli import main
+
+    # main() is called inside this rank: the supervisor must not fork it (comm/supervisor.py;
+    # its parent would wait for the child and then exit this test process)
+    os.environ["SOAPSTONE_SUPERVISE"] = "0"
 
     def cli(argv: list[str]) -> tuple[int, str]:
         out = io.StringIO()
@@ -275,3 +280,34 @@ def case_reshard_to_pipe_x_tensor_x_sequence():
 @ranks(4)
 def case_reshard_to_one_rank():
     resumed_matches(None, None)
+
+
+# --- --async-save's staging refuses a non-finite state, as save() does -----------------------
+@ranks(2)
+def case_async_save_refuses_a_non_finite_state_on_every_rank():
+    """Rank 1 holds an infinity in a master value it writes: the writer thread finds it in
+    its staging copy, and every rank raises the same NonFinite naming the parameter and rank 1
+    where they agree (wait); nothing is published, the temp directory is gone."""
+    from soapstone.shard.checkpoint.async_save import AsyncSaver
+    from soapstone.shard.train.nonfinite import NonFinite
+
+    t = trainer("tp2")
+    list(t.run(1))
+    root = OUT / "async-nonfinite"
+    saver = AsyncSaver(t.executor, root)
+    name = None
+    if W.rank == 1:
+        h = next(h for h in holdings(t.executor) if h.writer)
+        name = h.name
+        with torch.no_grad():
+            h.views["param"][0] = float("inf")
+    saver.start(1, 0, {"accumulate": 1})
+    try:
+        saver.wait()
+    except NonFinite as e:
+        assert e.where[1] == 1 and (name is None or e.where[0] == name), (e.where, name)
+        assert "a non-finite parameter or optimizer state" in e.message(), e.message()
+    else:
+        raise AssertionError("a non-finite state was saved")
+    W.barrier()
+    assert not list(root.glob("step-*")), list(root.rglob("*"))

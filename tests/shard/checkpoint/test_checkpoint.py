@@ -191,7 +191,7 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
 
 
 # --- crash safety and signals under real mpiexec ---------------------------------------------
-def _launch(n: int, argv: list[str], env: dict | None = None):
+def launch(n: int, argv: list[str], env: dict | None = None):
     import os
     import subprocess
     import sys
@@ -203,7 +203,7 @@ def _launch(n: int, argv: list[str], env: dict | None = None):
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def _wait_for(check, proc, what: str, timeout: float = 120) -> None:
+def wait_for(check, proc, what: str, timeout: float = 120) -> None:
     import time
 
     end = time.monotonic() + timeout
@@ -215,17 +215,17 @@ def _wait_for(check, proc, what: str, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def _losses(path: Path) -> dict[int, float]:
+def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-def _kill_rank_1_mid_save(args: list[str], pids: Path, env: dict | None = None) -> None:
+def kill_rank_1_mid_save(args: list[str], pids: Path, env: dict | None = None) -> None:
     """Launch dp2 `run` slowed in its save of step 4; SIGKILL rank 1 once both ranks write."""
     import os
     import signal
 
-    proc = _launch(2, args, {"SOAPSTONE_CKPT_TEST_SLOW": f"4:30:{pids}", **(env or {})})
-    _wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, proc,
+    proc = launch(2, args, {"SOAPSTONE_CKPT_TEST_SLOW": f"4:30:{pids}", **(env or {})})
+    wait_for(lambda: pids.is_file() and len(pids.read_text().splitlines()) == 2, proc,
               "both ranks inside the slowed save of step 4")
     victim = dict(line.split() for line in pids.read_text().splitlines())["1"]
     os.kill(int(victim), signal.SIGKILL)
@@ -246,20 +246,20 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
     d, pids = tmp_path / "ck", tmp_path / "pids"
     args = ["run", "examples/gpt.par", "--parallel", "dp2", "--quiet", "--steps", "4",
             "--save", str(d), "--save-every", "2"]
-    _kill_rank_1_mid_save([*args, "--metrics", str(tmp_path / "a.jsonl")], pids)
+    kill_rank_1_mid_save([*args, "--metrics", str(tmp_path / "a.jsonl")], pids)
     assert (d / "step-00000002" / "index.json").is_file()
     assert not (d / "step-00000004").exists()
     (tmp,) = d.glob("step-00000004.tmp-*")
-    again = _launch(2, [*args, "--resume", str(d), "--metrics", str(tmp_path / "b.jsonl")])
+    again = launch(2, [*args, "--resume", str(d), "--metrics", str(tmp_path / "b.jsonl")])
     out, err = again.communicate(timeout=180)
     assert again.returncode == 0, out + err
     assert f"ignoring {tmp}: an unfinished save of step 4" in err, err
     assert "resumed from" in err and "at step 2" in err
-    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert sorted(b) == [2, 3] and all(a[i] == b[i] for i in b), (a, b)
     assert read(d / "step-00000004").step == 4 and not tmp.exists()  # the save cleared it
     before = (d / "step-00000004" / "rank00001.safetensors").read_bytes()
-    _kill_rank_1_mid_save([*args, "--resume", str(d / "step-00000002")], pids)
+    kill_rank_1_mid_save([*args, "--resume", str(d / "step-00000002")], pids)
     problems: list[str] = []
     verify_data(d / "step-00000004", read(d / "step-00000004"), problems)
     assert not problems and (d / "step-00000004" / "rank00001.safetensors").read_bytes() \
@@ -277,8 +277,8 @@ def test_sigterm_with_save_saves_then_stops(tmp_path):
 
     d, m = tmp_path / "ck", tmp_path / "m.jsonl"
     args = ["run", "examples/gpt.par", "--parallel", "tp2", "--quiet", "--save", str(d)]
-    proc = _launch(2, [*args, "--steps", "100000", "--metrics", str(m)])
-    _wait_for(lambda: m.is_file() and len(m.read_text().splitlines()) >= 2, proc,
+    proc = launch(2, [*args, "--steps", "100000", "--metrics", str(m)])
+    wait_for(lambda: m.is_file() and len(m.read_text().splitlines()) >= 2, proc,
               "two steps of training")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)

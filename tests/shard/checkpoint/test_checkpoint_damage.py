@@ -170,10 +170,13 @@ def namespace() -> list[str] | None:
     return prefix if probe.returncode == 0 else None
 
 
-def test_full_disk_mid_save_exits_2_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", [(), ("--async-save",)], ids=["sync", "async"])
+def test_full_disk_mid_save_exits_2_on_every_rank_and_keeps_the_last_checkpoint(tmp_path, mode):
     """dp2 saving steps 2 and 4 to a tmpfs with room for one checkpoint and a half: the save
     of step 4 meets ENOSPC; every rank exits 2, rank 0 says so in one line; step 2 stays and
-    verifies, no trace of step 4 is left."""
+    verifies, no trace of step 4 is left. With --async-save the write that fails runs on a
+    background thread: the ranks learn it where they agree on its outcome (the run's end here),
+    and end the same way."""
     from mpirun import mpiexec
 
     prefix = namespace()
@@ -188,7 +191,7 @@ def test_full_disk_mid_save_exits_2_on_every_rank_and_keeps_the_last_checkpoint(
     script = f"""
 mount -t tmpfs -o size=720k tmpfs {mnt} || exit 97
 OMP_NUM_THREADS=1 {mpiexec()} -n 2 {cli_cmd} run examples/gpt.par --parallel dp2 --quiet \\
-    --steps 4 --save {mnt}/ck --save-every 2 >{out}/run.out 2>{out}/run.err
+    --steps 4 --save {mnt}/ck --save-every 2 {" ".join(mode)} >{out}/run.out 2>{out}/run.err
 echo $? >{out}/run.rc
 ls -A {mnt}/ck >{out}/ls
 {cli_cmd} ckpt verify {mnt}/ck >{out}/verify.out 2>&1
