@@ -66,7 +66,44 @@ def p2p_of(sched: Schedule, a: Action) -> P2P:
     return P2P(a, sched.rank_of(a.kind.peer(a.stage)), a.kind.edge(a.stage))
 
 
-GROUPINGS = ("consume", "pairs")
+GROUPINGS = ("consume", "pairs", "ordered")
+
+
+def _message(a: Action) -> tuple:
+    """What a send or receive moves, the same on both ends: (direction, microbatch, edge)."""
+    return a.kind.direction, a.mb, a.kind.edge(a.stage)
+
+
+def _reads(sched: Schedule, rank: int, forward_only: bool) -> dict[int, list[tuple]]:
+    """Per pipe rank, the messages it reads from `rank`, in the order its compute reads them
+    (the `ordered` grouping sends in that order)."""
+    out: dict[int, list[tuple]] = {}
+    for peer in range(sched.pipe):
+        for a in sched.ranks[peer]:
+            r = sched.receive(a) if not forward_only or a.kind is ActionKind.F else None
+            if r is not None and sched.rank_of(r.kind.peer(r.stage)) == rank:
+                out.setdefault(peer, []).append(_message(r))
+    return out
+
+
+def _due(sched: Schedule, held: list[Action], reads: dict[int, list[tuple]],
+         read: dict[int, int]) -> list[Action]:
+    """The held sends each destination reads next, in its order (taken out of `held`): a V's
+    rank 0 sends down an activation and up a gradient to the same rank 1, which must get
+    them in the order it reads them, NCCL pairing by order alone."""
+    out: list[Action] = []
+    moved = True
+    while moved:
+        moved = False
+        for a in list(held):
+            dst = sched.rank_of(a.kind.peer(a.stage))
+            want = reads.get(dst, [])
+            if read.get(dst, 0) < len(want) and want[read.get(dst, 0)] == _message(a):
+                read[dst] = read.get(dst, 0) + 1
+                held.remove(a)
+                out.append(a)
+                moved = True
+    return out
 
 
 def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[Action]]:
@@ -87,14 +124,54 @@ def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[A
     return units
 
 
+def _made(sched: Schedule) -> dict[tuple, float]:
+    """When each message is made in the schedule's simulated timeline: (direction,
+    microbatch, edge) -> the end of the compute sending it."""
+    out = {}
+    for row in sched.simulate():
+        for a, _, end in row:
+            s = sched.send(a)
+            if s is not None:
+                out[_message(s)] = end
+    return out
+
+
+def _ahead(sched: Schedule, mine: list[Action], posted: set[Action], ops: list[Action],
+           now: float, made: dict[tuple, float]) -> list[Action]:
+    """The `ordered` grouping's early receives: for each rank a group sends to, the next
+    message this rank reads from it, if that one is made by `now` in the simulated timeline
+    and the group receives nothing else from it. Between the two legs of a V, neighbours
+    send to each other at once; a send-only group on each side would wait for the other
+    forever (NCCL's rendezvous), a receive beside each send pairs them; a message made later
+    would hold the group up for it. Receives from one peer still go in the order read."""
+    peer = sched.rank_of
+
+    def src(r: Action) -> int:
+        return peer(r.kind.peer(r.stage))
+
+    recv_from = {src(o) for o in ops if o.kind.receiving}
+    got = set(ops)
+    out = []
+    for dst in dict.fromkeys(peer(o.kind.peer(o.stage)) for o in ops if o.kind.sending):
+        if dst in recv_from:
+            continue
+        nxt = next((r for r in mine if src(r) == dst and r not in posted and r not in got),
+                   None)
+        if nxt is not None and made[_message(nxt)] <= now:
+            out.append(nxt)
+    return out
+
+
 @functools.lru_cache(maxsize=512)
 def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
               grouping: str = "consume") -> tuple[Item, ...]:
     """Pipe rank `rank`'s compute actions with its p2p in Groups: before each unit of compute
     (`_units`) one group, the sends of the unit before it and the receives the unit reads,
-    and the last sends at the end. consume: Megatron's 1F1B (each receive just before the
-    action reading it); pairs: Megatron's interleaved steady state (a forward and a backward
-    run back to back, their sends and the next pair's receives in one group).
+    and the last sends at the end (a V's same-rank hand-off is no message: in no group).
+    consume: Megatron's 1F1B (each receive just before the action reading it); pairs:
+    Megatron's interleaved steady state (a forward and a backward run back to back, their
+    sends and the next pair's receives in one group); ordered: consume's groups, a send held
+    back until its destination reads it next (`_due`; a V's sends go both ways to one rank).
     forward_only: the forward actions alone (Executor.infer)."""
     if grouping not in GROUPINGS:  # not user input: p2p_proof.choose picks it
         raise ValueError(f"grouping {grouping!r}: use one of {GROUPINGS}")
@@ -102,9 +179,23 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     out: list[Item] = []
     pending: list[Action] = []  # sends of the unit just run
     weights: list[Action] = []  # its trailing W actions
-    last = sched.stages - 1
+    ordered = grouping == "ordered"
+    reads = _reads(sched, rank, forward_only) if ordered else {}
+    read: dict[int, int] = {}  # per destination, the messages sent to it so far
+    held: list[Action] = []  # ordered: sends not yet due
+    mine = [r for r in (sched.receive(a) for a in compute) if r is not None]
+    posted: set[Action] = set()  # ordered: receives posted ahead of their unit
+    made = _made(sched) if ordered else {}
+    start = {a: t for a, t, _ in sched.simulate()[rank]} if ordered else {}
     for unit in _units(sched, compute, grouping):
-        ops = pending + [r for r in (a.receive(last) for a in unit) if r is not None]
+        if ordered:
+            held += pending
+            pending = _due(sched, held, reads, read)
+        ops = pending + [r for r in (sched.receive(a) for a in unit)
+                         if r is not None and r not in posted]
+        if ordered:  # a peer sent to may be sending to us: its next message joins the group
+            ops += _ahead(sched, mine, posted, ops, start[unit[0]], made)
+            posted.update(o for o in ops if o.kind.receiving)
         if ops:
             out.append(Group(tuple(p2p_of(sched, x) for x in ops)))
         # a W runs after the group carrying its unit's sends, not before: zb1p's point is that
@@ -116,7 +207,10 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
             k -= 1
         out.extend(unit[:k])
         weights = unit[k:]
-        pending = [s for s in (a.send(last) for a in unit) if s is not None]
+        pending = [s for s in (sched.send(a) for a in unit) if s is not None]
+    if ordered:
+        held += pending
+        pending = _due(sched, held, reads, read) + held  # any left: the proof names them
     if pending:
         out.append(Group(tuple(p2p_of(sched, x) for x in pending)))
     out.extend(weights)

@@ -66,6 +66,15 @@ class ScheduleKind:
     # (p, m, rank) -> the microbatches a rank's one stage holds at its peak, in closed form
     # (None: walk); read with one chunk per rank and an unsplit backward
     held: Callable[[int, int, int], int] | None = None
+    # virtual stages per rank of a kind that is not `chunked` (a V: 2, fixed by its placement)
+    stages_per_rank: int = 1
+    # pipe -> the fewest microbatches it takes, and why (the checker's message); None: any
+    least: Callable[[int], int] | None = None
+    why_least: str = ""
+
+    def per_rank(self, chunks: int) -> int:
+        """Virtual stages per rank: `chunks` for a chunked kind, else its own count."""
+        return chunks if self.chunked else self.stages_per_rank
 
     def rank_of(self, stage: int, pipe: int) -> int:
         """The pipe rank holding virtual stage `stage`."""

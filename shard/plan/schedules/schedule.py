@@ -49,6 +49,22 @@ class Schedule:
         """The pipe rank running virtual stage `stage` (the schedule's placement)."""
         return self.spec.rank_of(stage, self.pipe)
 
+    def local(self, a: Action) -> bool:
+        """Whether communication action `a` joins two stages of one rank (a V's turn: stage
+        P-1 hands its output to stage P in memory, no message)."""
+        return self.rank_of(a.stage) == self.rank_of(a.kind.peer(a.stage))
+
+    def receive(self, a: Action) -> Action | None:
+        """The receive compute action `a` reads (None: no neighbour, or one on this rank)."""
+        r = a.receive(self.stages - 1)
+        return None if r is None or self.local(r) else r
+
+    def send(self, a: Action) -> Action | None:
+        """The send of compute action `a`'s output (None: no neighbour, or one on this
+        rank)."""
+        r = a.send(self.stages - 1)
+        return None if r is None or self.local(r) else r
+
     @property
     def split(self) -> bool:
         """Whether the backward is split into B (input gradient) and W (weight gradients)."""
@@ -75,8 +91,7 @@ class Schedule:
         """Rank `rank`'s actions with receives posted `lookahead` compute actions early and
         sends right after the compute producing them."""
         compute = self.ranks[rank]
-        last = self.stages - 1
-        recvs = [a.receive(last) for a in compute]
+        recvs = [self.receive(a) for a in compute]
         out: list[Action] = []
         posted = 0
         for i, a in enumerate(compute):
@@ -85,7 +100,7 @@ class Schedule:
                     out.append(recvs[posted])
                 posted += 1
             out.append(a)
-            send = a.send(last)
+            send = self.send(a)
             if send is not None:
                 out.append(send)
         return out
@@ -161,11 +176,16 @@ def build(kind: str, pipe: int, microbatches: int, chunks: int = 1) -> Schedule:
     value, cached: the planner and explain ask for the same ones often)."""
     spec = registry.get(kind)
     p, m = pipe, microbatches
-    if not spec.chunked and chunks != 1:
-        raise ScheduleError(f"chunks = {chunks} needs the {' or '.join(registry.CHUNKED)} "
-                            "schedule")
+    if not spec.chunked:
+        if chunks not in (1, spec.stages_per_rank):
+            raise ScheduleError(f"chunks = {chunks} needs the {' or '.join(registry.CHUNKED)} "
+                                "schedule")
+        chunks = spec.stages_per_rank  # a V's two stages per rank are its own
     if spec.whole_groups and m % p:
         raise ScheduleError(f"{kind} needs microbatches ({m}) divisible by pipe ({p})")
+    if spec.least is not None and m < spec.least(p):
+        raise ScheduleError(f"{kind} needs microbatches >= {spec.least(p)} at pipe {p} "
+                            f"({spec.why_least}), got {m}")
     ranks = []
     for r in range(p):
         mine = [spec.stage_at(r, c, p) for c in range(chunks)]
