@@ -20,6 +20,7 @@ import functools
 import attrs
 
 from soapstone.shard.plan.schedules import Action, ActionKind, Direction, Schedule
+from soapstone.shard.plan.schedules.send_order import SendOrder, message
 
 
 @attrs.frozen
@@ -69,43 +70,6 @@ def p2p_of(sched: Schedule, a: Action) -> P2P:
 GROUPINGS = ("consume", "pairs", "ordered")
 
 
-def _message(a: Action) -> tuple:
-    """What a send or receive moves, the same on both ends: (direction, microbatch, edge)."""
-    return a.kind.direction, a.mb, a.kind.edge(a.stage)
-
-
-def _reads(sched: Schedule, rank: int, forward_only: bool) -> dict[int, list[tuple]]:
-    """Per pipe rank, the messages it reads from `rank`, in the order its compute reads them
-    (the `ordered` grouping sends in that order)."""
-    out: dict[int, list[tuple]] = {}
-    for peer in range(sched.pipe):
-        for a in sched.ranks[peer]:
-            r = sched.receive(a) if not forward_only or a.kind is ActionKind.F else None
-            if r is not None and sched.rank_of(r.kind.peer(r.stage)) == rank:
-                out.setdefault(peer, []).append(_message(r))
-    return out
-
-
-def _due(sched: Schedule, held: list[Action], reads: dict[int, list[tuple]],
-         read: dict[int, int]) -> list[Action]:
-    """The held sends each destination reads next, in its order (taken out of `held`): a V's
-    rank 0 sends down an activation and up a gradient to the same rank 1, which must get
-    them in the order it reads them, NCCL pairing by order alone."""
-    out: list[Action] = []
-    moved = True
-    while moved:
-        moved = False
-        for a in list(held):
-            dst = sched.rank_of(a.kind.peer(a.stage))
-            want = reads.get(dst, [])
-            if read.get(dst, 0) < len(want) and want[read.get(dst, 0)] == _message(a):
-                read[dst] = read.get(dst, 0) + 1
-                held.remove(a)
-                out.append(a)
-                moved = True
-    return out
-
-
 def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[Action]]:
     """The compute actions cut where groups go: one action per unit (consume), or a
     steady-state forward with the backward after it (pairs) unless that backward's gradient
@@ -132,7 +96,7 @@ def _made(sched: Schedule) -> dict[tuple, float]:
         for a, _, end in row:
             s = sched.send(a)
             if s is not None:
-                out[_message(s)] = end
+                out[message(s)] = end
     return out
 
 
@@ -157,7 +121,7 @@ def _ahead(sched: Schedule, mine: list[Action], posted: set[Action], ops: list[A
             continue
         nxt = next((r for r in mine if src(r) == dst and r not in posted and r not in got),
                    None)
-        if nxt is not None and made[_message(nxt)] <= now:
+        if nxt is not None and made[message(nxt)] <= now:
             out.append(nxt)
     return out
 
@@ -171,7 +135,7 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     consume: Megatron's 1F1B (each receive just before the action reading it); pairs:
     Megatron's interleaved steady state (a forward and a backward run back to back, their
     sends and the next pair's receives in one group); ordered: consume's groups, a send held
-    back until its destination reads it next (`_due`; a V's sends go both ways to one rank).
+    back until its destination reads it next (send_order.py: a V sends both ways).
     forward_only: the forward actions alone (Executor.infer)."""
     if grouping not in GROUPINGS:  # not user input: p2p_proof.choose picks it
         raise ValueError(f"grouping {grouping!r}: use one of {GROUPINGS}")
@@ -180,17 +144,14 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     pending: list[Action] = []  # sends of the unit just run
     weights: list[Action] = []  # its trailing W actions
     ordered = grouping == "ordered"
-    reads = _reads(sched, rank, forward_only) if ordered else {}
-    read: dict[int, int] = {}  # per destination, the messages sent to it so far
-    held: list[Action] = []  # ordered: sends not yet due
+    order = SendOrder.of(sched, rank, forward_only)  # ordered: sends as their readers read
     mine = [r for r in (sched.receive(a) for a in compute) if r is not None]
     posted: set[Action] = set()  # ordered: receives posted ahead of their unit
     made = _made(sched) if ordered else {}
     start = {a: t for a, t, _ in sched.simulate()[rank]} if ordered else {}
     for unit in _units(sched, compute, grouping):
         if ordered:
-            held += pending
-            pending = _due(sched, held, reads, read)
+            pending = order.due(pending)
         ops = pending + [r for r in (sched.receive(a) for a in unit)
                          if r is not None and r not in posted]
         if ordered:  # a peer sent to may be sending to us: its next message joins the group
@@ -209,8 +170,7 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
         weights = unit[k:]
         pending = [s for s in (sched.send(a) for a in unit) if s is not None]
     if ordered:
-        held += pending
-        pending = _due(sched, held, reads, read) + held  # any left: the proof names them
+        pending = order.due(pending) + order.rest()  # any left: the proof names them
     if pending:
         out.append(Group(tuple(p2p_of(sched, x) for x in pending)))
     out.extend(weights)

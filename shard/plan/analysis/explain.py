@@ -373,8 +373,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     for st in stages:
         of_rank.setdefault(st.rank, []).append(st)
     for e in edges if pipe > 1 else ():
-        sends.setdefault(e.src_rank, []).append(e)
-        backs.setdefault(e.dst_rank, []).append(e)
+        if e.src_rank != e.dst_rank:  # a V's turn is handed over in memory: no message
+            sends.setdefault(e.src_rank, []).append(e)
+            backs.setdefault(e.dst_rank, []).append(e)
         sent[e.src] = sent.get(e.src, 0) + e.nbytes
     for e in edges if pipe > 1 else ():
         # a stage without float inputs has no B to run: W keeps its outputs and their

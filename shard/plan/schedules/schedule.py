@@ -23,6 +23,7 @@ import attrs
 from soapstone.shard.plan.schedules import registry
 from soapstone.shard.plan.schedules.actions import Action, ActionKind
 from soapstone.shard.plan.schedules.kind import ScheduleError, ScheduleKind
+from soapstone.shard.plan.schedules.send_order import SendOrder
 
 
 @attrs.frozen
@@ -89,9 +90,11 @@ class Schedule:
 
     def with_comm(self, rank: int, lookahead: int = 1) -> list[Action]:
         """Rank `rank`'s actions with receives posted `lookahead` compute actions early and
-        sends right after the compute producing them."""
+        sends right after the compute producing them (or, where the destination reads
+        another message from this rank first, right after that one's: send_order.py)."""
         compute = self.ranks[rank]
         recvs = [self.receive(a) for a in compute]
+        order = SendOrder.of(self, rank)  # a V sends both ways to one rank: send_order.py
         out: list[Action] = []
         posted = 0
         for i, a in enumerate(compute):
@@ -101,9 +104,8 @@ class Schedule:
                 posted += 1
             out.append(a)
             send = self.send(a)
-            if send is not None:
-                out.append(send)
-        return out
+            out += order.due([send] if send is not None else [])
+        return out + order.rest()
 
     def simulate(self, fwd: float = 1.0, bwd: float = 2.0) -> list[list[tuple[Action, float,
                                                                                 float]]]:
