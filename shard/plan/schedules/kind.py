@@ -71,6 +71,7 @@ class ScheduleKind:
     # pipe -> the fewest microbatches it takes, and why (the checker's message); None: any
     least: Callable[[int], int] | None = None
     why_least: str = ""
+    memory: str = ""  # what explain says of its memory, beside the figures (published forms)
 
     def per_rank(self, chunks: int) -> int:
         """Virtual stages per rank: `chunks` for a chunked kind, else its own count."""
