@@ -4,6 +4,7 @@ up. A new schedule is its module (a ScheduleKind) and its line here. Pure data: 
 
 from __future__ import annotations
 
+from soapstone.shard.plan.schedules.dualpipev import DUALPIPEV
 from soapstone.shard.plan.schedules.gpipe import GPIPE
 from soapstone.shard.plan.schedules.interleaved import INTERLEAVED
 from soapstone.shard.plan.schedules.kind import ScheduleError, ScheduleKind
@@ -17,6 +18,7 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
     INTERLEAVED,
     ZB1P,
     ZBV,
+    DUALPIPEV,
 )}
 KINDS = tuple(SCHEDULES)  # their names, in the order messages list them
 # the schedules whose backward is split into B (input gradient) and W (weights)

@@ -1,7 +1,7 @@
 """The V-shaped schedules (zbv, dualpipev) under mpiexec (tests/shard/pipeline/test_zbv.py), on
 tests/specs/zbv_layouts.par:
 
-- golden: at pipe 2, alone and with data parallel (ZeRO 1) and tensor parallel inside the
+- golden: at pipe 2, alone and with data parallel (ZeRO 1, 2) and tensor parallel inside the
   stages, 5 steps reproduce gpt.par's single-rank record (tests/golden/runs/gpt.npz); at pipe 4
   (gptv, 8 blocks: two per rank) the run equals the single-process one side by side in both
   p2p modes (grouped: the NCCL-safe groups p2p_proof proves, the V's turn handed in memory);
@@ -16,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import attrs
 import torch
 from mpirun import ranks
 
@@ -39,13 +38,11 @@ RECORD = str(ROOT / "tests/golden/runs/gpt.npz")
 STEPS, RTOL = 5, 1e-9
 
 
-def layout(name: str, kind: str) -> tuple[ir.Model, ir.Parallel]:
-    """Layout `name` of the spec with its schedule switched to `kind` (same microbatches)."""
+def layout(name: str) -> tuple[ir.Model, ir.Parallel]:
+    """Layout `name` of the spec and its model."""
     spec = dsl.load(SPEC)
     par = spec.parallel(name)
-    model = spec.model(par.model)
-    sched = attrs.evolve(par.schedule, kind=kind)
-    return model, attrs.evolve(par, schedule=sched)
+    return spec.model(par.model), par
 
 
 def side_by_side(model: ir.Model, par: ir.Parallel, p2p: str) -> None:
@@ -70,9 +67,11 @@ def side_by_side(model: ir.Model, par: ir.Parallel, p2p: str) -> None:
         assert torch.allclose(full, w, rtol=RTOL, atol=1e-12), f"{par.name} {p2p}: {name}"
 
 
-def traced(kind: str) -> None:
+def traced(name: str) -> None:
     """One traced step at pipe 2: a B and a W per microbatch and stage, both in the trace."""
-    model, par = layout("pp2zbv", kind)
+    spec = dsl.load(SPEC)
+    par = spec.parallel(name)
+    model = spec.model(par.model)
     ex = Executor(lower_pipeline(model, par), Mesh(W, **dict(par.mesh)), seed=3, trace=True)
     ex.train_step(random_inputs(lower(model, None), 0))
     m = par.schedule.microbatches
@@ -93,8 +92,8 @@ def traced(kind: str) -> None:
 @ranks(2)
 def case_zbv_two_ranks_reproduce_the_single_rank_run_and_trace_b_and_w():
     assert_matches_golden(str(SPEC), "pp2zbv", RECORD)
-    side_by_side(*layout("pp2zbv", "zbv"), "grouped")
-    traced("zbv")
+    side_by_side(*layout("pp2zbv"), "grouped")
+    traced("pp2zbv")
 
 
 @ranks(4)
@@ -102,4 +101,19 @@ def case_zbv_four_ranks_and_with_data_and_tensor_parallel_reproduce_the_run():
     for name in ("pp2dp2zbv", "pp2tp2zbv"):
         assert_matches_golden(str(SPEC), name, RECORD)
     for p2p in ("ahead", "grouped"):
-        side_by_side(*layout("pp4zbv", "zbv"), p2p)
+        side_by_side(*layout("pp4zbv"), p2p)
+
+
+@ranks(2)
+def case_dualpipev_two_ranks_reproduce_the_single_rank_run_and_trace_b_and_w():
+    assert_matches_golden(str(SPEC), "pp2dpv", RECORD)
+    side_by_side(*layout("pp2dpv"), "grouped")
+    traced("pp2dpv")
+
+
+@ranks(4)
+def case_dualpipev_four_ranks_and_with_data_and_tensor_parallel_reproduce_the_run():
+    for name in ("pp2dp2dpv", "pp2tp2dpv"):
+        assert_matches_golden(str(SPEC), name, RECORD)
+    for p2p in ("ahead", "grouped"):
+        side_by_side(*layout("pp4dpv"), p2p)
