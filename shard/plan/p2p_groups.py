@@ -9,7 +9,7 @@ So a rank issues its p2p in *groups*: the sends of one compute action (right aft
 the receive of the next (just before it, at its consumption point) with no compute between
 them go out together, as Megatron's send_forward_recv_backward does in one batch_isend_irecv
 (one ncclGroupStart/End). `rank_plan` turns a schedule's compute list into compute actions
-and Groups, in one of two groupings (GROUPINGS); p2p_proof.py proves which grouping of a
+and Groups, in one of three groupings (GROUPINGS); p2p_proof.py proves which grouping of a
 schedule cannot deadlock and pairs its messages in order. Pure data: no torch.
 """
 
@@ -68,6 +68,12 @@ def p2p_of(sched: Schedule, a: Action) -> P2P:
 
 
 GROUPINGS = ("consume", "pairs", "ordered")
+
+
+def groupings(sched: Schedule) -> tuple[str, ...]:
+    """The groupings tried for `sched`, in order: `ordered` only where its kind sends in its
+    readers' order (a V: send_order.py)."""
+    return GROUPINGS if sched.spec.send_in_read_order else GROUPINGS[:2]
 
 
 def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[Action]]:
@@ -144,7 +150,8 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     pending: list[Action] = []  # sends of the unit just run
     weights: list[Action] = []  # its trailing W actions
     ordered = grouping == "ordered"
-    order = SendOrder.of(sched, rank, forward_only)  # ordered: sends as their readers read
+    # ordered: sends as their readers read them
+    order = SendOrder.of(sched, rank, forward_only) if ordered else None
     mine = [r for r in (sched.receive(a) for a in compute) if r is not None]
     posted: set[Action] = set()  # ordered: receives posted ahead of their unit
     made = _made(sched) if ordered else {}

@@ -118,6 +118,7 @@ def walked(p: int, m: int) -> int:
 
 DUALPIPEV = ScheduleKind(
     "dualpipev", actions, place=v_shape, split=True, needs_stages=True, stages_per_rank=2,
+    send_in_read_order=True,
     why_stages="it places two stages per rank in a V", bubble=bubble, formula=formula,
     walked=walked, least=least, why_least="its steady state needs two microbatches per stage",
     memory="parameters 1x (two distinct stages per rank; DualPipe, both directions, 2x); "

@@ -72,6 +72,10 @@ class ScheduleKind:
     least: Callable[[int], int] | None = None
     why_least: str = ""
     memory: str = ""  # what explain says of its memory, beside the figures (published forms)
+    # it sends both ways to one neighbour (a V): each send waits until its reader reads it
+    # next (send_order.py) and the `ordered` p2p grouping is tried; the others keep their
+    # sends as made, so the verifier still refuses ranks that disagree on the order
+    send_in_read_order: bool = False
 
     def per_rank(self, chunks: int) -> int:
         """Virtual stages per rank: `chunks` for a chunked kind, else its own count."""

@@ -94,7 +94,8 @@ class Schedule:
         another message from this rank first, right after that one's: send_order.py)."""
         compute = self.ranks[rank]
         recvs = [self.receive(a) for a in compute]
-        order = SendOrder.of(self, rank)  # a V sends both ways to one rank: send_order.py
+        # a V sends both ways to one rank: send_order.py (None: each send as made)
+        order = SendOrder.of(self, rank) if self.spec.send_in_read_order else None
         out: list[Action] = []
         posted = 0
         for i, a in enumerate(compute):
@@ -104,8 +105,9 @@ class Schedule:
                 posted += 1
             out.append(a)
             send = self.send(a)
-            out += order.due([send] if send is not None else [])
-        return out + order.rest()
+            sends = [send] if send is not None else []
+            out += order.due(sends) if order is not None else sends
+        return out + (order.rest() if order is not None else [])
 
     def simulate(self, fwd: float = 1.0, bwd: float = 2.0) -> list[list[tuple[Action, float,
                                                                                 float]]]:

@@ -7,8 +7,10 @@ is already the reader's order. A V (zbv, dualpipev) sends both ways to one neigh
 sends activations down the first leg and gradients up the second to rank 1, which may read a
 gradient before an activation made earlier. So a send is held back until it is the next
 message its destination reads from this rank (`SendOrder`), for the ahead mode
-(Schedule.with_comm) and the grouped one (p2p_groups.py). Where the order already agrees
-nothing is held. Pure data: no torch.
+(Schedule.with_comm) and the grouped one (p2p_groups.py's `ordered`), in the schedules that
+say so (ScheduleKind.send_in_read_order): the others send as they make, so that ranks which
+disagree on the order (a bug) are still refused by the verifier rather than papered over.
+Pure data: no torch.
 """
 
 from __future__ import annotations

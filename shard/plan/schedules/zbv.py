@@ -85,7 +85,8 @@ def walked(p: int, m: int) -> int:
 
 
 ZBV = ScheduleKind("zbv", actions, place=v_shape, split=True, needs_stages=True,
-                   stages_per_rank=2, bubble=bubble, formula=formula, walked=walked,
+                   stages_per_rank=2, send_in_read_order=True, bubble=bubble, formula=formula,
+                   walked=walked,
                    why_stages="it places two stages per rank in a V and splits their backward",
                    memory="parameters 1x (one copy of each stage); activations of at most 2P "
                    "microbatch-chunks per rank, P microbatches' worth (1F1B's rank-0 peak)")

@@ -5,6 +5,7 @@ tests/specs/zbv_layouts.par:
   stages, 5 steps reproduce gpt.par's single-rank record (tests/golden/runs/gpt.npz); at pipe 4
   (gptv, 8 blocks: two per rank) the run equals the single-process one side by side in both
   p2p modes (grouped: the NCCL-safe groups p2p_proof proves, the V's turn handed in memory);
+- inference (Executor.infer, forward actions only) equals the single-process forward;
 - traced: the step's timeline holds one B and one W per microbatch and stage, and the Chrome
   trace shows both.
 """
@@ -65,6 +66,11 @@ def side_by_side(model: ir.Model, par: ir.Parallel, p2p: str) -> None:
     for name, full in ex.full_state_dict().items():
         w = ref.params[name].detach()
         assert torch.allclose(full, w, rtol=RTOL, atol=1e-12), f"{par.name} {p2p}: {name}"
+    batch = random_inputs(single, STEPS)  # forward only: the turn's hand-off in infer too
+    with torch.no_grad():
+        want = float(ref(batch)["loss"])
+    got, _ = ex.infer(batch)
+    assert abs(got - want) <= RTOL * abs(want), (par.name, p2p, "infer", got, want)
 
 
 def traced(name: str) -> None:
