@@ -6,6 +6,9 @@ tests/specs/zbv_layouts.par:
   (gptv, 8 blocks: two per rank) the run equals the single-process one side by side in both
   p2p modes (grouped: the NCCL-safe groups p2p_proof proves, the V's turn handed in memory);
 - inference (Executor.infer, forward actions only) equals the single-process forward;
+- explain vs counters (measure.measure_pipeline): every rank's communicator counters over a
+  step equal explain's figures (no p2p at the turn), and each flight recorder holds the
+  calls in the order shard/plan/verify/sequence.py gives;
 - traced: the step's timeline holds one B and one W per microbatch and stage, and the Chrome
   trace shows both.
 """
@@ -31,7 +34,7 @@ from soapstone.shard.runtime.executor import Executor
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import W  # noqa: E402  (the world every case runs in)
+from measure import W, measure_pipeline  # noqa: E402  (the explain cases' measurement)
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "tests/specs/zbv_layouts.par"
@@ -108,6 +111,7 @@ def case_zbv_four_ranks_and_with_data_and_tensor_parallel_reproduce_the_run():
         assert_matches_golden(str(SPEC), name, RECORD)
     for p2p in ("ahead", "grouped"):
         side_by_side(*layout("pp4zbv"), p2p)
+    measure_pipeline(SPEC, "pp2tp2zbv", "adamw")
 
 
 @ranks(2)
@@ -123,3 +127,4 @@ def case_dualpipev_four_ranks_and_with_data_and_tensor_parallel_reproduce_the_ru
         assert_matches_golden(str(SPEC), name, RECORD)
     for p2p in ("ahead", "grouped"):
         side_by_side(*layout("pp4dpv"), p2p)
+    measure_pipeline(SPEC, "pp2dp2dpv", "adamw")
