@@ -5,6 +5,7 @@ for a V, and the runs under mpiexec (tests/shard/pipeline/zbv_cases.py)."""
 from __future__ import annotations
 
 import pytest
+from cli_calls import cli
 from mpirun import case_names, case_params
 
 from soapstone.shard.plan import p2p_groups, schedules
@@ -85,3 +86,25 @@ def test_zbv_drawn():
                                                       if c.startswith("case_zbv")]))
 def test_zbv_cases(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
+
+
+def test_show_and_explain_print_the_v_schedules():
+    """`show` draws each V schedule and its NCCL groups and says the turn is handed over in
+    memory; explain prints each one's formula and memory note."""
+    spec = "tests/specs/zbv_layouts.par"
+    show_zbv, show_dpv, explain_dpv = cli(
+        ["show", spec, "--parallel", "pp2zbv"], ["show", spec, "--parallel", "pp2dpv"],
+        ["explain", spec, "--parallel", "pp4dpv"])
+    assert all(r["rc"] == 0 for r in (show_zbv, show_dpv, explain_dpv))
+    for r, kind in ((show_zbv, "zbv"), (show_dpv, "dualpipev")):
+        text = r["text"]
+        assert f"schedule {kind}: pipe=2 microbatches=4 chunks=2" in text, text
+        assert "edge 1 -> 2  (pipe 1 -> 1): 4.0 KiB per microbatch per rank, handed over in " \
+            "memory, no p2p" in text, text
+        assert " grouping; [...] = one NCCL group)" in text, text  # a proven grouping
+        assert "cannot run on cuda" not in text
+    text = explain_dpv["text"]
+    assert "dualpipev, 8 microbatches: bubble 0.059 = (p-1)/(6m+p-1); published " \
+        "(PP/2-1)(F&B+B-3W)" in text, text
+    assert "dualpipev memory: parameters 1x" in text and "edge 3 -> 4  on pipe rank 3: handed " \
+        "over in memory, no p2p" in text, text
