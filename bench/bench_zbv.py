@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the plain-torch GPT is a test fixture
 
 DIMS = {"batch": 16, "seq": 64, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 256}
 OURS = ("zbv", "dualpipev", "zb1p")
