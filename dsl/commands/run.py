@@ -342,6 +342,8 @@ def write_trace(pipe, path: str, rank: int) -> None:
     if pipe.schedule.split:  # zb1p (shard/plan/schedules/ derives it)
         formula = (f"(p-1)/(3m+p-1) = {g.pipe - 1}/(3*{g.microbatches}+{g.pipe - 1})"
                    if g.microbatches >= g.pipe else "1-3m/(2m+2p-1)")
+    if pipe.schedule.spec.stages_per_rank > 1:  # a V (zbv, dualpipev): its own closed form
+        formula = pipe.schedule.spec.formula(g.pipe, g.microbatches, g.chunks)
     print(f"bubble: measured {measured:.1%} of the last step, theory {theory:.1%} "
           f"({g.schedule}, {formula})", flush=True)
 

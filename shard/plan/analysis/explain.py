@@ -398,8 +398,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     for st in stages:
         of_rank.setdefault(st.rank, []).append(st)
     for e in edges if pipe > 1 else ():
-        sends.setdefault(e.src_rank, []).append(e)
-        backs.setdefault(e.dst_rank, []).append(e)
+        if e.src_rank != e.dst_rank:  # a V's turn is handed over in memory: no message
+            sends.setdefault(e.src_rank, []).append(e)
+            backs.setdefault(e.dst_rank, []).append(e)
         sent[e.src] = sent.get(e.src, 0) + e.nbytes
     for e in edges if pipe > 1 else ():
         # a stage without float inputs has no B to run: W keeps its outputs and their
@@ -557,6 +558,8 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
+    if schedules.get(e.schedule).memory:
+        lines.append(f"  {e.schedule} memory: {schedules.get(e.schedule).memory}")
     lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
     for r in e.pipe_ranks:
         per_mb = r["activation_bytes_per_microbatch"]
@@ -568,6 +571,10 @@ def format_estimate(e: Estimate) -> str:
                      f"activations {format_bytes(r['activation_bytes'])} ({flight} in flight)  "
                      f"sends {format_bytes(r['comm_bytes'])}")
     for d in e.edges:
+        if d["src_rank"] == d["dst_rank"]:  # a V's turn: two stages of one rank
+            lines.append(f"  edge {d['src']} -> {d['dst']}  on pipe rank {d['src_rank']}: "
+                         "handed over in memory, no p2p")
+            continue
         lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
                      f"{format_bytes(d['activation_bytes'])}, gradients back "
                      f"{format_bytes(d['gradient_bytes'])}")
