@@ -13,8 +13,10 @@ from pathlib import Path
 
 from soapstone.dsl.lang.errors import BadInput
 
-# scheme -> (check(rest, graph) before launch: raises UserError, load(executor, rest) -> a line)
-SCHEMES: dict[str, tuple[Callable[[str, object], None], Callable[[object, str], str]]] = {}
+# scheme -> (check(rest, graph, model) before launch: raises UserError,
+#            load(executor, rest) -> a line)
+SCHEMES: dict[str, tuple[Callable[[str, object, object], None],
+                         Callable[[object, str], str]]] = {}
 
 
 def _scheme(text: str):
@@ -22,12 +24,14 @@ def _scheme(text: str):
     return (SCHEMES[prefix], rest) if sep and prefix in SCHEMES else (None, text)
 
 
-def check_init(text: str, graph) -> None:
+def check_init(text: str, graph, model=None) -> None:
     """--init's source exists, is a kind it can read and holds exactly the parameters of
-    `graph`'s model with their shapes (UserError otherwise; reads no tensor data)."""
+    `graph`'s model with their shapes (UserError otherwise; reads no tensor data). `model`
+    (the spec's IR) lets a source that describes a computation (hf:DIR's config) prove the
+    spec computes it, at the spec's lines."""
     scheme, rest = _scheme(text)
     if scheme is not None:
-        scheme[0](rest, graph)
+        scheme[0](rest, graph, model)
         return
     p = Path(text)
     if p.is_file() and p.suffix != ".safetensors":
@@ -53,10 +57,10 @@ def load_init(executor, text: str) -> str:
     return load_params(executor, text)
 
 
-def _hf_check(rest: str, graph) -> None:
+def _hf_check(rest: str, graph, model) -> None:
     from soapstone.dsl.interop import hf
 
-    hf.check_graph(rest, graph)
+    hf.check_graph(rest, graph, model)
 
 
 def _hf_load(executor, rest: str) -> str:

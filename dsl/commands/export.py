@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         hf.check_model(model, hf_config.config_of(model), args.spec)
         graph = compile_layout(model, None)
         if args.init:
-            check_init(args.init, graph)
+            check_init(args.init, graph, model)
         ex = Executor(graph, None, seed=args.seed)
         what = load_init(ex, args.init) if args.init else f"seed {args.seed}"
         if comm.rank == 0:  # under mpiexec every rank builds the same: one writes

@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
                            f"'{model.name}''s vocab of {lm.vocab}; a model trained on bytes "
                            "needs --dim vocab=256 (or more), another needs its --tokenizer")
         graph = compile_layout(lm.model, par)
-        check_init(args.init, graph)  # the source holds this model's parameters
+        check_init(args.init, graph, lm.model)  # the source holds this model's parameters
     except UserError as e:
         return fail(e, comm.rank)
     return sample(args, comm, par, graph, lm, tok, prompt, load_init)

@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         model, par, program = build_program(args, comm.size)
         nodes = launch_nodes(par, comm.size)  # collective; every rank gets the same verdict
         check_device(program, comm.device)
-        ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
+        ckpt = checkpoint_plan(args, program, model)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
         prove_layout(model, program, args.optimizer)  # every rank's calls match, statically

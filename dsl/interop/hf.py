@@ -23,6 +23,12 @@ import json
 from pathlib import Path
 
 from soapstone.dsl.interop.hf_config import HFConfig, HFError, config_json, config_of, read_config
+from soapstone.dsl.interop.hf_fields import (
+    HFMismatch,
+    field_of_param,
+    mismatch_of_op,
+    place_of_param,
+)
 from soapstone.dsl.interop.hf_tensors import HFTensor, from_hf, hf_dims, tensor_map, to_hf
 from soapstone.dsl.model import ir
 
@@ -64,6 +70,11 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
             "}\n")
     eps = "" if cfg.eps == 1e-6 else f", eps = {_num(cfg.eps)}"
     ab, mb = _bool(cfg.attention_bias), _bool(cfg.mlp_bias)
+    scaled = ""
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        scaled = (f", rope_factor = {_num(factor)}, rope_low_freq = {_num(low)}, "
+                  f"rope_high_freq = {_num(high)}, rope_original_max = {original}")
     return (
         f"model {name} {{\n"
         f"  dim batch = {batch}, seq = {seq}, hidden = {d['hidden']}, heads = {d['heads']}, "
@@ -73,7 +84,7 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         "  x = embedding(tokens, vocab -> hidden)\n"
         f"  repeat {d['layers']} as layer {{\n"
         f"    x = x + attention(rmsnorm(x{eps}), heads = heads, kv_heads = kv_heads, "
-        f"rope = {_num(cfg.rope_theta)}, bias = {ab}, qkv_bias = {ab})\n"
+        f"rope = {_num(cfg.rope_theta)}{scaled}, bias = {ab}, qkv_bias = {ab})\n"
         f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
         "  }\n"
         f"  logits = linear(rmsnorm(x{eps}), hidden -> vocab, bias = false)\n"
@@ -93,17 +104,24 @@ def reference_model(cfg: HFConfig, like: ir.Model) -> ir.Model:
 
 def check_model(model: ir.Model, cfg: HFConfig, spec: str = "the spec") -> None:
     """HFError unless `model` computes what `cfg` describes: its dims (naming the --dim flags
-    that fix them), then its params and ops, compared with `spec_text(cfg)`'s."""
+    that fix them), then its params and ops, compared with `spec_text(cfg)`'s; an option
+    that differs (rope theta, a norm's eps, the activation, a bias) is an HFMismatch at its
+    place in the spec naming the config field and both values."""
     from soapstone.dsl.compile.lower import resolve_ties
 
     _check_dims(dict(model.dims), cfg, spec, model.name, len(model.blocks))
     ref = resolve_ties(reference_model(cfg, model))
-    _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec)
+    _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec,
+                  model)
+    check_ops(model, ref, cfg, spec)
+
+
+def check_ops(model: ir.Model, ref: ir.Model, cfg: HFConfig, spec: str) -> None:
+    """Every op of `model` is `ref`'s (the config's model), else an HFMismatch at the first
+    that differs."""
     for a, b in zip(model.ops, ref.ops, strict=False):
         if (a.kind, a.attrs, a.type) != (b.kind, b.attrs, b.type):
-            raise HFError(f"{spec}: model {model.name} is not the {cfg.kind} {cfg.path} "
-                          f"describes: it computes {a.out} = {a.kind}{_attrs(a)} where "
-                          f"{b.kind}{_attrs(b)} is expected ({b.out})")
+            raise mismatch_of_op(a, b, cfg, spec, model.name)
     if len(model.ops) != len(ref.ops):
         raise HFError(f"{spec}: model {model.name} has {len(model.ops)} ops, the {cfg.kind} of "
                       f"{cfg.path} {len(ref.ops)}")
@@ -128,26 +146,39 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
 
 
 def _check_params(have: dict[str, tuple[str, ...]], ref: ir.Model, cfg: HFConfig,
-                  spec: str) -> None:
-    """The params (ties resolved) by name and dims are the reference model's."""
+                  spec: str, model: ir.Model | None = None) -> None:
+    """The params (ties resolved) by name and dims are the reference model's; one that a
+    config flag decides (a bias, the untied head) names the flag, at its place in `model`."""
     mine = dict(have)
     for p in ref.params:
         dims = mine.pop(p.name, None)
         if dims != p.type.dims:
             got = "missing" if dims is None else f"[{', '.join(dims)}]"
-            raise HFError(f"{spec}: model {ref.name} is not the {cfg.kind} {cfg.path} "
-                          f"describes: param {_param_text(p)} expected, {got} here")
+            field = field_of_param(p.name, cfg) if dims is None else None
+            hint = f"{cfg.path} sets {field[0]} = true: write {field[1].format(v='true')} in " \
+                "this layer" if field and field[0] != "tie_word_embeddings" else None
+            if field and field[0] == "tie_word_embeddings":
+                hint = f"{cfg.path} sets tie_word_embeddings = false: drop the tie statement"
+            raise HFMismatch(f"{spec}: model {ref.name} is not the {cfg.kind} {cfg.path} "
+                             f"describes: param {_param_text(p)} expected, {got} here",
+                             hint, place_of_param(p.name, model))
     if mine:
         extra = next(iter(mine))
-        hint = "tie linear0.weight = embedding0.table (tie_word_embeddings)" \
-            if cfg.tied and extra == "linear0.weight" else None
-        raise HFError(f"{spec}: model {ref.name} has param {extra}, which the {cfg.kind} of "
-                      f"{cfg.path} lacks", hint)
+        field = field_of_param(extra, cfg)
+        hint = None
+        if field and field[0] == "tie_word_embeddings":
+            hint = f"{field[1]} ({cfg.path} sets tie_word_embeddings = true)"
+        elif field:
+            hint = f"{cfg.path} sets {field[0]} = false: write {field[1].format(v='false')} " \
+                "in this layer"
+        raise HFMismatch(f"{spec}: model {ref.name} has param {extra}, which the {cfg.kind} of "
+                         f"{cfg.path} lacks", hint, place_of_param(extra, model))
 
 
-def check_graph(directory: str | Path, graph) -> HFConfig:
+def check_graph(directory: str | Path, graph, model: ir.Model | None = None) -> HFConfig:
     """HFError unless the compiled `graph` (any layout) holds the params, by name and dims,
-    of the model DIR/config.json describes (what `run --init hf:DIR` checks before launch)."""
+    of the model DIR/config.json describes, and `model` (the spec's, when given) computes it
+    op by op (what `run --init hf:DIR` checks before launch)."""
     from soapstone.dsl.compile.lower import resolve_ties
 
     cfg = read_config(directory)
@@ -159,17 +190,16 @@ def check_graph(directory: str | Path, graph) -> HFConfig:
     like = ir.Model(graph.model, tuple({**sizes, "batch": graph.batch or 8}.items()), (), (),
                     (), (), ())
     have = {p.name: p.dims for s in graph.stages for p in s.program.params}
-    _check_params(have, resolve_ties(reference_model(cfg, like)), cfg, spec)
+    ref = resolve_ties(reference_model(cfg, like))
+    _check_params(have, ref, cfg, spec, model)
+    if model is not None:
+        check_ops(model, resolve_ties(reference_model(cfg, model)), cfg, spec)
     return cfg
 
 
 def _param_text(p: ir.Param) -> str:
     tie = f" tied to {p.tied_to}" if p.tied_to else ""
     return f"{p.name} [{', '.join(p.type.dims)}]{tie}"
-
-
-def _attrs(op: ir.Op) -> str:
-    return "(" + ", ".join(f"{k}={v}" for k, v in op.attrs) + ")"
 
 
 # buffers some checkpoints carry that are no parameters (GPT-2's causal mask, rotary tables)

@@ -37,6 +37,9 @@ class HFConfig:
     eps: float
     activation: str = "gelu_tanh"  # gpt2's mlp activation choice
     rope_theta: float = 10000.0
+    # LLaMA-3's rope frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), None without
+    rope_scaling: tuple[float, float, float, int] | None = None
     attention_bias: bool = False  # llama
     mlp_bias: bool = False  # llama
     tied: bool = True
@@ -114,18 +117,7 @@ def _gpt2_config(conf: dict, path: str) -> HFConfig:
 
 def _llama_config(conf: dict, path: str) -> HFConfig:
     _must(conf, "hidden_act", lambda v: v == "silu", path, "LLaMA's gated mlp uses silu")
-    _must(conf, "rope_scaling", lambda v: v is None, path, "rope computes plain positions "
-          "(no scaling)")
-    rope = conf.get("rope_parameters")
-    if rope is not None:
-        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-            raise HFError(f"{path}: field 'rope_parameters' = {json.dumps(rope)} is not "
-                          "supported: rope computes plain positions (rope_type default)")
-        theta = rope.get("rope_theta", conf.get("rope_theta", 10000.0))
-    else:
-        theta = conf.get("rope_theta", 10000.0)
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    theta, scaling = _rope(conf, path)
     hidden = _field(conf, "hidden_size", path)
     heads = _field(conf, "num_attention_heads", path)
     kv = _field(conf, "num_key_value_heads", path, heads)
@@ -141,9 +133,50 @@ def _llama_config(conf: dict, path: str) -> HFConfig:
             ("kv_heads", kv), ("ffn", _field(conf, "intermediate_size", path)),
             ("layers", _field(conf, "num_hidden_layers", path)))
     return HFConfig("llama", dims, float(_field(conf, "rms_norm_eps", path, 1e-6, float)),
-                    rope_theta=float(theta), attention_bias=bool(conf.get("attention_bias")),
+                    rope_theta=float(theta), rope_scaling=scaling,
+                    attention_bias=bool(conf.get("attention_bias")),
                     mlp_bias=bool(conf.get("mlp_bias")),
                     tied=bool(conf.get("tie_word_embeddings", False)), path=path)
+
+
+def _rope(conf: dict, path: str) -> tuple[float, tuple | None]:
+    """(rope_theta, LLaMA-3 scaling or None) from rope_scaling (transformers 4) or
+    rope_parameters (transformers 5); another rope type is an HFError naming the field."""
+    theta = conf.get("rope_theta", 10000.0)
+    scaling = None
+    for key in ("rope_scaling", "rope_parameters"):  # each present one must be computable
+        rope = conf.get(key)
+        if rope is None:
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
+            else None
+        if kind not in ("default", "llama3"):
+            raise HFError(f"{path}: field {key!r} = {json.dumps(rope)} is not supported: rope "
+                          "computes plain positions (rope_type default) or LLaMA-3's scaling "
+                          "(rope_type llama3)")
+        theta = rope.get("rope_theta", theta)
+        if kind == "llama3":
+            scaling = _llama3(rope, key, path)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    return float(theta), scaling
+
+
+def _llama3(rope: dict, key: str, path: str) -> tuple[float, float, float, int]:
+    """The llama3 rope type's four numbers, each checked."""
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    vals = []
+    for name in names:
+        v = rope.get(name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise HFError(f"{path}: field {key!r} has {name} = {json.dumps(v)}; the llama3 "
+                          "rope type needs a positive number there")
+        vals.append(v)
+    factor, low, high, original = vals
+    if not low < high or factor < 1:
+        raise HFError(f"{path}: field {key!r} = {json.dumps(rope)} is not supported: llama3 "
+                      "scaling needs factor >= 1 and low_freq_factor < high_freq_factor")
+    return float(factor), float(low), float(high), int(original)
 
 
 def config_of(model: ir.Model) -> HFConfig:
@@ -157,12 +190,16 @@ def config_of(model: ir.Model) -> HFConfig:
     eps = float(norm.attr("eps")) if norm is not None else 1e-5
     try:
         if "rope" in kinds:
-            theta = next(float(op.attr("theta")) for op in model.ops if op.kind == "rope")
+            rope = next(op for op in model.ops if op.kind == "rope")
+            theta = float(rope.attr("theta"))
+            scaling = None if rope.attr("factor") is None else (
+                float(rope.attr("factor")), float(rope.attr("low_freq")),
+                float(rope.attr("high_freq")), int(rope.attr("original_max")))
             names = {p.name.split(".")[-1] for p in model.params}
             dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads", "ffn"))
             return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
-                            attention_bias="bq" in names, mlp_bias="bias" in names, tied=tied,
-                            path=f"model {model.name}")
+                            rope_scaling=scaling, attention_bias="bq" in names,
+                            mlp_bias="bias" in names, tied=tied, path=f"model {model.name}")
         act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
                     and op.layer == "mlp"), None)
         activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
@@ -188,7 +225,7 @@ def config_json(cfg: HFConfig) -> dict:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "scale_attn_weights": True, "dtype": "float32",
         }
-    return {
+    conf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": d["vocab"], "hidden_size": d["hidden"],
         "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"],
@@ -198,3 +235,11 @@ def config_json(cfg: HFConfig) -> dict:
         "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": cfg.tied, "attention_dropout": 0.0, "dtype": "float32",
     }
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        conf["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                "high_freq_factor": high,
+                                "original_max_position_embeddings": original}
+        # the context the scaling stretches to (LLaMA-3.1 writes the same product)
+        conf["max_position_embeddings"] = int(original * factor)
+    return conf

@@ -16,24 +16,25 @@ LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidd
          "num_attention_heads": 4, "num_key_value_heads": 2}  # grouped-query: 2 per kv head
 
 
-def build(kind: str, seed: int = 0):
-    """A random-init GPT2LMHeadModel or LlamaForCausalLM (eval mode, fp32)."""
+def build(kind: str, seed: int = 0, **config):
+    """A random-init GPT2LMHeadModel or LlamaForCausalLM (eval mode, fp32); `config`
+    overrides fields of the small default config."""
     import transformers
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **config}))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **config}))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     return model.eval()
 
 
-def save(kind: str, directory: Path, seed: int = 0) -> Path:
-    """build(kind, seed) written with save_pretrained to `directory`."""
-    build(kind, seed).save_pretrained(directory)
+def save(kind: str, directory: Path, seed: int = 0, **config) -> Path:
+    """build(kind, seed, **config) written with save_pretrained to `directory`."""
+    build(kind, seed, **config).save_pretrained(directory)
     return Path(directory)
 
 
