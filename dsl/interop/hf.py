@@ -29,7 +29,9 @@ from soapstone.dsl.interop.hf_fields import (
     mismatch_of_op,
     place_of_param,
 )
-from soapstone.dsl.interop.hf_tensors import HFTensor, from_hf, hf_dims, tensor_map, to_hf
+from soapstone.dsl.interop.hf_files import check_tensors, read_headers
+from soapstone.dsl.interop.hf_reader import HFReader
+from soapstone.dsl.interop.hf_tensors import hf_dims, hf_shape, tensor_map, to_hf
 from soapstone.dsl.model import ir
 
 # ---- the .par model ------------------------------------------------------------------------
@@ -194,39 +196,13 @@ def check_graph(directory: str | Path, graph, model: ir.Model | None = None) -> 
     _check_params(have, ref, cfg, spec, model)
     if model is not None:
         check_ops(model, resolve_ties(reference_model(cfg, model)), cfg, spec)
+    open_weights(directory, cfg, graph_params(graph))  # the files' headers, before launch
     return cfg
 
 
 def _param_text(p: ir.Param) -> str:
     tie = f" tied to {p.tied_to}" if p.tied_to else ""
     return f"{p.name} [{', '.join(p.type.dims)}]{tie}"
-
-
-# buffers some checkpoints carry that are no parameters (GPT-2's causal mask, rotary tables)
-_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-
-
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or a sharded index)."""
-    index = directory / "model.safetensors.index.json"
-    single = directory / "model.safetensors"
-    if index.exists():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise HFError(f"{index}: not a safetensors index ({e})") from None
-        return {k: directory / v for k, v in wmap.items()}
-    if single.exists():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), "pt") as f:
-                return dict.fromkeys(f.keys(), single)
-        except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
-            raise HFError(f"{single}: not a safetensors file ({e})") from None
-    hint = " (it has pytorch_model.bin: save with safe_serialization=True)" \
-        if (directory / "pytorch_model.bin").exists() else ""
-    raise HFError(f"{directory}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def load(directory: str | Path, model: ir.Model, spec: str = "the spec") -> dict:
@@ -242,79 +218,51 @@ def load(directory: str | Path, model: ir.Model, spec: str = "the spec") -> dict
     return read_weights(directory, cfg, params)
 
 
+def open_weights(directory: str | Path, cfg: HFConfig,
+                 params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> HFReader:
+    """A reader of DIR's weights for params (name -> (dims, full shape)), every tensor they
+    need checked from the files' headers first: there, complete, of the right shape (HFError
+    naming the file and the tensor otherwise). Reads no tensor data."""
+    directory = Path(directory)
+    entries = read_headers(directory)
+    wanted = tensor_map(cfg)
+    check_tensors(directory, cfg, entries, {
+        t.name: (hf_shape(t.how, [params[n][1] for n in t.params]),
+                 hf_dims(t.how, [params[n][0] for n in t.params])) for t in wanted})
+    return HFReader(wanted, entries, {n: shape for n, (_, shape) in params.items()})
+
+
 def read_weights(directory: str | Path, cfg: HFConfig,
                  params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> dict:
     """{param name: full fp32 tensor} from DIR's safetensors for params (name -> (dims,
     shape)); a tensor missing, unknown or of another shape is an HFError naming it."""
     import torch
-    from safetensors import safe_open
 
-    directory = Path(directory)
-    files = _weight_files(directory)
-    wanted = tensor_map(cfg)
-    known = {t.name for t in wanted}
-    for name in files:
-        if name not in known and not name.endswith(_BUFFERS) and not (
-                cfg.tied and name == "lm_head.weight"):
-            raise HFError(f"{files[name]}: tensor {name} has no place in the {cfg.kind} of "
-                          f"{cfg.path}", "the config and the weights disagree")
-    state: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
-    for t in wanted:
-        if t.name not in files:
-            raise HFError(f"{directory}: the weights lack tensor {t.name} (holding "
-                          f"{', '.join(t.params)})")
-        f = files[t.name]
-        if f not in handles:
-            handles[f] = safe_open(str(f), "pt")
-        x = handles[f].get_tensor(t.name).to(torch.float32)
-        shapes = [params[n][1] for n in t.params]
-        want = tuple(to_hf(t.how, [torch.empty(s, device="meta") for s in shapes]).shape)
-        if tuple(x.shape) != want:
-            _shape_error(f, t, tuple(x.shape), want,
-                         hf_dims(t.how, [params[n][0] for n in t.params]))
-        for n, v in zip(t.params, from_hf(t.how, x, shapes), strict=True):
-            state[n] = v.contiguous()
+    from soapstone.shard.checkpoint.boxes import Box
+
+    reader = open_weights(directory, cfg, params)
+    held = {n for t in tensor_map(cfg) for n in t.params}
+    state = {n: reader.read(f"param/{n}", Box((0,) * len(shape), shape), torch.float32)
+             for n, (_, shape) in params.items() if n in held}
+    reader.close()
     return state
 
 
-class _StateReader:
-    """The checkpoint reader protocol (read(key, box, dtype)) over full tensors in memory."""
-
-    def __init__(self, state: dict):
-        self.state = state
-        self.bytes_read = 0
-
-    def read(self, tensor: str, box, dtype):
-        """The region `box` of param `tensor` ("param/NAME")."""
-        full = self.state[tensor.split("/", 1)[1]]
-        part = full[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))]
-        self.bytes_read += part.numel() * part.element_size()
-        return part.to(dtype)
+def graph_params(graph) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The params of a compiled graph: name -> (dims, full shape)."""
+    return {p.name: (p.dims, p.shape) for s in graph.stages for p in s.program.params}
 
 
 def load_init(executor, directory: str) -> str:
-    """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank copies its
-    slices); a line saying what was loaded."""
+    """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank reads only
+    the slices it holds); a line saying what was loaded. Collective."""
     from soapstone.shard.checkpoint.load import fill_shares
 
     cfg = check_graph(directory, executor.graph)
-    params = {p.name: (p.dims, p.shape) for s in executor.graph.stages
-              for p in s.program.params}
-    state = read_weights(directory, cfg, params)
-    fill_shares(executor, _StateReader(state), ("param",))
-    return f"hf:{directory}: {len(state)} parameters of a Hugging Face {cfg.kind}"
-
-
-def _shape_error(file: Path, t: HFTensor, got, want, labels: list[str]) -> None:
-    if len(got) != len(want):
-        raise HFError(f"{file}: tensor {t.name} has shape {list(got)}, the model expects "
-                      f"{list(want)} ({', '.join(labels)}): {len(got)} dims, not {len(want)}")
-    j = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-    raise HFError(f"{file}: tensor {t.name} has shape {list(got)}, the model expects "
-                  f"{list(want)} ({', '.join(labels)}): dim {j} ({labels[j]}) is {got[j]} "
-                  f"there and {want[j]} here",
-                  f"make config.json and the weights agree on {labels[j]}")
+    params = graph_params(executor.graph)
+    reader = open_weights(directory, cfg, params)
+    fill_shares(executor, reader, ("param",))
+    return f"hf:{directory}: {len(reader.where)} parameters of a Hugging Face {cfg.kind}"
 
 
 def save(directory: str | Path, model: ir.Model, state: dict) -> HFConfig:

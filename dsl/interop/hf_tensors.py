@@ -113,6 +113,23 @@ def from_hf(how: str, t, shapes: list[tuple[int, ...]]) -> list:
     return [x.reshape(s) for x, s in zip(pieces, shapes, strict=True)]
 
 
+def hf_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape from its params' full shapes (to_hf's, without torch)."""
+    if how == "same":
+        return tuple(shapes[0])
+    if how == "t":
+        return tuple(reversed(shapes[0]))
+    if how == "cols":
+        return (shapes[0][0], sum(math.prod(s[1:]) for s in shapes))
+    if how == "flat":
+        return (sum(math.prod(s) for s in shapes),)
+    if how == "rows":
+        return (math.prod(shapes[0][:-1]), shapes[0][-1])
+    if how == "cols_t":
+        return (math.prod(shapes[0][1:]), shapes[0][0])
+    return (shapes[0][-1], math.prod(shapes[0][:-1]))  # rows_t
+
+
 def hf_dims(how: str, dims: list[tuple[str, ...]]) -> list[str]:
     """The labels of a Hugging Face tensor's dims, in soapstone's dim names."""
     def flat(ds):
