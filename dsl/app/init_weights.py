@@ -14,9 +14,11 @@ from pathlib import Path
 from soapstone.dsl.lang.errors import BadInput
 
 # scheme -> (check(rest, graph, model) before launch: raises UserError,
-#            load(executor, rest) -> a line)
+#            load(executor, rest) -> a line,
+#            tokenizer(rest) -> the path of the source's tokenizer.json or None)
 SCHEMES: dict[str, tuple[Callable[[str, object, object], None],
-                         Callable[[object, str], str]]] = {}
+                         Callable[[object, str], str],
+                         Callable[[str], str | None]]] = {}
 
 
 def _scheme(text: str):
@@ -46,6 +48,17 @@ def check_init(text: str, graph, model=None) -> None:
     open_params(p, graph)
 
 
+def init_tokenizer(text: str | None) -> str | None:
+    """The tokenizer that comes with --init's source (a Hugging Face directory's
+    tokenizer.json), or None when it has none."""
+    if not text:
+        return None
+    scheme, rest = _scheme(text)
+    if scheme is None or len(scheme) < 3:
+        return None
+    return scheme[2](rest)
+
+
 def load_init(executor, text: str) -> str:
     """Load --init's weights into `executor` (any layout; each rank reads its slices);
     a line saying what was loaded. Collective."""
@@ -69,4 +82,10 @@ def _hf_load(executor, rest: str) -> str:
     return hf.load_init(executor, rest)
 
 
-SCHEMES["hf"] = (_hf_check, _hf_load)  # a Hugging Face GPT-2 / LLaMA directory (dsl/interop/hf.py)
+def _hf_tokenizer(rest: str) -> str | None:
+    found = Path(rest) / "tokenizer.json"
+    return str(found) if found.is_file() else None
+
+
+# a Hugging Face GPT-2 / LLaMA directory (dsl/interop/hf.py)
+SCHEMES["hf"] = (_hf_check, _hf_load, _hf_tokenizer)

@@ -3,9 +3,11 @@ sample from a trained language model, on one rank or under any layout (--paralle
 
 SOURCE is what `run --init` takes (dsl/app/init_weights.py: a checkpoint directory, a safetensors
 file of full parameters, or a registered scheme such as hf:DIR). The prompt is encoded as
-UTF-8 bytes (a model trained on byte-level data, vocab >= 256) or by --tokenizer's
-tokenizer.json, and the continuation printed as text (rank 0). Every rank checks the flags on
-its own and reaches the same verdict, so bad input exits 2 on all of them at once.
+UTF-8 bytes (a model trained on byte-level data, vocab 256) or by a Hugging Face
+tokenizer.json: --tokenizer's, else the one beside hf:DIR's weights (a model of more than 256
+ids without either is exit 2 naming --tokenizer); the continuation printed as text (rank 0).
+Every rank checks the flags on its own and reaches the same verdict, so bad input exits 2 on
+all of them at once.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Check everything on every rank, load the weights, sample, print (rank 0)."""
-    from soapstone.dsl.app.init_weights import check_init, load_init
+    from soapstone.dsl.app.init_weights import check_init, init_tokenizer, load_init
     from soapstone.dsl.model.language_model import language_model
     from soapstone.shard.data.tokenizer import load_tokenizer
 
@@ -64,7 +66,12 @@ def main(args: argparse.Namespace) -> int:
         check_flags(args)
         model, par, _ = build_program(args, comm.size)  # the launch matches the layout
         lm = language_model(model, args.spec)
-        tok = load_tokenizer(args.tokenizer)
+        # a Hugging Face directory's own tokenizer.json, unless --tokenizer names another
+        tok = load_tokenizer(args.tokenizer or init_tokenizer(args.init))
+        if tok.name == "bytes" and lm.vocab > 256:
+            raise BadInput(f"model '{model.name}' has a vocab of {lm.vocab}: its ids are no "
+                           "bytes, so the text needs the tokenizer it was trained with; give "
+                           "--tokenizer tokenizer.json (or a directory holding one)")
         prompt = tok.encode(args.prompt)
         if not prompt:
             raise BadInput("--prompt '': give at least one character to continue")
