@@ -93,7 +93,7 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     from soapstone.shard.train.generate import generate
 
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
-    ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers())
+    ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers(), draw=False)  # --init fills
     try:  # a damaged byte: every rank raises the same CheckpointError together
         loaded = load_init(ex, args.init)
     except UserError as e:

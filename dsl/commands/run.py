@@ -204,7 +204,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       trace=bool(trace), schedule=schedule, accumulate=args.accumulate,
                       device=comm.device, flops_per_step=speed[0] if speed else None,
-                      peak_flops=speed[1].flops if speed and speed[1] else None)
+                      peak_flops=speed[1].flops if speed and speed[1] else None,
+                      # weights that --init or --resume overwrite are not drawn first
+                      draw=ckpt is None or not (ckpt.init or ckpt.resume))
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"

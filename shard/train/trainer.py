@@ -100,7 +100,7 @@ class Trainer:
                  trace: bool = False, check_memory: bool = True,
                  schedule: LRSchedule | None = None, accumulate: int = 1,
                  device: torch.device | str | None = None, flops_per_step: float | None = None,
-                 peak_flops: float | None = None):
+                 peak_flops: float | None = None, draw: bool = True):
         if precision not in PRECISIONS:
             raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                                f"{precision!r}")
@@ -115,7 +115,7 @@ class Trainer:
             graph, mesh, seed=seed, custom=custom,
             dtype=want if precision == "fp64" else None,
             compute_dtype=want if precision == "bf16" else None, trace=trace,
-            device=device)
+            device=device, draw=draw)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:
