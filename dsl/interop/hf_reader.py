@@ -12,22 +12,29 @@ splits).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from soapstone.dsl.interop.hf_files import TensorEntry
 from soapstone.dsl.interop.hf_tensors import HFTensor
+from soapstone.shard.checkpoint.boxes import Box
+
+# the most bytes one read brings in (see read_into)
+CHUNK_BYTES = 8 << 20
+# per layout change, the param dim along which the Hugging Face tensor's rows run (the dim a
+# piece of consecutive rows covers): [b, a] -> [a, b] and (d1 x rest, a) -> [a, d1, ...] by
+# their second dim, (b, d0 x mid) -> [d0, ..., b] by the last, the rest by the first
+LEAD = {"t": 1, "cols_t": 1, "rows_t": -1}
 
 
 class HFReader:
     """Reads param boxes from a save_pretrained directory's safetensors (open files cached)."""
 
     def __init__(self, tensors: list[HFTensor], entries: dict[str, TensorEntry],
-                 shapes: dict[str, tuple[int, ...]]):
+                 shapes: dict[str, tuple[int, ...]], chunk_bytes: int = CHUNK_BYTES):
         # param -> (its HF tensor, its index among the tensor's params)
         self.where = {p: (t, k) for t in tensors for k, p in enumerate(t.params)}
         self.entries = entries
         self.shapes = shapes  # param -> full shape
-        self.handles: dict[Path, object] = {}
+        self.chunk_bytes = chunk_bytes
         self.bytes_read = 0
 
     def _slice(self, name: str, index: tuple[slice, ...]):
@@ -37,9 +44,10 @@ class HFReader:
 
         file = self.entries[name].file
         try:  # the headers were checked before launch: this is a file changed or damaged since
-            if file not in self.handles:
-                self.handles[file] = safe_open(str(file), "pt")
-            part = self.handles[file].get_slice(name)[index]
+            # opened per read and let go at once: the file is memory-mapped, and the pages a
+            # read touches count as this process's memory for as long as the map lives
+            with safe_open(str(file), "pt") as f:
+                part = f.get_slice(name)[index]
         except Exception as e:  # noqa: BLE001 - safetensors raises its own, untyped errors
             # a CheckpointError: fill_shares makes every rank stop with it together
             raise CheckpointError(f"{file}: reading tensor {name}: {e}") from None
@@ -86,9 +94,27 @@ class HFReader:
             raise AssertionError(t.how)
         return x.to(dtype).contiguous()
 
+    def read_into(self, tensor: str, box, dest) -> None:
+        """`box` of param `tensor` into `dest` (its flat storage), a piece of at most
+        chunk_bytes at a time along the dim the Hugging Face tensor's rows run, so the
+        memory a load needs beyond the parameters stays one piece, whatever the tensor."""
+        name = tensor.split("/", 1)[1]
+        t, _ = self.where[name]
+        d = LEAD.get(t.how, 0) % max(len(box.shape), 1)
+        if not box.shape:
+            dest.copy_(self.read(tensor, box, dest.dtype).reshape(-1))
+            return
+        out = dest.view(box.shape)
+        row = max(box.numel // box.shape[d], 1) * dest.element_size()
+        step = max(self.chunk_bytes // row, 1)
+        for a in range(0, box.shape[d], step):
+            m = min(step, box.shape[d] - a)
+            part = Box(tuple(o + a if i == d else o for i, o in enumerate(box.offset)),
+                       tuple(m if i == d else n for i, n in enumerate(box.shape)))
+            out.narrow(d, a, m).copy_(self.read(tensor, part, dest.dtype))
+
     def close(self) -> None:
-        """Let the files go."""
-        self.handles.clear()
+        """Nothing stays open between reads (see _slice)."""
 
 
 def _rest(x, o, n, first: int):
