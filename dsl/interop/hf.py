@@ -71,7 +71,8 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
             "  output loss = cross_entropy(logits, targets)\n"
             "}\n")
     eps = "" if cfg.eps == 1e-6 else f", eps = {_num(cfg.eps)}"
-    ab, mb = _bool(cfg.attention_bias), _bool(cfg.mlp_bias)
+    ab, qb, mb = _bool(cfg.attention_bias), _bool(cfg.qkv_bias), _bool(cfg.mlp_bias)
+    window = f", window = {cfg.window}" if cfg.window is not None else ""
     scaled = ""
     if cfg.rope_scaling is not None:
         factor, low, high, original = cfg.rope_scaling
@@ -86,7 +87,7 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         "  x = embedding(tokens, vocab -> hidden)\n"
         f"  repeat {d['layers']} as layer {{\n"
         f"    x = x + attention(rmsnorm(x{eps}), heads = heads, kv_heads = kv_heads, "
-        f"rope = {_num(cfg.rope_theta)}{scaled}, bias = {ab}, qkv_bias = {ab})\n"
+        f"rope = {_num(cfg.rope_theta)}{scaled}, bias = {ab}, qkv_bias = {qb}{window})\n"
         f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
         "  }\n"
         f"  logits = linear(rmsnorm(x{eps}), hidden -> vocab, bias = false)\n"
@@ -157,8 +158,9 @@ def _check_params(have: dict[str, tuple[str, ...]], ref: ir.Model, cfg: HFConfig
         if dims != p.type.dims:
             got = "missing" if dims is None else f"[{', '.join(dims)}]"
             field = field_of_param(p.name, cfg) if dims is None else None
-            hint = f"{cfg.path} sets {field[0]} = true: write {field[1].format(v='true')} in " \
-                "this layer" if field and field[0] != "tie_word_embeddings" else None
+            hint = f"{cfg.path} says {field[0].format(v='true')}: write " \
+                f"{field[1].format(v='true')} in this layer" \
+                if field and field[0] != "tie_word_embeddings" else None
             if field and field[0] == "tie_word_embeddings":
                 hint = f"{cfg.path} sets tie_word_embeddings = false: drop the tie statement"
             raise HFMismatch(f"{spec}: model {ref.name} is not the {cfg.kind} {cfg.path} "
@@ -171,8 +173,8 @@ def _check_params(have: dict[str, tuple[str, ...]], ref: ir.Model, cfg: HFConfig
         if field and field[0] == "tie_word_embeddings":
             hint = f"{field[1]} ({cfg.path} sets tie_word_embeddings = true)"
         elif field:
-            hint = f"{cfg.path} sets {field[0]} = false: write {field[1].format(v='false')} " \
-                "in this layer"
+            hint = f"{cfg.path} says {field[0].format(v='false')}: write " \
+                f"{field[1].format(v='false')} in this layer"
         raise HFMismatch(f"{spec}: model {ref.name} has param {extra}, which the {cfg.kind} of "
                          f"{cfg.path} lacks", hint, place_of_param(extra, model))
 

@@ -116,17 +116,20 @@ def _attrs(op: ir.Op) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in op.attrs) + ")"
 
 
-_ATTN_BIAS = ("attention_bias", "bias = {v}, qkv_bias = {v}")
-
-
 def field_of_param(name: str, cfg: HFConfig) -> tuple[str, str] | None:
-    """(config field, the spec's arguments to write, {v}: true or false) that decides whether
-    param `name` exists, or None."""
+    """(what the config says, the spec's arguments to write; {v}: true or false) that decides
+    whether param `name` exists, or None. The tie is ("tie_word_embeddings", the statement)."""
     last = name.rsplit(".", 1)[-1]
-    if cfg.kind == "llama" and last in ("bq", "bk", "bv", "bo"):
-        return _ATTN_BIAS
+    fam = cfg.family or cfg.kind
+    if fam == "llama" and last in ("bq", "bk", "bv", "bo"):
+        return ("attention_bias = {v}", "bias = {v}, qkv_bias = {v}")
+    if fam == "qwen2" and last in ("bq", "bk", "bv", "bo"):
+        return ("model_type qwen2 (biases on q/k/v_proj, none on o_proj)",
+                "qkv_bias = true, bias = false")
+    if fam == "mistral" and last in ("bq", "bk", "bv", "bo"):
+        return ("model_type mistral (no attention biases)", "qkv_bias = false, bias = false")
     if cfg.kind == "llama" and last == "bias" and ".mlp" in name:
-        return ("mlp_bias", "bias = {v}")
+        return ("mlp_bias = {v}", "bias = {v}")
     if name == "linear0.weight":
         return ("tie_word_embeddings", "tie linear0.weight = embedding0.table")
     return None

@@ -62,7 +62,7 @@ def tensor_map(cfg: HFConfig) -> list[HFTensor]:
             out += [T(h + "input_layernorm.weight", (p + "rmsnorm0.gamma",))]
             for x in "qkv":
                 out.append(T(h + f"self_attn.{x}_proj.weight", (a + f"w{x}",), "cols_t"))
-                if cfg.attention_bias:
+                if cfg.qkv_bias:
                     out.append(T(h + f"self_attn.{x}_proj.bias", (a + f"b{x}",), "flat"))
             out.append(T(h + "self_attn.o_proj.weight", (a + "wo",), "rows_t"))
             if cfg.attention_bias:

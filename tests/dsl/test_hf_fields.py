@@ -137,3 +137,36 @@ def test_other_rope_scaling_is_refused_naming_the_field(tmp_path, rope):
     (d / "config.json").write_text(json.dumps(conf))
     with pytest.raises(hf_config.HFError, match="field 'rope_scaling'"):
         hf_config.read_config(d)
+
+
+FAMILIES = [
+    # Mistral: a sliding window of 4 keys per query (a causal mask's window attr)
+    ("mistral", {"sliding_window": 4}, "window = 4"),
+    # Qwen2: biases on q/k/v_proj alone, the head tied, every layer sliding
+    ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5,
+               "max_window_layers": 0}, "qkv_bias = true"),
+]
+
+
+@pytest.mark.parametrize("family,config,says", FAMILIES)
+def test_families_match_transformers_and_export_back(tmp_path, family, config, says):
+    src = hf_models.save(family, tmp_path / "src", **config)
+    cfg = hf_config.read_config(src)
+    assert says in hf.spec_text(cfg)
+    model = _config_model(src)
+    state = hf.load(src, model)
+    tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(6))
+    ours = _logits(model, state, tokens)
+    torch.testing.assert_close(ours, _theirs(src, tokens), rtol=1e-5, atol=1e-5)
+    hf.save(tmp_path / "out", model, state)
+    written = json.loads((tmp_path / "out/config.json").read_text())
+    assert written["model_type"] == family
+    assert written["sliding_window"] == config["sliding_window"]
+    torch.testing.assert_close(_theirs(tmp_path / "out", tokens), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_with_sliding_layers_and_full_layers_is_refused(tmp_path):
+    d = hf_models.save("qwen2", tmp_path / "mixed", use_sliding_window=True, sliding_window=4,
+                       max_window_layers=1)  # layer 0 full, layer 1 sliding
+    with pytest.raises(hf_config.HFError, match="field 'layer_types'"):
+        hf_config.read_config(d)
