@@ -73,6 +73,8 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
     eps = "" if cfg.eps == 1e-6 else f", eps = {_num(cfg.eps)}"
     ab, qb, mb = _bool(cfg.attention_bias), _bool(cfg.qkv_bias), _bool(cfg.mlp_bias)
     window = f", window = {cfg.window}" if cfg.window is not None else ""
+    if cfg.qk_norm:
+        window += f", qk_norm = {_num(cfg.eps)}"
     scaled = ""
     if cfg.rope_scaling is not None:
         factor, low, high, original = cfg.rope_scaling

@@ -47,6 +47,7 @@ class HFConfig:
     family: str = ""  # config.json's model_type (llama, mistral, qwen2 share kind llama)
     qkv_bias: bool = False  # llama's attention_bias, qwen2 always: q/k/v_proj's biases
     window: int | None = None  # sliding-window attention (mistral, qwen2): keys per query
+    qk_norm: bool = False  # qwen3: q and k RMS-normed per head (with eps)
 
     def size(self, dim: str) -> int:
         """A dim's size."""
@@ -97,7 +98,8 @@ def read_config(directory: str | Path) -> HFConfig:
 # model types computed by examples/llama.par's model and its arguments: model_type ->
 # (architecture, q/k/v biases fixed by the family or None: the attention_bias field)
 LLAMA_FAMILY = {"llama": ("LlamaForCausalLM", None), "mistral": ("MistralForCausalLM", False),
-                "qwen2": ("Qwen2ForCausalLM", True)}
+                "qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", None)}
+QWEN = ("qwen2", "qwen3")  # their window: use_sliding_window, max_window_layers
 
 
 def _gpt2_config(conf: dict, path: str) -> HFConfig:
@@ -128,12 +130,12 @@ def _window(conf: dict, path: str, family: str, layers: int) -> int | None:
     """The sliding window every layer has, or None; one that only some layers have (Qwen2's
     max_window_layers, alternating layer_types) is an HFError naming the field."""
     window = conf.get("sliding_window")
-    if family == "qwen2" and not conf.get("use_sliding_window"):
+    if family in QWEN and not conf.get("use_sliding_window"):
         window = None
     if family == "llama":
         return None  # LlamaForCausalLM reads no window
     kinds = conf.get("layer_types")
-    if kinds is None and window is not None and family == "qwen2":
+    if kinds is None and window is not None and family in QWEN:
         first = conf.get("max_window_layers", layers)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if kinds is not None and window is not None:
@@ -173,7 +175,7 @@ def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
                     attention_bias=qkv if fixed is None else False,
                     mlp_bias=bool(conf.get("mlp_bias")) if family == "llama" else False,
                     tied=bool(conf.get("tie_word_embeddings", False)), path=path,
-                    family=family, qkv_bias=qkv,
+                    family=family, qkv_bias=qkv, qk_norm=family == "qwen3",
                     window=_window(conf, path, family, dict(dims)["layers"]))
 
 
@@ -238,11 +240,12 @@ def config_of(model: ir.Model) -> HFConfig:
             mask = next((op for op in model.ops if op.kind == "causal_mask"), None)
             window = mask.attr("window") if mask is not None else None
             qkv, o, mlp = "bq" in names, "bo" in names, "bias" in names
-            family = _family(model.name, qkv, o, mlp, window)
+            qk = "q_norm" in names
+            family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
             return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
                             rope_scaling=scaling, attention_bias=o, mlp_bias=mlp, tied=tied,
                             path=f"model {model.name}", family=family, qkv_bias=qkv,
-                            window=window)
+                            window=window, qk_norm=qk)
         act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
                     and op.layer == "mlp"), None)
         activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
@@ -297,7 +300,9 @@ def config_json(cfg: HFConfig) -> dict:
         conf |= {"attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
     elif family == "mistral":
         conf["sliding_window"] = cfg.window
-    else:  # qwen2: every layer slides when the model has a window
+    else:  # qwen2, qwen3: every layer slides when the model has a window
+        if family == "qwen3":
+            conf["attention_bias"] = cfg.attention_bias
         conf |= {"use_sliding_window": cfg.window is not None, "sliding_window": cfg.window,
                  "max_window_layers": 0}
     if cfg.rope_scaling is not None:

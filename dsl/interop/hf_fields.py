@@ -70,7 +70,8 @@ FIELDS: dict[tuple[str, str], Field] = {
     ("rope", "original_max"): Field("rope_scaling", "rope_scaling",
                                     (("attention", "rope_original_max"),
                                      ("", "original_max"))),
-    ("rmsnorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("", "eps"),)),
+    ("rmsnorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("attention", "qk_norm"),
+                                                                      ("", "eps"))),
     ("layernorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("", "eps"),)),
     ("causal_mask", "window"): Field("sliding_window", "sliding_window", (("", "window"),)),
 }
@@ -128,6 +129,12 @@ def field_of_param(name: str, cfg: HFConfig) -> tuple[str, str] | None:
                 "qkv_bias = true, bias = false")
     if fam == "mistral" and last in ("bq", "bk", "bv", "bo"):
         return ("model_type mistral (no attention biases)", "qkv_bias = false, bias = false")
+    if last in ("q_norm", "k_norm"):
+        return ("model_type qwen3 (q and k RMS-normed per head)" if fam == "qwen3" else
+                f"model_type {fam} (no q/k norms)",
+                f"qk_norm = {cfg.eps!r}" if fam == "qwen3" else "qk_norm = 0.0")
+    if fam == "qwen3" and last in ("bq", "bk", "bv", "bo"):
+        return ("attention_bias = {v}", "bias = {v}, qkv_bias = {v}")
     if cfg.kind == "llama" and last == "bias" and ".mlp" in name:
         return ("mlp_bias = {v}", "bias = {v}")
     if name == "linear0.weight":

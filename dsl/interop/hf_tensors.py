@@ -64,6 +64,9 @@ def tensor_map(cfg: HFConfig) -> list[HFTensor]:
                 out.append(T(h + f"self_attn.{x}_proj.weight", (a + f"w{x}",), "cols_t"))
                 if cfg.qkv_bias:
                     out.append(T(h + f"self_attn.{x}_proj.bias", (a + f"b{x}",), "flat"))
+            if cfg.qk_norm:
+                out += [T(h + "self_attn.q_norm.weight", (a + "q_norm",)),
+                        T(h + "self_attn.k_norm.weight", (a + "k_norm",))]
             out.append(T(h + "self_attn.o_proj.weight", (a + "wo",), "rows_t"))
             if cfg.attention_bias:
                 out.append(T(h + "self_attn.o_proj.bias", (a + "bo",)))

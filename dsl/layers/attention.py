@@ -12,9 +12,10 @@ from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need
          Arg("kv_heads", "dim", None), Arg("rope", "float", 0.0), Arg("bias", "bool", True),
          Arg("qkv_bias", "bool", False), Arg("window", "int", None),
          Arg("rope_factor", "float", 1.0), Arg("rope_low_freq", "float", 1.0),
-         Arg("rope_high_freq", "float", 4.0), Arg("rope_original_max", "int", 8192))
+         Arg("rope_high_freq", "float", 4.0), Arg("rope_original_max", "int", 8192),
+         Arg("qk_norm", "float", 0.0))
 def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, rope_factor,
-               rope_low_freq, rope_high_freq, rope_original_max):
+               rope_low_freq, rope_high_freq, rope_original_max, qk_norm):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
@@ -24,8 +25,9 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     (rope_low_freq, rope_high_freq, rope_original_max: the rope op's); bias = false drops
     bo; qkv_bias = true adds bq, bk, bv;
     window = N (sliding-window attention, Mistral's): a query sees only the last N positions
-    (query - key < N), an attr of the causal mask. The primitives it emits: their records in
-    shard/ops/."""
+    (query - key < N), an attr of the causal mask; qk_norm = EPS (Qwen3's) RMS-normalises
+    each head's q and k over head_dim (params q_norm, k_norm[head_dim]) before rope. The
+    primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
@@ -65,6 +67,14 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
         return ctx.op("add", (y, b), y.dims, dt, name=name)
 
     q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
+    if qk_norm < 0:
+        ctx.error(f"attention qk_norm = {qk_norm}: give the norm's eps (> 0), or 0 for none",
+                  "Qwen3 uses its rms_norm_eps, 1e-06")
+    if qk_norm:  # over head_dim, which no layout splits: each head normalised on its rank
+        q = ctx.op("rmsnorm", (q, ctx.param("q_norm", (hd,), "ones")), q.dims, dt,
+                   {"eps": float(qk_norm), "over": hd}, name="q_normed")
+        k = ctx.op("rmsnorm", (k, ctx.param("k_norm", (hd,), "ones")), k.dims, dt,
+                   {"eps": float(qk_norm), "over": hd}, name="k_normed")
     if rope:
         scaling = scaling_attrs(ctx, rope_factor, rope_low_freq, rope_high_freq,
                                 rope_original_max)

@@ -8,7 +8,11 @@
 - `run examples/llama.par --init hf:DIR` whose spec disagrees with DIR's config is exit 2 at the
   spec's line, naming the field, both values and what to write: rope_theta, rms_norm_eps,
   layer_norm_epsilon, activation_function (gelu vs gelu_new), attention_bias,
-  tie_word_embeddings, rope_scaling. Another rope type is refused naming the field.
+  tie_word_embeddings, rope_scaling, Qwen3's q/k norms, Mistral's sliding_window. Another rope
+  type is refused naming the field.
+- The families computed by examples/llama.par's model and its arguments: Mistral (a sliding
+  window), Qwen2 (q/k/v biases alone, tied head), Qwen3 (qk_norm) match transformers on tiny
+  random configs and export back as the same family; a window only some layers have is refused.
 """
 
 from __future__ import annotations
@@ -111,16 +115,21 @@ MISMATCHES = [
                                                "write activation = gelu in this mlp"]),
     ("gpt2", {"tie_word_embeddings": False}, ["param linear0.weight", "missing here",
                                               "tie_word_embeddings = false: drop the tie"]),
+    ("qwen3", {"head_dim": 8}, ["param layer.0.attention0.q_norm", "model_type qwen3",
+                                "write qk_norm = 1e-06"]),
+    ("mistral", {"sliding_window": 4}, ["causal_mask window is absent here", "4",
+                                        "'sliding_window'", "write window = 4"]),
 ]
 
 
 def test_a_spec_that_disagrees_with_the_config_is_exit_2_at_its_line(tmp_path):
     dirs = [_dir(tmp_path, kind, **config) for kind, config, _ in MISMATCHES]
-    runs = cli(*[["run", f"examples/{kind}.par", "--init", f"hf:{d}", "--steps", "1",
+    spec = {kind: "gpt2" if kind == "gpt2" else "llama" for kind, _, _ in MISMATCHES}
+    runs = cli(*[["run", f"examples/{spec[kind]}.par", "--init", f"hf:{d}", "--steps", "1",
                   "--quiet"] for (kind, _, _), d in zip(MISMATCHES, dirs, strict=True)])
     for (kind, config, says), r in zip(MISMATCHES, runs, strict=True):
         assert r["rc"] == 2, (config, r["text"])
-        assert f"examples/{kind}.par:" in r["text"], r["text"]  # the spec line to change
+        assert f"examples/{spec[kind]}.par:" in r["text"], r["text"]  # the line to change
         for text in says:
             assert text in r["text"], (config, text, r["text"])
         assert "Traceback" not in r["text"]
@@ -145,6 +154,8 @@ FAMILIES = [
     # Qwen2: biases on q/k/v_proj alone, the head tied, every layer sliding
     ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5,
                "max_window_layers": 0}, "qkv_bias = true"),
+    # Qwen3: q and k RMS-normed per head before rope (its head_dim set to hidden / heads)
+    ("qwen3", {"head_dim": 8, "rms_norm_eps": 1e-5}, "qk_norm = 1e-05"),
 ]
 
 
@@ -161,7 +172,7 @@ def test_families_match_transformers_and_export_back(tmp_path, family, config, s
     hf.save(tmp_path / "out", model, state)
     written = json.loads((tmp_path / "out/config.json").read_text())
     assert written["model_type"] == family
-    assert written["sliding_window"] == config["sliding_window"]
+    assert written["sliding_window"] == config.get("sliding_window")
     torch.testing.assert_close(_theirs(tmp_path / "out", tokens), ours, rtol=1e-5, atol=1e-5)
 
 

@@ -1,6 +1,6 @@
 """Small random Hugging Face GPT-2 and LLaMA models (transformers, tests only), shaped like
 examples/gpt2.par and examples/llama.par, saved with save_pretrained: what `hf:DIR` imports
-(and Mistral and Qwen2 of the LLaMA shape).
+(and Mistral, Qwen2 and Qwen3 of the LLaMA shape).
 
 Every parameter is drawn at random (biases and norm weights too, which Hugging Face would
 start at 0 and 1), so a tensor mapped to the wrong place cannot go unnoticed."""
@@ -26,7 +26,7 @@ def build(kind: str, seed: int = 0, **config):
     if kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **config}))
     else:  # llama and the families computed by the same model: mistral, qwen2
-        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[kind]
+        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
         conf = getattr(transformers, f"{name}Config")(**{**LLAMA, **config})
         model = getattr(transformers, f"{name}ForCausalLM")(conf)
     with torch.no_grad():
