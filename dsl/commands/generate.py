@@ -68,16 +68,16 @@ def main(args: argparse.Namespace) -> int:
         lm = language_model(model, args.spec)
         # a Hugging Face directory's own tokenizer.json, unless --tokenizer names another
         tok = load_tokenizer(args.tokenizer or init_tokenizer(args.init))
-        if tok.name == "bytes" and lm.vocab > 256:
-            raise BadInput(f"model '{model.name}' has a vocab of {lm.vocab}: its ids are no "
+        if tok.name == "bytes" and lm.real > 256:
+            raise BadInput(f"model '{model.name}' has a vocab of {lm.real}: its ids are no "
                            "bytes, so the text needs the tokenizer it was trained with; give "
                            "--tokenizer tokenizer.json (or a directory holding one)")
         prompt = tok.encode(args.prompt)
         if not prompt:
             raise BadInput("--prompt '': give at least one character to continue")
-        if max(prompt) >= lm.vocab:
+        if max(prompt) >= lm.real:
             raise BadInput(f"--prompt: id {max(prompt)} ({tok.name}) does not fit model "
-                           f"'{model.name}''s vocab of {lm.vocab}; a model trained on bytes "
+                           f"'{model.name}''s vocab of {lm.real}; a model trained on bytes "
                            "needs --dim vocab=256 (or more), another needs its --tokenizer")
         graph = compile_layout(lm.model, par)
         check_init(args.init, graph, lm.model)  # the source holds this model's parameters
@@ -102,7 +102,7 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     rows = lm.model.size(dims[0]) if len(dims) == 2 else 1
     new = generate(ex, lm.ids, lm.targets, lm.logits_output, prompt, args.tokens,
                    args.temperature, args.top_k, args.seed, (rows, lm.seq),
-                   comm if comm.size > 1 else None)
+                   comm if comm.size > 1 else None, classes=lm.real)
     if comm.rank == 0:
         print(f"soapstone generate: {lm.model.name}"
               f"{' / ' + par.name if par is not None else ''} on {comm.size} rank"

@@ -45,10 +45,17 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int = 16) -> str:
-    """The .par model computing what `cfg` describes (inputs tokens/targets[batch, seq])."""
+def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int = 16,
+              vocab: int | None = None) -> str:
+    """The .par model computing what `cfg` describes (inputs tokens/targets[batch, seq]);
+    `vocab` > the config's pads the vocab (Megatron's): cross_entropy's classes are the real
+    ones, the padded rows of the tables zeros."""
     name = name or cfg.kind
     d = dict(cfg.dims)
+    loss = "  output loss = cross_entropy(logits, targets)\n"
+    if vocab is not None and vocab > d["vocab"]:
+        loss = f"  output loss = cross_entropy(logits, targets, classes = {d['vocab']})\n"
+        d["vocab"] = vocab
     tie = "  tie linear0.weight = embedding0.table\n" if cfg.tied else ""
     if cfg.kind == "gpt2":
         eps = "" if cfg.eps == 1e-5 else f", eps = {_num(cfg.eps)}"
@@ -67,8 +74,7 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
             f"    x = x + mlp(layernorm(x{eps}), ffn, activation = {cfg.activation})\n"
             "  }\n"
             f"  logits = linear(layernorm(x{eps}), hidden -> vocab, bias = false)\n"
-            f"{tie}"
-            "  output loss = cross_entropy(logits, targets)\n"
+            f"{tie}{loss}"
             "}\n")
     eps = "" if cfg.eps == 1e-6 else f", eps = {_num(cfg.eps)}"
     ab, qb, mb = _bool(cfg.attention_bias), _bool(cfg.qkv_bias), _bool(cfg.mlp_bias)
@@ -93,8 +99,7 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
         "  }\n"
         f"  logits = linear(rmsnorm(x{eps}), hidden -> vocab, bias = false)\n"
-        f"{tie}"
-        "  output loss = cross_entropy(logits, targets)\n"
+        f"{tie}{loss}"
         "}\n")
 
 
@@ -103,7 +108,8 @@ def reference_model(cfg: HFConfig, like: ir.Model) -> ir.Model:
     from soapstone.dsl.lang.spec import load
 
     sizes = dict(like.dims)
-    text = spec_text(cfg, like.name, sizes.get("batch", 8), sizes.get("seq", 16))
+    text = spec_text(cfg, like.name, sizes.get("batch", 8), sizes.get("seq", 16),
+                     sizes.get("vocab"))
     return load(text, filename=f"<{cfg.kind} from {cfg.path}>").model(like.name)
 
 
@@ -143,7 +149,9 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
         raise HFError(f"{spec}: model {name} has no dim {', '.join(missing)}, which "
                       f"{cfg.path} sets; write the model as "
                       f"`soapstone.dsl.interop.hf.spec_text` does (examples/{cfg.kind}.par)")
-    wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n]
+    # a larger vocab is the config's padded (cross_entropy's classes then say the real one)
+    wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n
+             and not (d == "vocab" and have[d] > n)]
     if wrong:
         said = ", ".join(f"{d} = {have[d]} (config: {n})" for d, n in wrong)
         raise HFError(f"{spec}: model {name}'s dims differ from {cfg.path}: {said}",
@@ -230,10 +238,20 @@ def open_weights(directory: str | Path, cfg: HFConfig,
     directory = Path(directory)
     entries = read_headers(directory)
     wanted = tensor_map(cfg)
+    real = real_shapes(cfg, params)
     check_tensors(directory, cfg, entries, {
-        t.name: (hf_shape(t.how, [params[n][1] for n in t.params]),
+        t.name: (hf_shape(t.how, [real[n] for n in t.params]),
                  hf_dims(t.how, [params[n][0] for n in t.params])) for t in wanted})
-    return HFReader(wanted, entries, {n: shape for n, (_, shape) in params.items()})
+    return HFReader(wanted, entries, {n: shape for n, (_, shape) in params.items()}, real=real)
+
+
+def real_shapes(cfg: HFConfig, params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+                ) -> dict[str, tuple[int, ...]]:
+    """Each param's shape in the Hugging Face files: a padded vocab dim at the config's."""
+    vocab = cfg.size("vocab")
+    return {n: tuple(min(s, vocab) if d == "vocab" else s for d, s in zip(dims, shape,
+                                                                          strict=True))
+            for n, (dims, shape) in params.items()}
 
 
 def read_weights(directory: str | Path, cfg: HFConfig,
@@ -282,6 +300,13 @@ def save(directory: str | Path, model: ir.Model, state: dict) -> HFConfig:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HFError(f"--hf {directory}: cannot create the directory ({e})") from None
+    from soapstone.dsl.compile.lower import resolve_ties
+
+    sizes = dict(model.dims)
+    real = real_shapes(cfg, {p.name: (p.type.dims, tuple(sizes[d] for d in p.type.dims))
+                             for p in resolve_ties(model).params})
+    state = {n: v[tuple(slice(0, k) for k in real[n])] if n in real else v
+             for n, v in state.items()}  # a padded vocab's rows stripped
     out = {}
     for t in tensor_map(cfg):
         missing = [n for n in t.params if n not in state]

@@ -223,6 +223,9 @@ def config_of(model: ir.Model) -> HFConfig:
     """The HFConfig a model was written from (what `export` writes as config.json), read off
     its ops: rope means LLaMA, else GPT-2. check_model then proves it describes the model."""
     sizes = dict(model.dims)
+    loss = next((op for op in model.ops if op.kind == "cross_entropy"), None)
+    if loss is not None and loss.attr("classes") is not None:
+        sizes["vocab"] = int(loss.attr("classes"))  # a padded vocab: the config's is the real
     kinds = {op.kind for op in model.ops}
     tied = any(p.tied_to for p in model.params)
     layers = len(model.blocks)

@@ -73,6 +73,7 @@ FIELDS: dict[tuple[str, str], Field] = {
     ("rmsnorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("attention", "qk_norm"),
                                                                       ("", "eps"))),
     ("layernorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("", "eps"),)),
+    ("cross_entropy", "classes"): Field("vocab_size", "vocab_size", (("", "classes"),)),
     ("causal_mask", "window"): Field("sliding_window", "sliding_window", (("", "window"),)),
 }
 ACTIVATIONS = ("gelu", "relu", "silu")

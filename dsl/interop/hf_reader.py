@@ -29,12 +29,16 @@ class HFReader:
     """Reads param boxes from a save_pretrained directory's safetensors (open files cached)."""
 
     def __init__(self, tensors: list[HFTensor], entries: dict[str, TensorEntry],
-                 shapes: dict[str, tuple[int, ...]], chunk_bytes: int = CHUNK_BYTES):
+                 shapes: dict[str, tuple[int, ...]], chunk_bytes: int = CHUNK_BYTES,
+                 real: dict[str, tuple[int, ...]] | None = None):
         # param -> (its HF tensor, its index among the tensor's params)
         self.where = {p: (t, k) for t in tensors for k, p in enumerate(t.params)}
         self.entries = entries
         self.shapes = shapes  # param -> full shape
         self.chunk_bytes = chunk_bytes
+        # param -> its shape in the files: smaller than `shapes` along a padded vocab, whose
+        # rows beyond it read as zeros
+        self.real = real or shapes
         self.bytes_read = 0
 
     def _slice(self, name: str, index: tuple[slice, ...]):
@@ -55,22 +59,35 @@ class HFReader:
         return part
 
     def read(self, tensor: str, box, dtype):
-        """The region `box` of param `tensor` ("param/NAME"), as `dtype`."""
+        """The region `box` of param `tensor` ("param/NAME"), as `dtype` (zeros where it
+        reaches past the files' shape: a padded vocab)."""
+        import torch
+
         name = tensor.split("/", 1)[1]
+        real = self.real[name]
+        if tuple(real) == tuple(self.shapes[name]):
+            return self._read(name, box, dtype)
+        inside = box.intersect(Box((0,) * len(real), tuple(real)))
+        out = torch.zeros(box.shape, dtype=dtype)
+        if inside is not None:
+            out[inside.within(box)] = self._read(name, inside, dtype)
+        return out
+
+    def _read(self, name: str, box, dtype):
         t, k = self.where[name]
-        s = self.shapes[name]
+        s = self.real[name]
         o, n = box.offset, box.shape
         if t.how == "same":
             x = self._slice(t.name, tuple(slice(a, a + m) for a, m in zip(o, n, strict=True)))
         elif t.how == "t":  # [a, b] <- [b, a]
             x = self._slice(t.name, (slice(o[1], o[1] + n[1]), slice(o[0], o[0] + n[0]))).T
         elif t.how == "flat":  # [d0, *rest] <- a run of a 1-d tensor, after the params before
-            base = sum(math.prod(self.shapes[p]) for p in t.params[:k])
+            base = sum(math.prod(self.real[p]) for p in t.params[:k])
             inner = math.prod(s[1:])
             x = self._slice(t.name, (slice(base + o[0] * inner, base + (o[0] + n[0]) * inner),))
             x = _rest(x.reshape(n[0], *s[1:]), o, n, 1)
         elif t.how == "cols":  # [a, d1, *rest] <- columns of [a, sum], after the params before
-            base = sum(math.prod(self.shapes[p][1:]) for p in t.params[:k])
+            base = sum(math.prod(self.real[p][1:]) for p in t.params[:k])
             inner = math.prod(s[2:])
             x = self._slice(t.name, (slice(o[0], o[0] + n[0]),
                                      slice(base + o[1] * inner, base + (o[1] + n[1]) * inner)))
