@@ -3,9 +3,10 @@
 shard, and the load time.
 
 The checkpoint is a random-init GPT2LMHeadModel of GPT-2 small's geometry (12 layers, hidden
-768, 12 heads, ffn 3072, 1024 positions), saved once with save_pretrained (fp32, 498 MB) under
---dir. Its vocab is 50304 (GPT-2's 50257 padded to a multiple of 64 as nanoGPT does): tp splits
-the vocab, and 50257 is prime to every split.
+768, 12 heads, ffn 3072, 1024 positions, vocab 50257), saved once with save_pretrained (fp32,
+498 MB) under --dir. soapstone's model pads the vocab to 50304 (`cross_entropy(...,
+classes = 50257)`, Megatron's padding: tp splits the vocab, and 50257 divides by no split),
+reading the padded rows as zeros.
 
 soapstone, under `mpiexec -n N` (N = 1, 2, 4; layout tp1 = one rank, else tpN: heads, ffn and
 vocab split): each rank compiles the model, resets its peak-RSS mark (/proc/self/clear_refs),
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GEOMETRY = {"vocab_size": 50304, "n_positions": 1024, "n_embd": 768, "n_head": 12,
+PADDED = 50304  # 50257 rounded up to a multiple of 128
+GEOMETRY = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_head": 12,
             "n_layer": 12, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
@@ -71,7 +73,7 @@ def soapstone_rank(directory: str) -> None:
     world = init("mpi")
     n = world.size
     cfg = hf_config.read_config(directory)
-    text = hf.spec_text(cfg, "gpt2", batch=1, seq=16)
+    text = hf.spec_text(cfg, "gpt2", batch=1, seq=16, vocab=PADDED)
     if n > 1:
         text += (f"parallel tp{n} for gpt2 on mesh(model = {n}) {{\n"
                  "  parameter heads, ffn, vocab -> model\n}\n")
@@ -144,7 +146,7 @@ def main() -> None:
     """Every configuration --repeat times in fresh processes; the table of best figures."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/soapstone-gpt2-small")
+    ap.add_argument("--dir", default="/tmp/soapstone-gpt2-small-50257")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--child", choices=["soapstone", "transformers"])
     args = ap.parse_args()

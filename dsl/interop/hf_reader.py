@@ -18,7 +18,7 @@ from soapstone.dsl.interop.hf_tensors import HFTensor
 from soapstone.shard.checkpoint.boxes import Box
 
 # the most bytes one read brings in (see read_into)
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
 # per layout change, the param dim along which the Hugging Face tensor's rows run (the dim a
 # piece of consecutive rows covers): [b, a] -> [a, b] and (d1 x rest, a) -> [a, d1, ...] by
 # their second dim, (b, d0 x mid) -> [d0, ..., b] by the last, the rest by the first
@@ -68,6 +68,8 @@ class HFReader:
         if tuple(real) == tuple(self.shapes[name]):
             return self._read(name, box, dtype)
         inside = box.intersect(Box((0,) * len(real), tuple(real)))
+        if inside == box:  # no padding in this piece: no buffer for zeros
+            return self._read(name, box, dtype)
         out = torch.zeros(box.shape, dtype=dtype)
         if inside is not None:
             out[inside.within(box)] = self._read(name, inside, dtype)
