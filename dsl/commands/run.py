@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         model, par, program = build_program(args, comm.size)
         nodes = launch_nodes(par, comm.size)  # collective; every rank gets the same verdict
         check_device(program, comm.device)
-        ckpt = checkpoint_plan(args, program)  # before the task: --resume sets the seed
+        ckpt = checkpoint_plan(args, program, model)  # before the task: --resume sets the seed
         if getattr(args, "trace", None):
             check_trace_flag(args.trace, par)
         prove_layout(model, program, args.optimizer)  # every rank's calls match, statically
@@ -219,7 +219,9 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                       device=comm.device, flops_per_step=speed[0] if speed else None,
                       peak_flops=speed[1].flops if speed and speed[1] else None,
                       on_nonfinite=OnNonFinite(args.on_nonfinite),
-                      max_skips=DEFAULT_MAX_SKIPS if args.max_skips is None else args.max_skips)
+                      max_skips=DEFAULT_MAX_SKIPS if args.max_skips is None else args.max_skips,
+                      # weights that --init or --resume overwrite are not drawn first
+                      draw=ckpt is None or not (ckpt.init or ckpt.resume))
     layout = f" / {par.name}" if par is not None else ""
     if rank == 0:
         print(f"soapstone run: {program.model}{layout} on {comm.size} rank"

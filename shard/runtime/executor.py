@@ -92,7 +92,7 @@ class Executor:
     def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
                  trace: bool = False, device: torch.device | str | None = None,
-                 p2p: str | None = None):
+                 p2p: str | None = None, draw: bool = True):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
         self.graph = graph
@@ -108,7 +108,8 @@ class Executor:
         sub = SubMesh(mesh, graph.axis) if piped else mesh
         self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
         self.models = {i: ShardedModel(s.program, sub, seed=seed, custom=custom, dtype=dtype,
-                                       compute_dtype=compute_dtype, device=self.device)
+                                       compute_dtype=compute_dtype, device=self.device,
+                                       draw=draw)
                        for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)

@@ -113,7 +113,7 @@ class Trainer:
                  device: torch.device | str | None = None, flops_per_step: float | None = None,
                  peak_flops: float | None = None,
                  on_nonfinite: OnNonFinite = OnNonFinite.STOP,
-                 max_skips: int = DEFAULT_MAX_SKIPS):
+                 max_skips: int = DEFAULT_MAX_SKIPS, draw: bool = True):
         if precision not in PRECISIONS:
             raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                                f"{precision!r}")
@@ -131,7 +131,7 @@ class Trainer:
             graph, mesh, seed=seed, custom=custom,
             dtype=want if precision == "fp64" else None,
             compute_dtype=want if precision == "bf16" else None, trace=trace,
-            device=device)
+            device=device, draw=draw)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:
