@@ -95,6 +95,10 @@ def block_order(ctx: Ctx, facts: Facts, kind: ScheduleKind | None, chunks: int,
         return []
     per_rank = kind.per_rank(chunks) if kind is not None else 1
     if per_rank > 1:
+        if nstages * per_rank > len(seq):  # never build that order: chunks may be 1e20
+            return [ctx.diag(loc, f"{kind.name} runs {nstages} x {per_rank} stages of at least "
+                             f"one block each, but the model has {len(seq)} blocks",
+                             "use fewer chunks or pipe ranks")]
         order = kind.ranks(nstages, per_rank)
         at = cut(list(zip(seq, facts.stage_locs, strict=True)), order)
         runs = [seq[i] for i in range(len(seq)) if i == 0 or at[i] != at[i - 1]]
