@@ -195,6 +195,11 @@ def _rope(conf: dict, path: str) -> tuple[float, tuple | None]:
                           "computes plain positions (rope_type default) or LLaMA-3's scaling "
                           "(rope_type llama3)")
         theta = rope.get("rope_theta", theta)
+        part = rope.get("partial_rotary_factor", conf.get("partial_rotary_factor", 1.0))
+        if part not in (1, 1.0):  # rotating only part of head_dim: rope rotates all of it
+            raise HFError(f"{path}: field {key!r} has partial_rotary_factor = "
+                          f"{json.dumps(part)}, which is not supported: rope rotates the whole "
+                          "head_dim (partial_rotary_factor 1)")
         if kind == "llama3":
             scaling = _llama3(rope, key, path)
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:

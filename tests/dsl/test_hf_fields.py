@@ -137,7 +137,8 @@ def test_a_spec_that_disagrees_with_the_config_is_exit_2_at_its_line(tmp_path):
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
                                   {"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "llama3", "factor": 8.0}])  # numbers missing
+                                  {"rope_type": "llama3", "factor": 8.0},  # numbers missing
+                                  {"rope_type": "default", "partial_rotary_factor": 0.5}])
 def test_other_rope_scaling_is_refused_naming_the_field(tmp_path, rope):
     d = _dir(tmp_path, "llama")
     conf = json.loads((d / "config.json").read_text())

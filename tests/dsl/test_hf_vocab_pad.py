@@ -5,8 +5,9 @@ N, import fills the padded rows with zeros and export strips them.
 
 Here a GPT-2 of 63 ids (odd: no 2-way split) in examples/gpt2.par at vocab 64: one rank matches
 transformers' logits and loss, the export is a 63-id model transformers computes the same
-logits with, tp2 (vocab split, the padding all on rank 1) starts from transformers' loss, and
-the spec without `classes` is exit 2 naming vocab_size and what to write.
+logits with, tp2 (vocab split, the padding all on rank 1) starts from transformers' loss,
+greedy tp2 generation never picks the padded id even where its logit is the largest, and the
+spec without `classes` is exit 2 naming vocab_size and what to write.
 """
 
 from __future__ import annotations
@@ -94,3 +95,26 @@ def test_tp2_starts_from_transformers_loss_and_unpadded_spec_is_refused(odd, tmp
                     f"hf:{odd}", "--steps", "1"])
     assert refused["rc"] == 2, refused["text"]
     assert "'vocab_size'" in refused["text"] and f"write classes = {REAL}" in refused["text"]
+
+
+def test_generation_never_picks_a_padded_id(odd, tmp_path):
+    """Every real logit made -8 and the padded one 0 (every table row v, the final norm's
+    output -v): greedy tp2 generation must still pick real ids only (the first, 0)."""
+    import shutil
+
+    from mpirun import run_mpi
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "negative"
+    shutil.copytree(odd, d)
+    t = load_file(d / "model.safetensors")
+    v = torch.full((t["transformer.wte.weight"].shape[1],), 0.5)
+    t["transformer.wte.weight"] = v.expand_as(t["transformer.wte.weight"]).clone()
+    t["transformer.ln_f.weight"] = torch.zeros_like(v)
+    t["transformer.ln_f.bias"] = -v
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    r = run_mpi(2, ["-m", "soapstone.dsl.cli", "generate", str(_spec(tmp_path)), "--parallel",
+                    "tp2", "--dim", f"vocab={PADDED}", "--init", f"hf:{d}", "--prompt", "!",
+                    "--tokens", "3", "--temperature", "0"], timeout=240)
+    assert r.ok, r.report()
+    assert r.stdout.splitlines()[0] == "!\x00\x00\x00", repr(r.stdout)  # never id 63 ('?')
