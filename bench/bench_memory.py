@@ -10,7 +10,7 @@ is measured on every rank after a first step has allocated gradients and optimiz
   mmap, returned at free, so resident memory follows the live tensors): explain's
   `activation_bytes + transient_bytes`, less the input batch, which exists before.
 
-    .venv/bin/python bench/bench_memory.py [--json F]
+    .venv/bin/python bench/bench_memory.py [--json F] [--precision bf16]
     mpiexec -n 2 .venv/bin/python bench/bench_memory.py --spec examples/gpt.par \\
         --parallel tp2 --dim seq=256 --dim hidden=256
 """
@@ -52,8 +52,10 @@ def _exact_rss() -> None:
     libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
 
 
-def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=None) -> dict:
-    """explain's figures vs saved-for-backward bytes and the step's peak, on this rank."""
+def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=None,
+            precision: str = "fp32") -> dict:
+    """explain's figures (explain --precision `precision`) vs saved-for-backward bytes and the
+    step's peak of a `run --precision` step, on this rank."""
     import torch
 
     from soapstone.comm import Mesh
@@ -61,6 +63,7 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.explain import estimate_pipeline
+    from soapstone.shard.plan.analysis.precision import graph_as_run
     from soapstone.shard.runtime.executor import Executor
 
     loaded = load(spec, dims=dims)
@@ -70,8 +73,11 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     rank = mesh.rank if mesh else 0
     pipe_rank = mesh.coord(graph.axis) if mesh and graph.axis else None
-    est = estimate_pipeline(graph, par.zero if par else 0, "adamw", rank=pipe_rank)
-    ex = Executor(graph, mesh, seed=0)
+    est = estimate_pipeline(graph_as_run(graph, precision), par.zero if par else 0, "adamw",
+                            rank=pipe_rank)
+    # bf16: bf16 compute over fp32 masters, as the Trainer builds it for run --precision bf16
+    ex = Executor(graph, mesh, seed=0,
+                  compute_dtype=torch.bfloat16 if precision == "bf16" else None)
     ex.use_optimizer(name="adamw", lr=1e-3, zero=par.zero if par else 0)
     task = make_task(lower_graph(model, None).program, 0)
     ex.train_step(task.batch(0), step=0)  # gradients and optimizer state now exist
@@ -93,12 +99,22 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     ex.forward_backward(batch, step=2)
     peak = _status("VmHWM") - before
     ex.step()
-    inputs = sum(t.untyped_storage().nbytes() for t in batch.values())
+    from soapstone.shard.runtime.memory import LiveBytes
+
+    live = LiveBytes()  # the same step's tensors alone: no allocator or MPI buffers
+    with live:
+        ex.forward_backward(task.batch(3), step=3)
+    ex.step()
+    # the batch exists before the step; under bf16 its float inputs are cast to a new bf16
+    # copy inside the step, which explain counts as the input value: only the rest is old
+    inputs = sum(t.untyped_storage().nbytes() for t in batch.values()
+                 if precision == "fp32" or not t.is_floating_point())
     est_peak = est.activation_bytes + est.transient_bytes - inputs
-    return {"spec": spec, "dims": dims, "layout": layout, "rank": rank,
+    return {"spec": spec, "dims": dims, "layout": layout, "rank": rank, "precision": precision,
             "explain_activation_bytes": est.activation_bytes,
             "explain_transient_bytes": est.transient_bytes, "saved_bytes": sum(saved.values()),
-            "peak_step_bytes": peak, "input_bytes": inputs,
+            "peak_step_bytes": peak, "input_bytes": inputs, "live_step_bytes": live.peak,
+            "live_error": est_peak / max(1, live.peak) - 1,
             "saved_error": est.activation_bytes / max(1, sum(saved.values())) - 1,
             "peak_error": est_peak / max(1, peak) - 1}
 
@@ -106,7 +122,7 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
 def table(rows: list[dict]) -> str:
     """The rows as text."""
     out = [f"{'case':<34} {'rank':>4} {'saved MiB':>9} {'explain':>8} {'err':>6} "
-           f"{'peak MiB':>8} {'explain':>8} {'err':>6}"]
+           f"{'peak MiB':>8} {'explain':>8} {'err':>6} {'live MiB':>8} {'err':>6}"]
     for r in rows:
         case = r["spec"] + (f" / {r['layout']}" if r["layout"] else "")
         est_peak = r["explain_activation_bytes"] + r["explain_transient_bytes"] - \
@@ -114,7 +130,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"{case:<34} {r['rank']:>4} {r['saved_bytes'] / 2**20:>9.1f} "
                    f"{r['explain_activation_bytes'] / 2**20:>8.1f} {r['saved_error']:>+6.1%} "
                    f"{r['peak_step_bytes'] / 2**20:>8.1f} {est_peak / 2**20:>8.1f} "
-                   f"{r['peak_error']:>+6.1%}")
+                   f"{r['peak_error']:>+6.1%} {r['live_step_bytes'] / 2**20:>8.1f} "
+                   f"{r['live_error']:>+6.1%}")
     return "\n".join(out) + "\n"
 
 
@@ -125,6 +142,8 @@ def main() -> int:
     ap.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--small", action="store_true", help="the quick cases (tests)")
     ap.add_argument("--json", metavar="F", help="also write the rows as JSON (rank 0)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="the step's, as run's --precision (default fp32)")
     args = ap.parse_args()
     import torch
 
@@ -138,7 +157,7 @@ def main() -> int:
         cases = [(args.spec, parse_dims(args.dim))]
     else:
         cases = SMALL if args.small else CASES
-    rows = [measure(spec, dims, args.parallel, comm) for spec, dims in cases]
+    rows = [measure(spec, dims, args.parallel, comm, args.precision) for spec, dims in cases]
     from mpi4py import MPI
 
     every = MPI.COMM_WORLD.allgather(rows)

@@ -17,7 +17,8 @@ SIGINT, SIGUSR1, ...) go on to the child, once (the child has its own process gr
 signal to the launched process's group does not reach it twice); the child dies with its
 supervisor
 (PR_SET_PDEATHSIG), so a killed supervisor never leaves a rank behind. Without a launcher
-(no PMI_RANK, PMIX_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID) nothing forks;
+(no PMI_RANK, PMIX_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID), or in a process that has
+loaded MPI already (the CLI called from Python under mpiexec), nothing forks;
 SOAPSTONE_SUPERVISE=0 turns it off. Torch-free, MPI-free.
 """
 
@@ -53,6 +54,8 @@ def supervise() -> None:
     rank = launched_rank()
     if rank is None or os.environ.get("SOAPSTONE_SUPERVISE", "1").strip() == "0":
         return
+    if "mpi4py.MPI" in sys.modules:  # called from a program that has MPI already (a test,
+        return  # the Python API): a fork would copy its live MPI state into the child
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     parent = os.getpid()

@@ -131,24 +131,29 @@ def build_program(args: argparse.Namespace, world_size: int | None):
     return model, par, compile_layout(model, par)
 
 
-def check_memory(model, graph, comm, optimizer: str, spec: str) -> None:
+def check_memory(model, graph, comm, optimizer: str, spec: str,
+                 precision: str = "fp32") -> None:
     """The fit check before anything is allocated (shard/plan/analysis/fit.py): DoesNotFit (exit 2)
     with the numbers and a layout `soapstone plan` finds for this many ranks, when the
-    layout's estimate exceeds what a rank has. Alike on every rank (the estimate is the
-    busiest rank's; the memory is the host's MemTotal over the ranks on it, or the GPU's)."""
+    layout's estimate (what `precision` keeps) exceeds what a rank has. Alike on every rank
+    (the estimate is the busiest rank's; the memory is the host's MemTotal over the ranks on
+    it, or the GPU's)."""
     from soapstone.shard.plan.analysis.fit import DoesNotFit, check_fit
+    from soapstone.shard.plan.analysis.precision import graph_as_run
     from soapstone.shard.train.trainer import rank_memory
 
     available, where = rank_memory(comm)
     try:
-        check_fit(graph, optimizer, available, where)
+        check_fit(graph_as_run(graph, precision), optimizer, available, where)
     except DoesNotFit as e:
-        raise DoesNotFit(f"{e}\nhint: {plan_hint(model, comm.size, available, optimizer, spec)}"
-                         ) from None
+        hint = plan_hint(model, comm.size, available, optimizer, spec, precision)
+        raise DoesNotFit(f"{e}\nhint: {hint}") from None
 
 
-def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> str:
-    """What `soapstone plan` suggests for `world` ranks of `available` bytes each."""
+def plan_hint(model, world: int, available: int, optimizer: str, spec: str,
+              precision: str = "fp32") -> str:
+    """What `soapstone plan` suggests for `world` ranks of `available` bytes each, in
+    `precision`."""
     import attrs
 
     from soapstone.dsl.search.plan_search import Planner, search
@@ -161,7 +166,7 @@ def plan_hint(model, world: int, available: int, optimizer: str, spec: str) -> s
                         devices_per_node=max(world, 1))
     ranks = f"{world} rank{'s' if world > 1 else ''} of {format_bytes(available)}"
     try:
-        plan = search(Planner(model, prof, optimizer=optimizer), world)
+        plan = search(Planner(model, prof, optimizer=optimizer, precision=precision), world)
     except PlanError as e:
         why = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         return (f"no layout of {model.name} fits {ranks} ({why}): launch more ranks or use "

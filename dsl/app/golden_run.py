@@ -154,12 +154,15 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
                                  f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
     prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
-    check_memory(model, graph, comm, header["optimizer"], spec_path)
+    check_memory(model, graph, comm, header["optimizer"], spec_path, header["precision"])
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     trainer = _trainer(graph, mesh, header, model=model, device=comm.device)
     if mesh is not None:  # the watchdog's reports say where each rank should be
         from soapstone.comm.observe import expected
         from soapstone.dsl.compile.layout_proof import expected_calls
+        from soapstone.shard.plan.analysis.precision import graph_as_run
 
-        expected.expect(expected_calls(graph, comm.rank, model))
+        # in the record's precision: the dtypes its calls carry
+        expected.expect(expected_calls(graph_as_run(graph, header["precision"]), comm.rank,
+                                       model))
     return GoldenCheck(record, trainer)

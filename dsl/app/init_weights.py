@@ -13,8 +13,12 @@ from pathlib import Path
 
 from soapstone.dsl.lang.errors import BadInput
 
-# scheme -> (check(rest, graph) before launch: raises UserError, load(executor, rest) -> a line)
-SCHEMES: dict[str, tuple[Callable[[str, object], None], Callable[[object, str], str]]] = {}
+# scheme -> (check(rest, graph, model) before launch: raises UserError,
+#            load(executor, rest) -> a line,
+#            tokenizer(rest) -> the path of the source's tokenizer.json or None)
+SCHEMES: dict[str, tuple[Callable[[str, object, object], None],
+                         Callable[[object, str], str],
+                         Callable[[str], str | None]]] = {}
 
 
 def _scheme(text: str):
@@ -22,12 +26,14 @@ def _scheme(text: str):
     return (SCHEMES[prefix], rest) if sep and prefix in SCHEMES else (None, text)
 
 
-def check_init(text: str, graph) -> None:
+def check_init(text: str, graph, model=None) -> None:
     """--init's source exists, is a kind it can read and holds exactly the parameters of
-    `graph`'s model with their shapes (UserError otherwise; reads no tensor data)."""
+    `graph`'s model with their shapes (UserError otherwise; reads no tensor data). `model`
+    (the spec's IR) lets a source that describes a computation (hf:DIR's config) prove the
+    spec computes it, at the spec's lines."""
     scheme, rest = _scheme(text)
     if scheme is not None:
-        scheme[0](rest, graph)
+        scheme[0](rest, graph, model)
         return
     p = Path(text)
     if p.is_file() and p.suffix != ".safetensors":
@@ -42,6 +48,17 @@ def check_init(text: str, graph) -> None:
     open_params(p, graph)
 
 
+def init_tokenizer(text: str | None) -> str | None:
+    """The tokenizer that comes with --init's source (a Hugging Face directory's
+    tokenizer.json), or None when it has none."""
+    if not text:
+        return None
+    scheme, rest = _scheme(text)
+    if scheme is None or len(scheme) < 3:
+        return None
+    return scheme[2](rest)
+
+
 def load_init(executor, text: str) -> str:
     """Load --init's weights into `executor` (any layout; each rank reads its slices);
     a line saying what was loaded. Collective."""
@@ -53,10 +70,10 @@ def load_init(executor, text: str) -> str:
     return load_params(executor, text)
 
 
-def _hf_check(rest: str, graph) -> None:
+def _hf_check(rest: str, graph, model) -> None:
     from soapstone.dsl.interop import hf
 
-    hf.check_graph(rest, graph)
+    hf.check_graph(rest, graph, model)
 
 
 def _hf_load(executor, rest: str) -> str:
@@ -65,4 +82,10 @@ def _hf_load(executor, rest: str) -> str:
     return hf.load_init(executor, rest)
 
 
-SCHEMES["hf"] = (_hf_check, _hf_load)  # a Hugging Face GPT-2 / LLaMA directory (dsl/interop/hf.py)
+def _hf_tokenizer(rest: str) -> str | None:
+    found = Path(rest) / "tokenizer.json"
+    return str(found) if found.is_file() else None
+
+
+# a Hugging Face GPT-2 / LLaMA directory (dsl/interop/hf.py)
+SCHEMES["hf"] = (_hf_check, _hf_load, _hf_tokenizer)

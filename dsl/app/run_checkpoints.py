@@ -53,7 +53,7 @@ class Background:
     saver: object | None = None
 
 
-def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
+def checkpoint_plan(args: argparse.Namespace, graph, model=None) -> CheckpointPlan:
     """Check the checkpoint flags against the model of `graph` before launch (the same
     verdict on every rank; no tensor data read); with --resume, args.seed becomes the
     checkpoint's."""
@@ -75,7 +75,7 @@ def checkpoint_plan(args: argparse.Namespace, graph) -> CheckpointPlan:
     if args.init:
         from soapstone.dsl.app.init_weights import check_init
 
-        check_init(args.init, graph)
+        check_init(args.init, graph, model)
     if not args.resume:
         return CheckpointPlan(save, every, keep, init=args.init, async_save=background)
     from soapstone.shard.checkpoint.load import open_resume

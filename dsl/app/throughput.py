@@ -33,9 +33,9 @@ class Peak:
 def step_flops(program, accumulate: int = 1) -> float:
     """Model FLOPs of one training step of the single-rank `program` (module doc; a layout's
     Program counts only its rank's local shapes)."""
-    from soapstone.shard.plan.analysis.cost import BACKWARD_FACTOR, program_work
+    from soapstone.shard.plan.analysis.score import model_flops
 
-    return program_work(program).matmul_flops * (1 + BACKWARD_FACTOR) * accumulate
+    return model_flops(program, accumulate)  # explain's and plan's MFU count them alike
 
 
 def preset_for_gpu(name: str) -> str | None:

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from soapstone.comm.dtype_table import RUN_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import compile_layout, load_layout
 from soapstone.dsl.commands import fail
@@ -25,9 +26,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
+    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
+                        help="what `run --precision` keeps and moves: bf16 counts bf16 "
+                             "activations, collectives and p2p, fp32 masters and gradients "
+                             "(default fp32, as `run`)")
     parser.add_argument("--profile", metavar="NAME|FILE",
                         help="compare the memory with this device's (a preset or a profile "
-                             "file; default: this host's memory over the layout's ranks)")
+                             "file; default: this host's memory over the layout's ranks), and "
+                             "predict the step time, TFLOP/s per device, MFU and tokens/s on it")
     add_nodes_option(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -35,17 +41,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
     from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.analysis.precision import graph_as_run
 
     try:
         model, par = load_layout(args)
         zero = par.zero if par is not None else 0
-        graph = compile_layout(model, par)  # every layout is a stage graph
+        # every layout is a stage graph, its dtypes those the run computes in
+        graph = graph_as_run(compile_layout(model, par), args.precision)
         if len(graph.stages) == 1 and graph.microbatches == 1:
             est = estimate(graph.program, zero=zero, optimizer=args.optimizer)
         else:  # stages or accumulation: per microbatch x microbatches, the schedule's peak
             est = estimate_pipeline(graph, zero=zero, optimizer=args.optimizer)
         limit, where = _memory_limit(args.profile, est.world_size)
         nodes = placement(par, args.devices_per_node, args.profile)
+        scored = predict(args, model, graph, est) if args.profile else None
     except UserError as e:
         return fail(e)
     fits = est.total_bytes <= limit
@@ -69,9 +78,16 @@ def main(args: argparse.Namespace) -> int:
                                           "checkpoint_bytes_per_rank": ckpt,
                                           "async_staging_bytes": max(ckpt) if ckpt else None}
                          | extra
+                         | ({"score": scored[0].to_data(), "time": scored[1].to_data()}
+                            if scored else {})
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        if scored:
+            from soapstone.shard.plan.analysis.score import format_time
+
+            print(scored[0].line())
+            print(format_time(scored[1]))
         if par is not None and par.offload:
             from soapstone.shard.parallel.offload_plan import format_offload, offload_figures
             from soapstone.shard.plan.units import format_bytes
@@ -93,6 +109,25 @@ def main(args: argparse.Namespace) -> int:
               "it. `soapstone plan SPEC --world N --profile NAME` finds layouts that fit",
               file=sys.stderr)
     return 0
+
+
+def predict(args, model, graph, est):
+    """(Score, StepTime) of the layout on --profile in --precision (shard/plan/analysis/
+    score.py): the cost model's step, the model FLOPs as `run` counts them (its single-rank
+    Program), --devices-per-node overriding the profile's."""
+    import attrs
+
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.plan.analysis.cost import step_time
+    from soapstone.shard.plan.analysis.hardware import load_profile
+    from soapstone.shard.plan.analysis.score import graph_work, score
+
+    prof = load_profile(args.profile)
+    if args.devices_per_node is not None:
+        prof = attrs.evolve(prof, devices_per_node=args.devices_per_node)
+    t = step_time(est, graph_work(graph), prof, args.precision,
+                  graph.stages[0].program.data_axes)
+    return score(t, lower(model, None), graph.world_size, prof, args.precision), t
 
 
 def format_staging(per_rank: list[int]) -> str:

@@ -50,8 +50,8 @@ def main(args: argparse.Namespace) -> int:
         hf.check_model(model, hf_config.config_of(model), args.spec)
         graph = compile_layout(model, None)
         if args.init:
-            check_init(args.init, graph)
-        ex = Executor(graph, None, seed=args.seed)
+            check_init(args.init, graph, model)
+        ex = Executor(graph, None, seed=args.seed, draw=not args.init)  # --init fills it
         what = load_init(ex, args.init) if args.init else f"seed {args.seed}"
         if comm.rank == 0:  # under mpiexec every rank builds the same: one writes
             cfg = hf.save(args.hf, model, ex.full_state_dict())

@@ -3,9 +3,11 @@ sample from a trained language model, on one rank or under any layout (--paralle
 
 SOURCE is what `run --init` takes (dsl/app/init_weights.py: a checkpoint directory, a safetensors
 file of full parameters, or a registered scheme such as hf:DIR). The prompt is encoded as
-UTF-8 bytes (a model trained on byte-level data, vocab >= 256) or by --tokenizer's
-tokenizer.json, and the continuation printed as text (rank 0). Every rank checks the flags on
-its own and reaches the same verdict, so bad input exits 2 on all of them at once.
+UTF-8 bytes (a model trained on byte-level data, vocab 256) or by a Hugging Face
+tokenizer.json: --tokenizer's, else the one beside hf:DIR's weights (a model of more than 256
+ids without either is exit 2 naming --tokenizer); the continuation printed as text (rank 0).
+Every rank checks the flags on its own and reaches the same verdict, so bad input exits 2 on
+all of them at once.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Check everything on every rank, load the weights, sample, print (rank 0)."""
-    from soapstone.dsl.app.init_weights import check_init, load_init
+    from soapstone.dsl.app.init_weights import check_init, init_tokenizer, load_init
     from soapstone.dsl.model.language_model import language_model
     from soapstone.shard.data.tokenizer import load_tokenizer
 
@@ -64,16 +66,21 @@ def main(args: argparse.Namespace) -> int:
         check_flags(args)
         model, par, _ = build_program(args, comm.size)  # the launch matches the layout
         lm = language_model(model, args.spec)
-        tok = load_tokenizer(args.tokenizer)
+        # a Hugging Face directory's own tokenizer.json, unless --tokenizer names another
+        tok = load_tokenizer(args.tokenizer or init_tokenizer(args.init))
+        if tok.name == "bytes" and lm.real > 256:
+            raise BadInput(f"model '{model.name}' has a vocab of {lm.real}: its ids are no "
+                           "bytes, so the text needs the tokenizer it was trained with; give "
+                           "--tokenizer tokenizer.json (or a directory holding one)")
         prompt = tok.encode(args.prompt)
         if not prompt:
             raise BadInput("--prompt '': give at least one character to continue")
-        if max(prompt) >= lm.vocab:
+        if max(prompt) >= lm.real:
             raise BadInput(f"--prompt: id {max(prompt)} ({tok.name}) does not fit model "
-                           f"'{model.name}''s vocab of {lm.vocab}; a model trained on bytes "
+                           f"'{model.name}''s vocab of {lm.real}; a model trained on bytes "
                            "needs --dim vocab=256 (or more), another needs its --tokenizer")
         graph = compile_layout(lm.model, par)
-        check_init(args.init, graph)  # the source holds this model's parameters
+        check_init(args.init, graph, lm.model)  # the source holds this model's parameters
     except UserError as e:
         return fail(e, comm.rank)
     return sample(args, comm, par, graph, lm, tok, prompt, load_init)
@@ -86,7 +93,7 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     from soapstone.shard.train.generate import generate
 
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
-    ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers())
+    ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers(), draw=False)  # --init fills
     try:  # a damaged byte: every rank raises the same CheckpointError together
         loaded = load_init(ex, args.init)
     except UserError as e:
@@ -95,7 +102,7 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     rows = lm.model.size(dims[0]) if len(dims) == 2 else 1
     new = generate(ex, lm.ids, lm.targets, lm.logits_output, prompt, args.tokens,
                    args.temperature, args.top_k, args.seed, (rows, lm.seq),
-                   comm if comm.size > 1 else None)
+                   comm if comm.size > 1 else None, classes=lm.real)
     if comm.rank == 0:
         print(f"soapstone generate: {lm.model.name}"
               f"{' / ' + par.name if par is not None else ''} on {comm.size} rank"

@@ -45,8 +45,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="table rows (default 10)")
     parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
-                        help="the compute dtype whose peak the compute runs at (default fp32, "
-                             "as `run`)")
+                        help="what `run --precision` computes in: the peak the compute runs "
+                             "at and the bytes it keeps and moves (bf16 activations and "
+                             "collectives, fp32 masters; default fp32, as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
     parser.add_argument("--name", default="planned", help="the block's name (default planned)")

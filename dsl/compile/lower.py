@@ -459,7 +459,9 @@ def input_roles(model: ir.Model) -> tuple[InputRole, ...]:
             found.setdefault(ids, InputRole(ids, "ids", sizes[params[op.args[1]].type.dims[0]]))
         if op.kind == "cross_entropy":
             t = op.args[1]
-            found.setdefault(t, InputRole(t, "labels", sizes[str(op.attr("over"))]))
+            real = op.attr("classes")  # a padded class dim: targets are the real classes
+            found.setdefault(t, InputRole(t, "labels", int(real) if real is not None
+                                          else sizes[str(op.attr("over"))]))
     # the classified inputs in op order, then the rest in input order: the synthetic task
     # draws in this order, so it is part of what a recorded run reproduces
     inputs = {i.name for i in model.inputs}

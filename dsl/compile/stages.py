@@ -5,7 +5,8 @@ repeat blocks on pipe ranks; each maximal run of consecutive blocks on one rank 
 stage* (one per rank without interleaving, `chunks` per rank with it). Ops outside every
 block go with their neighbours: those before the first block to the first stage, the rest
 (final norm, head, loss) to the stage of the last block before them. Each virtual stage becomes
-an ordinary `ir.Model`:
+an ordinary `ir.Model` (a V schedule puts two stages on the last rank: its two operator
+ranges there are two stages, `stage_runs`):
 
 - inputs: the model inputs its ops read (every rank gets the batch, so targets go straight to
   the last stage and are never sent), plus the *boundary* values received from the stage
@@ -33,6 +34,8 @@ import attrs
 
 from soapstone.dsl.compile.lower import LoweringError, batch_dim, lower, resolve_ties
 from soapstone.dsl.model import ir
+from soapstone.shard.plan import schedules
+from soapstone.shard.plan.schedules.placement import cut
 from soapstone.shard.plan.stage_graph import Edge, Stage, StageGraph
 
 __all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_graph", "lower_pipeline",
@@ -54,14 +57,19 @@ class StageModel:
 
 
 def stage_runs(model: ir.Model, parallel: ir.Parallel) -> list[tuple[int, tuple[str, ...]]]:
-    """(pipe rank, blocks) of each virtual stage, in block order."""
-    owner = {b: a.stage for a in parallel.operator for b in a.blocks}
+    """(pipe rank, blocks) of each virtual stage, in block order: a run of blocks on one rank,
+    cut where the schedule's placement puts two stages on one rank (placement.cut)."""
+    owner = {b: (a.stage, i) for i, a in enumerate(parallel.operator) for b in a.blocks}
+    kind = schedules.get(parallel.schedule.kind)
+    pipe = dict(parallel.mesh).get(parallel.operator[0].axis, 1) if parallel.operator else 1
+    order = kind.ranks(pipe, kind.per_rank(parallel.schedule.chunks))
+    at = cut([owner[b] for b in model.blocks], order)
     runs: list[tuple[int, list[str]]] = []
-    for b in model.blocks:
-        if runs and runs[-1][0] == owner[b]:
+    for i, b in enumerate(model.blocks):
+        if runs and at[i] == at[i - 1]:
             runs[-1][1].append(b)
         else:
-            runs.append((owner[b], [b]))
+            runs.append((owner[b][0], [b]))
     return [(r, tuple(bs)) for r, bs in runs]
 
 

@@ -23,7 +23,15 @@ import json
 from pathlib import Path
 
 from soapstone.dsl.interop.hf_config import HFConfig, HFError, config_json, config_of, read_config
-from soapstone.dsl.interop.hf_tensors import HFTensor, from_hf, hf_dims, tensor_map, to_hf
+from soapstone.dsl.interop.hf_fields import (
+    HFMismatch,
+    field_of_param,
+    mismatch_of_op,
+    place_of_param,
+)
+from soapstone.dsl.interop.hf_files import check_tensors, read_headers
+from soapstone.dsl.interop.hf_reader import HFReader
+from soapstone.dsl.interop.hf_tensors import hf_dims, hf_shape, tensor_map, to_hf
 from soapstone.dsl.model import ir
 
 # ---- the .par model ------------------------------------------------------------------------
@@ -37,10 +45,17 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
-def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int = 16) -> str:
-    """The .par model computing what `cfg` describes (inputs tokens/targets[batch, seq])."""
+def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int = 16,
+              vocab: int | None = None) -> str:
+    """The .par model computing what `cfg` describes (inputs tokens/targets[batch, seq]);
+    `vocab` > the config's pads the vocab (Megatron's): cross_entropy's classes are the real
+    ones, the padded rows of the tables zeros."""
     name = name or cfg.kind
     d = dict(cfg.dims)
+    loss = "  output loss = cross_entropy(logits, targets)\n"
+    if vocab is not None and vocab > d["vocab"]:
+        loss = f"  output loss = cross_entropy(logits, targets, classes = {d['vocab']})\n"
+        d["vocab"] = vocab
     tie = "  tie linear0.weight = embedding0.table\n" if cfg.tied else ""
     if cfg.kind == "gpt2":
         eps = "" if cfg.eps == 1e-5 else f", eps = {_num(cfg.eps)}"
@@ -59,11 +74,18 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
             f"    x = x + mlp(layernorm(x{eps}), ffn, activation = {cfg.activation})\n"
             "  }\n"
             f"  logits = linear(layernorm(x{eps}), hidden -> vocab, bias = false)\n"
-            f"{tie}"
-            "  output loss = cross_entropy(logits, targets)\n"
+            f"{tie}{loss}"
             "}\n")
     eps = "" if cfg.eps == 1e-6 else f", eps = {_num(cfg.eps)}"
-    ab, mb = _bool(cfg.attention_bias), _bool(cfg.mlp_bias)
+    ab, qb, mb = _bool(cfg.attention_bias), _bool(cfg.qkv_bias), _bool(cfg.mlp_bias)
+    window = f", window = {cfg.window}" if cfg.window is not None else ""
+    if cfg.qk_norm:
+        window += f", qk_norm = {_num(cfg.eps)}"
+    scaled = ""
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        scaled = (f", rope_factor = {_num(factor)}, rope_low_freq = {_num(low)}, "
+                  f"rope_high_freq = {_num(high)}, rope_original_max = {original}")
     return (
         f"model {name} {{\n"
         f"  dim batch = {batch}, seq = {seq}, hidden = {d['hidden']}, heads = {d['heads']}, "
@@ -73,12 +95,11 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         "  x = embedding(tokens, vocab -> hidden)\n"
         f"  repeat {d['layers']} as layer {{\n"
         f"    x = x + attention(rmsnorm(x{eps}), heads = heads, kv_heads = kv_heads, "
-        f"rope = {_num(cfg.rope_theta)}, bias = {ab}, qkv_bias = {ab})\n"
+        f"rope = {_num(cfg.rope_theta)}{scaled}, bias = {ab}, qkv_bias = {qb}{window})\n"
         f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
         "  }\n"
         f"  logits = linear(rmsnorm(x{eps}), hidden -> vocab, bias = false)\n"
-        f"{tie}"
-        "  output loss = cross_entropy(logits, targets)\n"
+        f"{tie}{loss}"
         "}\n")
 
 
@@ -87,23 +108,31 @@ def reference_model(cfg: HFConfig, like: ir.Model) -> ir.Model:
     from soapstone.dsl.lang.spec import load
 
     sizes = dict(like.dims)
-    text = spec_text(cfg, like.name, sizes.get("batch", 8), sizes.get("seq", 16))
+    text = spec_text(cfg, like.name, sizes.get("batch", 8), sizes.get("seq", 16),
+                     sizes.get("vocab"))
     return load(text, filename=f"<{cfg.kind} from {cfg.path}>").model(like.name)
 
 
 def check_model(model: ir.Model, cfg: HFConfig, spec: str = "the spec") -> None:
     """HFError unless `model` computes what `cfg` describes: its dims (naming the --dim flags
-    that fix them), then its params and ops, compared with `spec_text(cfg)`'s."""
+    that fix them), then its params and ops, compared with `spec_text(cfg)`'s; an option
+    that differs (rope theta, a norm's eps, the activation, a bias) is an HFMismatch at its
+    place in the spec naming the config field and both values."""
     from soapstone.dsl.compile.lower import resolve_ties
 
     _check_dims(dict(model.dims), cfg, spec, model.name, len(model.blocks))
     ref = resolve_ties(reference_model(cfg, model))
-    _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec)
+    _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec,
+                  model)
+    check_ops(model, ref, cfg, spec)
+
+
+def check_ops(model: ir.Model, ref: ir.Model, cfg: HFConfig, spec: str) -> None:
+    """Every op of `model` is `ref`'s (the config's model), else an HFMismatch at the first
+    that differs."""
     for a, b in zip(model.ops, ref.ops, strict=False):
         if (a.kind, a.attrs, a.type) != (b.kind, b.attrs, b.type):
-            raise HFError(f"{spec}: model {model.name} is not the {cfg.kind} {cfg.path} "
-                          f"describes: it computes {a.out} = {a.kind}{_attrs(a)} where "
-                          f"{b.kind}{_attrs(b)} is expected ({b.out})")
+            raise mismatch_of_op(a, b, cfg, spec, model.name)
     if len(model.ops) != len(ref.ops):
         raise HFError(f"{spec}: model {model.name} has {len(model.ops)} ops, the {cfg.kind} of "
                       f"{cfg.path} {len(ref.ops)}")
@@ -120,7 +149,9 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
         raise HFError(f"{spec}: model {name} has no dim {', '.join(missing)}, which "
                       f"{cfg.path} sets; write the model as "
                       f"`soapstone.dsl.interop.hf.spec_text` does (examples/{cfg.kind}.par)")
-    wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n]
+    # a larger vocab is the config's padded (cross_entropy's classes then say the real one)
+    wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n
+             and not (d == "vocab" and have[d] > n)]
     if wrong:
         said = ", ".join(f"{d} = {have[d]} (config: {n})" for d, n in wrong)
         raise HFError(f"{spec}: model {name}'s dims differ from {cfg.path}: {said}",
@@ -128,26 +159,40 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
 
 
 def _check_params(have: dict[str, tuple[str, ...]], ref: ir.Model, cfg: HFConfig,
-                  spec: str) -> None:
-    """The params (ties resolved) by name and dims are the reference model's."""
+                  spec: str, model: ir.Model | None = None) -> None:
+    """The params (ties resolved) by name and dims are the reference model's; one that a
+    config flag decides (a bias, the untied head) names the flag, at its place in `model`."""
     mine = dict(have)
     for p in ref.params:
         dims = mine.pop(p.name, None)
         if dims != p.type.dims:
             got = "missing" if dims is None else f"[{', '.join(dims)}]"
-            raise HFError(f"{spec}: model {ref.name} is not the {cfg.kind} {cfg.path} "
-                          f"describes: param {_param_text(p)} expected, {got} here")
+            field = field_of_param(p.name, cfg) if dims is None else None
+            hint = f"{cfg.path} says {field[0].format(v='true')}: write " \
+                f"{field[1].format(v='true')} in this layer" \
+                if field and field[0] != "tie_word_embeddings" else None
+            if field and field[0] == "tie_word_embeddings":
+                hint = f"{cfg.path} sets tie_word_embeddings = false: drop the tie statement"
+            raise HFMismatch(f"{spec}: model {ref.name} is not the {cfg.kind} {cfg.path} "
+                             f"describes: param {_param_text(p)} expected, {got} here",
+                             hint, place_of_param(p.name, model))
     if mine:
         extra = next(iter(mine))
-        hint = "tie linear0.weight = embedding0.table (tie_word_embeddings)" \
-            if cfg.tied and extra == "linear0.weight" else None
-        raise HFError(f"{spec}: model {ref.name} has param {extra}, which the {cfg.kind} of "
-                      f"{cfg.path} lacks", hint)
+        field = field_of_param(extra, cfg)
+        hint = None
+        if field and field[0] == "tie_word_embeddings":
+            hint = f"{field[1]} ({cfg.path} sets tie_word_embeddings = true)"
+        elif field:
+            hint = f"{cfg.path} says {field[0].format(v='false')}: write " \
+                f"{field[1].format(v='false')} in this layer"
+        raise HFMismatch(f"{spec}: model {ref.name} has param {extra}, which the {cfg.kind} of "
+                         f"{cfg.path} lacks", hint, place_of_param(extra, model))
 
 
-def check_graph(directory: str | Path, graph) -> HFConfig:
+def check_graph(directory: str | Path, graph, model: ir.Model | None = None) -> HFConfig:
     """HFError unless the compiled `graph` (any layout) holds the params, by name and dims,
-    of the model DIR/config.json describes (what `run --init hf:DIR` checks before launch)."""
+    of the model DIR/config.json describes, and `model` (the spec's, when given) computes it
+    op by op (what `run --init hf:DIR` checks before launch)."""
     from soapstone.dsl.compile.lower import resolve_ties
 
     cfg = read_config(directory)
@@ -159,44 +204,17 @@ def check_graph(directory: str | Path, graph) -> HFConfig:
     like = ir.Model(graph.model, tuple({**sizes, "batch": graph.batch or 8}.items()), (), (),
                     (), (), ())
     have = {p.name: p.dims for s in graph.stages for p in s.program.params}
-    _check_params(have, resolve_ties(reference_model(cfg, like)), cfg, spec)
+    ref = resolve_ties(reference_model(cfg, like))
+    _check_params(have, ref, cfg, spec, model)
+    if model is not None:
+        check_ops(model, resolve_ties(reference_model(cfg, model)), cfg, spec)
+    open_weights(directory, cfg, graph_params(graph))  # the files' headers, before launch
     return cfg
 
 
 def _param_text(p: ir.Param) -> str:
     tie = f" tied to {p.tied_to}" if p.tied_to else ""
     return f"{p.name} [{', '.join(p.type.dims)}]{tie}"
-
-
-def _attrs(op: ir.Op) -> str:
-    return "(" + ", ".join(f"{k}={v}" for k, v in op.attrs) + ")"
-
-
-# buffers some checkpoints carry that are no parameters (GPT-2's causal mask, rotary tables)
-_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-
-
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (one file, or a sharded index)."""
-    index = directory / "model.safetensors.index.json"
-    single = directory / "model.safetensors"
-    if index.exists():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise HFError(f"{index}: not a safetensors index ({e})") from None
-        return {k: directory / v for k, v in wmap.items()}
-    if single.exists():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), "pt") as f:
-                return dict.fromkeys(f.keys(), single)
-        except Exception as e:  # noqa: BLE001 - a corrupt file is bad input
-            raise HFError(f"{single}: not a safetensors file ({e})") from None
-    hint = " (it has pytorch_model.bin: save with safe_serialization=True)" \
-        if (directory / "pytorch_model.bin").exists() else ""
-    raise HFError(f"{directory}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def load(directory: str | Path, model: ir.Model, spec: str = "the spec") -> dict:
@@ -212,79 +230,61 @@ def load(directory: str | Path, model: ir.Model, spec: str = "the spec") -> dict
     return read_weights(directory, cfg, params)
 
 
+def open_weights(directory: str | Path, cfg: HFConfig,
+                 params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> HFReader:
+    """A reader of DIR's weights for params (name -> (dims, full shape)), every tensor they
+    need checked from the files' headers first: there, complete, of the right shape (HFError
+    naming the file and the tensor otherwise). Reads no tensor data."""
+    directory = Path(directory)
+    entries = read_headers(directory)
+    wanted = tensor_map(cfg)
+    real = real_shapes(cfg, params)
+    check_tensors(directory, cfg, entries, {
+        t.name: (hf_shape(t.how, [real[n] for n in t.params]),
+                 hf_dims(t.how, [params[n][0] for n in t.params])) for t in wanted})
+    return HFReader(wanted, entries, {n: shape for n, (_, shape) in params.items()}, real=real)
+
+
+def real_shapes(cfg: HFConfig, params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+                ) -> dict[str, tuple[int, ...]]:
+    """Each param's shape in the Hugging Face files: a padded vocab dim at the config's."""
+    vocab = cfg.size("vocab")
+    return {n: tuple(min(s, vocab) if d == "vocab" else s for d, s in zip(dims, shape,
+                                                                          strict=True))
+            for n, (dims, shape) in params.items()}
+
+
 def read_weights(directory: str | Path, cfg: HFConfig,
                  params: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> dict:
     """{param name: full fp32 tensor} from DIR's safetensors for params (name -> (dims,
     shape)); a tensor missing, unknown or of another shape is an HFError naming it."""
     import torch
-    from safetensors import safe_open
 
-    directory = Path(directory)
-    files = _weight_files(directory)
-    wanted = tensor_map(cfg)
-    known = {t.name for t in wanted}
-    for name in files:
-        if name not in known and not name.endswith(_BUFFERS) and not (
-                cfg.tied and name == "lm_head.weight"):
-            raise HFError(f"{files[name]}: tensor {name} has no place in the {cfg.kind} of "
-                          f"{cfg.path}", "the config and the weights disagree")
-    state: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
-    for t in wanted:
-        if t.name not in files:
-            raise HFError(f"{directory}: the weights lack tensor {t.name} (holding "
-                          f"{', '.join(t.params)})")
-        f = files[t.name]
-        if f not in handles:
-            handles[f] = safe_open(str(f), "pt")
-        x = handles[f].get_tensor(t.name).to(torch.float32)
-        shapes = [params[n][1] for n in t.params]
-        want = tuple(to_hf(t.how, [torch.empty(s, device="meta") for s in shapes]).shape)
-        if tuple(x.shape) != want:
-            _shape_error(f, t, tuple(x.shape), want,
-                         hf_dims(t.how, [params[n][0] for n in t.params]))
-        for n, v in zip(t.params, from_hf(t.how, x, shapes), strict=True):
-            state[n] = v.contiguous()
+    from soapstone.shard.checkpoint.boxes import Box
+
+    reader = open_weights(directory, cfg, params)
+    held = {n for t in tensor_map(cfg) for n in t.params}
+    state = {n: reader.read(f"param/{n}", Box((0,) * len(shape), shape), torch.float32)
+             for n, (_, shape) in params.items() if n in held}
+    reader.close()
     return state
 
 
-class _StateReader:
-    """The checkpoint reader protocol (read(key, box, dtype)) over full tensors in memory."""
-
-    def __init__(self, state: dict):
-        self.state = state
-        self.bytes_read = 0
-
-    def read(self, tensor: str, box, dtype):
-        """The region `box` of param `tensor` ("param/NAME")."""
-        full = self.state[tensor.split("/", 1)[1]]
-        part = full[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))]
-        self.bytes_read += part.numel() * part.element_size()
-        return part.to(dtype)
+def graph_params(graph) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The params of a compiled graph: name -> (dims, full shape)."""
+    return {p.name: (p.dims, p.shape) for s in graph.stages for p in s.program.params}
 
 
 def load_init(executor, directory: str) -> str:
-    """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank copies its
-    slices); a line saying what was loaded."""
+    """`run --init hf:DIR`: DIR's weights into `executor` (any layout: each rank reads only
+    the slices it holds); a line saying what was loaded. Collective."""
     from soapstone.shard.checkpoint.load import fill_shares
 
     cfg = check_graph(directory, executor.graph)
-    params = {p.name: (p.dims, p.shape) for s in executor.graph.stages
-              for p in s.program.params}
-    state = read_weights(directory, cfg, params)
-    fill_shares(executor, _StateReader(state), ("param",))
-    return f"hf:{directory}: {len(state)} parameters of a Hugging Face {cfg.kind}"
-
-
-def _shape_error(file: Path, t: HFTensor, got, want, labels: list[str]) -> None:
-    if len(got) != len(want):
-        raise HFError(f"{file}: tensor {t.name} has shape {list(got)}, the model expects "
-                      f"{list(want)} ({', '.join(labels)}): {len(got)} dims, not {len(want)}")
-    j = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-    raise HFError(f"{file}: tensor {t.name} has shape {list(got)}, the model expects "
-                  f"{list(want)} ({', '.join(labels)}): dim {j} ({labels[j]}) is {got[j]} "
-                  f"there and {want[j]} here",
-                  f"make config.json and the weights agree on {labels[j]}")
+    params = graph_params(executor.graph)
+    reader = open_weights(directory, cfg, params)
+    fill_shares(executor, reader, ("param",))
+    return f"hf:{directory}: {len(reader.where)} parameters of a Hugging Face {cfg.kind}"
 
 
 def save(directory: str | Path, model: ir.Model, state: dict) -> HFConfig:
@@ -300,6 +300,13 @@ def save(directory: str | Path, model: ir.Model, state: dict) -> HFConfig:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HFError(f"--hf {directory}: cannot create the directory ({e})") from None
+    from soapstone.dsl.compile.lower import resolve_ties
+
+    sizes = dict(model.dims)
+    real = real_shapes(cfg, {p.name: (p.type.dims, tuple(sizes[d] for d in p.type.dims))
+                             for p in resolve_ties(model).params})
+    state = {n: v[tuple(slice(0, k) for k in real[n])] if n in real else v
+             for n, v in state.items()}  # a padded vocab's rows stripped
     out = {}
     for t in tensor_map(cfg):
         missing = [n for n in t.params if n not in state]

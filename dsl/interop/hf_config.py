@@ -37,10 +37,17 @@ class HFConfig:
     eps: float
     activation: str = "gelu_tanh"  # gpt2's mlp activation choice
     rope_theta: float = 10000.0
-    attention_bias: bool = False  # llama
+    # LLaMA-3's rope frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), None without
+    rope_scaling: tuple[float, float, float, int] | None = None
+    attention_bias: bool = False  # llama: o_proj's bias
     mlp_bias: bool = False  # llama
     tied: bool = True
     path: str = ""
+    family: str = ""  # config.json's model_type (llama, mistral, qwen2 share kind llama)
+    qkv_bias: bool = False  # llama's attention_bias, qwen2 always: q/k/v_proj's biases
+    window: int | None = None  # sliding-window attention (mistral, qwen2): keys per query
+    qk_norm: bool = False  # qwen3: q and k RMS-normed per head (with eps)
 
     def size(self, dim: str) -> int:
         """A dim's size."""
@@ -82,10 +89,17 @@ def read_config(directory: str | Path) -> HFConfig:
     kind = conf.get("model_type")
     if kind == "gpt2":
         return _gpt2_config(conf, str(path))
-    if kind == "llama":
-        return _llama_config(conf, str(path))
+    if kind in LLAMA_FAMILY:
+        return _llama_config(conf, str(path), kind)
     raise HFError(f"{path}: field 'model_type' = {json.dumps(kind)} is not supported: soapstone "
-                  "imports gpt2 and llama")
+                  f"imports gpt2, {', '.join(LLAMA_FAMILY)}")
+
+
+# model types computed by examples/llama.par's model and its arguments: model_type ->
+# (architecture, q/k/v biases fixed by the family or None: the attention_bias field)
+LLAMA_FAMILY = {"llama": ("LlamaForCausalLM", None), "mistral": ("MistralForCausalLM", False),
+                "qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", None)}
+QWEN = ("qwen2", "qwen3")  # their window: use_sliding_window, max_window_layers
 
 
 def _gpt2_config(conf: dict, path: str) -> HFConfig:
@@ -112,20 +126,34 @@ def _gpt2_config(conf: dict, path: str) -> HFConfig:
                     path=path)
 
 
-def _llama_config(conf: dict, path: str) -> HFConfig:
+def _window(conf: dict, path: str, family: str, layers: int) -> int | None:
+    """The sliding window every layer has, or None; one that only some layers have (Qwen2's
+    max_window_layers, alternating layer_types) is an HFError naming the field."""
+    window = conf.get("sliding_window")
+    if family in QWEN and not conf.get("use_sliding_window"):
+        window = None
+    if family == "llama":
+        return None  # LlamaForCausalLM reads no window
+    kinds = conf.get("layer_types")
+    if kinds is None and window is not None and family in QWEN:
+        first = conf.get("max_window_layers", layers)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if kinds is not None and window is not None:
+        if len(set(kinds)) > 1:
+            raise HFError(f"{path}: field 'layer_types' = {json.dumps(kinds)} is not supported: "
+                          "soapstone's repeated blocks all attend alike (all sliding or none)")
+        if kinds and kinds[0] != "sliding_attention":
+            window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise HFError(f"{path}: field 'sliding_window' = {json.dumps(window)} must be a "
+                      "positive number of positions (or null)")
+    return window
+
+
+def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
     _must(conf, "hidden_act", lambda v: v == "silu", path, "LLaMA's gated mlp uses silu")
-    _must(conf, "rope_scaling", lambda v: v is None, path, "rope computes plain positions "
-          "(no scaling)")
-    rope = conf.get("rope_parameters")
-    if rope is not None:
-        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-            raise HFError(f"{path}: field 'rope_parameters' = {json.dumps(rope)} is not "
-                          "supported: rope computes plain positions (rope_type default)")
-        theta = rope.get("rope_theta", conf.get("rope_theta", 10000.0))
-    else:
-        theta = conf.get("rope_theta", 10000.0)
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    theta, scaling = _rope(conf, path)
     hidden = _field(conf, "hidden_size", path)
     heads = _field(conf, "num_attention_heads", path)
     kv = _field(conf, "num_key_value_heads", path, heads)
@@ -140,16 +168,64 @@ def _llama_config(conf: dict, path: str) -> HFConfig:
     dims = (("vocab", _field(conf, "vocab_size", path)), ("hidden", hidden), ("heads", heads),
             ("kv_heads", kv), ("ffn", _field(conf, "intermediate_size", path)),
             ("layers", _field(conf, "num_hidden_layers", path)))
+    fixed = LLAMA_FAMILY[family][1]
+    qkv = bool(conf.get("attention_bias")) if fixed is None else fixed
     return HFConfig("llama", dims, float(_field(conf, "rms_norm_eps", path, 1e-6, float)),
-                    rope_theta=float(theta), attention_bias=bool(conf.get("attention_bias")),
-                    mlp_bias=bool(conf.get("mlp_bias")),
-                    tied=bool(conf.get("tie_word_embeddings", False)), path=path)
+                    rope_theta=float(theta), rope_scaling=scaling,
+                    attention_bias=qkv if fixed is None else False,
+                    mlp_bias=bool(conf.get("mlp_bias")) if family == "llama" else False,
+                    tied=bool(conf.get("tie_word_embeddings", False)), path=path,
+                    family=family, qkv_bias=qkv, qk_norm=family == "qwen3",
+                    window=_window(conf, path, family, dict(dims)["layers"]))
+
+
+def _rope(conf: dict, path: str) -> tuple[float, tuple | None]:
+    """(rope_theta, LLaMA-3 scaling or None) from rope_scaling (transformers 4) or
+    rope_parameters (transformers 5); another rope type is an HFError naming the field."""
+    theta = conf.get("rope_theta", 10000.0)
+    scaling = None
+    for key in ("rope_scaling", "rope_parameters"):  # each present one must be computable
+        rope = conf.get(key)
+        if rope is None:
+            continue
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
+            else None
+        if kind not in ("default", "llama3"):
+            raise HFError(f"{path}: field {key!r} = {json.dumps(rope)} is not supported: rope "
+                          "computes plain positions (rope_type default) or LLaMA-3's scaling "
+                          "(rope_type llama3)")
+        theta = rope.get("rope_theta", theta)
+        if kind == "llama3":
+            scaling = _llama3(rope, key, path)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    return float(theta), scaling
+
+
+def _llama3(rope: dict, key: str, path: str) -> tuple[float, float, float, int]:
+    """The llama3 rope type's four numbers, each checked."""
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    vals = []
+    for name in names:
+        v = rope.get(name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise HFError(f"{path}: field {key!r} has {name} = {json.dumps(v)}; the llama3 "
+                          "rope type needs a positive number there")
+        vals.append(v)
+    factor, low, high, original = vals
+    if not low < high or factor < 1:
+        raise HFError(f"{path}: field {key!r} = {json.dumps(rope)} is not supported: llama3 "
+                      "scaling needs factor >= 1 and low_freq_factor < high_freq_factor")
+    return float(factor), float(low), float(high), int(original)
 
 
 def config_of(model: ir.Model) -> HFConfig:
     """The HFConfig a model was written from (what `export` writes as config.json), read off
     its ops: rope means LLaMA, else GPT-2. check_model then proves it describes the model."""
     sizes = dict(model.dims)
+    loss = next((op for op in model.ops if op.kind == "cross_entropy"), None)
+    if loss is not None and loss.attr("classes") is not None:
+        sizes["vocab"] = int(loss.attr("classes"))  # a padded vocab: the config's is the real
     kinds = {op.kind for op in model.ops}
     tied = any(p.tied_to for p in model.params)
     layers = len(model.blocks)
@@ -157,12 +233,22 @@ def config_of(model: ir.Model) -> HFConfig:
     eps = float(norm.attr("eps")) if norm is not None else 1e-5
     try:
         if "rope" in kinds:
-            theta = next(float(op.attr("theta")) for op in model.ops if op.kind == "rope")
+            rope = next(op for op in model.ops if op.kind == "rope")
+            theta = float(rope.attr("theta"))
+            scaling = None if rope.attr("factor") is None else (
+                float(rope.attr("factor")), float(rope.attr("low_freq")),
+                float(rope.attr("high_freq")), int(rope.attr("original_max")))
             names = {p.name.split(".")[-1] for p in model.params}
             dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads", "ffn"))
+            mask = next((op for op in model.ops if op.kind == "causal_mask"), None)
+            window = mask.attr("window") if mask is not None else None
+            qkv, o, mlp = "bq" in names, "bo" in names, "bias" in names
+            qk = "q_norm" in names
+            family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
             return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
-                            attention_bias="bq" in names, mlp_bias="bias" in names, tied=tied,
-                            path=f"model {model.name}")
+                            rope_scaling=scaling, attention_bias=o, mlp_bias=mlp, tied=tied,
+                            path=f"model {model.name}", family=family, qkv_bias=qkv,
+                            window=window, qk_norm=qk)
         act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
                     and op.layer == "mlp"), None)
         activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
@@ -173,6 +259,21 @@ def config_of(model: ir.Model) -> HFConfig:
     except KeyError as e:
         raise HFError(f"model {model.name} has no dim {e.args[0]}: only models written as "
                       "examples/gpt2.par or examples/llama.par export to Hugging Face") from None
+
+
+def _family(name: str, qkv: bool, o: bool, mlp: bool, window) -> str:
+    """The model_type whose config can say what the model computes (biases, window)."""
+    if qkv and not o and not mlp:
+        return "qwen2"  # q/k/v biases alone; qwen2 also has a window setting
+    if window is None:
+        if qkv != o:
+            raise HFError(f"model {name} has {'q/k/v' if qkv else 'o_proj'} biases alone "
+                          "with an mlp bias: no Hugging Face family computes that")
+        return "llama"
+    if qkv or o or mlp:
+        raise HFError(f"model {name} has a sliding window and biases: Mistral (the window) "
+                      "has no biases; no Hugging Face family computes that")
+    return "mistral"
 
 
 def config_json(cfg: HFConfig) -> dict:
@@ -188,13 +289,30 @@ def config_json(cfg: HFConfig) -> dict:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "scale_attn_weights": True, "dtype": "float32",
         }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    family = cfg.family or "llama"
+    conf = {
+        "architectures": [LLAMA_FAMILY[family][0]], "model_type": family,
         "vocab_size": d["vocab"], "hidden_size": d["hidden"],
         "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"],
         "head_dim": d["hidden"] // d["heads"], "intermediate_size": d["ffn"],
         "num_hidden_layers": d["layers"], "hidden_act": "silu", "rms_norm_eps": cfg.eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": cfg.tied, "attention_dropout": 0.0, "dtype": "float32",
     }
+    if family == "llama":
+        conf |= {"attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
+    elif family == "mistral":
+        conf["sliding_window"] = cfg.window
+    else:  # qwen2, qwen3: every layer slides when the model has a window
+        if family == "qwen3":
+            conf["attention_bias"] = cfg.attention_bias
+        conf |= {"use_sliding_window": cfg.window is not None, "sliding_window": cfg.window,
+                 "max_window_layers": 0}
+    if cfg.rope_scaling is not None:
+        factor, low, high, original = cfg.rope_scaling
+        conf["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                "high_freq_factor": high,
+                                "original_max_position_embeddings": original}
+        # the context the scaling stretches to (LLaMA-3.1 writes the same product)
+        conf["max_position_embeddings"] = int(original * factor)
+    return conf

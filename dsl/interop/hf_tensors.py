@@ -62,8 +62,11 @@ def tensor_map(cfg: HFConfig) -> list[HFTensor]:
             out += [T(h + "input_layernorm.weight", (p + "rmsnorm0.gamma",))]
             for x in "qkv":
                 out.append(T(h + f"self_attn.{x}_proj.weight", (a + f"w{x}",), "cols_t"))
-                if cfg.attention_bias:
+                if cfg.qkv_bias:
                     out.append(T(h + f"self_attn.{x}_proj.bias", (a + f"b{x}",), "flat"))
+            if cfg.qk_norm:
+                out += [T(h + "self_attn.q_norm.weight", (a + "q_norm",)),
+                        T(h + "self_attn.k_norm.weight", (a + "k_norm",))]
             out.append(T(h + "self_attn.o_proj.weight", (a + "wo",), "rows_t"))
             if cfg.attention_bias:
                 out.append(T(h + "self_attn.o_proj.bias", (a + "bo",)))
@@ -111,6 +114,23 @@ def from_hf(how: str, t, shapes: list[tuple[int, ...]]) -> list:
     sizes = [math.prod(s[1:]) if how == "cols" else math.prod(s) for s in shapes]
     pieces = t.split(sizes, dim=1 if how == "cols" else 0)
     return [x.reshape(s) for x, s in zip(pieces, shapes, strict=True)]
+
+
+def hf_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The Hugging Face tensor's shape from its params' full shapes (to_hf's, without torch)."""
+    if how == "same":
+        return tuple(shapes[0])
+    if how == "t":
+        return tuple(reversed(shapes[0]))
+    if how == "cols":
+        return (shapes[0][0], sum(math.prod(s[1:]) for s in shapes))
+    if how == "flat":
+        return (sum(math.prod(s) for s in shapes),)
+    if how == "rows":
+        return (math.prod(shapes[0][:-1]), shapes[0][-1])
+    if how == "cols_t":
+        return (math.prod(shapes[0][1:]), shapes[0][0])
+    return (shapes[0][-1], math.prod(shapes[0][:-1]))  # rows_t
 
 
 def hf_dims(how: str, dims: list[tuple[str, ...]]) -> list[str]:

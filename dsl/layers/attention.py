@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import math
 
-from soapstone.dsl.layers.positions import rope_op
+from soapstone.dsl.layers.positions import rope_op, scaling_attrs
 from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need_float
 from soapstone.shard.plan.sizes import divisors
 
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
          Arg("kv_heads", "dim", None), Arg("rope", "float", None), Arg("bias", "bool", True),
-         Arg("qkv_bias", "bool", False), Arg("window", "int", None))
-def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
+         Arg("qkv_bias", "bool", False), Arg("window", "int", None),
+         Arg("rope_factor", "float", 1.0), Arg("rope_low_freq", "float", 1.0),
+         Arg("rope_high_freq", "float", 4.0), Arg("rope_original_max", "int", 8192),
+         Arg("qk_norm", "float", 0.0))
+def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, rope_factor,
+               rope_low_freq, rope_high_freq, rope_original_max, qk_norm):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
     kv_heads: grouped-query attention (wk, wv[h, kv_heads, head_dim], each kv head serving
     heads / kv_heads query heads through repeat_dim); rope = THETA rotates q and k by their
-    global positions along S (THETA > 0; without the argument, no rotation); bias = false
-    drops bo; qkv_bias = true adds bq, bk, bv; window = N (sliding-window attention,
-    Mistral's): a query sees only the last N positions (query - key < N), an attr of the
-    causal mask. The primitives it emits: their records in shard/ops/."""
+    global positions along S (THETA > 0; without the argument, no rotation), with LLaMA-3's
+    frequency scaling when rope_factor > 1 (rope_low_freq, rope_high_freq,
+    rope_original_max: the rope op's); bias = false drops bo; qkv_bias = true adds bq, bk,
+    bv; window = N (sliding-window attention, Mistral's): a query sees only the last N
+    positions (query - key < N), an attr of the causal mask; qk_norm = EPS (Qwen3's)
+    RMS-normalises each head's q and k over head_dim (params q_norm, k_norm[head_dim]) before
+    rope. The primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
@@ -61,9 +68,22 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window):
         return ctx.op("add", (y, b), y.dims, dt, name=name)
 
     q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
+    if qk_norm < 0:
+        ctx.error(f"attention qk_norm = {qk_norm}: give the norm's eps (> 0), or 0 for none",
+                  "Qwen3 uses its rms_norm_eps, 1e-06")
+    if qk_norm:  # over head_dim, which no layout splits: each head normalised on its rank
+        q = ctx.op("rmsnorm", (q, ctx.param("q_norm", (hd,), "ones")), q.dims, dt,
+                   {"eps": float(qk_norm), "over": hd}, name="q_normed")
+        k = ctx.op("rmsnorm", (k, ctx.param("k_norm", (hd,), "ones")), k.dims, dt,
+                   {"eps": float(qk_norm), "over": hd}, name="k_normed")
     if rope is not None:  # given: a rotary base, checked (0 never means "off")
-        q = rope_op(ctx, q, S, hd, rope, name="q_rot")
-        k = rope_op(ctx, k, S, hd, rope, name="k_rot")
+        scaling = scaling_attrs(ctx, rope_factor, rope_low_freq, rope_high_freq,
+                                rope_original_max)
+        q = rope_op(ctx, q, S, hd, rope, name="q_rot", scaling=scaling)
+        k = rope_op(ctx, k, S, hd, rope, name="k_rot", scaling=scaling)
+    elif rope_factor != 1.0:
+        ctx.error(f"attention rope_factor = {rope_factor} without rope: the factor scales "
+                  "rope's frequencies", "add rope = THETA, or drop rope_factor")
     k2 = ctx.op("rename", (k,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="k2")
     v2 = ctx.op("rename", (v,), lead + (Sk, KV, hd), dt, {"dst": Sk, "src": S}, name="v2")
     if KV != H:  # each kv head serves heads / kv_heads query heads

@@ -6,9 +6,13 @@ from soapstone.dsl.layers.registry import Arg, builtin, dims_text, last_dim, nee
 from soapstone.shard.plan.dtypes import INTS
 
 
-@builtin("cross_entropy", Arg("logits", "tensor"), Arg("targets", "tensor"))
-def _cross_entropy(ctx, logits, targets):
-    """Mean cross entropy of logits[..., C] (float) against targets[...] (integer) -> f32[]."""
+@builtin("cross_entropy", Arg("logits", "tensor"), Arg("targets", "tensor"),
+         Arg("classes", "int", None))
+def _cross_entropy(ctx, logits, targets, classes):
+    """Mean cross entropy of logits[..., C] (float) against targets[...] (integer) -> f32[].
+    classes = N < |C|: only the first N classes are real, the rest padding (a vocab padded
+    to split evenly, as Megatron pads it): their logits take no part in the loss, and
+    generation never picks them."""
     need_float(ctx, logits, "cross_entropy's logits")
     C = last_dim(ctx, logits, "cross_entropy")
     if targets.dtype not in INTS:
@@ -17,4 +21,9 @@ def _cross_entropy(ctx, logits, targets):
     if targets.dims != logits.dims[:-1]:
         ctx.error(f"cross_entropy targets {dims_text(targets.dims)} must have the logits' leading "
                   f"dims {dims_text(logits.dims[:-1])}")
-    return ctx.op("cross_entropy", (logits, targets), (), "f32", {"over": C})
+    size = ctx.size(C)
+    if classes is not None and not 1 <= classes <= size:
+        ctx.error(f"cross_entropy classes = {classes} must be between 1 and {C} = {size}",
+                  f"the real classes, at most the padded {C}")
+    extra = {"classes": int(classes)} if classes is not None and classes < size else {}
+    return ctx.op("cross_entropy", (logits, targets), (), "f32", {"over": C, **extra})

@@ -14,23 +14,52 @@ def _positions(ctx, dim):
     return ctx.op("positions", (), (dim,), "i64", {"over": dim})
 
 
-def rope_op(ctx, x: Operand, pos: str, over: str, theta: float, name: str | None = None):
+def scaling_attrs(ctx, factor: float, low: float, high: float, original: int) -> dict:
+    """The rope op's scaling attrs (none for factor 1), checked: what Hugging Face's `llama3`
+    rope type reads as factor, low_freq_factor, high_freq_factor and
+    original_max_position_embeddings."""
+    if factor == 1.0:
+        return {}
+    if not factor > 1.0:
+        ctx.error(f"rope factor = {factor} must be at least 1 (1: no scaling)",
+                  "LLaMA-3.1 uses factor = 8.0")
+    if not 0 < low < high:
+        ctx.error(f"rope low_freq = {low}, high_freq = {high}: need 0 < low_freq < high_freq",
+                  "LLaMA-3.1 uses low_freq = 1.0, high_freq = 4.0")
+    if original < 1:
+        ctx.error(f"rope original_max = {original} must be a positive number of positions",
+                  "LLaMA-3.1 uses original_max = 8192")
+    return {"factor": float(factor), "low_freq": float(low), "high_freq": float(high),
+            "original_max": int(original)}
+
+
+def rope_op(ctx, x: Operand, pos: str, over: str, theta: float, name: str | None = None,
+            scaling: dict | None = None):
+    """The rope op rotating x's `over` pairs by the positions along `pos` (scaling: from
+    scaling_attrs)."""
     if not (math.isfinite(theta) and theta > 0):
         ctx.error(f"rope theta = {theta}: the rotary base must be a positive number",
                   "LLaMA uses 10000.0; for no rotary embedding leave the argument out")
     if ctx.size(over) % 2:
         ctx.error(f"rope rotates pairs: {over} = {ctx.size(over)} must be even")
     return ctx.op("rope", (x,), x.dims, x.dtype,
-                  {"over": over, "pos": pos, "theta": float(theta)}, name=name)
+                  {"over": over, "pos": pos, "theta": float(theta), **(scaling or {})},
+                  name=name)
 
 
-@builtin("rope", Arg("x", "tensor"), Arg("pos", "dim"), Arg("theta", "float", 10000.0))
-def _rope(ctx, x, pos, theta):
+@builtin("rope", Arg("x", "tensor"), Arg("pos", "dim"), Arg("theta", "float", 10000.0),
+         Arg("factor", "float", 1.0), Arg("low_freq", "float", 1.0),
+         Arg("high_freq", "float", 4.0), Arg("original_max", "int", 8192))
+def _rope(ctx, x, pos, theta, factor, low_freq, high_freq, original_max):
     """Rotary position embedding of x's last dim by the global position along `pos`
-    (LLaMA's half-split rotation; exact where pos is split: each rank uses its own positions)."""
+    (LLaMA's half-split rotation; exact where pos is split: each rank uses its own positions).
+    factor > 1 scales the frequencies as LLaMA-3 does: wavelengths longer than
+    original_max / low_freq are stretched by factor, those shorter than original_max /
+    high_freq kept, the band between blended."""
     need_float(ctx, x, "rope's input")
     over = last_dim(ctx, x, "rope")
     if pos not in x.dims or pos == over:
         ctx.error(f"rope's position dim {pos} must be a dim of x {dims_text(x.dims)} other than "
                   f"the rotated {over}")
-    return rope_op(ctx, x, pos, over, theta)
+    return rope_op(ctx, x, pos, over, theta,
+                   scaling=scaling_attrs(ctx, factor, low_freq, high_freq, original_max))

@@ -24,6 +24,12 @@ class LanguageModel:
     logits: str  # the value the loss takes its logits from
     vocab: int
     seq: int
+    classes: int = 0  # the real ids (a padded vocab's first ones); 0: all of vocab
+
+    @property
+    def real(self) -> int:
+        """The ids generation may pick: the logits' size less its padding."""
+        return self.classes or self.vocab
 
     @property
     def logits_output(self) -> str:
@@ -55,4 +61,4 @@ def language_model(model: ir.Model, spec: str = "SPEC") -> LanguageModel:
     out = ir.Output("generate.logits", logits, False)
     return LanguageModel(attrs.evolve(model, outputs=(*model.outputs, out)), ids[0].name,
                          targets, logits, model.size(value.type.dims[-1]),
-                         model.size(ids[0].type.dims[-1]))
+                         model.size(ids[0].type.dims[-1]), int(op.attr("classes") or 0))

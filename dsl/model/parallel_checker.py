@@ -33,6 +33,7 @@ from soapstone.dsl.model.ir import (
 from soapstone.dsl.model.parallel_facts import Ctx, Diags, Facts
 from soapstone.dsl.model.schedule_rules import block_order, schedule_rules
 from soapstone.shard.parallel.zero_stage import ZeroStage
+from soapstone.shard.plan import schedules
 from soapstone.shard.plan.sizes import MAX_RANKS, divisors
 
 
@@ -452,7 +453,9 @@ def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
     sched = Schedule()
     if s is not None:
         opts = {k: v for k, v, _ in s.options}
-        sched = Schedule(s.kind, opts.get("microbatches", 1), opts.get("chunks", 1))
+        # a V schedule's two stages per rank are its own (no `chunks` option)
+        per_rank = schedules.get(s.kind).stages_per_rank if s.kind in schedules.KINDS else 1
+        sched = Schedule(s.kind, opts.get("microbatches", 1), opts.get("chunks", per_rank))
     soap = facts.soap
     return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),

@@ -12,6 +12,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules import KINDS as SCHEDULES
 from soapstone.shard.plan.schedules import ScheduleKind
+from soapstone.shard.plan.schedules.placement import cut
 from soapstone.shard.plan.sizes import divisors
 
 SCHEDULE_OPTIONS = ("microbatches", "chunks")
@@ -86,19 +87,27 @@ def _chunks(ctx: Ctx, s: ast.ScheduleStmt, kind: ScheduleKind, mb: int, chunks: 
 
 def block_order(ctx: Ctx, facts: Facts, kind: ScheduleKind | None, chunks: int,
                  nstages: int, loc: Loc | None) -> Diags:
-    """Stages follow block order; a chunked schedule's stages visit the pipe ranks in its
-    placement's order (interleaved: cycle 0..n-1 `chunks` times)."""
+    """Stages follow block order; a schedule with several stages per rank has its stages
+    visit the pipe ranks in its placement's order (interleaved: cycle 0..n-1 `chunks` times;
+    a V: 0..n-1 then n-1..0, the last rank's two stages as two operator ranges)."""
     seq = facts.stage_seq
     if not seq:
         return []
-    if kind is not None and kind.chunked:
-        runs = [seq[0]] + [b for a, b in zip(seq, seq[1:], strict=False) if a != b]
-        if len(runs) == nstages * chunks and all(
-                r == kind.rank_of(i, nstages) for i, r in enumerate(runs)):
-            return []  # (compared element by element: chunks may be any number)
-        return [ctx.diag(loc, f"{kind.name} stages must cycle 0..{nstages - 1} {chunks} times "
-                         f"over the blocks, got {' '.join(map(str, runs))}",
-                         "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, ...")]
+    per_rank = kind.per_rank(chunks) if kind is not None else 1
+    if per_rank > 1:
+        order = kind.ranks(nstages, per_rank)
+        at = cut(list(zip(seq, facts.stage_locs, strict=True)), order)
+        runs = [seq[i] for i in range(len(seq)) if i == 0 or at[i] != at[i - 1]]
+        if runs == order:
+            return []
+        if kind.chunked:
+            return [ctx.diag(loc, f"{kind.name} stages must cycle 0..{nstages - 1} {chunks} "
+                             f"times over the blocks, got {' '.join(map(str, runs))}",
+                             "assign contiguous chunks: layer[0] -> pipe 0, layer[1] -> pipe 1, "
+                             "...")]
+        return [ctx.diag(loc, f"{kind.name} stages must go {' '.join(map(str, order))} over the "
+                         f"blocks (a V: down the pipe ranks and back), got "
+                         f"{' '.join(map(str, runs))}", _v_hint(nstages))]
     blocks = ctx.model.blocks
     for i in range(len(seq) - 1):
         if seq[i] > seq[i + 1]:
@@ -106,6 +115,13 @@ def block_order(ctx: Ctx, facts: Facts, kind: ScheduleKind | None, chunks: int,
                              f"{seq[i + 1]}, before the stage {seq[i]} of {blocks[i]}",
                              "stages must follow block order (block i's stage <= block i+1's)")]
     return []
+
+
+def _v_hint(pipe: int) -> str:
+    """An operator statement for a V over `pipe` ranks, one block per stage."""
+    ranks = list(range(pipe)) + list(range(pipe - 1, -1, -1))
+    return ("place the blocks down and back, the last rank's two stages as two ranges: "
+            "operator " + ", ".join(f"layer[{i}] -> pipe {r}" for i, r in enumerate(ranks)))
 
 
 def schedule_rules(ctx: Ctx, facts: Facts) -> Diags:
@@ -120,6 +136,11 @@ def schedule_rules(ctx: Ctx, facts: Facts) -> Diags:
     nstages = facts.mesh.get(facts.pipe_axis, 1) if facts.pipe_axis else 1
     diags += _microbatches_divide(ctx, facts, s, mb)
     diags += _chunks(ctx, s, kind, mb, chunks, nstages)
+    if facts.has_stages and kind.least is not None and mb < kind.least(nstages):
+        least = kind.least(nstages)
+        diags.append(ctx.diag(_option_loc(s, "microbatches", s.kind_loc),
+                              f"{kind.name} needs microbatches >= {least} at pipe {nstages} "
+                              f"({kind.why_least}), got {mb}", f"use microbatches = {least}"))
     if facts.stages:
         diags += block_order(ctx, facts, kind, chunks, nstages, s.kind_loc)
     if not facts.has_stages and kind.needs_stages:

@@ -10,7 +10,7 @@ import math
 
 import attrs
 
-from soapstone.dsl.compile.lower import LoweringError
+from soapstone.dsl.compile.lower import LoweringError, lower
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.model.irtext import format_parallel
@@ -41,6 +41,8 @@ from soapstone.shard.plan.analysis.explain import (
     estimate_pipeline,
 )
 from soapstone.shard.plan.analysis.hardware import Profile
+from soapstone.shard.plan.analysis.precision import graph_as_run
+from soapstone.shard.plan.analysis.score import Score, model_flops, peak_of, tokens_per_step
 from soapstone.shard.plan.units import format_bytes
 
 
@@ -76,6 +78,7 @@ class Result:
     memory: int  # the fullest device's bytes
     exact: bool  # from a full compile (else from the probes)
     work: tuple[Work, ...] = ()  # each pipe rank's forward work per microbatch
+    score: Score | None = None  # TFLOP/s per device, MFU, tokens/s at the predicted step
 
     @property
     def state_bytes(self) -> int:
@@ -122,20 +125,25 @@ class Planner:
         self._ranges = next((f for f in self.recompute if f in repeats), None)
         self._compiled: dict[tuple, dict] = {}
         self.exact = not uniform(model) if exact is None else exact
-        self._probes: dict[tuple[int, bool, int, str | None], Probes] = {}
+        self._probes: dict[tuple[int, bool, int, str | None, int], Probes] = {}
         self._graphs: dict[Candidate, object] = {}
+        # what every layout's score shares: run's model FLOPs and tokens of a step (score.py)
+        single = lower(model, None)
+        self._flops, self._tokens = model_flops(single), tokens_per_step(single)
 
     def probes(self, tensor: int, sequence: bool, context: int = 1,
-               recompute: str | None = None) -> Probes:
+               recompute: str | None = None, experts_data: int = 0) -> Probes:
         """The probes of one tensor / sequence / context / recompute setting (compiled on
-        first use)."""
-        key = (tensor, sequence, context, recompute)
+        first use); `experts_data`: the data degree the experts are split over (0: not)."""
+        key = (tensor, sequence, context, recompute, experts_data)
         if key not in self._probes:
             # without recompute and with `recompute R` the probes share their compiles
             form = recompute if recompute != self._ranges else None
-            compiled = self._compiled.setdefault((tensor, sequence, context, form), {})
+            compiled = self._compiled.setdefault(
+                (tensor, sequence, context, form, experts_data), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
-                                       context, recompute, compiled, form or self._ranges)
+                                       context, recompute, compiled, form or self._ranges,
+                                       experts_data, self.precision)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -144,13 +152,17 @@ class Planner:
         est, work = self._exact(c) if exact else self._probed(c)
         t = step_time(est, work, self.profile, self.precision,
                       ("data",) if c.data > 1 else ())
+        devices = c.data * c.tensor * c.pipe * c.context
+        scored = Score(t.total, self._flops, self._tokens, devices,
+                       peak_of(self.profile, self.precision), self.profile.name, self.precision)
         return Result(c, est, t, est.total_bytes <= self.profile.usable_bytes,
-                      est.total_bytes, exact, tuple(work))
+                      est.total_bytes, exact, tuple(work), scored)
 
     def _exact(self, c: Candidate) -> tuple[Estimate, list[Work]]:
         key = attrs.evolve(c, zero=0)
         if key not in self._graphs:
-            self._graphs[key] = lower_graph(self.model, to_parallel(self.model, self.dims, c))
+            self._graphs[key] = graph_as_run(lower_graph(
+                self.model, to_parallel(self.model, self.dims, c)), self.precision)
         graph = self._graphs[key]
         est = estimate_pipeline(graph, c.zero, self.optimizer)
         work = [Work()] * graph.pipe
@@ -159,7 +171,8 @@ class Planner:
         return est, work
 
     def _probed(self, c: Candidate) -> tuple[Estimate, list[Work]]:
-        probes = self.probes(c.tensor, c.sequence, c.context, c.recompute)
+        probes = self.probes(c.tensor, c.sequence, c.context, c.recompute,
+                             c.data if c.experts_on_data else 0)
         b = dict(self.model.dims)[self.dims.batch] // (c.data * c.microbatches)
         runs = stage_blocks(self.model.blocks, c.stages)
         s = len(runs)
@@ -227,15 +240,15 @@ class Plan:
                seconds: float | None = None) -> str:
         """The table, the reasons and the block (`soapstone plan`)."""
         out = [self.header()]
-        rows = [("rank", "layout", "memory/dev", "step s", "bubble", "comm/step per axis",
-                 "why")]
+        rows = [("rank", "layout", "memory/dev", "step s", "TFLOP/s/dev", "MFU", "tokens/s",
+                 "bubble", "comm/step per axis", "why")]
         for i, r in enumerate(self.ranked[:top]):
             rows.append((str(i + 1), r.candidate.label, format_bytes(r.memory),
-                         f"{r.time.total:.4g}", f"{r.estimate.bubble:.0%}", _comm(r),
-                         why(self, r)))
+                         f"{r.time.total:.4g}", *_rates(r), f"{r.estimate.bubble:.0%}",
+                         _comm(r), why(self, r)))
         for r in self.unfit[:max(1, top // 3)]:
             rows.append(("-", r.candidate.label, format_bytes(r.memory), f"{r.time.total:.4g}",
-                         f"{r.estimate.bubble:.0%}", _comm(r),
+                         *_rates(r), f"{r.estimate.bubble:.0%}", _comm(r),
                          f"does not fit: {format_bytes(r.memory)} > "
                          f"{format_bytes(self.profile.usable_bytes)}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
@@ -255,6 +268,9 @@ class Plan:
                     "fits": r.fits, "memory_bytes": r.memory, "step_time_s": r.time.total,
                     "time": r.time.to_data(), "bubble": r.estimate.bubble,
                     "comm_bytes_per_axis": r.comm_per_axis, "exact": r.exact,
+                    "tflops_per_device": r.score.tflops_per_device if r.score else None,
+                    "mfu": r.score.mfu if r.score else None,
+                    "tokens_per_s": r.score.tokens_per_s if r.score else None,
                     "why": why(self, r) if r.fits else "does not fit"}
 
         return {"model": self.model.name, "world": self.world,
@@ -264,6 +280,14 @@ class Plan:
                 "ranked": [row(r) for r in self.ranked[:top]],
                 "unfit": [row(r) for r in self.unfit[:top]],
                 "decisions": decisions(self, planner), "parallel": self.source(name)}
+
+
+def _rates(r: Result) -> tuple[str, str, str]:
+    """TFLOP/s per device, MFU and tokens/s at the predicted step."""
+    s = r.score
+    if s is None:
+        return "-", "-", "-"
+    return f"{s.tflops_per_device:.4g}", f"{s.mfu:.1%}", f"{s.tokens_per_s:.4g}"
 
 
 def _comm(r: Result) -> str:
@@ -311,7 +335,8 @@ def search(planner: Planner, world: int) -> Plan:
     for _, same in itertools.groupby(found, key=lambda c: attrs.evolve(c, zero=0)):
         ladder = list(same)
         c = ladder[0]
-        group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks) + \
+        group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks,
+                 c.experts_on_data) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
@@ -419,8 +444,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    f"axis inside a node): each device holds 1/{c.context} of every activation "
                    "and gathers keys and values per layer; "
                    + _versus(plan, "no context parallelism", lambda x: x.context == 1))
-    where = "across nodes" if c.tensor * c.context * c.pipe > prof.devices_per_node \
-        else "inside a node"
+    # the pipe axis is the mesh's outermost (space.py: mesh(pipe, data, cp, model)): a group
+    # of it spans the whole world, so it stays inside a node only when the world does
+    world = c.pipe * c.data * c.context * c.tensor
+    where = "across nodes" if world > prof.devices_per_node else "inside a node"
     if c.pipe > 1:
         chunks = f", {c.chunks} virtual stages per rank" if c.chunks > 1 else ""
         out.append(f"pipeline {c.pipe} ({c.schedule}{chunks}, {c.microbatches} microbatches, "

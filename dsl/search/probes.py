@@ -12,9 +12,11 @@ so a stage of n >= 2 blocks has the 2-block probe's, and not linear in b, so it 
 the 1-sample probe with its batch dim scaled to b; with recompute the blocks' inputs it keeps
 are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage do not change the
 compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
-re-estimated on the candidate's; recompute does, so the probes are per recompute form.
-tests/dsl/test_plan.py checks the extrapolation against a full compile. Other models (branching,
-several repeats, fewer than 6 blocks) compile each layout.
+re-estimated on the candidate's (with a mixture's experts over the data axis the shards do
+depend on it: those probes are compiled on the candidate's data degree); recompute does, so
+the probes are per recompute form. tests/dsl/test_plan.py checks the extrapolation against a
+full compile. Other models (branching, several repeats, fewer than 6 blocks) compile each
+layout.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
+from soapstone.shard.plan.analysis.precision import graph_as_run, program_as_run
 
 PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
 
@@ -173,10 +176,12 @@ class Probes:
 
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
                  optimizer: str, context: int = 1, recompute: str | None = None,
-                 compiled: dict | None = None, compiled_form: str | None = None):
+                 compiled: dict | None = None, compiled_form: str | None = None,
+                 experts_data: int = 0, precision: str = "fp32"):
         if recompute not in (None, compiled_form):  # the Planner's pairing: not user input
             raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
         self.optimizer = optimizer
+        self.precision = precision  # the probes' Programs hold what `run --precision` keeps
         self.stage: dict[tuple, Figs] = {}
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
         # (kind, n, b) -> the walk's figures, with and without recompute, and the work
@@ -187,7 +192,11 @@ class Probes:
         self._model, self._dims = model, dims
         self._recompute = recompute
         self._compiled = {} if compiled is None else compiled
-        self._one = Candidate(2, tensor, 1, sequence, context=context, recompute=compiled_form)
+        # compiled on a data axis of 2, re-estimated on the candidate's; with the experts over
+        # data their shards depend on its size, so those probes are compiled on the very axis
+        self.data = experts_data or 2
+        self._one = Candidate(self.data, tensor, 1, sequence, context=context,
+                              recompute=compiled_form, experts_on_data=experts_data > 0)
         # the mesh axes a stage's Program has (the pipe axis never)
         self.axes = {a for a, _ in to_parallel(model, dims, self._one).mesh}
 
@@ -203,14 +212,16 @@ class Probes:
         done = self._compiled
         if (kind, n, b) not in done:
             base = attrs.evolve(self._model, dims=tuple(
-                (d, 2 * b if d == self._dims.batch else s) for d, s in self._model.dims))
+                (d, self.data * b if d == self._dims.batch else s)
+                for d, s in self._model.dims))
             if kind == "only":
                 par = to_parallel(base, self._dims, self._one)
-                done[kind, n, b] = lower_graph(truncate(base, n), par).program
+                done[kind, n, b] = program_as_run(lower_graph(truncate(base, n), par).program,
+                                                  self.precision)
             else:
                 three = truncate(base, 3 * n)
                 pipe = to_parallel(three, self._dims, attrs.evolve(self._one, pipe=3))
-                graph = lower_graph(three, pipe)
+                graph = graph_as_run(lower_graph(three, pipe), self.precision)
                 for st, k in zip(graph.stages, ("first", "middle", "last"), strict=True):
                     done[k, n, b] = st.program
                 e = graph.edges[1]
@@ -238,11 +249,12 @@ class Probes:
         """A stage of `kind` (only | first | middle | last) with n blocks and b samples per
         microbatch per data rank, on `data` ranks under ZeRO `zero`: bilinear in (n, b); the
         b-slope (activations, tensor-parallel traffic, work) is the same for every data
-        degree and ZeRO stage, so it is read at data 2, ZeRO 0. The PEAKS are not sums over
-        blocks and not linear in b: they come from `working_set`."""
+        degree and ZeRO stage, so it is read at the probes' data degree, ZeRO 0. The PEAKS are
+        not sums over blocks and not linear in b: they come from `working_set`."""
         f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
-        s1 = _lin((1, self._at(kind, 1, 2, 2, 0)), (-1, self._at(kind, 1, 1, 2, 0)))
-        s2 = _lin((1, self._at(kind, 2, 2, 2, 0)), (-1, self._at(kind, 2, 1, 2, 0)))
+        d = self.data
+        s1 = _lin((1, self._at(kind, 1, 2, d, 0)), (-1, self._at(kind, 1, 1, d, 0)))
+        s2 = _lin((1, self._at(kind, 2, 2, d, 0)), (-1, self._at(kind, 2, 1, d, 0)))
         out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
                    ((b - 1) * (1 - n), s1))
         for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):

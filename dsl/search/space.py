@@ -14,7 +14,10 @@ tries a ZeRO stage, where no stage fits without it or below the stage that does)
 pipeline outermost (seed 004: the chattiest parallelism on the fastest links). Which dims each
 statement maps (`layout_dims`): `sample` the batch (the inputs' leading dim); `parameter` the
 parameter dims that are neither input dims nor dims of the residual stream between blocks,
-largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split);
+largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatron's split;
+for a mixture of experts the experts dim: expert parallelism over the tensor axis, or over
+the data axis where the candidate says so), never a
+derived dim that renames another (the router's copy of the experts dim stays whole);
 `attribute` the other input dims on the tensor axis (sequence parallelism).
 """
 
@@ -45,11 +48,13 @@ class PlanError(UserError, ValueError):
 
 @attrs.frozen
 class LayoutDims:
-    """The dims a planned layout maps: the batch, the tensor-parallel dims, the sequence dims."""
+    """The dims a planned layout maps: the batch, the tensor-parallel dims, the sequence dims,
+    and the experts dims of the model's mixtures of experts (which may go over data instead)."""
 
     batch: str
     tensor: tuple[str, ...]
     sequence: tuple[str, ...]
+    experts: tuple[str, ...] = ()
 
 
 def layout_dims(model: ir.Model) -> LayoutDims:
@@ -60,12 +65,15 @@ def layout_dims(model: ir.Model) -> LayoutDims:
     batch = model.inputs[0].type.dims[0]
     inputs = {d for i in model.inputs for d in i.type.dims}
     stream = _stream_dims(model)
+    # a derived dim that renames another (the router's experts_r, seq_k) exists to stay whole
+    # where the dim it renames is split: never a dim to map
+    renames = dict(model.dim_alias)
     sizes = dict(model.dims)
     touched: dict[str, int] = {}
     for p in model.params:
         n = math.prod(sizes[d] for d in p.type.dims)
         for d in p.type.dims:
-            if d not in inputs and d not in stream:
+            if d not in inputs and d not in stream and d not in renames:
                 touched[d] = touched.get(d, 0) + n
     # a dim two activations contract (attention's head_dim in q.k) would make the product a
     # partial sum to allreduce: such dims come last
@@ -80,7 +88,8 @@ def layout_dims(model: ir.Model) -> LayoutDims:
                    for p in model.params):
             tensor.append(d)
     sequence = tuple(d for d in model.inputs[0].type.dims[1:] if d != batch)
-    return LayoutDims(batch, tuple(tensor), sequence)
+    experts = tuple(sorted({dict(op.attrs)["experts"] for op in model.ops if op.kind == "moe"}))
+    return LayoutDims(batch, tuple(tensor), sequence, experts)
 
 
 def _stream_dims(model: ir.Model) -> set[str]:
@@ -109,7 +118,9 @@ def recompute_options(model: ir.Model) -> tuple[str, ...]:
 class Candidate:
     """One point of the space: degrees, schedule, microbatches, ZeRO, sequence parallelism
     (Megatron's, on the tensor axis), context parallelism (the sequence over its own axis),
-    and activation recompute (the `recompute` statement's argument, or None)."""
+    activation recompute (the `recompute` statement's argument, or None), and a mixture of
+    experts' experts over the data axis (DeepSpeed-MoE: tokens travel to their experts' ranks
+    by alltoall) instead of the tensor axis."""
 
     data: int
     tensor: int
@@ -121,12 +132,14 @@ class Candidate:
     chunks: int = 1
     context: int = 1
     recompute: str | None = None
+    experts_on_data: bool = False
 
     @property
     def label(self) -> str:
         """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2; rc at the
-        end: recompute)."""
-        parts = [f"d{self.data}", f"t{self.tensor}" + ("+sp" if self.sequence else ""),
+        end: recompute; d8+ep: the experts over the data axis)."""
+        parts = [f"d{self.data}" + ("+ep" if self.experts_on_data else ""),
+                 f"t{self.tensor}" + ("+sp" if self.sequence else ""),
                  f"p{self.pipe}"]
         if self.context > 1:
             parts.insert(2, f"c{self.context}")
@@ -169,8 +182,10 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     mesh = tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("cp", c.context),
                                      ("model", c.tensor)) if n > 1) or (("data", 1),)
     sizes = dict(model.dims)
-    tensor = tuple((d, "model") for d in dims.tensor if sizes[d] % c.tensor == 0) \
-        if c.tensor > 1 else ()
+    over_data = dims.experts if c.experts_on_data else ()
+    tensor = tuple((d, "model") for d in dims.tensor
+                   if sizes[d] % c.tensor == 0 and d not in over_data) if c.tensor > 1 else ()
+    tensor += tuple((d, "data") for d in over_data)
     seq = tuple((d, "model") for d in dims.sequence) if c.sequence else ()
     if c.context > 1:
         seq = tuple((d, "cp") for d in dims.sequence)
@@ -249,8 +264,18 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                     if v > 1 and (m % p or nblocks < p * v):
                         continue
                     for sp in ((False, True) if seq_ok and cp == 1 else (False,)):
-                        for z in (range(4) if d > 1 else (0,)):
-                            yield Candidate(d, t, p, sp, z, sched, m, v, cp)
+                        for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
+                            for z in (range(4) if d > 1 else (0,)):  # search climbs it
+                                yield Candidate(d, t, p, sp, z, sched, m, v, cp,
+                                                experts_on_data=ep)
+
+
+def _experts_options(dims: LayoutDims, sizes: dict[str, int], data: int) -> tuple[bool, ...]:
+    """Whether to try the experts over the data axis as well as on the tensor axis: where the
+    model has experts and their count divides over the data ranks."""
+    if data > 1 and dims.experts and all(sizes[e] % data == 0 for e in dims.experts):
+        return (False, True)
+    return (False,)
 
 
 def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: int,

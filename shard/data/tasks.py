@@ -68,8 +68,9 @@ def _lm_pair(program: Program, roles) -> tuple[str, str, int] | None:
     if len(ids) == 1 and len(labels) == 1:
         (i, v), (t, c) = (ids[0], roles[ids[0]][1]), (labels[0], roles[labels[0]][1])
         shape = input_shape(program, i)
-        if shape == input_shape(program, t) and v == c and shape:
-            return i, t, v
+        # c < v: a padded vocab (cross_entropy classes): ids and targets are the real c
+        if shape == input_shape(program, t) and v >= c and shape:
+            return i, t, c
     return None
 
 

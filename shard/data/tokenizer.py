@@ -54,9 +54,15 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | None, flag: str = "--tokenizer") -> ByteTokenizer | HFTokenizer:
-    """Bytes without a path; else the tokenizer.json at `path` (DataError if unusable)."""
+    """Bytes without a path; else the tokenizer.json at `path`, or in the directory `path`
+    (a save_pretrained directory) (DataError if unusable)."""
     if not path:
         return ByteTokenizer()
+    if Path(path).is_dir():
+        if not (Path(path) / "tokenizer.json").is_file():
+            raise DataError(f"{flag} {path}: the directory has no tokenizer.json; give the "
+                            "tokenizer.json file itself")
+        path = str(Path(path) / "tokenizer.json")
     if not Path(path).is_file():
         raise DataError(f"{flag} {path}: no such file")
     try:

@@ -28,9 +28,15 @@ def cross_entropy(step, args, ctx):
     x = align(logits, lv.dims, (*lead, over))
     t = align(targets, tv.dims, lead)
     count = math.prod(ctx.sizes[d] for d in lead)
+    classes = step.attr("classes")
     if not step.dist:
+        x = x if classes is None else x[..., :classes]  # padded classes: no part in the loss
         c = x.shape[-1]
         return F.cross_entropy(x.reshape(-1, c), t.reshape(-1), reduction="sum") / count
+    if classes is not None:  # this rank's padded classes (global index >= classes) masked out
+        first = ctx.offset(lv, over)
+        pad = torch.arange(first, first + x.shape[-1], device=x.device) >= classes
+        x = x.masked_fill(pad, float("-inf"))
     stats = Stats(step, ctx, RECORDS)
     m = stats.reduce(x.detach().amax(-1, keepdim=True), Reduce.MAX)
     se = stats.reduce(torch.exp(x - m).sum(-1), Reduce.SUM)
@@ -51,7 +57,8 @@ def cross_entropy_saves(step, program, floats: list[str]) -> tuple[list[str], in
 RECORDS = (
     OpRecord(
         "cross_entropy",
-        "args (logits[..., C], targets[...] int). attrs: over=C. "
+        "args (logits[..., C], targets[...] int). attrs: over=C, optional classes=N (the "
+        "first N classes are real, the rest padding left out of the loss). "
         "-> f32[] mean over all target positions",
         kernel=cross_entropy, roles=cross_entropy_roles,
         # the max and the sums are taken with the class dim moved last: the max keeps it

@@ -4,8 +4,9 @@
 On a GPU run the optimizer's fp32 master weights and its state live in host memory and the
 update runs there; the device keeps its parameters, gradients and activations. explain's
 figures per rank, from its Estimate:
-- device with offload: everything but the optimizer state (parameters, gradients,
-  activations, working set); without: explain's total;
+- device with offload: everything but the optimizer state and, under bf16, the fp32 masters
+  kept apart from the bf16 copy (parameters, gradients, activations, working set); without:
+  explain's total;
 - host: the optimizer state, a master copy of the parameters this rank updates (fp32, 4
   bytes an element) and a gradient buffer of the same size (the copy the update reads).
 On a CPU run the state already lives in host memory: the statement changes nothing there,
@@ -38,7 +39,9 @@ def offload_figures(est) -> OffloadFigures:
     """The figures of an explain Estimate (module doc)."""
     # fp32, one per element this rank updates (its shard under ZeRO >= 1)
     master = 4 * est.optimizer_bytes // OPTIMIZER_STATE.get(est.optimizer, 8)
-    return OffloadFigures(est.total_bytes - est.optimizer_bytes, est.total_bytes,
+    # fp32 masters kept apart from a bf16 model copy (explain's master_bytes) move too
+    return OffloadFigures(est.total_bytes - est.optimizer_bytes - est.master_bytes,
+                          est.total_bytes,
                           est.optimizer_bytes + 2 * master)
 
 

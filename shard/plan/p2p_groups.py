@@ -9,7 +9,7 @@ So a rank issues its p2p in *groups*: the sends of one compute action (right aft
 the receive of the next (just before it, at its consumption point) with no compute between
 them go out together, as Megatron's send_forward_recv_backward does in one batch_isend_irecv
 (one ncclGroupStart/End). `rank_plan` turns a schedule's compute list into compute actions
-and Groups, in one of two groupings (GROUPINGS); p2p_proof.py proves which grouping of a
+and Groups, in one of three groupings (GROUPINGS); p2p_proof.py proves which grouping of a
 schedule cannot deadlock and pairs its messages in order. Pure data: no torch.
 """
 
@@ -20,6 +20,7 @@ import functools
 import attrs
 
 from soapstone.shard.plan.schedules import Action, ActionKind, Direction, Schedule
+from soapstone.shard.plan.schedules.send_order import SendOrder, message
 
 
 @attrs.frozen
@@ -66,7 +67,13 @@ def p2p_of(sched: Schedule, a: Action) -> P2P:
     return P2P(a, sched.rank_of(a.kind.peer(a.stage)), a.kind.edge(a.stage))
 
 
-GROUPINGS = ("consume", "pairs")
+GROUPINGS = ("consume", "pairs", "ordered")
+
+
+def groupings(sched: Schedule) -> tuple[str, ...]:
+    """The groupings tried for `sched`, in order: `ordered` only where its kind sends in its
+    readers' order (a V: send_order.py)."""
+    return GROUPINGS if sched.spec.send_in_read_order else GROUPINGS[:2]
 
 
 def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[Action]]:
@@ -87,14 +94,54 @@ def _units(sched: Schedule, compute: list[Action], grouping: str) -> list[list[A
     return units
 
 
+def _made(sched: Schedule) -> dict[tuple, float]:
+    """When each message is made in the schedule's simulated timeline: (direction,
+    microbatch, edge) -> the end of the compute sending it."""
+    out = {}
+    for row in sched.simulate():
+        for a, _, end in row:
+            s = sched.send(a)
+            if s is not None:
+                out[message(s)] = end
+    return out
+
+
+def _ahead(sched: Schedule, mine: list[Action], posted: set[Action], ops: list[Action],
+           now: float, made: dict[tuple, float]) -> list[Action]:
+    """The `ordered` grouping's early receives: for each rank a group sends to, the next
+    message this rank reads from it, if that one is made by `now` in the simulated timeline
+    and the group receives nothing else from it. Between the two legs of a V, neighbours
+    send to each other at once; a send-only group on each side would wait for the other
+    forever (NCCL's rendezvous), a receive beside each send pairs them; a message made later
+    would hold the group up for it. Receives from one peer still go in the order read."""
+    peer = sched.rank_of
+
+    def src(r: Action) -> int:
+        return peer(r.kind.peer(r.stage))
+
+    recv_from = {src(o) for o in ops if o.kind.receiving}
+    got = set(ops)
+    out = []
+    for dst in dict.fromkeys(peer(o.kind.peer(o.stage)) for o in ops if o.kind.sending):
+        if dst in recv_from:
+            continue
+        nxt = next((r for r in mine if src(r) == dst and r not in posted and r not in got),
+                   None)
+        if nxt is not None and made[message(nxt)] <= now:
+            out.append(nxt)
+    return out
+
+
 @functools.lru_cache(maxsize=512)
 def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
               grouping: str = "consume") -> tuple[Item, ...]:
     """Pipe rank `rank`'s compute actions with its p2p in Groups: before each unit of compute
     (`_units`) one group, the sends of the unit before it and the receives the unit reads,
-    and the last sends at the end. consume: Megatron's 1F1B (each receive just before the
-    action reading it); pairs: Megatron's interleaved steady state (a forward and a backward
-    run back to back, their sends and the next pair's receives in one group).
+    and the last sends at the end (a V's same-rank hand-off is no message: in no group).
+    consume: Megatron's 1F1B (each receive just before the action reading it); pairs:
+    Megatron's interleaved steady state (a forward and a backward run back to back, their
+    sends and the next pair's receives in one group); ordered: consume's groups, a send held
+    back until its destination reads it next (send_order.py: a V sends both ways).
     forward_only: the forward actions alone (Executor.infer)."""
     if grouping not in GROUPINGS:  # not user input: p2p_proof.choose picks it
         raise ValueError(f"grouping {grouping!r}: use one of {GROUPINGS}")
@@ -102,9 +149,21 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
     out: list[Item] = []
     pending: list[Action] = []  # sends of the unit just run
     weights: list[Action] = []  # its trailing W actions
-    last = sched.stages - 1
+    ordered = grouping == "ordered"
+    # ordered: sends as their readers read them
+    order = SendOrder.of(sched, rank, forward_only) if ordered else None
+    mine = [r for r in (sched.receive(a) for a in compute) if r is not None]
+    posted: set[Action] = set()  # ordered: receives posted ahead of their unit
+    made = _made(sched) if ordered else {}
+    start = {a: t for a, t, _ in sched.simulate()[rank]} if ordered else {}
     for unit in _units(sched, compute, grouping):
-        ops = pending + [r for r in (a.receive(last) for a in unit) if r is not None]
+        if ordered:
+            pending = order.due(pending)
+        ops = pending + [r for r in (sched.receive(a) for a in unit)
+                         if r is not None and r not in posted]
+        if ordered:  # a peer sent to may be sending to us: its next message joins the group
+            ops += _ahead(sched, mine, posted, ops, start[unit[0]], made)
+            posted.update(o for o in ops if o.kind.receiving)
         if ops:
             out.append(Group(tuple(p2p_of(sched, x) for x in ops)))
         # a W runs after the group carrying its unit's sends, not before: zb1p's point is that
@@ -116,7 +175,9 @@ def rank_plan(sched: Schedule, rank: int, forward_only: bool = False,
             k -= 1
         out.extend(unit[:k])
         weights = unit[k:]
-        pending = [s for s in (a.send(last) for a in unit) if s is not None]
+        pending = [s for s in (sched.send(a) for a in unit) if s is not None]
+    if ordered:
+        pending = order.due(pending) + order.rest()  # any left: the proof names them
     if pending:
         out.append(Group(tuple(p2p_of(sched, x) for x in pending)))
     out.extend(weights)

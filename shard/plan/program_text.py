@@ -164,9 +164,11 @@ def format_stage_graph(graph: StageGraph, programs: bool = True, zero: int = 0) 
                      f"{len(s.program.params)} params, {len(s.program.steps)} steps"
                      + (f"  ({'; '.join(extra)})" if extra else ""))
     for e in graph.edges:
+        # a V's turn: two stages of one rank, handed over in memory (no message)
+        how = ("handed over in memory, no p2p" if e.src_rank == e.dst_rank else
+               "the same back as gradients")
         lines.append(f"  edge {e.src} -> {e.dst}  ({graph.axis} {e.src_rank} -> "
-                     f"{e.dst_rank}): {format_bytes(e.nbytes)} per microbatch per rank, "
-                     "the same back as gradients")
+                     f"{e.dst_rank}): {format_bytes(e.nbytes)} per microbatch per rank, {how}")
         for t in e.tensors:
             dims = " ".join(f"{d}:{n}" for d, n in zip(t.dims, t.local_shape, strict=True))
             lines.append(f"    {t.name}  {t.dtype}[{dims}]  {{{t.layout}}}  "
@@ -174,7 +176,8 @@ def format_stage_graph(graph: StageGraph, programs: bool = True, zero: int = 0) 
     for name, where in graph.shared:
         lines.append(f"  shared {name}: stages {', '.join(map(str, where))} hold copies; "
                      f"gradient summed over {graph.axis}")
-    per_step = sum(e.nbytes for e in graph.edges) * graph.microbatches * 2
+    per_step = sum(e.nbytes for e in graph.edges
+                   if e.src_rank != e.dst_rank) * graph.microbatches * 2
     lines.append("  p2p per step (all edges, forward + backward): "
                  f"{format_bytes(per_step)} per rank column")
     text = "\n".join(lines) + "\n"

@@ -3,8 +3,10 @@
 Every layout is a stage graph: one without an `operator` statement is one stage on the whole
 mesh (`axis` None), whose microbatches, if any, are gradient accumulation. A pipeline layout
 cuts a model into *virtual stages* at repeat-block boundaries. Virtual stage `v` runs on pipe
-rank `stage.rank` (v itself without interleaving; v mod P with it, `chunks` virtual stages per
-rank). Each virtual stage is an ordinary `Program`, compiled for one
+rank `stage.rank`, the schedule's placement (v itself without interleaving; v mod P with it,
+`chunks` virtual stages per rank; in a V, zbv and dualpipev, rank r holds v = r and
+v = 2P-1-r, and the edge between stages P-1 and P joins two stages of one rank: handed over in
+memory, src_rank == dst_rank). Each virtual stage is an ordinary `Program`, compiled for one
 microbatch under the layout's other axes (data, model, ...), so tensor, sequence and data
 parallelism inside a stage are the single-program compiler's business.
 
@@ -75,7 +77,7 @@ class StageGraph:
     axis: str | None  # the pipe axis (None: one stage, no pipeline)
     stages: tuple[Stage, ...]  # virtual stages in model order
     edges: tuple[Edge, ...]
-    schedule: str  # gpipe | 1f1b | interleaved | zb1p
+    schedule: str  # a name of shard/plan/schedules/registry.py
     microbatches: int
     chunks: int
     batch_dim: str | None  # the dim microbatching cuts (None: no batched input)

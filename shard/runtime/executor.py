@@ -92,7 +92,7 @@ class Executor:
     def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
                  trace: bool = False, device: torch.device | str | None = None,
-                 p2p: str | None = None):
+                 p2p: str | None = None, draw: bool = True):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
         self.graph = graph
@@ -108,13 +108,17 @@ class Executor:
         sub = SubMesh(mesh, graph.axis) if piped else mesh
         self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
         self.models = {i: ShardedModel(s.program, sub, seed=seed, custom=custom, dtype=dtype,
-                                       compute_dtype=compute_dtype, device=self.device)
+                                       compute_dtype=compute_dtype, device=self.device,
+                                       draw=draw)
                        for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
         # p2p: "ahead" or "grouped" (the module doc; p2p_mode picks it when None)
         self.p2p = p2p_mode(p2p, self.device)
         self.wire = PipeP2P(graph, self.pipe_comm, self.device, self.compute_dtype)
+        # a V's turn: the edges joining two stages of this rank, handed over in memory
+        self.turns = {e.src for e in graph.edges
+                      if e.src_rank == e.dst_rank == self.pipe_rank}
         if self.p2p == "grouped":
             grouping = p2p_proof.choose(self.schedule)
             if grouping is None:
@@ -353,6 +357,10 @@ class Executor:
             st.stored[(a.mb, a.stage)] = (leaves, [loss])
         else:
             st.stored[(a.mb, a.stage)] = (leaves, [outs[n] for n in stage.send])
+            if a.stage in self.turns:  # the next stage is this rank's: no message
+                st.pending[(a.kind.direction, a.mb, a.stage + 1)] = self.wire.hand_off(
+                    g.edges[a.stage].tensors, st.stored[(a.mb, a.stage)][1],
+                    a.kind.direction, a.mb, a.stage)
         self.timeline.record("F", a.mb, a.stage, t0, self.timeline.now())
 
     def _backward(self, a, st: _Step) -> None:
@@ -383,6 +391,10 @@ class Executor:
                 leaves[b.name].grad if leaves[b.name].grad is not None
                 else torch.zeros_like(leaves[b.name])
                 for b in g.edges[a.stage - 1].tensors if b.is_float]
+            if a.stage - 1 in self.turns:  # the stage before is this rank's: no message
+                st.pending[(a.kind.direction, a.mb, a.stage - 1)] = self.wire.hand_off(
+                    [b for b in g.edges[a.stage - 1].tensors if b.is_float],
+                    st.back.pop((a.mb, a.stage)), a.kind.direction, a.mb, a.stage)
         self.timeline.record("B", a.mb, a.stage, t0, self.timeline.now())
 
     def _weights(self, a, st: _Step) -> None:
@@ -466,6 +478,10 @@ class Executor:
                             out = next(o for o in model.program.outputs if o.name == n)
                             pieces[n].append(model.gather(outs[n],
                                                           model.program.value(out.value)))
+                    elif a.stage in self.turns:  # handed to this rank's next stage
+                        pending[(a.kind.direction, a.mb, a.stage + 1)] = wire.hand_off(
+                            g.edges[a.stage].tensors, [outs[n] for n in stage.send],
+                            a.kind.direction, a.mb, a.stage)
                     else:
                         kept[(a.mb, a.stage)] = [outs[n] for n in stage.send]
                 elif a.kind is ActionKind.SA:

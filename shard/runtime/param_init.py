@@ -32,6 +32,13 @@ def init_shard(p: ParamSpec, seed: int, box: tuple[slice, ...], device=None) -> 
                 device)
 
 
+def empty_shard(p: ParamSpec, box: tuple[slice, ...], device=None) -> torch.Tensor:
+    """Storage for `p` inside `box`, not drawn: for weights a file fills right after (a
+    draw would cost the time and, for a layout's first touch, the memory of a whole init)."""
+    return torch.empty(tuple(s.stop - s.start for s in box), dtype=TORCH_DTYPES[p.dtype],
+                       device=device)
+
+
 def init_full(p: ParamSpec, seed: int, device=None) -> torch.Tensor:
     """The full (unsharded) initial value of a parameter: a function of (seed, name) only."""
     return init_shard(p, seed, tuple(slice(0, n) for n in p.shape), device)

@@ -47,6 +47,18 @@ class Outbox:
         self.works.clear()
 
 
+@attrs.frozen
+class Handed:
+    """A same-rank hand-off in place of a receive's Work (a V's turn: stage P-1 and stage P
+    on one rank): complete from the start, `wait` gives the tensor."""
+
+    tensor: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """The handed tensor (nothing to wait for)."""
+        return self.tensor
+
+
 class PipeP2P:
     """The p2p of one layout's pipe rank over `comm` (the pipe axis' communicator):
     receives into buffers of the compiled boundary shapes, sends checked against them."""
@@ -128,6 +140,12 @@ class PipeP2P:
         received (value, tensor) pairs."""
         got = [(b, w.wait()) for b, _, w in posted]
         return [(b, t) for b, t in got if b is not None]
+
+    def hand_off(self, bounds, tensors, direction: Direction, mb: int, stage: int) -> list:
+        """A message between two stages of this rank, as a posted receive's entries
+        [(value, tensor, work)], already complete: checked as a send is, detached, no copy."""
+        return [(b, t, Handed(t)) for b, t in
+                zip(bounds, self.checked(bounds, tensors, direction, mb, stage), strict=True)]
 
     def send(self, bounds, tensors, dst: int, edge_index: int, direction: Direction, mb: int,
              stage: int) -> list:

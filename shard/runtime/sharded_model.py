@@ -22,7 +22,12 @@ from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
-from soapstone.shard.runtime.param_init import TORCH_DTYPES, init_full, init_shard  # noqa: F401
+from soapstone.shard.runtime.param_init import (  # noqa: F401
+    TORCH_DTYPES,
+    empty_shard,
+    init_full,
+    init_shard,
+)
 
 
 class ShapeMismatch(UserError, RuntimeError):
@@ -41,7 +46,8 @@ class ShardedModel:
 
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
-                 fuse: bool = True, device: torch.device | str | None = None):
+                 fuse: bool = True, device: torch.device | str | None = None,
+                 draw: bool = True):
         if program.world_size > 1:
             check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
         self.program = program
@@ -70,12 +76,15 @@ class ShardedModel:
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
         self.compute_dtype = compute_dtype or dtype
-        # each rank draws only its own slice of every parameter (shard/runtime/param_init.py)
+        # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
+        # draw=False leaves them empty for weights loaded right after (--init, --resume)
+        def first(p):
+            box = self.ctx.local_slices(program.value(p.name))
+            return init_shard(p, seed, box, self.device) if draw else \
+                empty_shard(p, box, self.device)
+
         self.params: dict[str, torch.nn.Parameter] = {
-            p.name: torch.nn.Parameter(_cast(init_shard(
-                p, seed, self.ctx.local_slices(program.value(p.name)), self.device), dtype))
-            for p in program.params
-        }
+            p.name: torch.nn.Parameter(_cast(first(p), dtype)) for p in program.params}
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return _cast(t, self.compute_dtype)

@@ -15,10 +15,11 @@ import torch
 
 def generate(executor, ids: str, targets: str, logits: str, prompt: list[int], tokens: int,
              temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-             shape: tuple[int, int] = (1, 1), world=None) -> list[int]:
+             shape: tuple[int, int] = (1, 1), world=None,
+             classes: int | None = None) -> list[int]:
     """`tokens` new ids after `prompt` (collective: every rank calls it with the same
     arguments). shape: (rows, seq) of the model's token input; world: the world communicator
-    (None on one rank)."""
+    (None on one rank); classes: the real ids of a padded vocab (the rest never picked)."""
     rows, seq = shape
     g = torch.Generator().manual_seed(seed)
     out = list(prompt)
@@ -29,7 +30,7 @@ def generate(executor, ids: str, targets: str, logits: str, prompt: list[int], t
         batch = {ids: row.expand(rows, seq).clone(), targets: torch.zeros(rows, seq,
                                                                            dtype=torch.long)}
         _, full = executor.infer(batch, gather=(logits,))
-        scores = full[logits][0, len(ctx) - 1].double()
+        scores = full[logits][0, len(ctx) - 1, :classes].double()
         pick = torch.tensor([next_id(scores, temperature, top_k, g)], dtype=torch.long)
         if world is not None and world.size > 1:
             world.broadcast(pick, src=0)

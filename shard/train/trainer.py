@@ -113,14 +113,17 @@ class Trainer:
                  device: torch.device | str | None = None, flops_per_step: float | None = None,
                  peak_flops: float | None = None,
                  on_nonfinite: OnNonFinite = OnNonFinite.STOP,
-                 max_skips: int = DEFAULT_MAX_SKIPS):
+                 max_skips: int = DEFAULT_MAX_SKIPS, draw: bool = True):
         if precision not in PRECISIONS:
             raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
                                f"{precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
+            from soapstone.shard.plan.analysis.precision import graph_as_run
 
-            check_fit(graph, optimizer, *rank_memory(mesh.world if mesh is not None else None))
+            # what this precision keeps: bf16 activations beside fp32 masters
+            check_fit(graph_as_run(graph, precision), optimizer,
+                      *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
         # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
         want = getattr(torch, PRECISIONS[precision].torch_name)
@@ -128,7 +131,7 @@ class Trainer:
             graph, mesh, seed=seed, custom=custom,
             dtype=want if precision == "fp64" else None,
             compute_dtype=want if precision == "bf16" else None, trace=trace,
-            device=device)
+            device=device, draw=draw)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:

@@ -199,9 +199,15 @@ def test_another_layer_count_names_the_repeat(hf_dirs, tmp_path):
 def test_a_model_computing_something_else_is_refused(hf_dirs):
     text = (ROOT / "examples/gpt2.par").read_text().replace("gelu_tanh", "gelu")
     model = dsl.load(text, filename="gelu.par").model("gpt2")
-    with pytest.raises(hf_config.HFError, match=r"computes layer\.0\.mlp0\.act = gelu\(\) where "
-                       r"gelu\(approximate=tanh\) is expected"):
+    with pytest.raises(hf_config.HFError, match=r"activation is gelu here \(layer\.0\.mlp0\.act\), "
+                       r"but .* says gelu_tanh \(field 'activation_function'\)"):
         hf.load(hf_dirs["gpt2"], model)
+    text = (ROOT / "examples/gpt2.par").read_text().replace("causal = true", "causal = false")
+    model = dsl.load(text, filename="acausal.par").model("gpt2")
+    with pytest.raises(hf_config.HFError, match=r"computes layer\.0\.attention0\.probs = "
+                       r"softmax\(over=seq_k\) where causal_mask\(.*\) is expected") as e:
+        hf.load(hf_dirs["gpt2"], model)
+    assert e.value.format().startswith("acausal.par:28:")  # the spec line that differs
     untied = (ROOT / "examples/gpt2.par").read_text().replace("tie linear0", "# tie linear0")
     with pytest.raises(hf_config.HFError, match="has param linear0.weight"):
         hf.load(hf_dirs["gpt2"], dsl.load(untied, filename="untied.par").model("gpt2"))

@@ -155,6 +155,27 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
         _assert_probed_is_full(planner, c)
 
 
+def test_probes_under_bf16_are_the_bf16_compiles():
+    """Under --precision bf16 the probes are retyped as the full compiles are: the same
+    figures (bf16 activations and traffic, fp32 masters) and step time, on a sample of the
+    candidates; and the bf16 step keeps and moves about half the bytes in its ops."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates
+
+    model = load(gpt(12)).model()
+    planner = Planner(model, load_profile("a100-40gb"), precision="bf16")
+    fp32 = Planner(model, load_profile("a100-40gb"))
+    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
+    for c in cands[::7]:
+        r = _assert_probed_is_full(planner, c)
+        f = fp32.cost(c)
+        # float saves halve; integer ones (the targets a loss keeps) do not
+        assert r.estimate.activation_bytes * 2 == \
+            pytest.approx(f.estimate.activation_bytes, rel=0.01), c.label
+        assert sum(w.other_bytes for w in r.work) * 2 == \
+            pytest.approx(sum(w.other_bytes for w in f.work)), c.label
+
+
 def _assert_probed_is_full(planner, c):
     probed, full = planner.cost(c, exact=False), planner.cost(c, exact=True)
     a, b = probed.estimate.to_data(), full.estimate.to_data()
@@ -371,6 +392,23 @@ def test_explains_activations_match_a_measured_step(tmp_path):
         assert abs(row["peak_error"]) < 0.15, r.stdout
 
 
+def test_explains_bf16_activations_match_a_measured_bf16_step(tmp_path):
+    """The same under `--precision bf16`: a step with bf16 compute over fp32 masters against
+    explain --precision bf16 (BENCHMARKS.md has the 2-rank layouts)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "memory.json"
+    r = subprocess.run([sys.executable, "bench/bench_memory.py", "--small", "--precision",
+                        "bf16", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    for row in json.loads(out.read_text()):
+        assert row["precision"] == "bf16"
+        assert abs(row["saved_error"]) < 0.05, r.stdout
+        assert abs(row["peak_error"]) < 0.15, r.stdout
+
+
 # ---- the fit check -----------------------------------------------------------------------
 
 def _cli(*args: str, timeout: float = 300):
@@ -461,6 +499,49 @@ def test_seed_004_a_1t_model_on_4096_a100s_plans_to_tensor_8_pipeline_64_data_8(
     assert plan.best.candidate.tensor == 8
     assert any(line.startswith("recompute layer: activations ") and
                "with no recompute nothing fits" in line for line in decisions(plan, planner))
+
+
+def test_a_mixture_of_experts_plans_expert_parallel_and_never_splits_the_router():
+    """A Mixtral-like model (tests/specs/moe_plan.par) on 16 H100: the experts dim is one the
+    tensor axis may split (expert parallelism), the router's copy of it never is, so every
+    candidate with tensor > 1 compiles (each used to fail: the search mapped the router's
+    dim onto the model axis and then said no layout with tensor > 1 divides). The winner is
+    expert-parallel because the cost model rates it fastest."""
+    from soapstone.dsl.search.plan_search import Planner, decisions, search
+    from soapstone.dsl.search.space import layout_dims
+
+    model = load("tests/specs/moe_plan.par").model()
+    dims = layout_dims(model)
+    assert "experts" in dims.tensor and "experts_r" not in dims.tensor
+    planner = Planner(model, load_profile("h100-80gb"))
+    plan = search(planner, 16)
+    assert not [r for r in plan.rejected if "no valid sharding" in r.why], plan.rejected
+    assert any(r.candidate.tensor > 1 for r in plan.ranked)
+    assert plan.best.candidate.tensor > 1
+    assert ("experts", "model") in plan.parallel().parameter
+    assert plan.best.time.total == min(r.time.total for r in plan.ranked)
+    assert not any("no layout with tensor > 1" in line for line in decisions(plan, planner))
+    # the experts over the data axis (DeepSpeed-MoE) are searched and rated too
+    assert any(r.candidate.experts_on_data for r in plan.ranked)
+
+
+def test_probes_extrapolate_the_experts_over_data_exactly():
+    """With a mixture's experts over the data axis their shards depend on its size: those
+    probes are compiled on the candidate's data degree, and give what a full compile does."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates, to_parallel
+
+    text = Path("tests/specs/moe_plan.par").read_text().split("parallel single")[0]
+    model = load(text, dims={"batch": 16, "seq": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
+                             "experts": 4, "ffn": 64, "vocab": 64}).model()
+    planner = Planner(model, load_profile("a100-40gb"))
+    assert not planner.exact  # 8 alike blocks: probed
+    cands = [c for c in candidates(model, planner.dims, 8, planner.profile, [])
+             if c.experts_on_data]
+    assert {c.data for c in cands} == {2, 4}  # 4 experts: not over 8 data ranks
+    assert ("experts", "data") in to_parallel(model, planner.dims, cands[0]).parameter
+    for c in cands[::8]:
+        _assert_probed_is_full(planner, c)
 
 
 def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):

@@ -1,5 +1,6 @@
 """Small random Hugging Face GPT-2 and LLaMA models (transformers, tests only), shaped like
-examples/gpt2.par and examples/llama.par, saved with save_pretrained: what `hf:DIR` imports.
+examples/gpt2.par and examples/llama.par, saved with save_pretrained: what `hf:DIR` imports
+(and Mistral, Qwen2 and Qwen3 of the LLaMA shape).
 
 Every parameter is drawn at random (biases and norm weights too, which Hugging Face would
 start at 0 and 1), so a tensor mapped to the wrong place cannot go unnoticed."""
@@ -16,24 +17,27 @@ LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidd
          "num_attention_heads": 4, "num_key_value_heads": 2}  # grouped-query: 2 per kv head
 
 
-def build(kind: str, seed: int = 0):
-    """A random-init GPT2LMHeadModel or LlamaForCausalLM (eval mode, fp32)."""
+def build(kind: str, seed: int = 0, **config):
+    """A random-init GPT2LMHeadModel or LlamaForCausalLM (eval mode, fp32); `config`
+    overrides fields of the small default config."""
     import transformers
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **config}))
+    else:  # llama and the families computed by the same model: mistral, qwen2
+        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+        conf = getattr(transformers, f"{name}Config")(**{**LLAMA, **config})
+        model = getattr(transformers, f"{name}ForCausalLM")(conf)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     return model.eval()
 
 
-def save(kind: str, directory: Path, seed: int = 0) -> Path:
-    """build(kind, seed) written with save_pretrained to `directory`."""
-    build(kind, seed).save_pretrained(directory)
+def save(kind: str, directory: Path, seed: int = 0, **config) -> Path:
+    """build(kind, seed, **config) written with save_pretrained to `directory`."""
+    build(kind, seed, **config).save_pretrained(directory)
     return Path(directory)
 
 

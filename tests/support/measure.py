@@ -1,6 +1,7 @@
 """Measuring one real training step against explain, for the mpiexec cases: the bytes every
 communicator's counters record equal explain's figures, its flight recorder holds the planned
-sequence, and param/grad/optimizer memory is within 10% of the tensors held."""
+sequence, and param/grad/optimizer memory is within 10% of the tensors held; under a
+`precision` (bf16), against explain of the same precision."""
 
 from __future__ import annotations
 
@@ -71,17 +72,22 @@ def assert_sequence(graph, marks: dict, layout: str, p2p: str = "ahead") -> None
                 f"{plan[j]['what'] if j < len(plan) else None}")
 
 
-def measure(spec: str, layout: str, optimizer: str) -> None:
+def measure(spec: str, layout: str, optimizer: str, precision: str = "fp32") -> None:
+    """One step of `spec`'s `layout` under `precision` against explain of the same precision
+    (module doc): the counters and the recorded sequence (dtypes included) exactly, the
+    param/grad/optimizer memory within 10%."""
+    from soapstone.shard.plan.analysis.precision import graph_as_run
     from soapstone.shard.runtime.memory import memory_report
 
     s = load_spec(spec)
     par = s.parallel(layout)
-    graph = lower_graph(s.model(par.model), par)
+    run_graph = lower_graph(s.model(par.model), par)
+    graph = graph_as_run(run_graph, precision)  # what the run keeps and moves
     program = graph.program
     mesh = Mesh(W, **dict(par.mesh)) if program.world_size > 1 else None
     custom = {n: c.fn for n, c in dsl.custom.registered().items()}
-    t = Trainer(graph, mesh, task=SyntheticTask(program, 1), seed=1, custom=custom,
-                optimizer=optimizer, lr=1e-3)
+    t = Trainer(run_graph, mesh, task=SyntheticTask(run_graph.program, 1), seed=1,
+                custom=custom, optimizer=optimizer, lr=1e-3, precision=precision)
     t.step(0)  # warm up: first-use communicators, buckets, optimizer state
     comms = dict(mesh._comms) if mesh is not None else {}
     for c in comms.values():
@@ -132,7 +138,7 @@ def routed_bytes(model, program, predicted: dict) -> None:
         predicted[key] = (predicted[key][0], nbytes)
 
 
-def measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
+def measure_pipeline(path: Path, layout: str, optimizer: str, precision: str = "fp32") -> None:
     """A pipeline (or accumulating) layout: every rank's comm counters over one step equal
     explain's figures for its pipe rank (p2p sends, pipe-axis allreduces and each stage's
     collectives x microbatches), and its param/grad/optimizer memory is within 10% of the
@@ -140,15 +146,18 @@ def measure_pipeline(path: Path, layout: str, optimizer: str) -> None:
     from soapstone.dsl.app.build import single_program
     from soapstone.shard.data.source import make_task
     from soapstone.shard.plan.analysis.explain import estimate_pipeline
+    from soapstone.shard.plan.analysis.precision import graph_as_run
     from soapstone.shard.runtime.memory import memory_report
 
     s = dsl.load(path)
     par = s.parallel(layout)
     model = s.model(par.model)
-    graph = lower_graph(model, par)
+    run_graph = lower_graph(model, par)
+    graph = graph_as_run(run_graph, precision)  # what the run keeps and moves
     mesh = Mesh(W, **dict(par.mesh))
-    task = make_task(single_program(model, graph), 1)
-    t = Trainer(graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3)
+    task = make_task(single_program(model, run_graph), 1)
+    t = Trainer(run_graph, mesh, task=task, seed=1, optimizer=optimizer, lr=1e-3,
+                precision=precision)
     t.step(0)
     comms = dict(mesh._comms)
     for c in comms.values():

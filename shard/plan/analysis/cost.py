@@ -9,22 +9,27 @@ time, on a `hardware.Profile`:
   x the product of its iteration dims' local sizes), run at the profile's achievable matmul
   rate in the run's precision; every other op (elementwise, norms, softmax, embedding, cross
   entropy) is memory-bound: the bytes of its float inputs and output at the
-  memory bandwidth (half of them in bf16). Backward costs twice the forward (a matmul's two
-  gradients; an elementwise op reads and writes its gradients). Each op (a fused chain is
-  one, a redistribution is one) also costs the profile's fixed `op_overhead_us`, forward and
-  backward together: what dominates a small model.
+  memory bandwidth, in the dtype the run computes in (the Program is retyped to it first:
+  precision.py, so under bf16 they are half of fp32's). Backward costs twice the forward (a
+  matmul's two gradients; an elementwise op reads and writes its gradients). Each op (a
+  fused chain is one, a redistribution is one) also costs the profile's fixed
+  `op_overhead_us`, forward and backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
   / bandwidth, on the link class of the row's axes. Axes are laid out row-major (the last mesh
   axis innermost, as comm.Mesh places ranks): a group of axes stays inside a node when its
   ranks span at most `devices_per_node` consecutive ranks, else it crosses the inter-node
   links. Ring hops: allreduce 2(n-1), reduce_scatter / allgather / alltoall / broadcast
   n-1, a p2p send 1.
-- overlap, where the runtime overlaps: bucketed gradient reduction runs during the last
-  microbatch's backward (every microbatch's under ZeRO >= 2, which reduce-scatters each one),
-  so only what exceeds that backward, and at least the last bucket, is exposed; ZeRO-3's
-  prefetched parameter gathers hide behind compute; tensor-parallel collectives (forward and
-  backward rows on the other axes) block and are paid in full; the ZeRO-1/2 gather of the
-  updated parameters and the grad-norm and loss reductions follow the step.
+- overlap, where the runtime overlaps, per link class (intra- or inter-node: every axis on
+  one class shares its links, so what overlaps on it adds up first; `LinkLoad`,
+  `exposed_on_link`): ZeRO-3's prefetched parameter gathers hide behind forward compute
+  (the forward's) and backward compute (the backward's); bucketed gradient reduction runs
+  during the last microbatch's backward (every microbatch's under ZeRO >= 2, which
+  reduce-scatters each one), in what the backward gathers leave of the link, so only what
+  exceeds that, and at least the last bucket, is exposed. Links run side by side: the step
+  waits for the busiest. Tensor-parallel collectives (forward and backward rows on the other
+  axes) block and are paid in full; the ZeRO-1/2 gather of the updated parameters and the
+  grad-norm and loss reductions follow the step.
 - pipeline: a pipe rank's busy time per step (compute + blocking collectives over its
   microbatches) stretched by the schedule's bubble, busy / (1 - bubble) with explain's
   (p-1)/(v*m+p-1), plus the fill and drain of the p2p chain ((p-1) hops each way).
@@ -38,24 +43,17 @@ import math
 
 import attrs
 
-from soapstone.comm.dtype_table import PRECISIONS
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
-from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
 HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
-
-
-def _width(precision: str) -> float:
-    """Bytes of a `precision` value relative to the spec's f32 (what other ops' traffic is)."""
-    return PRECISIONS[precision].nbytes / DTYPES["f32"].nbytes
 
 
 @attrs.frozen
@@ -75,16 +73,14 @@ class Work:
 
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
-        width = _width(precision)
         return self.matmul_flops / profile.matmul_flops(precision) + \
-            self.other_bytes * width / profile.memory_bandwidth + self.ops * profile.op_overhead_s
+            self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, and the
         forward that recompute runs again."""
-        width = _width(precision)
         fwd = self.matmul_flops / profile.matmul_flops(precision) + \
-            self.other_bytes * width / profile.memory_bandwidth
+            self.other_bytes / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
         return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again
 
@@ -121,16 +117,22 @@ def _work(program: Program, indices) -> Work:
     return Work(flops, moved, ops)
 
 
-def link_of(axes: str, mesh: dict[str, int], profile: Profile) -> Link:
-    """The link class of a communicator over `axes` ("a" or "a,b"), ranks laid out row-major
-    over `mesh` (last axis innermost): intra-node when its ranks fit in one node."""
+def link_class(axes: str, mesh: dict[str, int], profile: Profile) -> str:
+    """"intra" or "inter": whether a communicator over `axes` ("a" or "a,b"), ranks laid out
+    row-major over `mesh` (last axis innermost), stays inside a node (its ranks fit in one)."""
     names = list(mesh)
     group = [a for a in axes.split(",") if a in mesh]
     if not group:
-        return profile.intra_node
+        return "intra"
     outer = min(names.index(a) for a in group)
     span = math.prod(mesh[a] for a in names[outer:])
-    return profile.intra_node if span <= profile.devices_per_node else profile.inter_node
+    return "intra" if span <= profile.devices_per_node else "inter"
+
+
+def link_of(axes: str, mesh: dict[str, int], profile: Profile) -> Link:
+    """The link class of a communicator over `axes` (`link_class`): its alpha-beta model."""
+    return profile.intra_node if link_class(axes, mesh, profile) == "intra" else \
+        profile.inter_node
 
 
 def row_seconds(t: Traffic, mesh: dict[str, int], profile: Profile) -> float:
@@ -152,10 +154,40 @@ class StepTime:
     after_step: float  # ZeRO-1/2 parameter gathers, grad norm, loss, tied sums
     optimizer: float
     comm_per_axis: dict[str, float] = attrs.field(factory=dict)  # the busiest rank's, seconds
+    param_gathers: float = 0.0  # exposed ZeRO-3 parameter gathers (what compute does not hide)
 
     def to_data(self) -> dict:
         """JSON-ready."""
         return attrs.asdict(self)
+
+
+@attrs.define
+class LinkLoad:
+    """One rank's traffic of one step on one link class (seconds at that link's rates), by
+    what it can hide behind. Collectives on one link share it: their times add up here,
+    before any is set against compute."""
+
+    gathers_forward: float = 0.0  # ZeRO-3 parameter gathers, prefetched ahead of forward use
+    gathers_backward: float = 0.0  # and again for backward
+    reduce: float = 0.0  # gradient reduction launched from backward (bucket by bucket)
+
+
+def exposed_on_link(load: LinkLoad, forward: float, backward: float, reduce_window: float,
+                    buckets: int) -> tuple[float, float]:
+    """(gather time, reduction time) that one link's overlapped traffic adds to the step:
+    what the compute windows do not hide. Forward gathers hide behind forward compute,
+    backward gathers behind backward compute; the reduction hides only in the part of its
+    window (`reduce_window`: the whole backward under ZeRO >= 2, else the last microbatch's)
+    that the backward gathers leave the link free (they take it in proportion, spread over
+    backward), and never its last bucket (launched when backward ends). Neither is negative,
+    and no second of compute hides two transfers on one link."""
+    gathers = max(0.0, load.gathers_forward - forward) + \
+        max(0.0, load.gathers_backward - backward)
+    busy = min(1.0, load.gathers_backward / backward) if backward > 0 else \
+        (1.0 if load.gathers_backward else 0.0)
+    free = reduce_window * (1.0 - busy)
+    reduce = max(load.reduce - free, load.reduce / max(buckets, 1), 0.0)
+    return gathers, reduce
 
 
 def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tuple[str, ...],
@@ -163,28 +195,38 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
     mesh = est.mesh
     m = est.microbatches
     compute = work.seconds(profile, precision) * m
-    out = {"compute": compute, "blocking": 0.0, "zero3": 0.0, "p2p": 0.0, "reduce": 0.0,
-           "after": 0.0}
+    out = {"compute": compute, "blocking": 0.0, "p2p": 0.0, "after": 0.0}
     per_axis: dict[str, float] = {}
+    links: dict[str, LinkLoad] = {}  # by link class: axes on one class share its links
     buckets = 1
     for t in traffic:
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
         on_data = set(t.axis.split(",")) <= set(data_axes)
-        if t.phase in ("forward", "backward", "recompute"):
-            out["zero3" if t.kind == "allgather" and on_data else "blocking"] += s
+        load = links.setdefault(link_class(t.axis, mesh, profile), LinkLoad())
+        if t.phase in ("forward", "backward") and t.kind == "allgather" and on_data:
+            if t.phase == "forward":
+                load.gathers_forward += s
+            else:
+                load.gathers_backward += s
+        elif t.phase in ("forward", "backward", "recompute"):
+            out["blocking"] += s  # tensor/sequence/context parallel: compute waits for it
         elif t.phase == "p2p":
             out["p2p"] += s
         elif t.phase == "grad sync" and t.kind != "allgather":
-            out["reduce"] += s
+            load.reduce += s
             buckets = max(buckets, t.calls)
         else:  # ZeRO-1/2 gathers after the update, grad norm, loss, tied sums
             out["after"] += s
-    # the reduction hides behind backward: the last microbatch's, or every one's (ZeRO >= 2)
-    backward = compute * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+    forward = compute / (1 + BACKWARD_FACTOR)
+    backward = compute - forward
     window = backward if ZeroStage.of(est.zero).shards_grads else backward / m
-    out["reduce"] = max(out["reduce"] - window, out["reduce"] / buckets)
-    out["busy"] = max(compute, out["zero3"]) + out["blocking"]
+    per_link = [exposed_on_link(x, forward, backward, window, buckets) for x in links.values()]
+    # links run side by side: the step waits for the busiest (its gathers first: compute
+    # waits for them; the reduction trails)
+    out["zero3"] = max((g for g, _ in per_link), default=0.0)
+    out["reduce"] = max(max((g + r for g, r in per_link), default=0.0) - out["zero3"], 0.0)
+    out["busy"] = compute + out["zero3"] + out["blocking"]
     out["per_axis"] = per_axis
     return out
 
@@ -226,4 +268,4 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
                     blocking_comm=busiest["blocking"], bubble=pipe - busy,
                     grad_sync=max(r["reduce"] for r in rows),
                     after_step=max(r["after"] for r in rows), optimizer=opt,
-                    comm_per_axis=busiest["per_axis"])
+                    comm_per_axis=busiest["per_axis"], param_gathers=busiest["zero3"])

@@ -4,7 +4,9 @@ All ranks of a Program hold equal shards (the compiler only splits evenly), so o
 figures are every rank's.
 
 Memory (bytes per rank):
-- params: the local shards in the spec's dtype (ZeRO-3: 1/D of them, D the data-parallel size).
+- params: the local shards in the dtype the model computes in (the spec's, or --precision's:
+  precision.py), plus the fp32 masters kept apart from a narrower copy (ZeRO >= 1: 1/D of
+  them); ZeRO-3: only the master shard, 1/D (D the data-parallel size).
 - grads: the optimizer's fp32 gradient buffers, one element per local parameter element
   (ZeRO-2/3: 1/D).
 - optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
@@ -146,6 +148,9 @@ class Estimate:
     weight_grad_bytes: int = 0
     # per moe op: experts per rank, their parameter bytes, the capacity bound (dispatch.py)
     experts: list[dict] = attrs.field(factory=list)
+    # of param_bytes, the fp32 master copies kept apart from a narrower (bf16) model copy
+    master_bytes: int = 0
+    compute_dtype: str | None = None  # the parameters' dtype as the model computes with them
     # pipelines: every pipe rank's traffic rows (the cost model's; not in to_data)
     rank_traffic: list[list[Traffic]] = attrs.field(factory=list, repr=False)
 
@@ -239,6 +244,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
     # gradient buffers, held until their reduce-scatters complete
     gathered = 0
+    cached = 0  # ZeRO-3 under bf16: the compute-dtype copies of the master shards (zero.py)
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
     # elements no data axis shards: a param whose gradient arrives summed over the data axes
@@ -267,6 +273,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
             add("forward", "allgather", plan.dp, padded * item)
             add("backward", "allgather", plan.dp, padded * item)
             gathered = max(gathered, padded * item)
+            if item != master:  # a bf16 copy of the master shard, gathered from, kept all step
+                cached += padded // n_dp * item
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -292,19 +300,36 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         grad_bytes += held(elems * 4, 4, True) - int(whole * 4)
     state = OPTIMIZER_STATE.get(optimizer, 8)
     opt_bytes = held(elems * state, state, z.shards_optimizer)
+    params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
+                                                   for p in float_params), elems, master, held, z)
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
-                    optimizer, held(param_bytes, param_bytes / elems if elems else 0,
-                                    z.shards_params),
-                    grad_bytes, opt_bytes, activations,
+                    optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + gathered + (
+                    transient_bytes=transient + gathered + cached + (
                         elems * 4 - grad_bytes if z.shards_grads else 0),
                     without_recompute=(plain or activation_figures(
                         attrs.evolve(program, recompute=(), dropped=())))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
                     weight_grad_bytes=weight_grad_bytes(program),
-                    experts=expert_figures(program))
+                    experts=expert_figures(program), master_bytes=masters,
+                    compute_dtype=float_params[0].dtype if float_params else None)
+
+
+def held_params(param_bytes: int, float_bytes: int, elems: int, master: int, held,
+                z: ZeroStage) -> tuple[int, int]:
+    """A rank's parameter bytes as shard/parallel/data_parallel.py keeps them: the model's copy
+    (in its compute dtype) and, where that is narrower than the master width (bf16 or f16
+    parameters), the fp32 master copy beside it (ZeRO >= 1: a 1/D shard of it); ZeRO-3 keeps
+    only the master shard (the model's copy is gathered for use). `held(total, item,
+    sharded)` is explain's rule for what ZeRO shards. (total, of which masters kept apart)"""
+    if z.shards_params:
+        masters = held(elems * master, master, True)
+        return param_bytes - float_bytes + masters, masters if float_bytes != elems * master \
+            else 0
+    apart = float_bytes != elems * master  # a narrower model copy: the masters are apart
+    masters = held(elems * master, master, z.shards_optimizer) if apart else 0
+    return param_bytes + masters, masters
 
 
 @attrs.frozen
@@ -373,8 +398,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     for st in stages:
         of_rank.setdefault(st.rank, []).append(st)
     for e in edges if pipe > 1 else ():
-        sends.setdefault(e.src_rank, []).append(e)
-        backs.setdefault(e.dst_rank, []).append(e)
+        if e.src_rank != e.dst_rank:  # a V's turn is handed over in memory: no message
+            sends.setdefault(e.src_rank, []).append(e)
+            backs.setdefault(e.dst_rank, []).append(e)
         sent[e.src] = sent.get(e.src, 0) + e.nbytes
     for e in edges if pipe > 1 else ():
         # a stage without float inputs has no B to run: W keeps its outputs and their
@@ -411,6 +437,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
             "param_bytes": sum(per_stage[st.index].param_bytes for st in mine),
+            "master_bytes": sum(per_stage[st.index].master_bytes for st in mine),
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
             "activation_bytes": peak,
@@ -443,6 +470,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                 | {"comm_bytes": sum(t.bytes for t in x["traffic"])}
                                 for x in ranks],
                     edges=edge_data, rank_traffic=[x["traffic"] for x in ranks],
+                    master_bytes=pick["master_bytes"],
+                    compute_dtype=next((e.compute_dtype for e in per_stage.values()
+                                        if e.compute_dtype), None),
                     **_recompute_figures(sched, pick, per_stage, sent, kept,
                                          received_ahead(pick["pipe_rank"], sends, backs)))
 
@@ -495,7 +525,9 @@ def format_estimate(e: Estimate) -> str:
              f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
              f"zero {e.zero}, {e.optimizer}",
              f"memory per rank ({who}):",
-             f"  params        {format_bytes(e.param_bytes):>12}",
+             f"  params        {format_bytes(e.param_bytes):>12}" + (
+                 f"   ({e.compute_dtype} model copy + fp32 masters "
+                 f"{format_bytes(e.master_bytes)})" if e.master_bytes else ""),
              f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
              f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
              f"  activations   {format_bytes(e.activation_bytes):>12}   (what backward keeps"
@@ -526,6 +558,8 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
                  f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
                  f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
+    if schedules.get(e.schedule).memory:
+        lines.append(f"  {e.schedule} memory: {schedules.get(e.schedule).memory}")
     lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
     for r in e.pipe_ranks:
         per_mb = r["activation_bytes_per_microbatch"]
@@ -537,6 +571,10 @@ def format_estimate(e: Estimate) -> str:
                      f"activations {format_bytes(r['activation_bytes'])} ({flight} in flight)  "
                      f"sends {format_bytes(r['comm_bytes'])}")
     for d in e.edges:
+        if d["src_rank"] == d["dst_rank"]:  # a V's turn: two stages of one rank
+            lines.append(f"  edge {d['src']} -> {d['dst']}  on pipe rank {d['src_rank']}: "
+                         "handed over in memory, no p2p")
+            continue
         lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
                      f"{format_bytes(d['activation_bytes'])}, gradients back "
                      f"{format_bytes(d['gradient_bytes'])}")

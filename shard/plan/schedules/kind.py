@@ -66,6 +66,20 @@ class ScheduleKind:
     # (p, m, rank) -> the microbatches a rank's one stage holds at its peak, in closed form
     # (None: walk); read with one chunk per rank and an unsplit backward
     held: Callable[[int, int, int], int] | None = None
+    # virtual stages per rank of a kind that is not `chunked` (a V: 2, fixed by its placement)
+    stages_per_rank: int = 1
+    # pipe -> the fewest microbatches it takes, and why (the checker's message); None: any
+    least: Callable[[int], int] | None = None
+    why_least: str = ""
+    memory: str = ""  # what explain says of its memory, beside the figures (published forms)
+    # it sends both ways to one neighbour (a V): each send waits until its reader reads it
+    # next (send_order.py) and the `ordered` p2p grouping is tried; the others keep their
+    # sends as made, so the verifier still refuses ranks that disagree on the order
+    send_in_read_order: bool = False
+
+    def per_rank(self, chunks: int) -> int:
+        """Virtual stages per rank: `chunks` for a chunked kind, else its own count."""
+        return chunks if self.chunked else self.stages_per_rank
 
     def rank_of(self, stage: int, pipe: int) -> int:
         """The pipe rank holding virtual stage `stage`."""

@@ -4,17 +4,21 @@ up. A new schedule is its module (a ScheduleKind) and its line here. Pure data: 
 
 from __future__ import annotations
 
+from soapstone.shard.plan.schedules.dualpipev import DUALPIPEV
 from soapstone.shard.plan.schedules.gpipe import GPIPE
 from soapstone.shard.plan.schedules.interleaved import INTERLEAVED
 from soapstone.shard.plan.schedules.kind import ScheduleError, ScheduleKind
 from soapstone.shard.plan.schedules.one_f_one_b import ONE_F_ONE_B
 from soapstone.shard.plan.schedules.zb1p import ZB1P
+from soapstone.shard.plan.schedules.zbv import ZBV
 
 SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
     GPIPE,
     ONE_F_ONE_B,
     INTERLEAVED,
     ZB1P,
+    ZBV,
+    DUALPIPEV,
 )}
 KINDS = tuple(SCHEDULES)  # their names, in the order messages list them
 # the schedules whose backward is split into B (input gradient) and W (weights)

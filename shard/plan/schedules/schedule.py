@@ -23,6 +23,7 @@ import attrs
 from soapstone.shard.plan.schedules import registry
 from soapstone.shard.plan.schedules.actions import Action, ActionKind
 from soapstone.shard.plan.schedules.kind import ScheduleError, ScheduleKind
+from soapstone.shard.plan.schedules.send_order import SendOrder
 
 
 @attrs.frozen
@@ -49,6 +50,22 @@ class Schedule:
         """The pipe rank running virtual stage `stage` (the schedule's placement)."""
         return self.spec.rank_of(stage, self.pipe)
 
+    def local(self, a: Action) -> bool:
+        """Whether communication action `a` joins two stages of one rank (a V's turn: stage
+        P-1 hands its output to stage P in memory, no message)."""
+        return self.rank_of(a.stage) == self.rank_of(a.kind.peer(a.stage))
+
+    def receive(self, a: Action) -> Action | None:
+        """The receive compute action `a` reads (None: no neighbour, or one on this rank)."""
+        r = a.receive(self.stages - 1)
+        return None if r is None or self.local(r) else r
+
+    def send(self, a: Action) -> Action | None:
+        """The send of compute action `a`'s output (None: no neighbour, or one on this
+        rank)."""
+        r = a.send(self.stages - 1)
+        return None if r is None or self.local(r) else r
+
     @property
     def split(self) -> bool:
         """Whether the backward is split into B (input gradient) and W (weight gradients)."""
@@ -73,10 +90,12 @@ class Schedule:
 
     def with_comm(self, rank: int, lookahead: int = 1) -> list[Action]:
         """Rank `rank`'s actions with receives posted `lookahead` compute actions early and
-        sends right after the compute producing them."""
+        sends right after the compute producing them (or, where the destination reads
+        another message from this rank first, right after that one's: send_order.py)."""
         compute = self.ranks[rank]
-        last = self.stages - 1
-        recvs = [a.receive(last) for a in compute]
+        recvs = [self.receive(a) for a in compute]
+        # a V sends both ways to one rank: send_order.py (None: each send as made)
+        order = SendOrder.of(self, rank) if self.spec.send_in_read_order else None
         out: list[Action] = []
         posted = 0
         for i, a in enumerate(compute):
@@ -85,10 +104,10 @@ class Schedule:
                     out.append(recvs[posted])
                 posted += 1
             out.append(a)
-            send = a.send(last)
-            if send is not None:
-                out.append(send)
-        return out
+            send = self.send(a)
+            sends = [send] if send is not None else []
+            out += order.due(sends) if order is not None else sends
+        return out + (order.rest() if order is not None else [])
 
     def simulate(self, fwd: float = 1.0, bwd: float = 2.0) -> list[list[tuple[Action, float,
                                                                                 float]]]:
@@ -161,11 +180,16 @@ def build(kind: str, pipe: int, microbatches: int, chunks: int = 1) -> Schedule:
     value, cached: the planner and explain ask for the same ones often)."""
     spec = registry.get(kind)
     p, m = pipe, microbatches
-    if not spec.chunked and chunks != 1:
-        raise ScheduleError(f"chunks = {chunks} needs the {' or '.join(registry.CHUNKED)} "
-                            "schedule")
+    if not spec.chunked:
+        if chunks not in (1, spec.stages_per_rank):
+            raise ScheduleError(f"chunks = {chunks} needs the {' or '.join(registry.CHUNKED)} "
+                                "schedule")
+        chunks = spec.stages_per_rank  # a V's two stages per rank are its own
     if spec.whole_groups and m % p:
         raise ScheduleError(f"{kind} needs microbatches ({m}) divisible by pipe ({p})")
+    if spec.least is not None and m < spec.least(p):
+        raise ScheduleError(f"{kind} needs microbatches >= {spec.least(p)} at pipe {p} "
+                            f"({spec.why_least}), got {m}")
     ranks = []
     for r in range(p):
         mine = [spec.stage_at(r, c, p) for c in range(chunks)]

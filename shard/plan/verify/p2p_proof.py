@@ -21,7 +21,7 @@ import functools
 
 import attrs
 
-from soapstone.shard.plan.p2p_groups import GROUPINGS, P2P, Group, Item, plans
+from soapstone.shard.plan.p2p_groups import P2P, Group, Item, groupings, plans
 from soapstone.shard.plan.schedules import Direction, Schedule
 
 
@@ -169,15 +169,16 @@ def prove(sched: Schedule, grouping: str = "consume", ntensors=None) -> str | No
 
 @functools.lru_cache(maxsize=256)
 def choose(sched: Schedule) -> str | None:
-    """The first grouping of GROUPINGS that `prove` accepts for `sched` (None: neither).
+    """The first grouping of p2p_groups.groupings(sched) that `prove` accepts (None: none).
     consume suits gpipe, 1f1b and zb1p; interleaved needs pairs (its virtual stages make a
     ring, and receives at their consumption point would leave neighbours both sending),
-    except where every rank's microbatches are all warm-up (microbatches = pipe)."""
-    return next((g for g in GROUPINGS if prove(sched, g) is None), None)
+    except where every rank's microbatches are all warm-up (microbatches = pipe); zbv and
+    dualpipev mostly need ordered (a V's neighbours send to each other both ways)."""
+    return next((g for g in groupings(sched) if prove(sched, g) is None), None)
 
 
 def unproven(sched: Schedule) -> str | None:
     """None when `choose` finds a grouping for `sched`; else consume's reason, in words."""
     if choose(sched) is not None:
         return None
-    return "; ".join(f"{g}: {prove(sched, g)}" for g in GROUPINGS)
+    return "; ".join(f"{g}: {prove(sched, g)}" for g in groupings(sched))

@@ -40,12 +40,14 @@ def test_box_intersection():
     assert a.intersect(Box((4, 0), (2, 2))) is None
 
 
-def trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model="gpt"):
-    """A one-rank Trainer of a spec's model on the synthetic task."""
+def trainer(precision="fp32", optimizer="adamw", spec="examples/gpt.par", model="gpt",
+            draw=True):
+    """A one-rank Trainer of a spec's model on the synthetic task (draw=False: its weights
+    left empty, for a load to fill)."""
     spec = dsl.load(ROOT / spec)
     graph = lower_graph(spec.model(model), None)
     return Trainer(graph, None, task=SyntheticTask(graph.program, seed=0), precision=precision,
-                   optimizer=optimizer, lr=1e-2)
+                   optimizer=optimizer, lr=1e-2, draw=draw)
 
 
 @pytest.mark.parametrize("precision,optimizer,spec,model", [
@@ -59,7 +61,7 @@ def test_resume_on_one_rank_is_bitwise(tmp_path, precision, optimizer, spec, mod
     first = trainer(precision, optimizer, spec, model)
     list(first.run(2))
     d = save(first.executor, tmp_path, 2, 0, {"accumulate": 1})
-    again = trainer(precision, optimizer, spec, model)
+    again = trainer(precision, optimizer, spec, model, draw=False)  # resume fills every byte
     index = resume(again.executor, tmp_path)
     assert index["dir"] == str(d) and index["optimizer"]["steps"] == 2
     assert [m.loss for m in again.run(2, 2)] == want[2:]
@@ -74,7 +76,7 @@ def test_load_params_from_a_full_safetensors_file(tmp_path):
     list(src.run(2))
     full = src.full_state_dict()
     save_file(full, str(tmp_path / "w.safetensors"))
-    dst = trainer()
+    dst = trainer(draw=False)
     assert "parameters" in load_params(dst.executor, tmp_path / "w.safetensors")
     got = dst.full_state_dict()
     assert all(torch.equal(full[k], got[k]) for k in full)

@@ -89,5 +89,5 @@ def test_unknown_schedule_is_refused_naming_the_registry():
     with pytest.raises(schedules.ScheduleError, match="use one of " + ", ".join(
             schedules.KINDS)):
         schedules.build("gpipee", 2, 2)
-    assert schedules.KINDS == ("gpipe", "1f1b", "interleaved", "zb1p")
-    assert schedules.SPLIT == ("zb1p",) and schedules.CHUNKED == ("interleaved",)
+    assert schedules.KINDS == ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+    assert schedules.SPLIT == ("zb1p", "zbv", "dualpipev") and schedules.CHUNKED == ("interleaved",)

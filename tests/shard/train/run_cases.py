@@ -7,7 +7,8 @@ tests/shard/train/test_golden.py).
   optimizer step, loss report) equal `soapstone explain`'s figures per mesh axis and
   collective (calls and bytes; for pipelines bytes), ZeRO 2/3 layouts of
   tests/specs/zero_layouts.par included, and its param/grad/optimizer memory is within 10% of
-  the measured tensors.
+  the measured tensors. Under `run --precision bf16` (case_explain_matches_counters_bf16, 1
+  and 2 ranks) the same against `explain --precision bf16`.
 - the expected sequence (shard/plan/verify/sequence.py, what the static verifier proves): in the
   same step, every communicator's flight recorder holds exactly the collectives and p2p messages
   (op, shape, dtype) the plan lists for this rank, in its order.
@@ -80,6 +81,22 @@ def case_explain_matches_counters_adamw():
 @ranks(2, 4, 8)
 def case_explain_matches_counters_sgd():
     _explain_all("sgd")
+
+
+# bf16 (`run --precision bf16`): one layout of each kind, against explain --precision bf16
+BF16_LAYOUTS = {1: (("gpt", "single"),),
+                2: (("gpt", "tp2"), ("gpt", "sp2"), ("gpt", "cp2"), ("gpt", "dp2"),
+                    (ZERO_SPEC, "dp2z1"), (ZERO_SPEC, "dp2z3"))}
+BF16_PIPES = {2: ((PIPE_SPEC, "pp2f1b"), (ACC_SPEC, "tp2acc2"))}
+
+
+@ranks(1, 2)
+def case_explain_matches_counters_bf16():
+    """bf16 activations, collectives, gathers and p2p; fp32 masters, gradients and state."""
+    for spec, layout in BF16_LAYOUTS[W.size]:
+        measure(spec, layout, "adamw", "bf16")
+    for path, layout in BF16_PIPES.get(W.size, ()):
+        measure_pipeline(path, layout, "adamw", "bf16")
 
 
 @ranks(1, 2, 4, 8)

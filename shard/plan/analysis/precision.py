@@ -1,0 +1,64 @@
+"""What a run's `--precision` keeps and moves, as the Program's dtypes: the estimates (explain,
+plan, the fit check) read a Program retyped to what the runtime holds, so every byte they
+count (activations and saved tensors, the working set, TP/SP/CP collectives and statistics
+sums, ZeRO-3 parameter gathers, ZeRO-1/2 parameter publishes, p2p boundaries, the loss) is
+in the dtype the runtime uses, with no correction factor anywhere else.
+
+What the runtime does (shard/train/trainer.py, shard/runtime/sharded_model.py,
+shard/parallel/data_parallel.py, shard/parallel/zero.py, shard/runtime/pipe_p2p.py):
+- fp32: the spec's dtypes as declared.
+- bf16: every float input is cast to bf16 and the flat parameters the model computes with
+  are bf16 (every op runs in its inputs' dtype), so every float value of the Program is bf16;
+  p2p boundaries travel in bf16; ZeRO-3 gathers and ZeRO-1/2 publishes carry the bf16 copy of
+  the master shard. The optimizer keeps fp32 master weights, fp32 gradient buffers (so
+  gradient reduction moves fp32) and fp32 state: explain counts those from the master width
+  (explain.py), whatever the model's dtype.
+- fp64: the whole model in float64 (parameters too), masters float64.
+Integer and bool values never change.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.shard.plan.dtypes import DTYPES
+from soapstone.shard.plan.program import Program
+
+#: --precision -> the spec dtype every float value takes (None: the spec's own)
+COMPUTE = {"fp32": None, "bf16": "bf16", "fp64": "f64"}
+
+
+def compute_dtype(precision: str) -> str | None:
+    """The spec dtype float values take under `--precision precision` (None: as declared);
+    ValueError for an unknown precision (the commands' choices never pass one)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
+    return COMPUTE.get(precision)
+
+
+def _retype(x, dtype: str):
+    return attrs.evolve(x, dtype=dtype) if DTYPES[x.dtype].is_float and x.dtype != dtype else x
+
+
+def program_as_run(program: Program, precision: str) -> Program:
+    """`program` with every float value and parameter in the dtype `run --precision` computes
+    in (module doc); the same Program under fp32."""
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return program
+    return attrs.evolve(program, values=tuple(_retype(v, dtype) for v in program.values),
+                        params=tuple(_retype(p, dtype) for p in program.params))
+
+
+def graph_as_run(graph, precision: str):
+    """A StageGraph whose stage Programs and boundary tensors are as `run --precision` keeps
+    and sends them (module doc)."""
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return graph
+    stages = tuple(attrs.evolve(st, program=program_as_run(st.program, precision))
+                   for st in graph.stages)
+    edges = tuple(attrs.evolve(e, tensors=tuple(_retype(t, dtype) for t in e.tensors))
+                  for e in graph.edges)
+    return attrs.evolve(graph, stages=stages, edges=edges)

@@ -1,0 +1,98 @@
+"""The cost model's overlap (shard/plan/analysis/cost.py): traffic that overlaps compute on one
+link adds up before compute hides any of it, links run side by side, and nothing exposed is
+negative or hidden twice. Every figure against a hand computation; no timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from soapstone.shard.plan.analysis.cost import LinkLoad, Work, exposed_on_link, step_time
+from soapstone.shard.plan.analysis.explain import Estimate, Traffic
+from soapstone.shard.plan.analysis.hardware import Link, Profile
+
+GB = 1e9
+
+
+def profile() -> Profile:
+    """Round numbers: 1 TFLOP/s matmuls, links of 1 GB/s (inter) and 10 GB/s (intra) with no
+    latency, no per-op cost, 8 devices a node."""
+    return Profile("hand", "by hand", 80 * 2**30, 1.0, 8, {"fp32": 1e12, "bf16": 2e12}, 1.0,
+                   1e12, Link(10 * GB, 0.0), Link(1 * GB, 0.0))
+
+
+def est(mesh: dict[str, int], zero: int, traffic: list[Traffic], m: int = 1) -> Estimate:
+    return Estimate("m", "p", 16, mesh, zero, "adamw", 0, 0, 0, 0, traffic, microbatches=m)
+
+
+def test_gathers_and_reductions_that_fit_their_windows_are_hidden():
+    # 1 s of forward gathers in 4 s of forward, 2 s of backward gathers + 3 s of reduction
+    # in 8 s of backward: the link is busy 5 s of 8: all hidden but the last of 4 buckets
+    assert exposed_on_link(LinkLoad(1.0, 2.0, 3.0), 4.0, 8.0, 8.0, 4) == \
+        pytest.approx((0.0, 0.75))
+
+
+def test_overlapped_traffic_on_one_link_adds_up_before_compute_hides_it():
+    # forward gathers 6 s against 4 s of forward: 2 s exposed; backward gathers 6 s take
+    # 6/8 of the backward's link, so the 4 s reduction hides in the 2 s left: 2 s exposed
+    assert exposed_on_link(LinkLoad(6.0, 6.0, 4.0), 4.0, 8.0, 8.0, 4) == \
+        pytest.approx((2.0, 2.0))
+    # gathers fill the backward: the reduction hides nowhere (once, not twice)
+    assert exposed_on_link(LinkLoad(0.0, 10.0, 2.0), 4.0, 8.0, 8.0, 4) == \
+        pytest.approx((2.0, 2.0))
+
+
+def test_the_70b_example_exposes_what_the_link_carries_beyond_compute():
+    """The issue's 70B case: 20.3 s of inter-node ZeRO-3 traffic (6 + 6 s of gathers, 8.3 s of
+    reduce-scatters) against 13.6 s of compute was reported as ~0 s exposed. Now: forward
+    13.6/3 s hides 4.533 s of the forward gathers (1.467 s exposed); the backward gathers take
+    6 of the backward's 9.067 s, leaving 3.067 s for 8.3 s of reduction (5.233 s exposed):
+    6.7 s = 20.3 - 13.6, all the link carries beyond compute."""
+    f, b = 13.6 / 3, 13.6 * 2 / 3
+    g, r = exposed_on_link(LinkLoad(6.0, 6.0, 8.3), f, b, b, 100)
+    assert g == pytest.approx(6.0 - f)
+    assert r == pytest.approx(8.3 - (b - 6.0))
+    assert g + r == pytest.approx(20.3 - 13.6)
+
+
+def test_nothing_exposed_is_negative():
+    assert exposed_on_link(LinkLoad(), 1.0, 2.0, 2.0, 1) == (0.0, 0.0)
+    assert exposed_on_link(LinkLoad(0.0, 0.0, 1.0), 0.0, 0.0, 0.0, 1) == (0.0, 1.0)
+    # without ZeRO >= 2 the reduction hides only in the last microbatch's backward (2 of 8 s)
+    assert exposed_on_link(LinkLoad(0.0, 0.0, 3.0), 4.0, 8.0, 2.0, 3) == \
+        pytest.approx((0.0, 1.0))
+
+
+def test_a_zero3_step_on_one_link_is_bound_by_the_link():
+    """data = 16 over 8-device nodes: inter-node. Compute 12 s (4 forward, 8 backward: 4e12
+    FLOPs at 1 TFLOP/s, x3); gathers 6 + 6 GB, reduce-scatter 4 GB in 4 buckets, at 1 GB/s.
+    Exposed: gathers 2 s, reduction 2 s: the step is 16 s, the link's 16 s of traffic (the
+    old model hid the gathers behind all 12 s of compute and the scatters behind the 8 s of
+    backward: 13 s)."""
+    rows = [Traffic("forward", "allgather", "data", 1, int(6 * GB)),
+            Traffic("backward", "allgather", "data", 1, int(6 * GB)),
+            Traffic("grad sync", "reduce_scatter", "data", 4, int(4 * GB))]
+    t = step_time(est({"data": 16}, 3, rows), [Work(matmul_flops=4e12)], profile(),
+                  data_axes=("data",))
+    assert t.compute == pytest.approx(12.0)
+    assert t.param_gathers == pytest.approx(2.0)
+    assert t.grad_sync == pytest.approx(2.0)
+    assert t.total == pytest.approx(16.0)
+
+
+def test_links_run_side_by_side_and_blocking_traffic_is_paid_in_full():
+    """mesh data 8 x model 2 over 8-device nodes: model (span 2) is intra-node, data (span 16)
+    inter-node. Tensor-parallel allreduces (20 GB at 10 GB/s: 2 s) block; the data link's
+    ZeRO-2 reduction (12 GB: 12 s, 4 buckets) hides in the 8 s of backward: 4 s exposed
+    (more than its last bucket's 3 s); an intra-node
+    reduction on the model axis (10 GB: 1 s) runs beside it on its own link and adds
+    nothing. Step: 12 + 2 + 4 = 18 s."""
+    rows = [Traffic("forward", "allreduce", "model", 1, int(10 * GB)),
+            Traffic("backward", "allreduce", "model", 1, int(10 * GB)),
+            Traffic("grad sync", "reduce_scatter", "data", 4, int(12 * GB)),
+            Traffic("grad sync", "allreduce", "model", 4, int(10 * GB))]
+    t = step_time(est({"data": 8, "model": 2}, 2, rows), [Work(matmul_flops=4e12)],
+                  profile(), data_axes=("data",))
+    assert t.blocking_comm == pytest.approx(2.0)
+    assert t.grad_sync == pytest.approx(4.0)
+    assert t.param_gathers == 0.0
+    assert t.total == pytest.approx(18.0)
