@@ -278,13 +278,21 @@ def copy_then_write(job: Job, copies, part, step: int, rank: int) -> None:
         copy_all(copies)
     finally:
         job.staged.set()  # also after a failure: the fence must not wait forever
-    bad = next((key for key, t in part.tensors
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    bad = next((key for key, t in part.tensors if not finite(t)), None)
     if bad is not None:  # nothing could resume from it: not written (as save() refuses it)
         job.problem = f"{NONFINITE}{bad.split('#')[0].split('/', 1)[1]}"
         return
     job.tmp.mkdir(parents=True, exist_ok=True)
     write_planned(part, job.tmp, step, rank, job.tally)
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite: a NaN or an infinity makes the sum non-finite, so
+    a finite sum (one pass, no mask allocated) settles it; only a sum that overflowed or met
+    one is checked element by element."""
+    if not t.is_floating_point() or not t.numel():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def raise_nonfinite(verdict: Verdict, job: Job, rank: int) -> None:
