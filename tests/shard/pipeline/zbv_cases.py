@@ -4,7 +4,8 @@ tests/specs/zbv_layouts.par:
 - golden: at pipe 2, alone and with data parallel (ZeRO 1, 2) and tensor parallel inside the
   stages, 5 steps reproduce gpt.par's single-rank record (tests/golden/runs/gpt.npz); at pipe 4
   (gptv, 8 blocks: two per rank) the run equals the single-process one side by side in both
-  p2p modes (grouped: the NCCL-safe groups p2p_proof proves, the V's turn handed in memory);
+  p2p modes (grouped: the NCCL-safe groups p2p_proof proves, the V's turn handed in memory),
+  and with data parallel (ZeRO 1, 2) and tensor parallel on 8 ranks;
 - inference (Executor.infer, forward actions only) equals the single-process forward;
 - explain vs counters (measure.measure_pipeline): every rank's communicator counters over a
   step equal explain's figures (no p2p at the turn), and each flight recorder holds the
@@ -128,3 +129,9 @@ def case_dualpipev_four_ranks_and_with_data_and_tensor_parallel_reproduce_the_ru
     for p2p in ("ahead", "grouped"):
         side_by_side(*layout("pp4dpv"), p2p)
     measure_pipeline(SPEC, "pp2dp2dpv", "adamw")
+
+
+@ranks(8)
+def case_zbv_and_dualpipev_at_pipe_4_with_data_and_tensor_parallel_equal_one_process():
+    for name in ("pp4dp2zbv", "pp4tp2zbv", "pp4dp2dpv", "pp4tp2dpv"):
+        side_by_side(*layout(name), "ahead" if "dp2" in name else "grouped")
