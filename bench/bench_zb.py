@@ -102,13 +102,13 @@ def torch_schedules(model_spec, graph, rank: int, pipe: int, microbatches: int):
                       ("torch ZB1P", ScheduleInterleavedZeroBubble)):
         stage = PipelineStage(module, rank, pipe, torch.device("cpu"))
         for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            _timed(stage, meth, busy)
+            timed(stage, meth, busy)
         out[name] = cls([stage] if cls is ScheduleInterleavedZeroBubble else stage,
                         n_microbatches=microbatches, loss_fn=loss_fn)
     return out, busy, module
 
 
-def _timed(obj, name: str, log: list) -> None:
+def timed(obj, name: str, log: list) -> None:
     """Wrap obj.name so each call appends its (start, end) to log (a stopwatch, no more)."""
     inner = getattr(obj, name)
 

@@ -27,8 +27,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
+
+from bench_zb import idle, timed  # this folder's: the stopwatch and the idle fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,27 +115,9 @@ def torch_schedules(model_spec, graph, rank: int, pipe: int, microbatches: int):
         for st in stages:
             for meth in ("forward_one_chunk", "backward_one_chunk",
                          "backward_weight_one_chunk"):
-                _timed(st, meth, busy)
+                timed(st, meth, busy)
         out[name] = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return out, busy, list(modules.values())
-
-
-def _timed(obj, name: str, log: list) -> None:
-    """Wrap obj.name so each call appends its (start, end) to log (a stopwatch, no more)."""
-    inner = getattr(obj, name)
-
-    def call(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            log.append((t0, time.perf_counter()))
-    setattr(obj, name, call)
-
-
-def idle(busy: float, start: float, end: float) -> float:
-    """The idle fraction of one rank over [start, end]."""
-    return 1 - busy / (end - start) if end > start else 0.0
 
 
 def main(argv=None) -> int:
