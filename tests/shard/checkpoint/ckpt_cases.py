@@ -147,16 +147,14 @@ def case_damaged_tp2_checkpoint_exits_2_on_every_rank():
     `soapstone ckpt verify` names it too."""
     import contextlib
     import io
-    import os
     import shutil
 
     from ckpt_damage import RANK_CASES
 
     from soapstone.dsl.cli import main
 
-    # main() is called inside this rank: the supervisor must not fork it (comm/supervisor.py;
-    # its parent would wait for the child and then exit this test process)
-    os.environ["SOAPSTONE_SUPERVISE"] = "0"
+    # main() is called inside this rank, which has MPI already: the supervisor does not fork
+    # there (comm/supervisor.py), so no setting is needed
 
     def cli(argv: list[str]) -> tuple[int, str]:
         out = io.StringIO()
