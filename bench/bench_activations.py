@@ -29,13 +29,16 @@ SOURCE = ("V. A. Korthikanti, J. Casper, S. Lym, L. McAfee, M. Andersch, M. Shoe
           "B. Catanzaro, \"Reducing Activation Recomputation in Large Transformer Models\", "
           "MLSys 2023, arXiv:2205.05198: Section 4 (activation memory per layer) and Table 2; "
           "geometries from its Table 3")
-CHECKED = ("sbh(34 + 5as/h) and its breakdown (attention 11sbh + 5as^2b, MLP 19sbh, "
-           "layernorms 4sbh) checked against ar5iv.labs.arxiv.org/html/2205.05198, "
-           "awsdocs-neuron (neuronx-distributed, activation_memory_reduction) and "
-           "notes.haroldbenoit.com (activation-checkpointing); the t-split rows are the paper's "
-           "Table 2, from those breakdowns: 10sbh (layernorm inputs 4, dropout masks 2, the "
-           "two first-linear inputs 4) stays whole under tensor parallelism alone; "
-           "the geometries were typed from memory of Table 3: verify them")
+CHECKED = ("checked 2026-11-26 through the search tool (pages and docs): sbh(34 + 5as/h), "
+           "and that layernorms and dropouts stay whole under tensor parallelism, against "
+           "awsdocs-neuron-readthedocs (neuronx-distributed, activation_memory_reduction); the "
+           "attention breakdown (QKV input 2sbh, Q and K 4sbh, softmax output 2as^2b, its "
+           "dropout mask as^2b, ...) against notes.haroldbenoit.com (activation-checkpointing); "
+           "ar5iv.labs.arxiv.org/html/2205.05198 hosts the paper. The tensor-parallel, "
+           "sequence-parallel, selective and full rows are Table 2's as recalled and re-derived "
+           "from that breakdown (10sbh = layernorm inputs 4 + dropout masks 2 + first-linear "
+           "inputs 4 stays whole under tensor parallelism alone), not read off the page; the "
+           "geometries were typed from memory of Table 3: verify both against the PDF")
 
 # technique -> (Table 2's formula, bytes per layer as a function of s, b, h, a, t)
 FORMULAS = {
