@@ -14,9 +14,9 @@ from soapstone.shard.plan.sizes import divisors
          Arg("qkv_bias", "bool", False), Arg("window", "int", None),
          Arg("rope_factor", "float", 1.0), Arg("rope_low_freq", "float", 1.0),
          Arg("rope_high_freq", "float", 4.0), Arg("rope_original_max", "int", 8192),
-         Arg("qk_norm", "float", 0.0))
+         Arg("qk_norm", "float", 0.0), Arg("dropout", "float", 0.0))
 def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, rope_factor,
-               rope_low_freq, rope_high_freq, rope_original_max, qk_norm):
+               rope_low_freq, rope_high_freq, rope_original_max, qk_norm, dropout):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
@@ -28,11 +28,16 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     bv; window = N (sliding-window attention, Mistral's): a query sees only the last N
     positions (query - key < N), an attr of the causal mask; qk_norm = EPS (Qwen3's)
     RMS-normalises each head's q and k over head_dim (params q_norm, k_norm[head_dim]) before
-    rope. The primitives it emits: their records in shard/ops/."""
+    rope; dropout = P drops attention probabilities (GPT-2's and Megatron's attention dropout:
+    the scores are then computed and kept unfused, as Korthikanti et al. count them). The
+    primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
                   "window = N lets each query see itself and the N - 1 positions before it")
+    if not 0.0 <= dropout < 1.0:
+        ctx.error(f"attention dropout = {dropout} is not in [0, 1)",
+                  "the probability of dropping an attention weight, e.g. dropout = 0.1")
     if window is not None and not causal:
         ctx.error("attention window needs causal = true: the window is a causal mask's",
                   "drop causal = false, or the window")
@@ -98,6 +103,8 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
                                                                 "window": window}
         s = ctx.op("causal_mask", (s,), sdims, dt, mask, name="masked")
     p = ctx.op("softmax", (s,), sdims, dt, {"over": Sk}, name="probs")
+    if dropout:
+        p = ctx.op("dropout", (p,), sdims, dt, {"p": float(dropout)}, name="probs_dropped")
     o = ctx.op("einsum", (p, v2), heads_dims, dt, name="o")
     if not bias:
         return ctx.op("einsum", (o, wo), lead + (S, h), dt)

@@ -44,8 +44,11 @@ def cross_entropy(step, args, ctx):
     lo, n = ctx.offset(lv, over), x.shape[-1]
     inside = (t >= lo) & (t < lo + n)
     local = torch.where(inside, t - lo, torch.zeros_like(t))
-    picked = stats.reduce(x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside.to(x.dtype),
-                          Reduce.SUM)
+    # indexing, not gather: gather's backward keeps all of x, indexing only the indices
+    rows = tuple(torch.arange(n, device=x.device).view(*(-1 if j == i else 1
+                                                          for j in range(local.dim())))
+                 for i, n in enumerate(local.shape))
+    picked = stats.reduce(x[(*rows, local)] * inside.to(x.dtype), Reduce.SUM)
     return (lse - picked).sum() / count
 
 

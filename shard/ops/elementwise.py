@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import zlib
 
 from soapstone.shard.ops.record import (
@@ -67,8 +69,9 @@ def dropout_p(step) -> float:
 
 def dropout(step, args, ctx):
     """The mask is drawn for the global tensor (the whole batch, even when this program runs
-    one microbatch of it) and sliced, so every layout and schedule drops the same. Autograd
-    saves the mask for backward (a product with a constant), so it is never redrawn."""
+    one microbatch of it) and sliced, so every layout and schedule drops the same. Backward
+    keeps the mask as bools, one byte an element (as torch's own dropout does), never a float
+    copy of it, so it is never redrawn."""
     import torch
 
     p = float(step.attr("p", 0.0))
@@ -79,13 +82,36 @@ def dropout(step, args, ctx):
     g = torch.Generator().manual_seed(zlib.crc32(key))
     # drawn on the CPU on every device, so a GPU run drops what the CPU run drops
     keep = (torch.rand(ctx.global_sizes(v), generator=g) >= p)[ctx.global_slices(v)]
-    keep = keep.to(args[0].device)
-    return args[0] * keep.to(args[0].dtype) / (1.0 - p)
+    # a copy of this rank's slice: a view would keep the global mask alive for backward
+    return _masked().apply(args[0], keep.to(args[0].device, copy=True), 1.0 - p)
+
+
+@functools.cache
+def _masked():
+    """x * keep / q with `keep` (bool) the one tensor saved for backward (made on first use:
+    the records import no torch)."""
+    import torch
+
+    class Masked(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, x, keep, q):
+            fctx.save_for_backward(keep)
+            fctx.q = q
+            return x * keep.to(x.dtype) / q
+
+        @staticmethod
+        def backward(fctx, grad):
+            (keep,) = fctx.saved_tensors
+            # autograd's order for x * k / q: the division's gradient, then the product's
+            return grad / fctx.q * keep.to(grad.dtype), None, None
+
+    return Masked
 
 
 def dropout_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
-    """A mask of the input's size (none at p = 0)."""
-    return [], program.value(step.args[0]).nbytes if dropout_p(step) else 0
+    """A bool mask of the input's elements, one byte each (none at p = 0)."""
+    x = program.value(step.args[0])
+    return [], math.prod(x.local_shape) if dropout_p(step) else 0
 
 
 RECORDS = (

@@ -32,11 +32,13 @@ def layernorm(step, args, ctx):
 
 
 def layernorm_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
-    """Over the last dim (F.layer_norm): the input (and per-row statistics); the composite
-    form (distributed, or over another dim): the input and two products of its size."""
+    """Over the last dim (F.layer_norm): the input and per-row mean and 1/std (in the
+    input's dtype, as the CPU kernel keeps them); the composite form (distributed, or over
+    another dim): the input and two products of its size."""
     x = program.value(step.args[0])
-    last = x.dims[-1] == step.attr("over")
-    return floats[:1], 0 if last and not step.dist else 2 * x.nbytes
+    if x.dims[-1] == step.attr("over") and not step.dist:
+        return floats[:1], 2 * x.nbytes // max(1, x.local_shape[-1])
+    return floats[:1], 2 * x.nbytes
 
 
 def rmsnorm(step, args, ctx):

@@ -27,6 +27,8 @@ it is rebuilt) to its first saver's.
 
 from __future__ import annotations
 
+import math
+
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.layout import RedistributeKind
@@ -56,13 +58,21 @@ def step_saves(program: Program, i: int, fused: dict,
     if i in fused:
         f = fused[i]
         if isinstance(f, FusedAttention):
-            return [f.q, f.k, f.v, f.out], 0
+            return [f.q, f.k, f.v, f.out], lse_bytes(program, f)
         if isinstance(f, FusedLinear):
             return [f.x], 0
     if not isinstance(s, Compute):
         return [], 0
     floats = [a for a in s.args if a not in params and program.value(a).is_float]
     return record_of(s.kind).saves(s, program, floats)
+
+
+def lse_bytes(program: Program, f: FusedAttention) -> int:
+    """The fused attention kernel's per-row log-sum-exp, kept for backward: fp32, one per
+    query position and head (q's elements over its head dim)."""
+    q, scores = program.value(f.q), program.value(f.scores)
+    inner = [n for d, n in zip(q.dims, q.local_shape, strict=True) if d not in scores.dims]
+    return 4 * math.prod(q.local_shape) // max(1, math.prod(inner))
 
 
 def activation_figures(program: Program) -> tuple[int, int]:
