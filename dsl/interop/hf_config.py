@@ -1,7 +1,7 @@
-"""A Hugging Face GPT-2, LLaMA or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) config.json in soapstone's terms (`HFConfig`): read from a
-save_pretrained directory (`read_config`; a field soapstone cannot express, an activation,
-rope scaling, ..., is an HFError naming it), read off a .par model (`config_of`), and written
-(`config_json`). No transformers import.
+"""A Hugging Face GPT-2, LLaMA or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) config.json in
+soapstone's terms (`HFConfig`): read from a save_pretrained directory (`read_config`; a field
+soapstone cannot express, an activation, rope scaling, ..., is an HFError naming it), read off
+a .par model (`config_of`), and written (`config_json`). No transformers import.
 """
 
 from __future__ import annotations
