@@ -89,6 +89,36 @@ def test_import_matches_transformers(hf_dirs, family):
     torch.testing.assert_close(out["loss"], loss, rtol=1e-5, atol=0)
 
 
+def test_window_matches_transformers_and_exports_back(tmp_path):
+    """Mixtral's sliding_window (every layer, as Mistral's) over 16 positions of window 4."""
+    src = hf_models.save("mixtral", tmp_path / "src", sliding_window=4)
+    model = _model(src)
+    state = hf.load(src, model)
+    tokens = _tokens(4)
+    logits, _ = _theirs(src, tokens)
+    torch.testing.assert_close(_ours(model, state, tokens)["logits"], logits, rtol=1e-5,
+                               atol=1e-5)
+    hf.save(tmp_path / "out", model, state)
+    assert json.loads((tmp_path / "out/config.json").read_text())["sliding_window"] == 4
+    torch.testing.assert_close(_theirs(tmp_path / "out", tokens)[0], logits, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_export_command_writes_what_soapstone_computes(tmp_path):
+    """`soapstone export examples/mixtral.par --seed 3 --hf DIR`: transformers computes
+    soapstone's logits."""
+    r = run_mpi(1, [*CLI, "export", "examples/mixtral.par", "--seed", "3",
+                    "--hf", str(tmp_path / "out")])
+    assert r.ok, r.report()
+    model = _model(tmp_path, (ROOT / "examples/mixtral.par").read_text())
+    sm = ShardedModel(lower(model, None), None, seed=3)
+    tokens = _tokens(5)
+    with torch.no_grad():
+        ours = sm({"tokens": tokens, "targets": tokens})["logits"]
+    torch.testing.assert_close(ours, _theirs(tmp_path / "out", tokens)[0], rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_mixtral_example_is_the_config_model(hf_dirs):
     """examples/mixtral.par is what hf writes from a Mixtral config, and exports as one."""
     cfg = hf_config.read_config(hf_dirs["mixtral"])
@@ -205,6 +235,14 @@ def test_unsupported_moe_field_is_named(hf_dirs, tmp_path, family, field, value)
     bad = _copy(hf_dirs[family], tmp_path / "bad", **{field: value})
     with pytest.raises(hf_config.HFError, match=f"field '{field}' = .* is not supported"):
         hf_config.read_config(bad)
+
+
+def test_qwen2_moe_window_on_alternate_layers_is_refused(tmp_path):
+    """Qwen2-MoE slides on every other layer below max_window_layers: not every block alike."""
+    src = hf_models.save("qwen2_moe", tmp_path / "src", use_sliding_window=True,
+                         sliding_window=4, max_window_layers=2)
+    with pytest.raises(hf_config.HFError, match="field 'layer_types' = .* is not supported"):
+        hf_config.read_config(src)
 
 
 def test_too_many_experts_per_token_is_refused(hf_dirs, tmp_path):
