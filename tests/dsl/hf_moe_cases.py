@@ -4,9 +4,10 @@ and imports it with `hf.load_init`, the path `run --init hf:DIR` takes.
 
 - every layout examples/mixtral.par declares (dp2, tp2, tpep2, dpep, pp2 on 2 ranks,
   dp2tpep2 on 4), given to each family's own model (`hf.spec_text` of its config: Qwen2-MoE's
-  shared expert and q/k/v biases, Qwen3-MoE's q/k norms), trains 3 SGD steps from the Hugging Face weights with the
-  losses and final parameters of the single-rank run (rtol 1e-5; parameters against their own
-  scale, plus one fp32 rounding of an update per step); its first loss is transformers' own;
+  shared expert and q/k/v biases, Qwen3-MoE's q/k norms), trains 3 SGD steps from the Hugging
+  Face weights with the losses and final parameters of the single-rank run (rtol 1e-5;
+  parameters against their own scale, plus one fp32 rounding of an update per step); its first
+  loss is transformers' own;
 - dpep (the experts over the data axis: alltoallv dispatch) trains 4 AdamW steps of Mixtral
   with the losses transformers' model and torch.optim.AdamW reach on the same batches (the
   router's gradient through its renormalised top-k weights included).
