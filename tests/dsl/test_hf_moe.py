@@ -145,6 +145,32 @@ def test_each_router_convention_changes_the_logits(hf_dirs, family, flip):
     assert (_ours(other, state, _tokens(2))["logits"] - logits).abs().max() > 1e-3
 
 
+def test_a_rank_reads_only_its_experts_slices(hf_dirs):
+    """Experts 2-3 of a stack, half of each expert's ffn (as dpep x tp would hold them): read
+    from those experts' own tensors, exactly the box's bytes, 512 bytes at a time."""
+    from soapstone.dsl.compile.lower import resolve_ties
+    from soapstone.shard.checkpoint.boxes import Box
+
+    cfg = hf_config.read_config(hf_dirs["qwen2_moe"])
+    model = _model(hf_dirs["qwen2_moe"])
+    sizes = dict(model.dims)
+    params = {p.name: (p.type.dims, tuple(sizes[d] for d in p.type.dims))
+              for p in resolve_ties(model).params}
+    full = hf.read_weights(hf_dirs["qwen2_moe"], cfg, params)
+    reader = hf.open_weights(hf_dirs["qwen2_moe"], cfg, params)
+    reader.chunk_bytes = 512
+    for name, box, part in (("layer.1.moe0.w1", Box((2, 0, 24), (2, 32, 24)),
+                             (slice(2, 4), slice(None), slice(24, 48))),
+                            ("layer.1.moe0.w2", Box((2, 24, 0), (2, 24, 32)),
+                             (slice(2, 4), slice(24, 48))),
+                            ("layer.1.moe0.shared_gate", Box((8,), (16,)), (slice(8, 24),))):
+        before = reader.bytes_read
+        dest = torch.empty(box.numel)
+        reader.read_into(f"param/{name}", box, dest)
+        assert reader.bytes_read - before == 4 * box.numel, name
+        assert torch.equal(dest.view(box.shape), full[name][part]), name
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_transformers(hf_dirs, family):
     """12 greedy tokens after a 4-token prompt (the 16 positions the model compiles)."""
