@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 and LLaMA checkpoints in and out: a `save_pretrained` directory
-(config.json + safetensors) <-> a .par model and its full parameters.
+"""Hugging Face GPT-2 and LLaMA checkpoints in and out (and LLaMA's kin: Mistral, Qwen2/3, and
+the MoE families Mixtral, Qwen2-MoE, Qwen3-MoE): a `save_pretrained` directory (config.json +
+safetensors) <-> a .par model and its full parameters.
 
 - `read_config(DIR)` reads config.json into an `HFConfig` (the model's dims and options;
   hf_config.py); a field soapstone cannot express (an activation, rope scaling, ...) is an
@@ -160,7 +161,8 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
     if missing:
         raise HFError(f"{spec}: model {name} has no dim {', '.join(missing)}, which "
                       f"{cfg.path} sets; write the model as "
-                      f"`soapstone.dsl.interop.hf.spec_text` does (examples/{cfg.kind}.par)")
+                      "`soapstone.dsl.interop.hf.spec_text` does (examples/"
+                      f"{'mixtral' if cfg.moe else cfg.kind}.par)")
     # a larger vocab is the config's padded (cross_entropy's classes then say the real one)
     wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n
              and not (d == "vocab" and have[d] > n)]

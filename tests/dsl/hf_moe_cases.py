@@ -2,12 +2,12 @@
 seeded Mixtral, Qwen2-MoE and Qwen3-MoE (tests/support/hf_models.py) in a directory of its own
 and imports it with `hf.load_init`, the path `run --init hf:DIR` takes.
 
-- every layout examples/mixtral.par declares (dp2, tp2, tpep2, dpep, pp2 on 2 ranks,
-  dp2tpep2 on 4), given to each family's own model (`hf.spec_text` of its config: Qwen2-MoE's
-  shared expert and q/k/v biases, Qwen3-MoE's q/k norms), trains 3 SGD steps from the Hugging
-  Face weights with the losses and final parameters of the single-rank run (rtol 1e-5;
-  parameters against their own scale, plus one fp32 rounding of an update per step); its first
-  loss is transformers' own;
+- every layout examples/mixtral.par declares (dp2, tp2, tpep2, dpep, pp2 on 2 ranks; dp2tpep2
+  on 4, Mixtral only), given to each family's own model (`hf.spec_text` of its config:
+  Qwen2-MoE's shared expert and q/k/v biases, Qwen3-MoE's q/k norms), trains 3 SGD steps from
+  the Hugging Face weights with the losses and final parameters of the single-rank run (rtol
+  1e-5; parameters against their own scale, plus one fp32 rounding of an update per step); its
+  first loss is transformers' own;
 - dpep (the experts over the data axis: alltoallv dispatch) trains 4 AdamW steps of Mixtral
   with the losses transformers' model and torch.optim.AdamW reach on the same batches (the
   router's gradient through its renormalised top-k weights included).
@@ -80,11 +80,12 @@ def _transformers_losses(family: str, task, steps: int, lr: float) -> list[float
 
 @ranks(2, 4)
 def case_moe_layouts_match_single_rank():
-    """Each family, each layout of examples/mixtral.par of this world size, from the HF
-    weights."""
+    """Each family, each 2-rank layout of examples/mixtral.par, from the HF weights;
+    Mixtral on its 4-rank one."""
     layouts = [p.name for p in _spec("mixtral").parallels.values() if p.world_size == W.size]
     assert len(layouts) == {2: 5, 4: 1}[W.size], layouts
-    for family in FAMILIES:
+    # 4 ranks: Mixtral alone (the families differ in what 2 ranks already cover)
+    for family in FAMILIES if W.size == 2 else FAMILIES[:1]:
         want_loss, want, task = _train(family, None, "sgd", SGD_LR, STEPS)
         first = _transformers_losses(family, task, 1, 0.0)[0]
         np.testing.assert_allclose(want_loss[0], first, rtol=1e-5, err_msg=f"{family} vs HF")

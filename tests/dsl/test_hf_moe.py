@@ -27,7 +27,8 @@ import hf_models
 import pytest
 import torch
 import torch.nn.functional as F
-from mpirun import case_params, run_mpi
+from cli_calls import cli
+from mpirun import case_params
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
@@ -104,21 +105,6 @@ def test_window_matches_transformers_and_exports_back(tmp_path):
                                atol=1e-5)
 
 
-def test_export_command_writes_what_soapstone_computes(tmp_path):
-    """`soapstone export examples/mixtral.par --seed 3 --hf DIR`: transformers computes
-    soapstone's logits."""
-    r = run_mpi(1, [*CLI, "export", "examples/mixtral.par", "--seed", "3",
-                    "--hf", str(tmp_path / "out")])
-    assert r.ok, r.report()
-    model = _model(tmp_path, (ROOT / "examples/mixtral.par").read_text())
-    sm = ShardedModel(lower(model, None), None, seed=3)
-    tokens = _tokens(5)
-    with torch.no_grad():
-        ours = sm({"tokens": tokens, "targets": tokens})["logits"]
-    torch.testing.assert_close(ours, _theirs(tmp_path / "out", tokens)[0], rtol=1e-5,
-                               atol=1e-5)
-
-
 def test_mixtral_example_is_the_config_model(hf_dirs):
     """examples/mixtral.par is what hf writes from a Mixtral config, and exports as one."""
     cfg = hf_config.read_config(hf_dirs["mixtral"])
@@ -173,17 +159,17 @@ def test_a_rank_reads_only_its_experts_slices(hf_dirs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_transformers(hf_dirs, family):
-    """12 greedy tokens after a 4-token prompt (the 16 positions the model compiles)."""
+    """8 greedy tokens after a 4-token prompt (within the 16 positions the model compiles)."""
     model = _model(hf_dirs[family])
     ex = Executor(lower_graph(model, None), None, draw=False)
     hf.load_init(ex, str(hf_dirs[family]))
     prompt = [5, 17, 42, 9]
-    ours = generate(ex, "tokens", "targets", "logits", prompt, 12, temperature=0.0,
+    ours = generate(ex, "tokens", "targets", "logits", prompt, 8, temperature=0.0,
                     shape=(8, 16))
     ref = hf_models.load(hf_dirs[family])
-    ref.generation_config.eos_token_id = None  # Mixtral's id 2 would stop it: all 12 tokens
+    ref.generation_config.eos_token_id = None  # Mixtral's id 2 would stop it: all 8 tokens
     with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                               pad_token_id=0)
     assert ours == theirs[0, len(prompt):].tolist()
 
@@ -212,20 +198,35 @@ def test_export_round_trips_exactly_and_transformers_loads_it(hf_dirs, tmp_path,
             assert written.get(key) == src.get(key), key
 
 
-def test_run_init_hf_starts_from_transformers_loss(hf_dirs, tmp_path):
-    """`run examples/mixtral.par --init hf:DIR`: its first loss is transformers' (no router
-    balance loss on either side)."""
+def test_the_commands_run_export_and_refuse(hf_dirs, tmp_path):
+    """In one process: `run examples/mixtral.par --init hf:DIR` starts from transformers'
+    loss (no router balance loss on either side); `export examples/mixtral.par --seed 3 --hf
+    OUT` writes what transformers computes as soapstone does; a config with
+    output_router_logits is exit 2 naming the field."""
     metrics = tmp_path / "m.jsonl"
-    r = run_mpi(1, [*CLI, "run", "examples/mixtral.par", "--init", f"hf:{hf_dirs['mixtral']}",
-                    "--steps", "1", "--optimizer", "sgd", "--quiet", "--metrics", str(metrics)])
-    assert r.ok, r.report()
+    bad = _copy(hf_dirs["mixtral"], tmp_path / "bad", output_router_logits=True)
+    ran, exported, refused = cli(
+        ["run", "examples/mixtral.par", "--init", f"hf:{hf_dirs['mixtral']}", "--steps", "1",
+         "--optimizer", "sgd", "--quiet", "--metrics", str(metrics)],
+        ["export", "examples/mixtral.par", "--seed", "3", "--hf", str(tmp_path / "out")],
+        ["run", "examples/mixtral.par", "--init", f"hf:{bad}", "--steps", "1"])
+    assert ran["rc"] == 0 and exported["rc"] == 0, (ran, exported)
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
-    model = dsl.load(ROOT / "examples/mixtral.par").model("mixtral")
+    model = _model(tmp_path, (ROOT / "examples/mixtral.par").read_text())
     batch = make_task(lower(model, None), 0).batch(0)
     with torch.no_grad():
         logits = hf_models.load(hf_dirs["mixtral"])(input_ids=batch["tokens"]).logits
     loss = F.cross_entropy(logits.reshape(-1, 64), batch["targets"].reshape(-1))
     assert first == pytest.approx(float(loss), rel=1e-5)
+    tokens = _tokens(5)
+    with torch.no_grad():
+        ours = ShardedModel(lower(model, None), None, seed=3)(
+            {"tokens": tokens, "targets": tokens})["logits"]
+    torch.testing.assert_close(ours, _theirs(tmp_path / "out", tokens)[0], rtol=1e-5,
+                               atol=1e-5)
+    assert refused["rc"] == 2, refused
+    assert "field 'output_router_logits' = true is not supported" in refused["text"]
+    assert "Traceback" not in refused["text"]
 
 
 @pytest.mark.parametrize("case,n", case_params(CASES))
@@ -241,14 +242,6 @@ def _copy(src: Path, dst: Path, **config) -> Path:
     conf.update(config)
     (dst / "config.json").write_text(json.dumps(conf))
     return dst
-
-
-def test_unsupported_field_is_exit_2_naming_it(hf_dirs, tmp_path):
-    bad = _copy(hf_dirs["mixtral"], tmp_path / "bad", output_router_logits=True)
-    r = run_mpi(1, [*CLI, "run", "examples/mixtral.par", "--init", f"hf:{bad}", "--steps", "1"])
-    assert r.returncode == 2, r.report()
-    assert "field 'output_router_logits' = true is not supported" in r.stderr, r.stderr
-    assert "Traceback" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("family,field,value", [
