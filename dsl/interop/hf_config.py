@@ -229,8 +229,9 @@ def _moe_config(cfg: HFConfig, conf: dict) -> HFConfig:
     sizes = {"experts": experts}
     if has_shared:
         sizes["shared"] = _field(conf, "shared_expert_intermediate_size", path)
-    if min(sizes.values()) < 1:
-        raise HFError(f"{path}: {count} and shared_expert_intermediate_size must be positive")
+        if sizes["shared"] < 1:
+            raise HFError(f"{path}: shared_expert_intermediate_size = {sizes['shared']} must "
+                          "be positive (Qwen2-MoE's shared expert)")
     ffn = _field(conf, width, path)
     dims = tuple((d, ffn if d == "ffn" else n) for d, n in cfg.dims if d != "layers")
     moe = MoE(top_k, family == "mixtral" or bool(conf.get("norm_topk_prob", False)),
@@ -310,11 +311,12 @@ def config_of(model: ir.Model) -> HFConfig:
             window = mask.attr("window") if mask is not None else None
             qkv, o, mlp = "bq" in names, "bo" in names, "bias" in names
             qk = "q_norm" in names
-            family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
             moe = _moe_of(model, sizes)
             if moe is not None:
                 family = _moe_family(model.name, moe[0], qkv, o, mlp, qk)
                 dims = (*dims, *moe[1])
+            else:
+                family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
             return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
                             rope_scaling=scaling, attention_bias=o, mlp_bias=mlp, tied=tied,
                             path=f"model {model.name}", family=family, qkv_bias=qkv,

@@ -41,6 +41,8 @@ class HFReader:
                 self.where.setdefault(p, (t, k))
                 if t.index is not None:
                     self.parts.setdefault(p, []).append(t)
+        for stack in self.parts.values():
+            stack.sort(key=lambda t: t.index)
         self.entries = entries
         self.shapes = shapes  # param -> full shape
         self.chunk_bytes = chunk_bytes
