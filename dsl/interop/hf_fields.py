@@ -45,10 +45,12 @@ class Field:
     gpt2: str
     llama: str
     arg: tuple[tuple[str, str], ...]  # (layer, argument) pairs; "" for any layer
+    family: tuple[tuple[str, str], ...] = ()  # (model_type, its name) where it differs
 
     def name(self, cfg: HFConfig) -> str:
         """The field's name in cfg's config.json."""
-        return self.gpt2 if cfg.kind == "gpt2" else self.llama
+        return dict(self.family).get(cfg.family, self.gpt2 if cfg.kind == "gpt2" else
+                                     self.llama)
 
     def argument(self, layer: str) -> str:
         """The spec argument to write in `layer`."""
@@ -77,7 +79,8 @@ FIELDS: dict[tuple[str, str], Field] = {
     ("causal_mask", "window"): Field("sliding_window", "sliding_window", (("", "window"),)),
     # the MoE families' router (their fields; the capacity is the family's: none drops)
     ("moe", "top_k"): Field("", "num_experts_per_tok", (("", "top_k"),)),
-    ("moe", "normalize"): Field("", "norm_topk_prob", (("", "normalize"),)),
+    ("moe", "normalize"): Field("", "norm_topk_prob", (("", "normalize"),),
+                                (("mixtral", "model_type"),)),  # Mixtral's always does
     ("moe", "capacity"): Field("", "model_type", (("", "capacity"),)),
     ("moe", "aux"): Field("", "output_router_logits", (("", "aux"),)),
     ("moe", "activation"): Field("", "hidden_act", (("", "activation"),)),

@@ -113,13 +113,15 @@ def test_mixtral_example_is_the_config_model(hf_dirs):
     assert hf_config.config_of(model) == attrs.evolve(cfg, path="model mixtral")
 
 
-@pytest.mark.parametrize("family,flip", [
-    ("qwen3_moe", ("normalize = true", "normalize = false")),
-    ("qwen2_moe", ("normalize = false", "normalize = true")),
-    ("qwen2_moe", ("shared_gate = true", "shared_gate = false")),
+@pytest.mark.parametrize("family,flip,needle", [
+    ("qwen3_moe", ("normalize = true", "normalize = false"), "field 'norm_topk_prob'"),
+    ("qwen2_moe", ("normalize = false", "normalize = true"), "field 'norm_topk_prob'"),
+    ("qwen2_moe", ("shared_gate = true", "shared_gate = false"),
+     r"param layer\.0\.moe0\.shared_gate \[hidden\] expected, missing here"),
 ])
-def test_each_router_convention_changes_the_logits(hf_dirs, family, flip):
-    """The conventions are no no-ops: computing the other one misses transformers' logits."""
+def test_each_router_convention_changes_the_logits(hf_dirs, family, flip, needle):
+    """The conventions are no no-ops: computing the other one misses transformers' logits,
+    and the import refuses it naming the field."""
     cfg = hf_config.read_config(hf_dirs[family])
     text = hf.spec_text(cfg, "moe")
     model = _model(hf_dirs[family])
@@ -129,6 +131,8 @@ def test_each_router_convention_changes_the_logits(hf_dirs, family, flip):
         state = {n: t for n, t in state.items() if not n.endswith("shared_gate")}
     logits, _ = _theirs(hf_dirs[family], _tokens(2))
     assert (_ours(other, state, _tokens(2))["logits"] - logits).abs().max() > 1e-3
+    with pytest.raises(hf_config.HFError, match=needle):
+        hf.load(hf_dirs[family], other)
 
 
 def test_a_rank_reads_only_its_experts_slices(hf_dirs):
@@ -275,7 +279,7 @@ def test_too_many_experts_per_token_is_refused(hf_dirs, tmp_path):
     (None, {"num_experts_per_tok": 1}, r"moe top_k is 2 here \(layer\.0\.moe0\), but "
      r".* says 1 \(field 'num_experts_per_tok'\)", "write top_k = 1 in this moe"),
     (("normalize = true", "normalize = false"), {}, r"moe normalize is absent here .* says "
-     r"true \(field 'norm_topk_prob'\)", "write normalize = true in this moe"),
+     r"true \(field 'model_type'\)", "write normalize = true in this moe"),
     (("capacity = 0.0", "capacity = 1.25"), {}, r"moe capacity is 1\.25 here .* says 0\.0",
      "write capacity = 0.0 in this moe"),
     (("aux = 0.0", "aux = 0.01"), {}, r"moe aux is 0\.01 here .* says 0\.0 \(field "
