@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2 and LLaMA checkpoints in and out: a `save_pretrained` directory
-(config.json + safetensors) <-> a .par model and its full parameters.
+"""Hugging Face GPT-2 and LLaMA checkpoints in and out (and LLaMA's kin: Mistral, Qwen2/3, and
+the MoE families Mixtral, Qwen2-MoE, Qwen3-MoE): a `save_pretrained` directory (config.json +
+safetensors) <-> a .par model and its full parameters.
 
 - `read_config(DIR)` reads config.json into an `HFConfig` (the model's dims and options;
   hf_config.py); a field soapstone cannot express (an activation, rope scaling, ...) is an
@@ -86,21 +87,33 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
         factor, low, high, original = cfg.rope_scaling
         scaled = (f", rope_factor = {_num(factor)}, rope_low_freq = {_num(low)}, "
                   f"rope_high_freq = {_num(high)}, rope_original_max = {original}")
+    moe_dims = "".join(f", {k} = {d[k]}" for k in ("experts", "shared") if k in d)
     return (
         f"model {name} {{\n"
         f"  dim batch = {batch}, seq = {seq}, hidden = {d['hidden']}, heads = {d['heads']}, "
-        f"kv_heads = {d['kv_heads']}, ffn = {d['ffn']}, vocab = {d['vocab']}\n"
+        f"kv_heads = {d['kv_heads']}, ffn = {d['ffn']}{moe_dims}, vocab = {d['vocab']}\n"
         "  input tokens  : i64[batch, seq]\n"
         "  input targets : i64[batch, seq]\n"
         "  x = embedding(tokens, vocab -> hidden)\n"
         f"  repeat {d['layers']} as layer {{\n"
         f"    x = x + attention(rmsnorm(x{eps}), heads = heads, kv_heads = kv_heads, "
         f"rope = {_num(cfg.rope_theta)}{scaled}, bias = {ab}, qkv_bias = {qb}{window})\n"
-        f"    x = x + mlp(rmsnorm(x{eps}), ffn, activation = silu, gated = true, bias = {mb})\n"
+        f"    x = x + {_mlp_call(cfg, f'rmsnorm(x{eps})', mb)}\n"
         "  }\n"
         f"  logits = linear(rmsnorm(x{eps}), hidden -> vocab, bias = false)\n"
         f"{tie}{loss}"
         "}\n")
+
+
+def _mlp_call(cfg: HFConfig, x: str, bias: str) -> str:
+    """A block's MLP on x: LLaMA's gated silu, or a MoE family's router and SwiGLU experts
+    (no capacity, no balance loss: transformers' forward and loss)."""
+    if cfg.moe is None:
+        return f"mlp({x}, ffn, activation = silu, gated = true, bias = {bias})"
+    m = cfg.moe
+    shared = ", shared = shared, shared_gate = true" if m.shared_gate else ""
+    return (f"moe({x}, experts, ffn, top_k = {m.top_k}, capacity = 0.0, aux = 0.0, "
+            f"activation = swiglu, normalize = {_bool(m.normalize)}{shared})")
 
 
 def reference_model(cfg: HFConfig, like: ir.Model) -> ir.Model:
@@ -148,7 +161,8 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
     if missing:
         raise HFError(f"{spec}: model {name} has no dim {', '.join(missing)}, which "
                       f"{cfg.path} sets; write the model as "
-                      f"`soapstone.dsl.interop.hf.spec_text` does (examples/{cfg.kind}.par)")
+                      "`soapstone.dsl.interop.hf.spec_text` does (examples/"
+                      f"{'mixtral' if cfg.moe else cfg.kind}.par)")
     # a larger vocab is the config's padded (cross_entropy's classes then say the real one)
     wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n
              and not (d == "vocab" and have[d] > n)]
@@ -240,8 +254,8 @@ def open_weights(directory: str | Path, cfg: HFConfig,
     wanted = tensor_map(cfg)
     real = real_shapes(cfg, params)
     check_tensors(directory, cfg, entries, {
-        t.name: (hf_shape(t.how, [real[n] for n in t.params]),
-                 hf_dims(t.how, [params[n][0] for n in t.params])) for t in wanted})
+        t.name: (hf_shape(t.how, t.part([real[n] for n in t.params])),
+                 hf_dims(t.how, t.part([params[n][0] for n in t.params]))) for t in wanted})
     return HFReader(wanted, entries, {n: shape for n, (_, shape) in params.items()}, real=real)
 
 
@@ -312,7 +326,7 @@ def save(directory: str | Path, model: ir.Model, state: dict) -> HFConfig:
         missing = [n for n in t.params if n not in state]
         if missing:
             raise HFError(f"the parameters lack {missing[0]} (Hugging Face's {t.name})")
-        x = to_hf(t.how, [state[n].detach().to(torch.float32).cpu() for n in t.params])
+        x = to_hf(t.how, t.part([state[n].detach().to(torch.float32).cpu() for n in t.params]))
         out[t.name] = x.contiguous().clone()
     save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_json(cfg), indent=2) + "\n")

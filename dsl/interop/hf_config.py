@@ -1,7 +1,7 @@
-"""A Hugging Face GPT-2 or LLaMA config.json in soapstone's terms (`HFConfig`): read from a
-save_pretrained directory (`read_config`; a field soapstone cannot express, an activation,
-rope scaling, ..., is an HFError naming it), read off a .par model (`config_of`), and written
-(`config_json`). No transformers import.
+"""A Hugging Face GPT-2, LLaMA or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) config.json in
+soapstone's terms (`HFConfig`): read from a save_pretrained directory (`read_config`; a field
+soapstone cannot express, an activation, rope scaling, ..., is an HFError naming it), read off
+a .par model (`config_of`), and written (`config_json`). No transformers import.
 """
 
 from __future__ import annotations
@@ -28,6 +28,18 @@ class HFError(UserError):
 
 
 @attrs.frozen
+class MoE:
+    """A sparse MLP's router conventions (every layer's): top_k experts per token after a
+    softmax over all of them, `normalize`d to sum 1 or not (norm_topk_prob; Mixtral always),
+    a shared expert whose output a sigmoid gates per token (Qwen2-MoE). Its dims (experts,
+    the experts' ffn, the shared expert's width `shared`) are HFConfig.dims."""
+
+    top_k: int
+    normalize: bool
+    shared_gate: bool = False
+
+
+@attrs.frozen
 class HFConfig:
     """What a config.json describes, in soapstone's terms: `kind` (gpt2 | llama), the dims by
     soapstone's names and the layer options."""
@@ -48,6 +60,7 @@ class HFConfig:
     qkv_bias: bool = False  # llama's attention_bias, qwen2 always: q/k/v_proj's biases
     window: int | None = None  # sliding-window attention (mistral, qwen2): keys per query
     qk_norm: bool = False  # qwen3: q and k RMS-normed per head (with eps)
+    moe: MoE | None = None  # mixtral, qwen2_moe, qwen3_moe: every layer's MLP is sparse
 
     def size(self, dim: str) -> int:
         """A dim's size."""
@@ -90,7 +103,8 @@ def read_config(directory: str | Path) -> HFConfig:
     if kind == "gpt2":
         return _gpt2_config(conf, str(path))
     if kind in LLAMA_FAMILY:
-        return _llama_config(conf, str(path), kind)
+        return _moe_config(_llama_config(conf, str(path), kind), conf) if kind in MOE_FAMILY \
+            else _llama_config(conf, str(path), kind)
     raise HFError(f"{path}: field 'model_type' = {json.dumps(kind)} is not supported: soapstone "
                   f"imports gpt2, {', '.join(LLAMA_FAMILY)}")
 
@@ -98,8 +112,16 @@ def read_config(directory: str | Path) -> HFConfig:
 # model types computed by examples/llama.par's model and its arguments: model_type ->
 # (architecture, q/k/v biases fixed by the family or None: the attention_bias field)
 LLAMA_FAMILY = {"llama": ("LlamaForCausalLM", None), "mistral": ("MistralForCausalLM", False),
-                "qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", None)}
-QWEN = ("qwen2", "qwen3")  # their window: use_sliding_window, max_window_layers
+                "qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", None),
+                "mixtral": ("MixtralForCausalLM", False),
+                "qwen2_moe": ("Qwen2MoeForCausalLM", True),  # its qkv_bias field: _moe_config
+                "qwen3_moe": ("Qwen3MoeForCausalLM", None)}
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # their window: use_sliding_window
+# the families whose every layer's MLP is a router and experts: model_type -> (the experts'
+# count field, the experts' width field, whether a sigmoid-gated shared expert is there)
+MOE_FAMILY = {"mixtral": ("num_local_experts", "intermediate_size", False),
+              "qwen2_moe": ("num_experts", "moe_intermediate_size", True),
+              "qwen3_moe": ("num_experts", "moe_intermediate_size", False)}
 
 
 def _gpt2_config(conf: dict, path: str) -> HFConfig:
@@ -138,6 +160,11 @@ def _window(conf: dict, path: str, family: str, layers: int) -> int | None:
     if kinds is None and window is not None and family in QWEN:
         first = conf.get("max_window_layers", layers)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if family == "qwen2_moe":  # every other layer below max_window_layers slides
+            kinds = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention"
+                     for i in range(layers)]
+        elif family == "qwen3_moe":  # every layer slides
+            kinds = ["sliding_attention"] * layers
     if kinds is not None and window is not None:
         if len(set(kinds)) > 1:
             raise HFError(f"{path}: field 'layer_types' = {json.dumps(kinds)} is not supported: "
@@ -177,6 +204,41 @@ def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
                     tied=bool(conf.get("tie_word_embeddings", False)), path=path,
                     family=family, qkv_bias=qkv, qk_norm=family == "qwen3",
                     window=_window(conf, path, family, dict(dims)["layers"]))
+
+
+def _moe_config(cfg: HFConfig, conf: dict) -> HFConfig:
+    """`cfg` (read as a LLaMA) with its MLPs sparse: the experts' dims and router conventions
+    of a MOE_FAMILY config; a field soapstone's moe cannot compute is an HFError naming it."""
+    path, family = cfg.path, cfg.family
+    count, width, has_shared = MOE_FAMILY[family]
+    # Qwen3MoeConfig writes num_experts as num_local_experts (its attribute_map)
+    count = next((k for k in ("num_experts", "num_local_experts") if k in conf), count)
+    experts, top_k = _field(conf, count, path), _field(conf, "num_experts_per_tok", path)
+    if not 1 <= top_k <= experts:
+        raise HFError(f"{path}: num_experts_per_tok = {top_k} must be between 1 and "
+                      f"{count} = {experts}")
+    _must(conf, "decoder_sparse_step", lambda v: v == 1, path, "soapstone's repeated blocks "
+          "are alike: every layer's MLP is the router and experts (decoder_sparse_step 1)")
+    _must(conf, "mlp_only_layers", lambda v: not v, path, "soapstone's repeated blocks are "
+          "alike: no layer's MLP is dense (mlp_only_layers [])")
+    _must(conf, "output_router_logits", lambda v: not v, path, "transformers then adds its "
+          "balance loss over every layer's router logits to the loss; moe's `aux` is Switch's "
+          "per layer (set it false, transformers' default: no balance loss)")
+    _must(conf, "router_jitter_noise", lambda v: not v, path, "soapstone's router multiplies "
+          "no noise into its input in training (router_jitter_noise 0)")
+    sizes = {"experts": experts}
+    if has_shared:
+        sizes["shared"] = _field(conf, "shared_expert_intermediate_size", path)
+        if sizes["shared"] < 1:
+            raise HFError(f"{path}: shared_expert_intermediate_size = {sizes['shared']} must "
+                          "be positive (Qwen2-MoE's shared expert)")
+    ffn = _field(conf, width, path)
+    dims = tuple((d, ffn if d == "ffn" else n) for d, n in cfg.dims if d != "layers")
+    moe = MoE(top_k, family == "mixtral" or bool(conf.get("norm_topk_prob", False)),
+              shared_gate=has_shared)
+    qkv = bool(conf.get("qkv_bias", True)) if family == "qwen2_moe" else cfg.qkv_bias
+    return attrs.evolve(cfg, dims=(*dims, *sizes.items(), ("layers", cfg.size("layers"))),
+                        moe=moe, qkv_bias=qkv, qk_norm=family == "qwen3_moe")
 
 
 def _rope(conf: dict, path: str) -> tuple[float, tuple | None]:
@@ -249,11 +311,16 @@ def config_of(model: ir.Model) -> HFConfig:
             window = mask.attr("window") if mask is not None else None
             qkv, o, mlp = "bq" in names, "bo" in names, "bias" in names
             qk = "q_norm" in names
-            family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
+            moe = _moe_of(model, sizes)
+            if moe is not None:
+                family = _moe_family(model.name, moe[0], qkv, o, mlp, qk)
+                dims = (*dims, *moe[1])
+            else:
+                family = "qwen3" if qk else _family(model.name, qkv, o, mlp, window)
             return HFConfig("llama", (*dims, ("layers", layers)), eps, rope_theta=theta,
                             rope_scaling=scaling, attention_bias=o, mlp_bias=mlp, tied=tied,
                             path=f"model {model.name}", family=family, qkv_bias=qkv,
-                            window=window, qk_norm=qk)
+                            window=window, qk_norm=qk, moe=moe and moe[0])
         act = next((op for op in model.ops if op.kind in ("gelu", "relu", "silu")
                     and op.layer == "mlp"), None)
         activation = "gelu_tanh" if act is not None and act.attr("approximate") == "tanh" \
@@ -281,6 +348,49 @@ def _family(name: str, qkv: bool, o: bool, mlp: bool, window) -> str:
     return "mistral"
 
 
+def _moe_of(model: ir.Model, sizes: dict) -> tuple[MoE, tuple] | None:
+    """A model's router conventions and expert dims, read off its (first) moe op; None
+    without one (check_model then proves every layer's is the same)."""
+    op = next((op for op in model.ops if op.kind == "moe"), None)
+    if op is None:
+        return None
+    gated = any(o.kind == "sigmoid" and o.layer == "moe" for o in model.ops)
+    dims = (("experts", sizes["experts"]),) + ((("shared", sizes["shared"]),) if gated else ())
+    return MoE(int(op.attr("top_k")), bool(op.attr("normalize", False)), gated), dims
+
+
+def _moe_family(name: str, moe: MoE, qkv: bool, o: bool, mlp: bool, qk: bool) -> str:
+    """The MoE model_type whose config can say what the model computes."""
+    if moe.shared_gate and not (o or mlp or qk):
+        return "qwen2_moe"  # its qkv_bias field says whether q/k/v have biases
+    if qk and not mlp and qkv == o and not moe.shared_gate:
+        return "qwen3_moe"
+    if moe.normalize and not (qkv or o or mlp or qk or moe.shared_gate):
+        return "mixtral"
+    raise HFError(f"model {name}'s moe and attention match no Hugging Face family: Mixtral "
+                  "normalizes the top-k weights and has no biases, Qwen3-MoE has q/k norms, "
+                  "Qwen2-MoE a sigmoid-gated shared expert (shared_gate) and no o_proj bias")
+
+
+def _moe_json(cfg: HFConfig) -> dict:
+    """A MoE family's own config.json fields: the experts and their router, its window."""
+    d, m, family = dict(cfg.dims), cfg.moe, cfg.family
+    window = cfg.window is not None
+    conf = {"num_experts_per_tok": m.top_k, "output_router_logits": False,
+            "router_aux_loss_coef": 0.0}  # transformers adds no balance loss (moe aux 0)
+    if family == "mixtral":
+        return conf | {"num_local_experts": d["experts"], "router_jitter_noise": 0.0}
+    conf |= {"num_experts": d["experts"], "moe_intermediate_size": d["ffn"],
+             "norm_topk_prob": m.normalize, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "use_sliding_window": window, "sliding_window": cfg.window}
+    if family == "qwen2_moe":
+        kind = "sliding_attention" if window else "full_attention"
+        return conf | {"qkv_bias": cfg.qkv_bias, "layer_types": [kind] * d["layers"],
+                       "shared_expert_intermediate_size": d["shared"],
+                       "max_window_layers": d["layers"]}
+    return conf | {"attention_bias": cfg.attention_bias}
+
+
 def config_json(cfg: HFConfig) -> dict:
     """The config.json transformers reads for `cfg` (dropout off: the model has none)."""
     d = dict(cfg.dims)
@@ -306,13 +416,15 @@ def config_json(cfg: HFConfig) -> dict:
     }
     if family == "llama":
         conf |= {"attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         conf["sliding_window"] = cfg.window
     else:  # qwen2, qwen3: every layer slides when the model has a window
         if family == "qwen3":
             conf["attention_bias"] = cfg.attention_bias
         conf |= {"use_sliding_window": cfg.window is not None, "sliding_window": cfg.window,
                  "max_window_layers": 0}
+    if cfg.moe is not None:
+        conf = {k: v for k, v in conf.items() if k != "max_window_layers"} | _moe_json(cfg)
     if cfg.rope_scaling is not None:
         factor, low, high, original = cfg.rope_scaling
         conf["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,

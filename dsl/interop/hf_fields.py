@@ -45,10 +45,12 @@ class Field:
     gpt2: str
     llama: str
     arg: tuple[tuple[str, str], ...]  # (layer, argument) pairs; "" for any layer
+    family: tuple[tuple[str, str], ...] = ()  # (model_type, its name) where it differs
 
     def name(self, cfg: HFConfig) -> str:
         """The field's name in cfg's config.json."""
-        return self.gpt2 if cfg.kind == "gpt2" else self.llama
+        return dict(self.family).get(cfg.family, self.gpt2 if cfg.kind == "gpt2" else
+                                     self.llama)
 
     def argument(self, layer: str) -> str:
         """The spec argument to write in `layer`."""
@@ -75,6 +77,13 @@ FIELDS: dict[tuple[str, str], Field] = {
     ("layernorm", "eps"): Field("layer_norm_epsilon", "rms_norm_eps", (("", "eps"),)),
     ("cross_entropy", "classes"): Field("vocab_size", "vocab_size", (("", "classes"),)),
     ("causal_mask", "window"): Field("sliding_window", "sliding_window", (("", "window"),)),
+    # the MoE families' router (their fields; the capacity is the family's: none drops)
+    ("moe", "top_k"): Field("", "num_experts_per_tok", (("", "top_k"),)),
+    ("moe", "normalize"): Field("", "norm_topk_prob", (("", "normalize"),),
+                                (("mixtral", "model_type"),)),  # Mixtral's always does
+    ("moe", "capacity"): Field("", "model_type", (("", "capacity"),)),
+    ("moe", "aux"): Field("", "output_router_logits", (("", "aux"),)),
+    ("moe", "activation"): Field("", "hidden_act", (("", "activation"),)),
 }
 ACTIVATIONS = ("gelu", "relu", "silu")
 _ACT_ARG = {("gelu", "tanh"): "gelu_tanh", ("gelu", None): "gelu", ("relu", None): "relu",
@@ -82,6 +91,8 @@ _ACT_ARG = {("gelu", "tanh"): "gelu_tanh", ("gelu", None): "gelu", ("relu", None
 
 
 def _attr_text(value) -> str:
+    if isinstance(value, bool):  # as a spec writes it
+        return "true" if value else "false"
     return "absent" if value is None else repr(value)
 
 
@@ -138,6 +149,10 @@ def field_of_param(name: str, cfg: HFConfig) -> tuple[str, str] | None:
         return ("attention_bias = {v}", "bias = {v}, qkv_bias = {v}")
     if cfg.kind == "llama" and last == "bias" and ".mlp" in name:
         return ("mlp_bias = {v}", "bias = {v}")
+    if last == "shared_gate" or ".moe" in name and ".mlp0." in name:
+        return ("model_type qwen2_moe (a shared expert, gated by sigmoid(shared_expert_gate))"
+                if fam == "qwen2_moe" else f"model_type {fam} (no shared expert)",
+                "shared = shared, shared_gate = {v}")
     if name == "linear0.weight":
         return ("tie_word_embeddings", "tie linear0.weight = embedding0.table")
     return None

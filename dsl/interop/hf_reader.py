@@ -4,7 +4,8 @@
 shard/checkpoint/load.py) reads from the Hugging Face tensor holding NAME only the rows and
 columns that hold `box` (safetensors `get_slice`), then undoes the layout change of
 hf_tensors.tensor_map (transposed, heads flattened, q/k/v side by side). A rank of tp4
-reads about a quarter of each split weight, never a full tensor. The only bytes read beyond
+reads about a quarter of each split weight, never a full tensor; a rank holding some of a
+stack of experts reads only its experts' tensors. The only bytes read beyond
 the box are the inner dims of a flattened pair a box splits inside (head_dim, which no layout
 splits).
 """
@@ -31,8 +32,17 @@ class HFReader:
     def __init__(self, tensors: list[HFTensor], entries: dict[str, TensorEntry],
                  shapes: dict[str, tuple[int, ...]], chunk_bytes: int = CHUNK_BYTES,
                  real: dict[str, tuple[int, ...]] | None = None):
-        # param -> (its HF tensor, its index among the tensor's params)
-        self.where = {p: (t, k) for t in tensors for k, p in enumerate(t.params)}
+        # param -> (its HF tensor, its index among the tensor's params); a param stored as
+        # one tensor per expert: the first, and all of them in `parts`, by expert
+        self.where: dict[str, tuple[HFTensor, int]] = {}
+        self.parts: dict[str, list[HFTensor]] = {}
+        for t in tensors:
+            for k, p in enumerate(t.params):
+                self.where.setdefault(p, (t, k))
+                if t.index is not None:
+                    self.parts.setdefault(p, []).append(t)
+        for stack in self.parts.values():
+            stack.sort(key=lambda t: t.index)
         self.entries = entries
         self.shapes = shapes  # param -> full shape
         self.chunk_bytes = chunk_bytes
@@ -76,9 +86,17 @@ class HFReader:
         return out
 
     def _read(self, name: str, box, dtype):
+        import torch
+
+        if name in self.parts:  # experts [e0, e1) of a stack: each from its own tensor
+            o, n = box.offset, box.shape
+            return torch.stack([self._piece(t, 0, self.real[name][1:], o[1:], n[1:], dtype)
+                                for t in self.parts[name][o[0]:o[0] + n[0]]])
         t, k = self.where[name]
-        s = self.real[name]
-        o, n = box.offset, box.shape
+        return self._piece(t, k, self.real[name], box.offset, box.shape, dtype)
+
+    def _piece(self, t: HFTensor, k: int, s, o, n, dtype):
+        """The region (offset o, shape n) of the k-th param (shape s) tensor t holds."""
         if t.how == "same":
             x = self._slice(t.name, tuple(slice(a, a + m) for a, m in zip(o, n, strict=True)))
         elif t.how == "t":  # [a, b] <- [b, a]
@@ -109,6 +127,8 @@ class HFReader:
             x = self._slice(t.name, (slice(o[-1], o[-1] + n[-1]),
                                      slice(o[0] * inner, (o[0] + n[0]) * inner)))
             x = _mid(x.T.reshape(n[0], *s[1:-1], n[-1]), o, n)
+        elif t.how == "row":  # [b] <- [1, b]
+            x = self._slice(t.name, (slice(0, 1), slice(o[0], o[0] + n[0])))[0]
         else:
             raise AssertionError(t.how)
         return x.to(dtype).contiguous()
@@ -119,7 +139,8 @@ class HFReader:
         memory a load needs beyond the parameters stays one piece, whatever the tensor."""
         name = tensor.split("/", 1)[1]
         t, _ = self.where[name]
-        d = LEAD.get(t.how, 0) % max(len(box.shape), 1)
+        inner = 1 if name in self.parts else 0  # an expert stack: its experts' own rows
+        d = inner + LEAD.get(t.how, 0) % max(len(box.shape) - inner, 1)
         if not box.shape:
             dest.copy_(self.read(tensor, box, dest.dtype).reshape(-1))
             return

@@ -1,4 +1,4 @@
-"""The tensors of a Hugging Face GPT-2 or LLaMA model and the soapstone params each holds:
+"""The tensors of a Hugging Face GPT-2, LLaMA or MoE model and the soapstone params each holds:
 `tensor_map(cfg)` (per tensor, the params and how: transposed, heads flattened, q/k/v side by
 side), `to_hf` / `from_hf` between the two, `hf_dims` labels for messages.
 """
@@ -21,11 +21,20 @@ class HFTensor:
     flat      params flattened and concatenated (GPT-2's c_attn bias, LLaMA's q/k/v bias)
     rows      [*lead, b] -> [prod(lead), b] (GPT-2's attention c_proj from wo)
     cols_t    [a, *rest] -> [prod(rest), a] (LLaMA's q/k/v_proj from wq, wk, wv)
-    rows_t    [*lead, b] -> [b, prod(lead)] (LLaMA's o_proj from wo)"""
+    rows_t    [*lead, b] -> [b, prod(lead)] (LLaMA's o_proj from wo)
+    row       [b] -> [1, b] (Qwen2-MoE's shared_expert_gate)
+    `index`: the tensor holds one slice of its param along the first dim (one expert of
+    stacked experts: `part`), laid out by `how` as if that slice were the param."""
 
     name: str
     params: tuple[str, ...]
     how: str = "same"
+    index: int | None = None
+
+    def part(self, xs: list) -> list:
+        """Of each param's full tensor, shape or dims: what this tensor holds."""
+        return xs if self.index is None else [x[self.index] if hasattr(x, "shape") else
+                                              tuple(x[1:]) for x in xs]
 
 
 def tensor_map(cfg: HFConfig) -> list[HFTensor]:
@@ -71,6 +80,9 @@ def tensor_map(cfg: HFConfig) -> list[HFTensor]:
             if cfg.attention_bias:
                 out.append(T(h + "self_attn.o_proj.bias", (a + "bo",)))
             out.append(T(h + "post_attention_layernorm.weight", (p + "rmsnorm1.gamma",)))
+            if cfg.moe is not None:
+                out += moe_tensors(cfg, h, p + "moe0.")
+                continue
             for j, x in enumerate(("gate", "up", "down")):
                 out.append(T(h + f"mlp.{x}_proj.weight", (m + f"linear{j}.weight",), "t"))
                 if cfg.mlp_bias:
@@ -79,6 +91,24 @@ def tensor_map(cfg: HFConfig) -> list[HFTensor]:
     if not cfg.tied:
         head = "lm_head.weight"
         out.append(T(head, ("linear0.weight",), "t"))
+    return out
+
+
+def moe_tensors(cfg: HFConfig, h: str, m: str) -> list[HFTensor]:
+    """One layer's router, experts (one tensor per expert and projection, as the hub's
+    checkpoints and transformers' save_pretrained write them) and shared expert."""
+    T = HFTensor
+    mixtral = cfg.family == "mixtral"
+    block = h + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = [T(block + "gate.weight", (m + "router",), "t")]
+    for e in range(cfg.size("experts")):
+        out += [T(f"{block}experts.{e}.{x}.weight", (m + w,), "t", e)
+                for x, w in zip(names, ("w1", "w3", "w2"), strict=True)]
+    if cfg.moe.shared_gate:
+        out += [T(f"{block}shared_expert.{x}.weight", (f"{m}mlp0.linear{j}.weight",), "t")
+                for j, x in enumerate(names)]
+        out.append(T(block + "shared_expert_gate.weight", (m + "shared_gate",), "row"))
     return out
 
 
@@ -100,6 +130,8 @@ def to_hf(how: str, parts: list):
         return parts[0].reshape(parts[0].shape[0], -1).T
     if how == "rows_t":
         return parts[0].reshape(-1, parts[0].shape[-1]).T
+    if how == "row":
+        return parts[0].reshape(1, -1)
     raise AssertionError(how)
 
 
@@ -107,6 +139,8 @@ def from_hf(how: str, t, shapes: list[tuple[int, ...]]) -> list:
     """The params' full tensors (of `shapes`) from their Hugging Face tensor (to_hf inverted)."""
     if how == "same":
         return [t]
+    if how == "row":
+        return [t.reshape(shapes[0])]
     if how in ("t", "cols_t", "rows_t"):
         return [t.T.reshape(shapes[0])]
     if how == "rows":
@@ -130,6 +164,8 @@ def hf_shape(how: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
         return (math.prod(shapes[0][:-1]), shapes[0][-1])
     if how == "cols_t":
         return (math.prod(shapes[0][1:]), shapes[0][0])
+    if how == "row":
+        return (1, *shapes[0])
     return (shapes[0][-1], math.prod(shapes[0][:-1]))  # rows_t
 
 
@@ -150,4 +186,6 @@ def hf_dims(how: str, dims: list[tuple[str, ...]]) -> list[str]:
         return [flat(dims[0][:-1]), dims[0][-1]]
     if how == "cols_t":
         return [flat(dims[0][1:]), dims[0][0]]
+    if how == "row":
+        return ["1", *dims[0]]
     return [dims[0][-1], flat(dims[0][:-1])]  # rows_t

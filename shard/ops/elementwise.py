@@ -1,4 +1,4 @@
-"""Elementwise ops: add and mul (broadcast by dim name), the activations, dropout."""
+"""Elementwise ops: add and mul (broadcast by dim name), the activations, sigmoid, dropout."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def silu(step, args, ctx):
     import torch.nn.functional as F
 
     return F.silu(args[0])
+
+
+def sigmoid(step, args, ctx):
+    """1 / (1 + exp(-x)) (Qwen2-MoE's shared-expert gate)."""
+    import torch
+
+    return torch.sigmoid(args[0])
 
 
 def dropout_p(step) -> float:
@@ -125,6 +132,8 @@ RECORDS = (
              kernel=gelu, flops=per_element(8), saves=saves_input),
     OpRecord("relu", "args (x,)", kernel=relu, flops=per_element(1), saves=saves_output),
     OpRecord("silu", "args (x,)", kernel=silu, flops=per_element(4), saves=saves_input),
+    OpRecord("sigmoid", "args (x,)", kernel=sigmoid, flops=per_element(4),
+             saves=saves_output),
     OpRecord("dropout", "args (x,). attrs: p (float)", kernel=dropout,
              partial_pass=Partial.ONE, flops=per_element(2),
              identity=lambda step: not dropout_p(step), saves=dropout_saves),

@@ -97,7 +97,7 @@ def moe(step, args, ctx):
     split, coords = token_split(ctx, xv, lead, step.dist) if step.dist else (None, [])
     comm = ctx.mesh.comm(*step.dist) if step.dist else None
     r = route(tokens, router, int(step.attr("top_k")), float(step.attr("capacity")), split,
-              comm)
+              comm, normalize=bool(step.attr("normalize", False)))
     act = activation(str(step.attr("activation")))
     first = ctx.offset(ctx.arg(step, 2), e)  # this rank's experts, where they are split
 
@@ -159,8 +159,9 @@ RECORDS = (
     OpRecord(
         "moe",
         "args (x[..., h], router[h, E], w1[E, h, f], w2[E, f, h], w3[E, h, f] with "
-        "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity; attrs: hidden, "
-        "experts, ffn, top_k, capacity, aux, activation (dsl/layers/moe.py, shard/ops/moe.py)",
+        "activation=swiglu) -> [..., h]: top_k softmax routing with a capacity (0: none); attrs: "
+        "hidden, experts, ffn, top_k, capacity, aux, activation, normalize (the kept weights "
+        "rescaled to sum 1) (dsl/layers/moe.py, shard/ops/moe.py)",
         kernel=moe, roles=moe_roles, exchange=moe_exchange, saves=moe_saves, keeps=moe_keeps,
         calls=kernel_calls,
     ),

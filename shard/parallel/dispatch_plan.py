@@ -47,12 +47,16 @@ class Call:
 
 
 def slots(step: Compute, program: Program) -> int:
-    """An expert's capacity over the whole batch: ceil(capacity * tokens * top_k / experts)."""
+    """An expert's capacity over the whole batch: ceil(capacity * tokens * top_k / experts),
+    or every token (capacity 0: no choice dropped)."""
     x = program.value(step.args[0])
     sizes = dict(program.dims)
     tokens = math.prod(sizes[d] for d in x.dims if d != step.attr("hidden"))
     n_exp = sizes[str(step.attr("experts"))]
-    return math.ceil(float(step.attr("capacity")) * tokens * int(step.attr("top_k")) / n_exp)
+    capacity = float(step.attr("capacity"))
+    if not capacity:
+        return tokens
+    return math.ceil(capacity * tokens * int(step.attr("top_k")) / n_exp)
 
 
 def expected_rows(step: Compute, program: Program, axis: str) -> int:

@@ -93,12 +93,16 @@ class Routing:
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, capacity: float,
-          split: TokenSplit | None = None, comm=None) -> Routing:
+          split: TokenSplit | None = None, comm=None, normalize: bool = False) -> Routing:
     """Route this rank's tokens x[T, h] (in the batch's order within the rank); `split` and
     `comm`: where the ranks hold their tokens and the communicator over them (None: x is
-    the whole batch)."""
+    the whole batch). The softmax is over every expert, in fp32, before the top_k (as
+    transformers' Mixtral and Qwen-MoE routers); `normalize` divides the kept weights by
+    their sum; capacity 0 keeps every choice."""
     probs = torch.softmax((x @ router).float(), dim=-1)
     gates, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        gates = gates / gates.sum(-1, keepdim=True)
     n_tok, n_exp = probs.shape
     runs = split.runs if split is not None else 1
     onehot = F.one_hot(experts.t(), n_exp).reshape(top_k, runs, -1, n_exp)  # choice-major
@@ -106,7 +110,8 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, capacity: float,
     rank = split.rank if split is not None else 0
     counts = mine[None] if comm is None else comm.allgather(mine[None].contiguous(), 0)
     n = counts.shape[0]
-    slots = math.ceil(capacity * n_tok * n * top_k / n_exp)
+    # capacity 0: an expert may take every token of the batch (each picks it at most once)
+    slots = math.ceil(capacity * n_tok * n * top_k / n_exp) if capacity else n_tok * n
     per_run = counts.permute(1, 0, 2, 3).reshape(top_k, n * runs, n_exp)
     order = split.starts().argsort() if split is not None else torch.arange(n * runs)
     ahead = torch.empty_like(per_run)  # choices c of the runs before each run, to each expert

@@ -1,5 +1,7 @@
 """The `moe` layer on one rank equals a plain-torch mixture of experts written here: output
-loss, gradients (the balance loss included), the balance loss and the dropped choices."""
+loss, gradients (the balance loss included), the balance loss and the dropped choices; the
+router's conventions too (kept weights renormalised, no capacity, a sigmoid-gated shared
+expert: Mixtral's and Qwen-MoE's)."""
 
 from __future__ import annotations
 
@@ -41,14 +43,19 @@ def ffn(t, w1, w2, w3):
     return (F.silu(t @ w1) * (t @ w3)) @ w2
 
 
-def reference(x, y, router, w1, w2, wo, bo, top_k, capacity, w3=None, shared=None):
+def reference(x, y, router, w1, w2, wo, bo, top_k, capacity, w3=None, shared=None,
+              normalize=False, shared_gate=None):
     """A mixture of experts with a Switch balance loss and GShard-style slot order; w3: SwiGLU
-    experts; shared: (s1, s2, s3) of a dense expert every token goes through."""
+    experts; shared: (s1, s2, s3) of a dense expert every token goes through, scaled by
+    sigmoid(t . shared_gate) where given; normalize: the top_k weights over their sum;
+    capacity 0: no slot limit."""
     t = x.reshape(-1, x.shape[-1])
     n, e = t.shape[0], router.shape[1]
     probs = torch.softmax(t @ router, dim=-1)
     gate, pick = torch.topk(probs, top_k, dim=-1)
-    slots = math.ceil(capacity * n * top_k / e)
+    if normalize:
+        gate = gate / gate.sum(-1, keepdim=True)
+    slots = math.ceil(capacity * n * top_k / e) if capacity else n
     used = [0] * e
     out = torch.zeros_like(t)
     dropped = 0
@@ -62,7 +69,9 @@ def reference(x, y, router, w1, w2, wo, bo, top_k, capacity, w3=None, shared=Non
             out[i] = out[i] + gate[i, k] * ffn(t[i], w1[j], w2[j],
                                                None if w3 is None else w3[j])
     if shared is not None:
-        out = out + ffn(t, *shared)
+        dense = ffn(t, *shared)
+        out = out + (dense if shared_gate is None else torch.sigmoid(t @ shared_gate)[:, None]
+                     * dense)
     share = torch.zeros(e)
     for j in pick.reshape(-1).tolist():
         share[j] += 1 / pick.numel()
@@ -74,9 +83,11 @@ def reference(x, y, router, w1, w2, wo, bo, top_k, capacity, w3=None, shared=Non
 @pytest.mark.parametrize("experts,top_k,capacity,extra", [
     (4, 1, 4.0, ""), (4, 2, 0.55, ""), (3, 2, 1.0, ""),
     (4, 2, 0.55, ", activation = swiglu"), (4, 2, 4.0, ", activation = swiglu, shared = ffn"),
-    (4, 1, 0.55, ", shared = 12"), (4, 2, 0.55, ", activation = swiglu, shared = wide")],
+    (4, 1, 0.55, ", shared = 12"), (4, 2, 0.55, ", activation = swiglu, shared = wide"),
+    (4, 2, 0.0, ", activation = swiglu, normalize = true"),
+    (3, 2, 0.0, ", activation = swiglu, shared = wide, shared_gate = true")],
     ids=["no-drops", "drops-top2", "top2-e3", "swiglu-drops", "swiglu-shared",
-         "gelu-shared12", "swiglu-shared-dim"])
+         "gelu-shared12", "swiglu-shared-dim", "dropless-normalized", "qwen2-shared-gate"])
 def test_moe_matches_plain_torch(experts, top_k, capacity, extra):
     spec = dsl.load(SPEC.format(experts=experts, top_k=top_k, capacity=capacity, extra=extra))
     ours = ShardedModel(lower(spec.model(), None), None, seed=5)
@@ -90,7 +101,9 @@ def test_moe_matches_plain_torch(experts, top_k, capacity, extra):
     moe = {n.split(".", 1)[1]: p[n] for n in names if n.startswith("moe0.")}
     lin = {n.rsplit(".", 1)[1]: p[n] for n in names if n.startswith("linear")}
     swiglu, has_shared = "swiglu" in extra, "shared" in extra
-    want = {"router", "w1", "w2"} | ({"w3"} if swiglu else set())
+    gated = "shared_gate" in extra
+    want = {"router", "w1", "w2"} | ({"w3"} if swiglu else set()) | \
+        ({"shared_gate"} if gated else set())
     if has_shared:  # mlp's linears: w1, the gate's up projection (swiglu), w2
         want |= {f"mlp0.linear{i}.weight" for i in range(3 if swiglu else 2)}
     assert set(moe) == want and set(lin) == {"weight", "bias"}, names
@@ -100,15 +113,17 @@ def test_moe_matches_plain_torch(experts, top_k, capacity, extra):
         shared = (s1, s2, moe["mlp0.linear1.weight"] if swiglu else None)
     ce, aux, dropped = reference(inputs["x"], inputs["y"], moe["router"], moe["w1"], moe["w2"],
                                  lin["weight"], lin["bias"], top_k, capacity,
-                                 w3=moe.get("w3"), shared=shared)
+                                 w3=moe.get("w3"), shared=shared,
+                                 normalize="normalize" in extra,
+                                 shared_gate=moe.get("shared_gate"))
     (ce + aux).backward()
     stats = next(iter(ours.ctx.moe.values()))
     assert torch.allclose(loss, ce, rtol=1e-5), (float(loss), float(ce))
     assert math.isclose(stats["aux"], aux.item(), rel_tol=1e-5), (stats, aux.item())
     assert stats["dropped"] == dropped, (stats, dropped)
-    assert (dropped > 0) == (capacity < 1.5)  # the cases cover both drops and none
+    assert (dropped > 0) == (0 < capacity < 1.5)  # the cases cover both drops and none
     if has_shared:  # the shared expert's width is the dim it names (or a literal's)
-        width = {"ffn": 16, "12": 12, "wide": 20}[extra.rsplit("= ", 1)[1]]
+        width = {"ffn": 16, "12": 12, "wide": 20}[extra.split("shared = ")[1].split(",")[0]]
         assert shared[0].shape == (8, width), shared[0].shape
     for n in names:
         got, want = ours.params[n].grad, p[n].grad
@@ -117,13 +132,15 @@ def test_moe_matches_plain_torch(experts, top_k, capacity, extra):
 
 @pytest.mark.parametrize("top_k,capacity,extra,needle", [
     (5, 1.0, "", "top_k = 5 must be between 1"),
-    (1, 0.0, "", "capacity = 0.0 must be positive"),
+    (1, -1.0, "", "capacity = -1.0 must not be negative"),
+    (1, 1.0, ", shared_gate = true", "moe's shared_gate gates a shared expert, and this moe "
+     "has none"),
     (1, 1.0, ", activation = swiglue", "must be one of gelu, relu, silu, swiglu, not 'swiglue'"),
     (1, 1.0, ", shared = 1.5", "argument 'shared' must name a dim"),
     (1, 1.0, ", shared = width", "unknown dim 'width'"),
     (1, 1.0, ", shared = hidden", "moe's shared dim hidden is already a dim of the input"),
     (1, 1.0, ", shared = experts", "moe's shared expert width is the experts dim experts")],
-    ids=["top_k", "capacity", "swiglu-typo", "shared-float", "shared-unknown",
+    ids=["top_k", "capacity", "gate-no-shared", "swiglu-typo", "shared-float", "shared-unknown",
          "shared-hidden", "shared-experts"])
 def test_moe_bad_arguments_are_located(top_k, capacity, extra, needle):
     with pytest.raises(SpecError) as err:
