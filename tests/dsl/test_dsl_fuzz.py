@@ -61,7 +61,8 @@ def _located(e: SpecError, text: str) -> None:
 def _check(text: str):
     """Load and compile every layout; the spec, or None when it is (rightly) refused."""
     try:
-        spec = load(text, filename="fuzz.par")
+        # A trailing newline keeps a generated text such as ".par" from being read as a path.
+        spec = load(text + "\n", filename="fuzz.par")
     except SpecError as e:
         _located(e, text)
         return None
