@@ -114,8 +114,10 @@ class Planner:
 
     def __init__(self, model: ir.Model, profile: Profile, *, precision: str = "fp32",
                  optimizer: str = "adamw", exact: bool | None = None,
-                 recompute: tuple[str, ...] | None = None):
+                 recompute: tuple[str, ...] | None = None, always_recompute: bool = False):
         self.model, self.profile = model, profile
+        # every layout recomputes (`plan --recompute always`): none is costed without
+        self.always_recompute = always_recompute
         self.precision, self.optimizer = precision, optimizer
         self.dims = layout_dims(model)
         # the recompute forms to try (default: recompute_options; () searches without)
@@ -341,7 +343,7 @@ def search(planner: Planner, world: int) -> Plan:
         if group in done:
             continue
         plain: dict[int, Result] = {}
-        top = climb(ladder, plain)
+        top = None if planner.always_recompute else climb(ladder, plain)
         if top is not None:
             done.add(group)
         top = 4 if top is None else top
@@ -355,9 +357,65 @@ def search(planner: Planner, world: int) -> Plan:
     if not fits:
         raise PlanError(no_fit_message(planner, world, unfit, rejected))
     fits.sort(key=lambda r: (r.time.total, r.memory))
+    fits = winner_first(fits, planner.profile)
     unfit.sort(key=lambda r: r.memory)
     return Plan(planner.model, planner.dims, planner.profile, world, fits, unfit, rejected,
                 n, planner.exact)
+
+
+def model_parallel(c: Candidate) -> tuple[int, int]:
+    """How much of the model a layout splits: (tensor x context x pipeline, pipeline) — less
+    is simpler: fewer and smaller collectives, no bubble; at one size tensor before pipeline
+    (seed 004's order)."""
+    return c.tensor * c.context * c.pipe, c.pipe
+
+
+def winner_first(ranked: list[Result], profile: Profile) -> list[Result]:
+    """`ranked` (fastest first) with the winner moved to the front. The cost model's measured
+    error (the profile's `step_error`) is the margin it can tell layouts apart by: among the
+    layouts within it of the fastest, plan keeps the least model parallelism (Megatron's
+    takeaway: t x p just large enough to fit, tensor first inside a node; `model_parallel`),
+    counting as fitting only what leaves the profile's fitted memory headroom (`fit.
+    memory_fraction` of usable memory: the memory estimate's own margin) where any does,
+    and the fastest layout of that split. Without a fit (error 0) the fastest wins."""
+    if not ranked or profile.step_error <= 0:
+        return ranked
+    band = [r for r in ranked if r.time.total <= ranked[0].time.total * (1 + profile.step_error)]
+    cap = profile.usable_bytes * float(profile.fit.get("memory_fraction", 1.0))
+    roomy = [r for r in band if r.memory <= cap] or band
+    split = min(model_parallel(r.candidate) for r in roomy)
+    win = next(r for r in roomy if model_parallel(r.candidate) == split)
+    return [win] + [r for r in ranked if r is not win]
+
+
+def versus_published(plan: Plan, tensor: int, pipe: int) -> str:
+    """How the winner compares with the best layout of tensor x pipeline degrees (t, p): the
+    predicted gain, against the model's measured error, and why the winner won."""
+    best = plan.best
+    same = [r for r in plan.ranked if (r.candidate.tensor, r.candidate.pipe) == (tensor, pipe)]
+    err = plan.profile.step_error
+    if not same:
+        unfit = [r for r in plan.unfit if (r.candidate.tensor, r.candidate.pipe) ==
+                 (tensor, pipe)]
+        return (f"t{tensor} p{pipe} does not fit (needs {format_bytes(min(r.memory for r in unfit))})"
+                if unfit else f"t{tensor} p{pipe} is not in the space")
+    r = same[0]
+    if r is best:
+        return "the winner"
+    gain = r.time.total / best.time.total - 1
+    fastest = min(plan.ranked, key=lambda x: x.time.total)
+    if gain > err:
+        why_ = "faster by more than the model's error"
+    elif model_parallel(best.candidate) < model_parallel(r.candidate):
+        why_ = (f"within the model's error: less model parallelism "
+                f"(t x p {model_parallel(best.candidate)[0]} < {model_parallel(r.candidate)[0]})")
+    else:
+        why_ = (f"within the model's error: {format_bytes(r.memory)} per device "
+                f"leaves less headroom" if r.memory > best.memory else
+                "within the model's error")
+    return (f"{r.candidate.label}: predicted gain {gain:+.1%} (error ±{err:.1%}; fastest "
+            f"{fastest.candidate.label} {fastest.time.total / best.time.total - 1:+.1%}); "
+            + why_)
 
 
 def no_fit_message(planner: Planner, world: int, unfit: list[Result],
@@ -392,6 +450,10 @@ def why(plan: Plan, r: Result) -> str:
     share = parts[top] / t.total if t.total else 0
     rc = f"; recompute: {r.recompute_summary}" if r.candidate.recompute else ""
     if r is plan.best:
+        faster = [x for x in plan.ranked if x.time.total < r.time.total]
+        if faster:
+            return (f"chosen: within the model's error (±{plan.profile.step_error:.0%}) of "
+                    f"the fastest, the least model parallelism; {top} {share:.0%}{rc}")
         return f"fastest; {top} {share:.0%} of the step{rc}"
     slower = t.total / plan.best.time.total - 1
     return f"{slower:+.0%} vs best; {top} {share:.0%}{rc}"
