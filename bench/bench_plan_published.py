@@ -168,7 +168,8 @@ def score_rows(rows: Rows) -> list[dict]:
 
 def plan_rows(rows: Rows) -> list[dict]:
     """What `plan` chooses on each row's GPUs (recompute always, as the runs did), against the
-    row's own tensor x pipeline degrees."""
+    row's own tensor x pipeline degrees; and the headroom bounds each row puts on the
+    profile's `fit.memory_fraction` (`memory_bounds`)."""
     from soapstone.dsl.search.plan_search import search, versus_published
 
     out = []
@@ -176,11 +177,32 @@ def plan_rows(rows: Rows) -> list[dict]:
         planner.profile = rows.profile
         plan = search(planner, row["gpus"])
         c = plan.best.candidate
+        lo, hi = memory_bounds(plan, row["tensor"], row["pipeline"])
         out.append({"params_b": row["params_b"], "published": f"t{row['tensor']} "
                     f"p{row['pipeline']}", "chosen": c.label,
                     "same": (c.tensor, c.pipe) == (row["tensor"], row["pipeline"]),
-                    "versus": versus_published(plan, row["tensor"], row["pipeline"])})
+                    "versus": versus_published(plan, row["tensor"], row["pipeline"]),
+                    "memory_fraction_bounds": [lo, hi]})
     return out
+
+
+def memory_bounds(plan, tensor: int, pipe: int) -> tuple[float | None, float | None]:
+    """The headroom (fraction of usable memory) under which plan keeps the row's tensor x
+    pipeline split: at least its leanest layout within the error band, below every simpler
+    layout of the band (plan_search.winner_first); None where the row sets no bound."""
+    from soapstone.dsl.search.plan_search import model_parallel
+
+    ranked = sorted(plan.ranked, key=lambda r: r.time.total)
+    blocks = len(plan.model.blocks)
+    band = [r for r in ranked
+            if r.time.total <= ranked[0].time.total * (1 + plan.profile.step_error)]
+    usable = plan.profile.usable_bytes
+    own = [r for r in band if (r.candidate.tensor, r.candidate.pipe) == (tensor, pipe)]
+    if not own:
+        return None, None
+    key = min(model_parallel(r.candidate, blocks) for r in own)
+    simpler = [r.memory for r in band if model_parallel(r.candidate, blocks) < key]
+    return min(r.memory for r in own) / usable, (min(simpler) / usable if simpler else None)
 
 
 def table_text(scored: list[dict]) -> str:
@@ -205,8 +227,12 @@ def plan_text(planned: list[dict]) -> str:
     out += [f"| {p['params_b']}B | {p['published']} | {p['chosen']} | "
             f"{'yes' if p['same'] else 'no'} | {p['versus']} |" for p in planned]
     same = sum(p["same"] for p in planned)
+    cal = [planned[i]["memory_fraction_bounds"] for i in CALIBRATION]
+    lo = max((b[0] for b in cal if b[0] is not None), default=0.0)
+    hi = min((b[1] for b in cal if b[1] is not None), default=1.0)
     return "\n".join(out) + f"\n\nplan returns the published TP x PP on {same} of " \
-        f"{len(planned)} rows\n"
+        f"{len(planned)} rows; the calibration rows bound fit.memory_fraction to " \
+        f"{lo:.3f}..{hi:.3f}\n"
 
 
 def main() -> int:

@@ -357,24 +357,28 @@ def search(planner: Planner, world: int) -> Plan:
     if not fits:
         raise PlanError(no_fit_message(planner, world, unfit, rejected))
     fits.sort(key=lambda r: (r.time.total, r.memory))
-    fits = winner_first(fits, planner.profile)
+    fits = winner_first(fits, planner.profile, len(planner.model.blocks))
     unfit.sort(key=lambda r: r.memory)
     return Plan(planner.model, planner.dims, planner.profile, world, fits, unfit, rejected,
                 n, planner.exact)
 
 
-def model_parallel(c: Candidate) -> tuple[int, int]:
-    """How much of the model a layout splits: (tensor x context x pipeline, pipeline) — less
-    is simpler: fewer and smaller collectives, no bubble; at one size tensor before pipeline
-    (seed 004's order)."""
-    return c.tensor * c.context * c.pipe, c.pipe
+def model_parallel(c: Candidate, blocks: int = 0) -> tuple[int, bool, int, int]:
+    """How far a layout departs from the simplest: (ZeRO stage, stages that do not divide the
+    `blocks` evenly, tensor x context x pipeline, pipeline) — less is simpler: ZeRO adds
+    collectives, an uneven cut idles the shorter stages, model parallelism splits each step
+    into more and smaller collectives and a bubble; at one size tensor before pipeline (seed
+    004's order, Megatron's takeaways)."""
+    uneven = bool(blocks) and c.pipe > 1 and blocks % c.stages != 0
+    return c.zero, uneven, c.tensor * c.context * c.pipe, c.pipe
 
 
-def winner_first(ranked: list[Result], profile: Profile) -> list[Result]:
+def winner_first(ranked: list[Result], profile: Profile, blocks: int = 0) -> list[Result]:
     """`ranked` (fastest first) with the winner moved to the front. The cost model's measured
     error (the profile's `step_error`) is the margin it can tell layouts apart by: among the
-    layouts within it of the fastest, plan keeps the least model parallelism (Megatron's
-    takeaway: t x p just large enough to fit, tensor first inside a node; `model_parallel`),
+    layouts within it of the fastest, plan keeps the simplest (`model_parallel`: no ZeRO,
+    even stages, then Megatron's takeaway: t x p just large enough to fit, tensor first
+    inside a node; `blocks`: the model's repeat blocks),
     counting as fitting only what leaves the profile's fitted memory headroom (`fit.
     memory_fraction` of usable memory: the memory estimate's own margin) where any does,
     and the fastest layout of that split. Without a fit (error 0) the fastest wins."""
@@ -383,8 +387,7 @@ def winner_first(ranked: list[Result], profile: Profile) -> list[Result]:
     band = [r for r in ranked if r.time.total <= ranked[0].time.total * (1 + profile.step_error)]
     cap = profile.usable_bytes * float(profile.fit.get("memory_fraction", 1.0))
     roomy = [r for r in band if r.memory <= cap] or band
-    split = min(model_parallel(r.candidate) for r in roomy)
-    win = next(r for r in roomy if model_parallel(r.candidate) == split)
+    win = min(roomy, key=lambda r: model_parallel(r.candidate, blocks))  # stable: fastest
     return [win] + [r for r in ranked if r is not win]
 
 
@@ -406,9 +409,8 @@ def versus_published(plan: Plan, tensor: int, pipe: int) -> str:
     fastest = min(plan.ranked, key=lambda x: x.time.total)
     if gain > err:
         why_ = "faster by more than the model's error"
-    elif model_parallel(best.candidate) < model_parallel(r.candidate):
-        why_ = (f"within the model's error: less model parallelism "
-                f"(t x p {model_parallel(best.candidate)[0]} < {model_parallel(r.candidate)[0]})")
+    elif (simpler := _simpler(best.candidate, r.candidate, len(plan.model.blocks))):
+        why_ = f"within the model's error: {simpler}"
     else:
         why_ = (f"within the model's error: {format_bytes(r.memory)} per device "
                 f"leaves less headroom" if r.memory > best.memory else
@@ -416,6 +418,20 @@ def versus_published(plan: Plan, tensor: int, pipe: int) -> str:
     return (f"{r.candidate.label}: predicted gain {gain:+.1%} (error ±{err:.1%}; fastest "
             f"{fastest.candidate.label} {fastest.time.total / best.time.total - 1:+.1%}); "
             + why_)
+
+
+def _simpler(a: Candidate, b: Candidate, blocks: int) -> str:
+    """Why layout a is simpler than b (`model_parallel`), or ''."""
+    ka, kb = model_parallel(a, blocks), model_parallel(b, blocks)
+    if ka >= kb:
+        return ""
+    if ka[0] < kb[0]:
+        return f"ZeRO {ka[0]} < {kb[0]}"
+    if ka[1] < kb[1]:
+        return f"{b.stages} stages do not divide {blocks} blocks evenly"
+    if ka[2] < kb[2]:
+        return f"less model parallelism (t x p {ka[2]} < {kb[2]})"
+    return f"tensor before pipeline (p {ka[3]} < {kb[3]})"
 
 
 def no_fit_message(planner: Planner, world: int, unfit: list[Result],
