@@ -24,7 +24,7 @@ The other published data files (bench/data/) hold no row this model can score: t
 README's H100 table is an image, and torchtitan's H100 rows either run Float8 or leave the
 sequence length unstated (their files say so).
 
-    .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F]
+    .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
 
 from __future__ import annotations
@@ -241,8 +241,19 @@ def main() -> int:
                     help="fit the profile's constants on the calibration rows again")
     ap.add_argument("--plan", action="store_true", help="run plan on each row's GPUs")
     ap.add_argument("--json", metavar="F", help="also write the rows as JSON")
+    ap.add_argument("--specs", metavar="DIR",
+                    help="write each row's model as DIR/gpt_<params>b.par and print the "
+                         "`soapstone plan` command for it")
     args = ap.parse_args()
     table = load_table()
+    if args.specs:
+        Path(args.specs).mkdir(parents=True, exist_ok=True)
+        for row in table["rows"]:
+            path = Path(args.specs) / f"gpt_{row['params_b']:g}b.par"
+            path.write_text(spec_text(row, table))
+            print(f"soapstone plan {path} --world {row['gpus']} --profile {table['device']} "
+                  "--precision bf16 --recompute always")
+        return 0
     rows = Rows(table)
     prof = rows.profile
     scored = score_rows(rows)

@@ -469,7 +469,7 @@ def why(plan: Plan, r: Result) -> str:
         faster = [x for x in plan.ranked if x.time.total < r.time.total]
         if faster:
             return (f"chosen: within the model's error (±{plan.profile.step_error:.0%}) of "
-                    f"the fastest, the least model parallelism; {top} {share:.0%}{rc}")
+                    f"the fastest, the simplest; {top} {share:.0%}{rc}")
         return f"fastest; {top} {share:.0%} of the step{rc}"
     slower = t.total / plan.best.time.total - 1
     return f"{slower:+.0%} vs best; {top} {share:.0%}{rc}"
@@ -482,8 +482,11 @@ def _versus(plan: Plan, what: str, keep) -> str:
     fits = [r for r in plan.ranked if keep(r.candidate)]
     if fits:
         r = fits[0]
-        return (f"the best with {what} ({r.candidate.label}) is "
-                f"{r.time.total / best.time.total - 1:.0%} slower")
+        gain = r.time.total / best.time.total - 1
+        if gain < 0:  # the winner was kept within the model's error (winner_first)
+            return (f"the best with {what} ({r.candidate.label}) is {-gain:.0%} faster, "
+                    "within the model's error")
+        return f"the best with {what} ({r.candidate.label}) is {gain:.0%} slower"
     unfit = [r for r in plan.unfit if keep(r.candidate)]
     if unfit:
         r = min(unfit, key=lambda r: r.memory)
@@ -551,7 +554,16 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
     if c.recompute:
         out.append(f"recompute {c.recompute}: {best.recompute_summary}; each block keeps only "
                    "its inputs and backward runs its forward again; "
-                   + _versus(plan, "no recompute", lambda x: x.recompute is None))
+                   + ("every layout recomputes (--recompute always)" if planner.always_recompute
+                      else _versus(plan, "no recompute", lambda x: x.recompute is None)))
+    fastest = min(plan.ranked, key=lambda r: r.time.total)
+    if fastest is not best:
+        reason = _simpler(c, fastest.candidate, len(model.blocks)) or \
+            f"{format_bytes(fastest.memory)} per device leaves less headroom"
+        out.append(f"within the cost model's measured error (±{prof.step_error:.1%}, "
+                   f"profiles.json's fit) of the fastest, {fastest.candidate.label} "
+                   f"({fastest.time.total / best.time.total - 1:+.1%}), the simpler wins: "
+                   f"{reason}")
     t = best.time
     out.append(f"memory per device {format_bytes(best.memory)} of {format_bytes(usable)} "
                f"usable; step {t.total:.4g} s: compute {t.compute:.3g}, tensor comm "
