@@ -7,10 +7,15 @@ time, on a `hardware.Profile`:
 - compute: each Compute step of a Program, forward, per microbatch (`program_work`), by what
   its op's record says bounds it (shard/ops/): a matmul (einsum) costs its record's FLOPs (2
   x the product of its iteration dims' local sizes), run at the profile's achievable matmul
-  rate in the run's precision; every other op (elementwise, norms, softmax, embedding, cross
-  entropy) is memory-bound: the bytes of its float inputs and output at the
-  memory bandwidth, in the dtype the run computes in (the Program is retyped to it first:
-  precision.py, so under bf16 they are half of fp32's). Backward costs twice the forward (a
+  rate in the run's precision, except that a matmul of two activations (attention's q.k and
+  p.v, whose intensity does not grow with the batch) runs at the roofline: the slower of its
+  FLOPs at that rate and its bytes at the memory bandwidth; every other op (elementwise,
+  norms, softmax, embedding, cross entropy) is memory-bound: the bytes of its float inputs and
+  output at the memory bandwidth, in the dtype the run computes in (the Program is retyped to
+  it first: precision.py, so under bf16 they are half of fp32's). A fused chain
+  (shard/runtime/fusion_plan.py: attention's scores, mask, softmax and p.v in one call; a
+  matmul and its bias) is one kernel: it reads what it takes from outside and writes its
+  output once, its inner values never reach memory. Backward costs twice the forward (a
   matmul's two gradients; an elementwise op reads and writes its gradients). Each op (a
   fused chain is one, a redistribution is one) also costs the profile's fixed
   `op_overhead_us`, forward and backward together: what dominates a small model.

@@ -74,3 +74,21 @@ def test_the_documented_fit_is_the_fits_optimum_and_every_row_is_within_15_perce
         (prof.matmul_efficiency, prof.op_overhead_s, prof.fit)
     every = rows.ratios(prof)
     assert all(abs(math.log(r)) < math.log(1.15) for r in every), every
+
+
+def test_a_profiles_fit_is_optional_and_checked(tmp_path):
+    """`fit` is the one optional field: absent, the model's error is 0 (plan takes the
+    fastest); present, it must be an object and its error a number >= 0; it round-trips."""
+    from soapstone.shard.plan.analysis.hardware import ProfileError, save_profile
+
+    data = load_profile("a100-80gb").to_data()
+    assert data["fit"]["error"] == pytest.approx(0.115)
+    path = tmp_path / "mine.json"
+    save_profile(load_profile("a100-80gb"), str(path))
+    assert load_profile(str(path)).step_error == pytest.approx(0.115)
+    for bad, field in (("x", "'fit'"), ({"error": -1}, "'fit.error'")):
+        path.write_text(json.dumps(data | {"fit": bad}))
+        with pytest.raises(ProfileError, match=field):
+            load_profile(str(path))
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "fit"}))
+    assert load_profile(str(path)).step_error == 0.0
