@@ -400,8 +400,10 @@ def versus_published(plan: Plan, tensor: int, pipe: int) -> str:
     if not same:
         unfit = [r for r in plan.unfit if (r.candidate.tensor, r.candidate.pipe) ==
                  (tensor, pipe)]
-        return (f"t{tensor} p{pipe} does not fit (needs {format_bytes(min(r.memory for r in unfit))})"
-                if unfit else f"t{tensor} p{pipe} is not in the space")
+        if not unfit:
+            return f"t{tensor} p{pipe} is not in the space"
+        need = format_bytes(min(r.memory for r in unfit))
+        return f"t{tensor} p{pipe} does not fit (needs {need})"
     r = same[0]
     if r is best:
         return "the winner"

@@ -2,9 +2,9 @@
 
 The presets live in profiles.json beside this module (its `_doc` says what each field means);
 `soapstone bench calibrate -o FILE.json` writes one profile measured on this machine in the
-same format. `fit`, the one optional field, records which constants were fitted to published
-runs and the fit's error. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
-profile object, or `{"profiles": [...]}` with exactly one. Every field is required: a missing or
+same format. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
+profile object, or `{"profiles": [...]}` with exactly one. Every field is required but `fit`
+(which constants were fitted to published runs, and the fit's error): a missing or
 malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch here.
 """
 
