@@ -80,3 +80,22 @@ def test_recompute_always_recomputes_every_layout_and_says_so(tmp_path, capsys):
                  "--recompute", "always"]) == 2
     err = capsys.readouterr().err
     assert "--recompute always: model" in err and "no repeat" in err
+
+
+def test_versus_published_states_the_gain_the_error_and_the_reason():
+    """A plan whose winner (t8 p1, 11 s) was kept within the error over the fastest (t4 p2,
+    10 s): against t4 p2 it reports -9.1% and why the winner won; against a split that is
+    15% slower than the winner, a gain beyond the error; the winner's own split: 'the winner'."""
+    from soapstone.dsl.search.plan_search import Plan, versus_published
+
+    prof = load_profile("a100-80gb")
+    model = load("examples/gpt.par").model()
+    ranked = [result(Candidate(16, 8, 1), 11.0, 40), result(Candidate(8, 4, 2), 10.0, 30),
+              result(Candidate(64, 2, 1), 12.65, 30)]
+    plan = Plan(model, layout_dims(model), prof, 128, ranked, [], [], 3, True)
+    assert versus_published(plan, 8, 1) == "the winner"
+    text = versus_published(plan, 4, 2)
+    assert "gain -9.1%" in text and "error ±11.5%" in text
+    assert "tensor before pipeline (p 1 < 2)" in text
+    assert "faster by more than the model's error" in versus_published(plan, 2, 1)
+    assert versus_published(plan, 1, 1) == "t1 p1 is not in the space"
