@@ -1,4 +1,5 @@
-"""`soapstone plan SPEC --world N --profile NAME|FILE [--global-batch B] [--top K] [--json]`:
+"""`soapstone plan SPEC --world N --profile NAME|FILE [--global-batch B] [--recompute auto|always|
+never] [--top K] [--json]`:
 choose a layout for the model on N devices of a hardware profile.
 
 Searches data x tensor (with or without sequence parallelism) x pipeline (stages, schedule,
@@ -50,6 +51,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "collectives, fp32 masters; default fp32, as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
+    parser.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
+                        help="activation recompute: auto tries it where nothing fits without "
+                             "it (default); always recomputes every layout's largest repeat "
+                             "(Megatron's full recompute); never leaves it out")
     parser.add_argument("--name", default="planned", help="the block's name (default planned)")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write a spec holding `include SPEC` and the winning block")
@@ -61,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Plan, print, and write the block."""
     from soapstone.dsl.lang.spec import load
-    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.plan_search import search
     from soapstone.shard.plan.analysis.hardware import load_profile
 
     t0 = time.perf_counter()
@@ -85,13 +90,12 @@ def main(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         load_plugins(args.plugin)
         model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
-        planner = Planner(model, profile, precision=args.precision, optimizer=args.optimizer)
+        planner = _planner(model, profile, args)
         batch = planner.dims.batch
         if args.global_batch is not None and args.global_batch != model.size(batch):
             dims[batch] = args.global_batch
             model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
-            planner = Planner(model, profile, precision=args.precision,
-                              optimizer=args.optimizer)
+            planner = _planner(model, profile, args)
         plan = search(planner, args.world)
     except UserError as e:
         return fail(e)
@@ -116,12 +120,26 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planner(model, profile, args: argparse.Namespace):
+    """The Planner of `--precision`, `--optimizer` and `--recompute`."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import recompute_options
+
+    forms = () if args.recompute == "never" else None
+    if args.recompute == "always" and not recompute_options(model):
+        raise BadInput(f"--recompute always: model {model.name} has no repeat to recompute "
+                       "(use --recompute auto)")
+    return Planner(model, profile, precision=args.precision, optimizer=args.optimizer,
+                   recompute=forms, always_recompute=args.recompute == "always")
+
+
 def spec_file(args: argparse.Namespace, block: str, dims: dict[str, int]) -> str:
     """A spec that includes SPEC (by a path relative to the output) and holds the block."""
     rel = os.path.relpath(Path(args.spec).resolve(), Path(args.output).resolve().parent)
     flags = "".join(f" --dim {k}={v}" for k, v in dims.items())
     return (f"# soapstone plan {args.spec} --world {args.world} --profile {args.profile}"
-            + (f" --global-batch {args.global_batch}" if args.global_batch else "") + "\n"
+            + (f" --global-batch {args.global_batch}" if args.global_batch else "")
+            + (f" --recompute {args.recompute}" if args.recompute != "auto" else "") + "\n"
             + (f"# run it with{flags}\n" if flags else "")
             + f'include "{rel}"\n\n{block}')
 

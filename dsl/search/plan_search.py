@@ -114,8 +114,10 @@ class Planner:
 
     def __init__(self, model: ir.Model, profile: Profile, *, precision: str = "fp32",
                  optimizer: str = "adamw", exact: bool | None = None,
-                 recompute: tuple[str, ...] | None = None):
+                 recompute: tuple[str, ...] | None = None, always_recompute: bool = False):
         self.model, self.profile = model, profile
+        # every layout recomputes (`plan --recompute always`): none is costed without
+        self.always_recompute = always_recompute
         self.precision, self.optimizer = precision, optimizer
         self.dims = layout_dims(model)
         # the recompute forms to try (default: recompute_options; () searches without)
@@ -341,7 +343,7 @@ def search(planner: Planner, world: int) -> Plan:
         if group in done:
             continue
         plain: dict[int, Result] = {}
-        top = climb(ladder, plain)
+        top = None if planner.always_recompute else climb(ladder, plain)
         if top is not None:
             done.add(group)
         top = 4 if top is None else top
@@ -355,9 +357,83 @@ def search(planner: Planner, world: int) -> Plan:
     if not fits:
         raise PlanError(no_fit_message(planner, world, unfit, rejected))
     fits.sort(key=lambda r: (r.time.total, r.memory))
+    fits = winner_first(fits, planner.profile, len(planner.model.blocks))
     unfit.sort(key=lambda r: r.memory)
     return Plan(planner.model, planner.dims, planner.profile, world, fits, unfit, rejected,
                 n, planner.exact)
+
+
+def model_parallel(c: Candidate, blocks: int = 0) -> tuple[int, bool, int, int]:
+    """How far a layout departs from the simplest: (ZeRO stage, stages that do not divide the
+    `blocks` evenly, tensor x context x pipeline, pipeline) — less is simpler: ZeRO adds
+    collectives, an uneven cut idles the shorter stages, model parallelism splits each step
+    into more and smaller collectives and a bubble; at one size tensor before pipeline (seed
+    004's order, Megatron's takeaways)."""
+    uneven = bool(blocks) and c.pipe > 1 and blocks % c.stages != 0
+    return c.zero, uneven, c.tensor * c.context * c.pipe, c.pipe
+
+
+def winner_first(ranked: list[Result], profile: Profile, blocks: int = 0) -> list[Result]:
+    """`ranked` (fastest first) with the winner moved to the front. The cost model's measured
+    error (the profile's `step_error`) is the margin it can tell layouts apart by: among the
+    layouts within it of the fastest, plan keeps the simplest (`model_parallel`: no ZeRO,
+    even stages, then Megatron's takeaway: t x p just large enough to fit, tensor first
+    inside a node; `blocks`: the model's repeat blocks),
+    counting as fitting only what leaves the profile's fitted memory headroom (`fit.
+    memory_fraction` of usable memory: the memory estimate's own margin) where any does,
+    and the fastest layout of that split. Without a fit (error 0) the fastest wins."""
+    if not ranked or profile.step_error <= 0:
+        return ranked
+    band = [r for r in ranked if r.time.total <= ranked[0].time.total * (1 + profile.step_error)]
+    cap = profile.usable_bytes * float(profile.fit.get("memory_fraction", 1.0))
+    roomy = [r for r in band if r.memory <= cap] or band
+    win = min(roomy, key=lambda r: model_parallel(r.candidate, blocks))  # stable: fastest
+    return [win] + [r for r in ranked if r is not win]
+
+
+def versus_published(plan: Plan, tensor: int, pipe: int) -> str:
+    """How the winner compares with the best layout of tensor x pipeline degrees (t, p): the
+    predicted gain, against the model's measured error, and why the winner won."""
+    best = plan.best
+    same = [r for r in plan.ranked if (r.candidate.tensor, r.candidate.pipe) == (tensor, pipe)]
+    err = plan.profile.step_error
+    if not same:
+        unfit = [r for r in plan.unfit if (r.candidate.tensor, r.candidate.pipe) ==
+                 (tensor, pipe)]
+        if not unfit:
+            return f"t{tensor} p{pipe} is not in the space"
+        need = format_bytes(min(r.memory for r in unfit))
+        return f"t{tensor} p{pipe} does not fit (needs {need})"
+    r = same[0]
+    if r is best:
+        return "the winner"
+    gain = r.time.total / best.time.total - 1
+    fastest = min(plan.ranked, key=lambda x: x.time.total)
+    if gain > err:
+        why_ = "faster by more than the model's error"
+    elif (simpler := _simpler(best.candidate, r.candidate, len(plan.model.blocks))):
+        why_ = f"within the model's error: {simpler}"
+    else:
+        why_ = (f"within the model's error: {format_bytes(r.memory)} per device "
+                f"leaves less headroom" if r.memory > best.memory else
+                "within the model's error")
+    return (f"{r.candidate.label}: predicted gain {gain:+.1%} (error ±{err:.1%}; fastest "
+            f"{fastest.candidate.label} {fastest.time.total / best.time.total - 1:+.1%}); "
+            + why_)
+
+
+def _simpler(a: Candidate, b: Candidate, blocks: int) -> str:
+    """Why layout a is simpler than b (`model_parallel`), or ''."""
+    ka, kb = model_parallel(a, blocks), model_parallel(b, blocks)
+    if ka >= kb:
+        return ""
+    if ka[0] < kb[0]:
+        return f"ZeRO {ka[0]} < {kb[0]}"
+    if ka[1] < kb[1]:
+        return f"{b.stages} stages do not divide {blocks} blocks evenly"
+    if ka[2] < kb[2]:
+        return f"less model parallelism (t x p {ka[2]} < {kb[2]})"
+    return f"tensor before pipeline (p {ka[3]} < {kb[3]})"
 
 
 def no_fit_message(planner: Planner, world: int, unfit: list[Result],
@@ -392,6 +468,10 @@ def why(plan: Plan, r: Result) -> str:
     share = parts[top] / t.total if t.total else 0
     rc = f"; recompute: {r.recompute_summary}" if r.candidate.recompute else ""
     if r is plan.best:
+        faster = [x for x in plan.ranked if x.time.total < r.time.total]
+        if faster:
+            return (f"chosen: within the model's error (±{plan.profile.step_error:.0%}) of "
+                    f"the fastest, the simplest; {top} {share:.0%}{rc}")
         return f"fastest; {top} {share:.0%} of the step{rc}"
     slower = t.total / plan.best.time.total - 1
     return f"{slower:+.0%} vs best; {top} {share:.0%}{rc}"
@@ -404,8 +484,11 @@ def _versus(plan: Plan, what: str, keep) -> str:
     fits = [r for r in plan.ranked if keep(r.candidate)]
     if fits:
         r = fits[0]
-        return (f"the best with {what} ({r.candidate.label}) is "
-                f"{r.time.total / best.time.total - 1:.0%} slower")
+        gain = r.time.total / best.time.total - 1
+        if gain < 0:  # the winner was kept within the model's error (winner_first)
+            return (f"the best with {what} ({r.candidate.label}) is {-gain:.0%} faster, "
+                    "within the model's error")
+        return f"the best with {what} ({r.candidate.label}) is {gain:.0%} slower"
     unfit = [r for r in plan.unfit if keep(r.candidate)]
     if unfit:
         r = min(unfit, key=lambda r: r.memory)
@@ -473,7 +556,16 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
     if c.recompute:
         out.append(f"recompute {c.recompute}: {best.recompute_summary}; each block keeps only "
                    "its inputs and backward runs its forward again; "
-                   + _versus(plan, "no recompute", lambda x: x.recompute is None))
+                   + ("every layout recomputes (--recompute always)" if planner.always_recompute
+                      else _versus(plan, "no recompute", lambda x: x.recompute is None)))
+    fastest = min(plan.ranked, key=lambda r: r.time.total)
+    if fastest is not best:
+        reason = _simpler(c, fastest.candidate, len(model.blocks)) or \
+            f"{format_bytes(fastest.memory)} per device leaves less headroom"
+        out.append(f"within the cost model's measured error (±{prof.step_error:.1%}, "
+                   f"profiles.json's fit) of the fastest, {fastest.candidate.label} "
+                   f"({fastest.time.total / best.time.total - 1:+.1%}), the simpler wins: "
+                   f"{reason}")
     t = best.time
     out.append(f"memory per device {format_bytes(best.memory)} of {format_bytes(usable)} "
                f"usable; step {t.total:.4g} s: compute {t.compute:.3g}, tensor comm "

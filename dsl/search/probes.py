@@ -52,13 +52,15 @@ def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> F
                ("transient_bytes",): est.transient_bytes - working_set,
                ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
                ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
+               ("act_flops",): work.act_flops, ("act_bytes",): work.act_bytes,
                ("param_elements",): param_elements}
     if est.without_recompute is not None:
         again = work.again or Work()
         f |= {("plain_saved",): est.without_recompute[0],
               ("plain_working_set",): est.without_recompute[1],
               ("again_flops",): again.matmul_flops, ("again_moved",): again.other_bytes,
-              ("again_ops",): again.ops}
+              ("again_ops",): again.ops, ("again_act_flops",): again.act_flops,
+              ("again_act_bytes",): again.act_bytes}
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
         for what, v in (("calls", t.calls), ("bytes", t.bytes)):
@@ -92,8 +94,10 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
                    without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
                    if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0,
                    weight_grad_bytes=g[("weight_grad_bytes",)])
-    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)]) if rc else None
-    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again), g[("param_elements",)]
+    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)], None,
+                 f[("again_act_flops",)], f[("again_act_bytes",)]) if rc else None
+    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again, f[("act_flops",)],
+                     f[("act_bytes",)]), g[("param_elements",)]
 
 
 def _remesh(program, data: int):

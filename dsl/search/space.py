@@ -7,7 +7,8 @@ axis, context parallelism (the sequence dims over their own axis `cp`, inside th
 the tensor axis, only where the batch does not divide over as many data ranks: otherwise data
 parallelism does the same work without gathering keys and values), pipeline schedules (1f1b and
 interleaved with 2 or 4 virtual stages per rank; gpipe keeps every microbatch in flight for the
-same bubble, so 1f1b always beats it), the microbatch count, ZeRO 0-3, and activation recompute
+same bubble, so 1f1b always beats it), the microbatches by count and by size (1, 2, 4 or 8
+samples), ZeRO 0-3, and activation recompute
 (`recompute_options`: `recompute R` for the model's largest repeat; `search` tries it as it
 tries a ZeRO stage, where no stage fits without it or below the stage that does). The mesh is
 `mesh(pipe, data, cp, model)`: the tensor axis innermost (inside a node), data next, the
@@ -204,19 +205,27 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                        schedule=schedule, zero=c.zero, recompute=c.recompute)
 
 
+# microbatch sizes (samples per microbatch) the search tries besides its counts: a bigger
+# microbatch runs bigger kernels and fewer of them; a smaller one holds fewer activations and,
+# in a pipeline, shrinks the bubble
+MICROBATCH_SIZES = (1, 2, 4, 8)
+
+
 def _microbatch_options(per_replica: int, pipe: int) -> list[int]:
-    """Microbatch counts to try: without stages 1 (and accumulation, for memory); with stages
-    pipe x 1, 2, 4, 8 and one sample per microbatch, and what divides below that. Tests of
+    """Microbatch counts to try, by count and by size: without stages 1 (and accumulation, for
+    memory) up to 32; with stages pipe x 1, 2, 4, 8, and what divides below that; and the
+    counts of the microbatch sizes MICROBATCH_SIZES that divide the replica's batch. Tests of
     divisibility, never a walk over 1..per_replica (any batch is cheap)."""
+    by_size = {per_replica // s for s in MICROBATCH_SIZES if per_replica % s == 0}
     if pipe == 1:
-        return [1 << k for k in range(6) if per_replica % (1 << k) == 0]
+        return sorted({1 << k for k in range(6) if per_replica % (1 << k) == 0} | by_size)
     want = {pipe * k for k in (1, 2, 4, 8)} | {per_replica}
     opts = [d for d in want if per_replica % d == 0]
     below = next((d for d in range(min(pipe, per_replica + 1) - 1, 0, -1)
                   if per_replica % d == 0), None)  # pipe <= the model's blocks: short
     if below:
         opts.append(below)
-    return sorted(set(opts))
+    return sorted(set(opts) | by_size)
 
 
 @attrs.frozen

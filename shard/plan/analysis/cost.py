@@ -7,10 +7,15 @@ time, on a `hardware.Profile`:
 - compute: each Compute step of a Program, forward, per microbatch (`program_work`), by what
   its op's record says bounds it (shard/ops/): a matmul (einsum) costs its record's FLOPs (2
   x the product of its iteration dims' local sizes), run at the profile's achievable matmul
-  rate in the run's precision; every other op (elementwise, norms, softmax, embedding, cross
-  entropy) is memory-bound: the bytes of its float inputs and output at the
-  memory bandwidth, in the dtype the run computes in (the Program is retyped to it first:
-  precision.py, so under bf16 they are half of fp32's). Backward costs twice the forward (a
+  rate in the run's precision, except that a matmul of two activations (attention's q.k and
+  p.v, whose intensity does not grow with the batch) runs at the roofline: the slower of its
+  FLOPs at that rate and its bytes at the memory bandwidth; every other op (elementwise,
+  norms, softmax, embedding, cross entropy) is memory-bound: the bytes of its float inputs and
+  output at the memory bandwidth, in the dtype the run computes in (the Program is retyped to
+  it first: precision.py, so under bf16 they are half of fp32's). A fused chain
+  (shard/runtime/fusion_plan.py: attention's scores, mask, softmax and p.v in one call; a
+  matmul and its bias) is one kernel: it reads what it takes from outside and writes its
+  output once, its inner values never reach memory. Backward costs twice the forward (a
   matmul's two gradients; an elementwise op reads and writes its gradients). Each op (a
   fused chain is one, a redistribution is one) also costs the profile's fixed
   `op_overhead_us`, forward and backward together: what dominates a small model.
@@ -59,27 +64,41 @@ BACKWARD_FACTOR = 2.0  # backward work / forward work
 @attrs.frozen
 class Work:
     """Forward work of one microbatch: matmul FLOPs and bytes of memory-bound ops; `again`:
-    the forward work that `recompute` runs a second time in backward."""
+    the forward work that `recompute` runs a second time in backward. `act_flops` and
+    `act_bytes`: the part of the matmuls whose operands are both activations (attention's
+    q.k and p.v): their intensity does not grow with the batch, so they are bound by memory
+    as much as by FLOPs (`matmul_seconds`)."""
 
     matmul_flops: float = 0.0
     other_bytes: float = 0.0
     ops: float = 0.0  # kernels run (a fused chain is one)
     again: Work | None = None
+    act_flops: float = 0.0  # of matmul_flops
+    act_bytes: float = 0.0  # their operands and outputs
 
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
         return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes,
-                    self.ops + other.ops, again)
+                    self.ops + other.ops, again, self.act_flops + other.act_flops,
+                    self.act_bytes + other.act_bytes)
+
+    def matmul_seconds(self, profile: Profile, precision: str) -> float:
+        """The matmuls' forward time: weight matmuls at the achievable rate; activation
+        matmuls at the roofline, the slower of their FLOPs at that rate and their bytes at
+        the memory bandwidth."""
+        rate = profile.matmul_flops(precision)
+        act = max(self.act_flops / rate, self.act_bytes / profile.memory_bandwidth)
+        return (self.matmul_flops - self.act_flops) / rate + act
 
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
-        return self.matmul_flops / profile.matmul_flops(precision) + \
+        return self.matmul_seconds(profile, precision) + \
             self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, and the
         forward that recompute runs again."""
-        fwd = self.matmul_flops / profile.matmul_flops(precision) + \
+        fwd = self.matmul_seconds(profile, precision) + \
             self.other_bytes / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
         return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again
@@ -98,23 +117,47 @@ def program_work(program: Program) -> Work:
 
 
 def _work(program: Program, indices) -> Work:
-    flops = 0.0
-    moved = 0.0
+    flops = moved = act_flops = act_bytes = 0.0
     indices = set(indices)
-    covered = {i for f in find_fusions(program).values() for i in f.covered}
+    fusions = find_fusions(program)
+    chain_of = {i: at for at, f in fusions.items() for i in (*f.covered, at)}
+    covered = {i for f in fusions.values() for i in f.covered}
     work = {i: record_of(s.kind).bound for i, s in enumerate(program.steps)
             if i in indices and isinstance(s, Compute)}
     ops = sum(1 for i in range(len(program.steps)) if i in indices and i not in covered and
               work.get(i) is not Bound.VIEW)  # a view is no work
+    weights = {p.name for p in program.params}  # and what gathers or copies them
+    chains: dict[int, float] = {}  # a fused chain's matmul FLOPs, by where it runs
     for i, step in enumerate(program.steps):
+        if not isinstance(step, Compute):
+            if step.src in weights:
+                weights.add(step.out)
+            continue
         if work.get(i, Bound.VIEW) is Bound.VIEW:
             continue
-        if work[i] is Bound.MATMUL:
-            flops += record_of(step.kind).flops(step, program)
-        else:
-            vals = [program.value(a) for a in step.args] + [program.value(step.out)]
-            moved += sum(v.nbytes for v in vals if v.is_float)
-    return Work(flops, moved, ops)
+        f = record_of(step.kind).flops(step, program) if work[i] is Bound.MATMUL else 0.0
+        flops += f
+        if i in chain_of:  # one kernel: what it reads from outside and writes, once
+            chains[chain_of[i]] = chains.get(chain_of[i], 0.0) + f
+            continue
+        nbytes = _float_bytes(program, (*step.args, step.out))
+        if work[i] is not Bound.MATMUL:
+            moved += nbytes
+        elif not weights & set(step.args):
+            act_flops += f
+            act_bytes += nbytes
+    for at, f in chains.items():
+        steps = [program.steps[i] for i in (*fusions[at].covered, at)]
+        inner = {s.out for s in steps}
+        outside = {a for s in steps for a in s.args if a not in inner}
+        if not weights & outside:  # attention: bound by its q, k, v and output as much
+            act_flops += f
+            act_bytes += _float_bytes(program, (*outside, program.steps[at].out))
+    return Work(flops, moved, ops, None, act_flops, act_bytes)
+
+
+def _float_bytes(program: Program, names) -> float:
+    return float(sum(v.nbytes for v in map(program.value, names) if v.is_float))
 
 
 def link_class(axes: str, mesh: dict[str, int], profile: Profile) -> str:

@@ -3,7 +3,8 @@
 The presets live in profiles.json beside this module (its `_doc` says what each field means);
 `soapstone bench calibrate -o FILE.json` writes one profile measured on this machine in the
 same format. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
-profile object, or `{"profiles": [...]}` with exactly one. Every field is required: a missing or
+profile object, or `{"profiles": [...]}` with exactly one. Every field is required but `fit`
+(which constants were fitted to published runs, and the fit's error): a missing or
 malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch here.
 """
 
@@ -54,6 +55,15 @@ class Profile:
     inter_node: Link
     op_overhead_s: float = 0.0  # fixed cost of one op, forward and backward (launch, dispatch)
     source: str = ""  # where it was read from (a preset or a file)
+    # which constants are a fit to published runs, on which rows, and the fit's spread
+    # (profiles.json's _doc); {} where every constant is a physical figure
+    fit: dict = attrs.field(factory=dict, eq=False)
+
+    @property
+    def step_error(self) -> float:
+        """The step-time model's measured error on this profile (its fit's `error`; 0 where
+        nothing was fitted): predictions closer than this cannot be told apart."""
+        return float(self.fit.get("error", 0.0))
 
     @property
     def usable_bytes(self) -> int:
@@ -81,7 +91,7 @@ class Profile:
             "inter_node": {"bandwidth_gbs": self.inter_node.bandwidth / 1e9,
                            "latency_us": self.inter_node.latency_s * 1e6},
             "op_overhead_us": self.op_overhead_s * 1e6,
-        }
+        } | ({"fit": self.fit} if self.fit else {})
 
 
 # every required field (nested ones as "a.b") -> what its value must be
@@ -140,7 +150,17 @@ def profile_from_data(data: dict, where: str) -> Profile:
         memory_bandwidth=v["memory_bandwidth_gbs"] * 1e9,
         intra_node=Link(v["intra_node.bandwidth_gbs"] * 1e9, v["intra_node.latency_us"] * 1e-6),
         inter_node=Link(v["inter_node.bandwidth_gbs"] * 1e9, v["inter_node.latency_us"] * 1e-6),
-        op_overhead_s=v["op_overhead_us"] * 1e-6, source=where)
+        op_overhead_s=v["op_overhead_us"] * 1e-6, source=where, fit=_fit(data, where))
+
+
+def _fit(data: dict, where: str) -> dict:
+    """The optional `fit` record: an object whose `error`, when given, is a fraction."""
+    fit = data.get("fit", {})
+    if not isinstance(fit, dict):
+        raise ProfileError(f"{where}: field 'fit' must be an object, got {fit!r}")
+    if "error" in fit:
+        _check(fit["error"], "num0", "fit.error", where)
+    return fit
 
 
 def _profiles_in(data, where: str) -> list[Profile]:

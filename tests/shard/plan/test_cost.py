@@ -96,3 +96,45 @@ def test_links_run_side_by_side_and_blocking_traffic_is_paid_in_full():
     assert t.grad_sync == pytest.approx(4.0)
     assert t.param_gathers == 0.0
     assert t.total == pytest.approx(18.0)
+
+
+# ---- the matmuls' roofline and fused chains ------------------------------------------------
+
+def test_activation_matmuls_are_held_to_the_roofline():
+    """Profile: 1 TFLOP/s matmuls (fp32), 1 TB/s memory. 10 TFLOPs of matmuls of which 2 are
+    activation x activation moving 4 TB: weights 8 s, activations max(2 s, 4 s) = 4 s; with
+    only 1 TB moved they are FLOP-bound: 2 s. Backward twice the forward."""
+    prof = profile()
+    w = Work(matmul_flops=10e12, act_flops=2e12, act_bytes=4e12)
+    assert w.matmul_seconds(prof, "fp32") == pytest.approx(8.0 + 4.0)
+    assert Work(matmul_flops=10e12, act_flops=2e12, act_bytes=1e12).matmul_seconds(
+        prof, "fp32") == pytest.approx(10.0)
+    assert w.seconds(prof, "fp32") == pytest.approx(3 * 12.0)
+    # sums keep the parts apart
+    both = w + Work(matmul_flops=1e12, other_bytes=1e12)
+    assert (both.matmul_flops, both.act_flops, both.act_bytes, both.other_bytes) == \
+        (11e12, 2e12, 4e12, 1e12)
+
+
+def test_a_fused_attention_moves_its_q_k_v_and_output_once():
+    """examples/gpt.par on one rank, fp32: each of 4 layers' attention (batch 8, seq 16, 4
+    heads of 8) is one fused call: the scores and p.v einsums are 2 x 8 x 4 x 16 x 16 x 8
+    FLOPs each, and it reads q, k, v and writes its output, 8 x 16 x 32 x 4 bytes each; its
+    mask and softmax add no bytes of their own (the s x s scores never reach memory)."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work
+
+    program = lower_graph(load("examples/gpt.par").model(), None).program
+    w = program_work(program)
+    assert w.act_flops == 4 * 2 * (2 * 8 * 4 * 16 * 16 * 8)
+    assert w.act_bytes == 4 * 4 * (8 * 16 * 32 * 4)
+    # the memory-bound ops left, by hand (x = 8 x 16 x 32 x 4 bytes): per layer two layernorms
+    # (x in and out, gamma and beta), two residual adds (two in, one out) and gelu on the
+    # 8 x 16 x 64 hidden; the biases ride their matmul's epilogue (fused); then the
+    # embedding (table and out), the last layernorm and the cross entropy (logits, loss)
+    x = 8 * 16 * 32 * 4
+    layernorm = 2 * x + 2 * 32 * 4
+    layer = 2 * layernorm + 2 * 3 * x + 2 * (8 * 16 * 64 * 4)
+    top = (64 * 32 * 4 + x) + layernorm + (8 * 16 * 64 * 4 + 4)
+    assert w.other_bytes == 4 * layer + top
