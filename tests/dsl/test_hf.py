@@ -145,7 +145,6 @@ def test_unsupported_config_field_exit_2(hf_dirs, tmp_path):
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
     ("llama", "rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0}),
     ("llama", "hidden_act", "gelu"),
-    ("llama", "head_dim", 16),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
     ("gpt2", "model_type", "bert"),
 ])
