@@ -9,9 +9,9 @@ import sys
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims, report_refusals
-from soapstone.dsl.lang.errors import BadInput
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import add_spec_options
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

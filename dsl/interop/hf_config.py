@@ -169,7 +169,8 @@ def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
         raise HFError(f"{path}: num_key_value_heads = {kv} does not divide "
                       f"num_attention_heads = {heads}")
     dims = (("vocab", _field(conf, "vocab_size", path)), ("hidden", hidden), ("heads", heads),
-            ("kv_heads", kv), ("head_dim", head_dim), ("ffn", _field(conf, "intermediate_size", path)),
+            ("kv_heads", kv), ("head_dim", head_dim),
+            ("ffn", _field(conf, "intermediate_size", path)),
             ("layers", _field(conf, "num_hidden_layers", path)))
     fixed = LLAMA_FAMILY[family][1]
     qkv = bool(conf.get("attention_bias")) if fixed is None else fixed
