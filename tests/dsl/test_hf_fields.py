@@ -193,3 +193,15 @@ def test_qwen2_with_sliding_layers_and_full_layers_is_refused(tmp_path):
                        max_window_layers=1)  # layer 0 full, layer 1 sliding
     with pytest.raises(hf_config.HFError, match="field 'layer_types'"):
         hf_config.read_config(d)
+
+
+@pytest.mark.parametrize("value,says", [(0, "field 'head_dim' = 0 must be a positive width"),
+                                        ("wide", "field 'head_dim' is 'wide'; soapstone needs "
+                                                 "an integer")])
+def test_a_head_dim_that_is_no_width_is_refused(tmp_path, value, says):
+    d = _dir(tmp_path, "qwen3", head_dim=8)
+    conf = json.loads((d / "config.json").read_text())
+    conf["head_dim"] = value
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(hf_config.HFError, match=says):
+        hf_config.read_config(d)
