@@ -5,6 +5,9 @@ whole table, every layout at full depth and every layout loaded, is bench/bench_
   with llama3 scaling, rms_norm_eps 1e-5) at its full 32 blocks: examples/llama.par written
   with those values takes every layout it declares (`check`), and `explain` of each counts
   LLaMA-3-8B's 8,030,261,248 parameters.
+- Qwen3-0.6B (vocab 151936, hidden 1024, 16 heads of head_dim 128, 8 kv heads, ffn 3072, q/k
+  norms, tied head) at 28 blocks takes every layout: 596,049,920 parameters (0.44e9 without
+  the embedding, as Qwen publishes).
 - GPT-2 124M's widths (vocab 50257 padded to 50304, hidden 768, 12 heads, ffn 3072, 1024
   positions) at the example's 2 blocks: transformers' weights load into tp2, which splits the
   padded vocab, and its first loss is transformers' (rel 1e-5).
@@ -67,6 +70,22 @@ def test_llama3_8b_takes_every_layout_at_32_blocks(tmp_path):
     norms = (2 * 32 + 1) * 4096  # whole on every rank; every matrix split in two
     assert per_rank["tp2"] == 4 * ((LLAMA3_PARAMS - norms) // 2 + norms)
     assert per_rank["ptd8"] < per_rank["tp4"] < per_rank["tp2"]
+
+
+def test_qwen3_06b_head_dim_128_beside_hidden_1024_takes_every_layout(tmp_path):
+    text = (ROOT / "examples/llama.par").read_text().replace(
+        "rope = 10000.0,", "rope = 1000000.0, qk_norm = 1e-06, head_dim = 128,").replace(
+        "repeat 2 as layer", "repeat 28 as layer").replace(
+        "layer[0] -> pipe 0, layer[1] -> pipe 1", "layer[0..13] -> pipe 0, layer[14..27] -> pipe 1"
+    ).replace("  output loss", "  tie linear0.weight = embedding0.table\n  output loss")
+    path = tmp_path / "qwen3_06b.par"
+    path.write_text(text)
+    dims = _flags({"vocab": 151936, "hidden": 1024, "heads": 16, "kv_heads": 8, "ffn": 3072})
+    check, explain = cli(["check", str(path), *dims],
+                         ["explain", str(path), "--parallel", "single", *dims, "--json"])
+    assert check["rc"] == 0 and "note:" not in check["text"], check["text"]
+    data, _ = json.JSONDecoder().raw_decode(explain["text"][explain["text"].index("{"):])
+    assert data["param_bytes"] == 4 * 596_049_920
 
 
 def test_gpt2_124m_widths_load_into_tp2_with_transformers_loss(tmp_path):
