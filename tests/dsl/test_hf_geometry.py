@@ -40,52 +40,52 @@ def _flags(dims: dict[str, int]) -> list[str]:
     return [x for d, n in dims.items() for x in ("--dim", f"{d}={n}")]
 
 
-def _llama3_32(tmp_path: Path) -> Path:
-    """llama.par as a LLaMA-3-8B: its rope and eps, 32 blocks, the pipelines 16 + 16."""
-    text = (ROOT / "examples/llama.par").read_text().replace(
-        "rope = 10000.0", "rope = 500000.0, rope_factor = 8.0, rope_low_freq = 1.0, "
-        "rope_high_freq = 4.0, rope_original_max = 8192").replace(
-        "rmsnorm(x)", "rmsnorm(x, eps = 1e-05)").replace(
-        "repeat 2 as layer", "repeat 32 as layer").replace(
-        "layer[0] -> pipe 0, layer[1] -> pipe 1", "layer[0..15] -> pipe 0, layer[16..31] -> pipe 1")
-    path = tmp_path / "llama3_8b.par"
+QWEN3_06B = {"vocab": 151936, "hidden": 1024, "heads": 16, "kv_heads": 8, "ffn": 3072}
+QWEN3_PARAMS = 596_049_920
+# llama.par as each model: (its attention's arguments, its rmsnorm, blocks, tied head)
+AS = {"llama3_8b": ("rope = 500000.0, rope_factor = 8.0, rope_low_freq = 1.0, rope_high_freq"
+                    " = 4.0, rope_original_max = 8192,", "rmsnorm(x, eps = 1e-05)", 32, False),
+      "qwen3_06b": ("rope = 1000000.0, qk_norm = 1e-06, head_dim = 128,", "rmsnorm(x)", 28,
+                    True)}
+
+
+def _as(name: str, tmp_path: Path) -> Path:
+    """examples/llama.par written as `name` (AS): the pipelines' stages half the blocks each."""
+    attention, norm, blocks, tied = AS[name]
+    half = blocks // 2
+    text = (ROOT / "examples/llama.par").read_text().replace("rope = 10000.0,", attention) \
+        .replace("rmsnorm(x)", norm).replace("repeat 2 as layer", f"repeat {blocks} as layer") \
+        .replace("layer[0] -> pipe 0, layer[1] -> pipe 1",
+                 f"layer[0..{half - 1}] -> pipe 0, layer[{half}..{blocks - 1}] -> pipe 1")
+    if tied:
+        text = text.replace("  output loss", "  tie linear0.weight = embedding0.table\n"
+                            "  output loss")
+    path = tmp_path / f"{name}.par"
     path.write_text(text)
     return path
 
 
-def test_llama3_8b_takes_every_layout_at_32_blocks(tmp_path):
-    path = _llama3_32(tmp_path)
+def test_llama3_8b_and_qwen3_06b_take_every_layout_at_full_depth(tmp_path):
+    llama, qwen = _as("llama3_8b", tmp_path), _as("qwen3_06b", tmp_path)
     names = list(dsl.load(ROOT / "examples/llama.par").parallels)
-    runs = cli(["check", str(path), *_flags(LLAMA3_8B)],
-               *[["explain", str(path), "--parallel", n, *_flags(LLAMA3_8B), "--json"]
+    runs = cli(["check", str(llama), *_flags(LLAMA3_8B)],
+               ["check", str(qwen), *_flags(QWEN3_06B)],
+               ["explain", str(qwen), "--parallel", "single", *_flags(QWEN3_06B), "--json"],
+               *[["explain", str(llama), "--parallel", n, *_flags(LLAMA3_8B), "--json"]
                  for n in names])
-    assert runs[0]["rc"] == 0 and "note:" not in runs[0]["text"], runs[0]["text"]
-    assert f"parallels: {', '.join(names)}" in runs[0]["text"]
+    for r in runs[:2]:
+        assert r["rc"] == 0 and "note:" not in r["text"], r["text"]
+        assert f"parallels: {', '.join(names)}" in r["text"]
     per_rank = {}
-    for name, r in zip(names, runs[1:], strict=True):
+    for name, r in zip(["qwen3", *names], runs[2:], strict=True):
         assert r["rc"] == 0, (name, r["text"])
         data, _ = json.JSONDecoder().raw_decode(r["text"][r["text"].index("{"):])
         per_rank[name] = data["param_bytes"]
+    assert per_rank["qwen3"] == 4 * QWEN3_PARAMS  # 16 heads x 128 beside hidden 1024
     assert per_rank["single"] == 4 * LLAMA3_PARAMS
     norms = (2 * 32 + 1) * 4096  # whole on every rank; every matrix split in two
     assert per_rank["tp2"] == 4 * ((LLAMA3_PARAMS - norms) // 2 + norms)
     assert per_rank["ptd8"] < per_rank["tp4"] < per_rank["tp2"]
-
-
-def test_qwen3_06b_head_dim_128_beside_hidden_1024_takes_every_layout(tmp_path):
-    text = (ROOT / "examples/llama.par").read_text().replace(
-        "rope = 10000.0,", "rope = 1000000.0, qk_norm = 1e-06, head_dim = 128,").replace(
-        "repeat 2 as layer", "repeat 28 as layer").replace(
-        "layer[0] -> pipe 0, layer[1] -> pipe 1", "layer[0..13] -> pipe 0, layer[14..27] -> pipe 1"
-    ).replace("  output loss", "  tie linear0.weight = embedding0.table\n  output loss")
-    path = tmp_path / "qwen3_06b.par"
-    path.write_text(text)
-    dims = _flags({"vocab": 151936, "hidden": 1024, "heads": 16, "kv_heads": 8, "ffn": 3072})
-    check, explain = cli(["check", str(path), *dims],
-                         ["explain", str(path), "--parallel", "single", *dims, "--json"])
-    assert check["rc"] == 0 and "note:" not in check["text"], check["text"]
-    data, _ = json.JSONDecoder().raw_decode(explain["text"][explain["text"].index("{"):])
-    assert data["param_bytes"] == 4 * 596_049_920
 
 
 def test_gpt2_124m_widths_load_into_tp2_with_transformers_loss(tmp_path):
