@@ -208,6 +208,19 @@ def test_dim_overrides():
     assert spec.parallels and not spec.diagnostics
 
 
+def test_an_int_argument_may_name_a_dim():
+    # examples/gpt2.par: cross_entropy(..., classes = classes), dim classes = vocab
+    def classes(**dims):
+        spec = load(EXAMPLES / "gpt2.par", dims=dims)
+        return next(op for op in spec.model().ops if op.kind == "cross_entropy").attr("classes")
+
+    assert classes() is None and classes(vocab=50257) is None  # all real: no padding
+    assert classes(vocab=50304, classes=50257) == 50257  # Megatron's padded vocab
+    text = (EXAMPLES / "gpt2.par").read_text().replace("classes = classes)", "classes = clas)")
+    errs = errors(text, filename="gpt2.par")
+    assert errs[0].message == "argument 'classes' must be a number or a dim"
+
+
 def test_include_and_cycles(tmp_path):
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "m.par").write_text(model_text("input x : f32[batch, hidden]\n"
