@@ -124,8 +124,9 @@ def mismatch_of_head_dim(have: int, cfg: HFConfig, model: ir.Model | None) -> HF
         f"attention head_dim is {have} here{' (hidden / heads)' if derived else ''}"
         f"{f' ({at.out})' if at else ''}, but {cfg.path} says {want} (field 'head_dim'): "
         "the weights were trained with the config's",
-        f"write head_dim = {want} in this attention (q, k, v: hidden -> heads x {want})",
-        at.loc if at else None)
+        f"write head_dim = {want} in this attention (q, k, v: hidden -> heads x {want})"
+        if derived else f"make this attention's head_dim {want} (head_dim = {want}, or "
+        f"--dim head_dim={want} where head_dim is a declared dim)", at.loc if at else None)
 
 
 def _attrs(op: ir.Op) -> str:
