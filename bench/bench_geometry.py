@@ -15,12 +15,14 @@ mismatch errors tell a user to write):
    (`repeat 12` / `repeat 32`; the pipeline layouts' two stages half the blocks each), then
    `soapstone check` of the file (every layout) and `soapstone explain` of each layout: a row
    per layout with its ranks and the busiest rank's params, activations and total bytes.
-2. Real weights at reduced depth (`--part load`; the example as written, 2 blocks, at the real
-   widths): a save_pretrained-like directory, then for every layout a run from it:
-   - GPT-2: transformers' random-init GPT2LMHeadModel (2 layers), saved with save_pretrained;
+2. Real weights (`--part load`): a save_pretrained-like directory, then for every layout a
+   run from it:
+   - GPT-2 124M whole (--gpt2-blocks, default 12): transformers' random-init GPT2LMHeadModel,
+     saved with save_pretrained;
      `run --init hf:DIR --steps 1 --optimizer sgd` in each layout: its first loss equals
      transformers' (rel 1e-5);
-   - LLaMA-3-8B widths (2 layers: 1.49e9 parameters, 6 GB in fp32): the directory written
+   - LLaMA-3-8B widths at 2 layers (the example's own count: 1.49e9 parameters, 6 GB in
+     fp32; the full 32 do not fit a 24 GiB machine): the directory written
      tensor by tensor (a streaming safetensors writer, normal(0, 0.02) weights and norms
      around 1: no full model in memory; the mapping is hf_tensors' own, checked against
      transformers on small configs in tests/dsl/test_hf*.py); `generate --init hf:DIR
@@ -189,8 +191,8 @@ def llama3_dir(directory: Path) -> Path:
     return directory
 
 
-def gpt2_dir(directory: Path) -> Path:
-    """transformers' random-init GPT-2 124M widths, 2 layers, saved once."""
+def gpt2_dir(directory: Path, layers: int) -> Path:
+    """transformers' random-init GPT-2 124M widths, `layers` layers, saved once."""
     if (directory / "model.safetensors").exists():
         return directory
     import torch
@@ -198,7 +200,7 @@ def gpt2_dir(directory: Path) -> Path:
 
     torch.manual_seed(0)
     conf = transformers.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_head=12,
-                                   n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                   n_layer=layers, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     transformers.GPT2LMHeadModel(conf).save_pretrained(directory)
     return directory
 
@@ -207,8 +209,8 @@ def _first_loss(metrics: Path) -> float:
     return json.loads(metrics.read_text().splitlines()[0])["loss"]
 
 
-def gpt2_load(work: Path) -> None:
-    """Every layout's first loss from the HF weights against transformers'."""
+def gpt2_load(work: Path, blocks: int) -> None:
+    """Every layout's first loss from the HF weights (`blocks` layers) against transformers'."""
     import torch
     import torch.nn.functional as F
     import transformers
@@ -217,9 +219,9 @@ def gpt2_load(work: Path) -> None:
     from soapstone.dsl.compile.lower import lower
     from soapstone.shard.data.source import make_task
 
-    d = gpt2_dir(work / "gpt2-124m-2l")
-    path = work / "gpt2-2.par"
-    path.write_text(spec_text("gpt2"))
+    d = gpt2_dir(work / f"gpt2-124m-{blocks}l", blocks)
+    path = work / f"gpt2-{blocks}.par"
+    path.write_text(spec_text("gpt2", blocks))
     model = dsl.load(path, dims=GPT2_DIMS).model("gpt2")
     batch = make_task(lower(model, None), 0).batch(0)
     ref = transformers.GPT2LMHeadModel.from_pretrained(d).eval()
@@ -227,7 +229,7 @@ def gpt2_load(work: Path) -> None:
         logits = ref(input_ids=batch["tokens"]).logits
     want = float(F.cross_entropy(logits.reshape(-1, 50257), batch["targets"].reshape(-1)))
     del ref
-    print(f"gpt2 124M widths, 2 blocks: transformers' loss {want:.6f}")
+    print(f"gpt2 124M widths, {blocks} blocks: transformers' loss {want:.6f}")
     print("| layout | ranks | first loss | rel. diff | s |")
     print("|---|---|---|---|---|")
     for name, n in layouts(path, GPT2_DIMS).items():
@@ -303,6 +305,8 @@ def main() -> None:
     ap.add_argument("--part", choices=("plan", "load", "both"), default="both")
     ap.add_argument("--model", choices=("gpt2", "llama", "both"), default="both")
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "soapstone-geometry"))
+    ap.add_argument("--gpt2-blocks", type=int, default=12,
+                    help="GPT-2's layers in the load part (default 12: GPT-2 124M whole)")
     ap.add_argument("--budget-gb", type=float, default=12.0,
                     help="the most weight bytes, summed over a layout's ranks, a LLaMA load "
                          "may hold (this machine's free memory, less a margin)")
@@ -315,7 +319,10 @@ def main() -> None:
         if args.part in ("plan", "both"):
             plan_part(kind, work)
         if args.part in ("load", "both"):
-            gpt2_load(work) if kind == "gpt2" else llama_load(work, args.budget_gb)
+            if kind == "gpt2":
+                gpt2_load(work, args.gpt2_blocks)
+            else:
+                llama_load(work, args.budget_gb)
 
 
 if __name__ == "__main__":
