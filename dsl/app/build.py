@@ -110,11 +110,22 @@ def load_layout(args: argparse.Namespace):
     load_plugins(args.plugin)
     spec = load(args.spec, dims=dims, filename=args.spec)
     par = spec.parallel(args.parallel) if args.parallel else None
+    report_refusals(spec, args.parallel)
     model = spec.model(args.model if args.model else (par.model if par else None))
     if par is not None and par.model != model.name:
         raise BadInput(f"parallel block '{par.name}' is for model '{par.model}', "
                        f"not '{model.name}'")
     return model, par
+
+
+def report_refusals(spec, named: str | None) -> None:
+    """Without --parallel, one line on stderr per layout the --dim sizes left out (with a
+    --parallel, only that layout matters: a refused one has raised its reasons)."""
+    import sys
+
+    if not named:
+        for line in spec.refusals():
+            print(line, file=sys.stderr)
 
 
 def build_program(args: argparse.Namespace, world_size: int | None):

@@ -8,9 +8,10 @@ import argparse
 import sys
 
 from soapstone.comm.errors import UserError
-from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.app.build import load_plugins, parse_dims, report_refusals
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import add_spec_options
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,10 @@ def main(args: argparse.Namespace) -> int:
         try:
             chosen = [spec.parallel(args.parallel)] if args.parallel else \
                 list(spec.parallels.values())
+            report_refusals(spec, args.parallel)
+            if spec.refused and not spec.parallels:
+                raise BadInput(f"{path}: no layout can take these --dim sizes "
+                               f"({', '.join(spec.refused)}: each reason above)")
             print(f"ok: {path} (models: {models}, parallels: {pars})")
             offloaded = [p.name for p in chosen if p.offload]
             if offloaded:

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from soapstone.comm.errors import UserError
-from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.app.build import load_plugins, parse_dims, report_refusals
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import add_spec_options
 
@@ -31,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
         load_plugins(args.plugin)
         spec = load(args.spec, dims=dims, filename=args.spec)
         out = render(spec, args.model, args.parallel, args.json)
+        report_refusals(spec, args.parallel)
     except UserError as e:
         return fail(e)
     sys.stdout.write(out)

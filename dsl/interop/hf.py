@@ -27,6 +27,7 @@ from soapstone.dsl.interop.hf_config import HFConfig, HFError, config_json, conf
 from soapstone.dsl.interop.hf_fields import (
     HFMismatch,
     field_of_param,
+    mismatch_of_head_dim,
     mismatch_of_op,
     place_of_param,
 )
@@ -82,6 +83,8 @@ def spec_text(cfg: HFConfig, name: str | None = None, batch: int = 8, seq: int =
     window = f", window = {cfg.window}" if cfg.window is not None else ""
     if cfg.qk_norm:
         window += f", qk_norm = {_num(cfg.eps)}"
+    if d["head_dim"] * d["heads"] != d["hidden"]:  # heads x head_dim wider or narrower
+        window += f", head_dim = {d['head_dim']}"
     scaled = ""
     if cfg.rope_scaling is not None:
         factor, low, high, original = cfg.rope_scaling
@@ -133,7 +136,7 @@ def check_model(model: ir.Model, cfg: HFConfig, spec: str = "the spec") -> None:
     place in the spec naming the config field and both values."""
     from soapstone.dsl.compile.lower import resolve_ties
 
-    _check_dims(dict(model.dims), cfg, spec, model.name, len(model.blocks))
+    _check_dims(dict(model.dims), cfg, spec, model.name, len(model.blocks), model)
     ref = resolve_ties(reference_model(cfg, model))
     _check_params({p.name: p.type.dims for p in resolve_ties(model).params}, ref, cfg, spec,
                   model)
@@ -152,7 +155,7 @@ def check_ops(model: ir.Model, ref: ir.Model, cfg: HFConfig, spec: str) -> None:
 
 
 def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
-                blocks: int) -> None:
+                blocks: int, model: ir.Model | None = None) -> None:
     if blocks != cfg.size("layers"):
         raise HFError(f"{spec}: model {name} repeats {blocks} blocks, but {cfg.path} has "
                       f"{cfg.size('layers')} layers", f"write repeat {cfg.size('layers')} "
@@ -163,6 +166,8 @@ def _check_dims(have: dict[str, int], cfg: HFConfig, spec: str, name: str,
                       f"{cfg.path} sets; write the model as "
                       "`soapstone.dsl.interop.hf.spec_text` does (examples/"
                       f"{'mixtral' if cfg.moe else cfg.kind}.par)")
+    if "head_dim" in dict(cfg.dims) and have["head_dim"] != cfg.size("head_dim"):
+        raise mismatch_of_head_dim(have["head_dim"], cfg, model)
     # a larger vocab is the config's padded (cross_entropy's classes then say the real one)
     wrong = [(d, n) for d, n in cfg.dims if d != "layers" and have[d] != n
              and not (d == "vocab" and have[d] > n)]
@@ -213,7 +218,7 @@ def check_graph(directory: str | Path, graph, model: ir.Model | None = None) -> 
     prog = graph.stages[0].program
     spec = f"--init hf:{directory}"
     _check_dims(dict(prog.dims), cfg, spec, graph.model,
-                sum(len(s.blocks) for s in graph.stages))
+                sum(len(s.blocks) for s in graph.stages), model)
     sizes = dict(prog.dims)
     like = ir.Model(graph.model, tuple({**sizes, "batch": graph.batch or 8}.items()), (), (),
                     (), (), ())

@@ -45,7 +45,8 @@ class HFConfig:
     soapstone's names and the layer options."""
 
     kind: str
-    dims: tuple[tuple[str, int], ...]  # vocab, hidden, heads, [kv_heads], ffn, [max_seq], layers
+    # vocab, hidden, heads, [kv_heads, head_dim], ffn, [max_seq], layers
+    dims: tuple[tuple[str, int], ...]
     eps: float
     activation: str = "gelu_tanh"  # gpt2's mlp activation choice
     rope_theta: float = 10000.0
@@ -184,16 +185,19 @@ def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
     hidden = _field(conf, "hidden_size", path)
     heads = _field(conf, "num_attention_heads", path)
     kv = _field(conf, "num_key_value_heads", path, heads)
-    if hidden % heads:
+    head_dim = conf.get("head_dim")
+    if head_dim is None and hidden % heads:
         raise HFError(f"{path}: hidden_size = {hidden} does not divide over "
-                      f"num_attention_heads = {heads}")
-    _must(conf, "head_dim", lambda v: v is None or v == hidden // heads, path,
-          f"soapstone's head_dim is hidden_size / num_attention_heads = {hidden // heads}")
+                      f"num_attention_heads = {heads}, and no head_dim says each head's width")
+    head_dim = hidden // heads if head_dim is None else _field(conf, "head_dim", path)
+    if head_dim < 1:
+        raise HFError(f"{path}: field 'head_dim' = {head_dim} must be a positive width")
     if heads % kv:
         raise HFError(f"{path}: num_key_value_heads = {kv} does not divide "
                       f"num_attention_heads = {heads}")
     dims = (("vocab", _field(conf, "vocab_size", path)), ("hidden", hidden), ("heads", heads),
-            ("kv_heads", kv), ("ffn", _field(conf, "intermediate_size", path)),
+            ("kv_heads", kv), ("head_dim", head_dim),
+            ("ffn", _field(conf, "intermediate_size", path)),
             ("layers", _field(conf, "num_hidden_layers", path)))
     fixed = LLAMA_FAMILY[family][1]
     qkv = bool(conf.get("attention_bias")) if fixed is None else fixed
@@ -306,7 +310,8 @@ def config_of(model: ir.Model) -> HFConfig:
                 float(rope.attr("factor")), float(rope.attr("low_freq")),
                 float(rope.attr("high_freq")), int(rope.attr("original_max")))
             names = {p.name.split(".")[-1] for p in model.params}
-            dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads", "ffn"))
+            dims = tuple((d, sizes[d]) for d in ("vocab", "hidden", "heads", "kv_heads",
+                                                 "head_dim", "ffn"))
             mask = next((op for op in model.ops if op.kind == "causal_mask"), None)
             window = mask.attr("window") if mask is not None else None
             qkv, o, mlp = "bq" in names, "bo" in names, "bias" in names
@@ -409,7 +414,7 @@ def config_json(cfg: HFConfig) -> dict:
         "architectures": [LLAMA_FAMILY[family][0]], "model_type": family,
         "vocab_size": d["vocab"], "hidden_size": d["hidden"],
         "num_attention_heads": d["heads"], "num_key_value_heads": d["kv_heads"],
-        "head_dim": d["hidden"] // d["heads"], "intermediate_size": d["ffn"],
+        "head_dim": d["head_dim"], "intermediate_size": d["ffn"],
         "num_hidden_layers": d["layers"], "hidden_act": "silu", "rms_norm_eps": cfg.eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": None,
         "tie_word_embeddings": cfg.tied, "attention_dropout": 0.0, "dtype": "float32",

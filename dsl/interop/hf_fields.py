@@ -125,6 +125,21 @@ def mismatch_of_op(a: ir.Op, b: ir.Op, cfg: HFConfig, spec: str, model: str) -> 
                       f"expected ({b.out})", None, a.loc)
 
 
+def mismatch_of_head_dim(have: int, cfg: HFConfig, model: ir.Model | None) -> HFMismatch:
+    """The error for a head width other than the config's, at the spec's first attention."""
+    want = cfg.size("head_dim")
+    derived = have * cfg.size("heads") == cfg.size("hidden")
+    at = next((op for op in (model.ops if model is not None else ())
+               if op.layer == "attention" and op.loc is not None), None)
+    return HFMismatch(
+        f"attention head_dim is {have} here{' (hidden / heads)' if derived else ''}"
+        f"{f' ({at.out})' if at else ''}, but {cfg.path} says {want} (field 'head_dim'): "
+        "the weights were trained with the config's",
+        f"write head_dim = {want} in this attention (q, k, v: hidden -> heads x {want})"
+        if derived else f"make this attention's head_dim {want} (head_dim = {want}, or "
+        f"--dim head_dim={want} where head_dim is a declared dim)", at.loc if at else None)
+
+
 def _attrs(op: ir.Op) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in op.attrs) + ")"
 

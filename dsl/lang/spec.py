@@ -25,6 +25,9 @@ class Spec:
     models: dict[str, Model]
     parallels: dict[str, Parallel]
     diagnostics: list[Diagnostic] = attrs.field(factory=list)
+    # layouts that are sound at the file's own dims but cannot take the --dim overrides:
+    # left out of `parallels`, kept with their reasons (what `parallel(name)` raises)
+    refused: dict[str, list[Diagnostic]] = attrs.field(factory=dict)
 
     def check(self) -> Spec:
         """Raise SpecError if anything in the spec is invalid; return self otherwise."""
@@ -48,13 +51,27 @@ class Spec:
         return self.models[name]
 
     def parallel(self, name: str) -> Parallel:
-        """The parallel block `name`."""
+        """The parallel block `name` (a refused one: SpecError with its reasons)."""
+        if name in self.refused:
+            raise SpecError(self.refused[name])
         if name not in self.parallels:
             raise SpecError([Diagnostic(self.file, 0, 0, f"no parallel block named '{name}'",
                                         did_you_mean(name, self.parallels) or
                                         f"parallel blocks: {', '.join(self.parallels) or '(none)'}"
                                         )])
         return self.parallels[name]
+
+
+    def refusals(self) -> list[str]:
+        """One line per refused layout: its name and the first reason, at its place."""
+        lines = []
+        for name, diags in self.refused.items():
+            d = diags[0]
+            where = f"{d.file}:{d.line}:{d.col}: " if d.line > 0 else ""
+            more = f" (and {len(diags) - 1} more)" if len(diags) > 1 else ""
+            lines.append(f"note: layout {name} cannot take these --dim sizes, left out: "
+                         f"{where}{d.message}{more}")
+        return lines
 
 
 def _is_path(src) -> bool:
@@ -71,7 +88,10 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
     `dims` overrides dim sizes by name (an unknown name is an error). `layers` are the layers
     it may call (the default registry, which `@layer` and `--plugin` fill, when None). With
     check=False the diagnostics are kept in `spec.diagnostics` (and `spec.check()` raises
-    them) instead of raising at once; models and parallel blocks with errors are left out."""
+    them) instead of raising at once; models and parallel blocks with errors are left out.
+    A parallel block that checks at the file's dims but not with `dims` is no error: it is
+    left out into `spec.refused` with its reasons (`spec.refusals()`, one line each), so the
+    file's other layouts go on; `spec.parallel(name)` of it raises them."""
     layers = DEFAULT if layers is None else layers
     sources = Sources()
     diags: list[Diagnostic] = []
@@ -94,6 +114,7 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
     mdefs: dict[str, ast.ModelDef] = {}
     pdefs: dict[str, ast.ParallelDef] = {}
     failed: set[str] = set()
+    refused: dict[str, list[Diagnostic]] = {}
     overrides: dict[str, int] = {}
     for name, value in (dims or {}).items():  # bad values are reported once, up front,
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:  # and dropped
@@ -143,13 +164,24 @@ def load(src: str | os.PathLike, dims: dict[str, int] | None = None, *,
                                               did_you_mean(item.model, mdefs)))
                     continue
                 par, ds = check_parallel(item, models[item.model], sources)
+                if ds and overrides and _sound_at_file_dims(item, mdefs[item.model], sources,
+                                                            layers):
+                    refused[item.name] = ds  # the overrides' fault: the other layouts go on
+                    continue
                 diags += ds
                 if par is not None:
                     parallels[item.name] = par
-    spec = Spec(file, models, parallels, diags)
+    spec = Spec(file, models, parallels, diags, refused)
     if check:
         spec.check()
     return spec
+
+
+def _sound_at_file_dims(pdef: ast.ParallelDef, mdef: ast.ModelDef, sources,
+                        layers: LayerRegistry) -> bool:
+    """Whether the layout checks without the --dim overrides (the file's own dims)."""
+    model, ds = check_model(mdef, sources, {}, set(), layers)
+    return model is not None and not ds and not check_parallel(pdef, model, sources)[1]
 
 
 def _read(text, file, base: Path, sources, diags, files, stack, seen) -> None:

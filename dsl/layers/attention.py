@@ -14,9 +14,10 @@ from soapstone.shard.plan.sizes import divisors
          Arg("qkv_bias", "bool", False), Arg("window", "int", None),
          Arg("rope_factor", "float", 1.0), Arg("rope_low_freq", "float", 1.0),
          Arg("rope_high_freq", "float", 4.0), Arg("rope_original_max", "int", 8192),
-         Arg("qk_norm", "float", 0.0), Arg("dropout", "float", 0.0))
+         Arg("qk_norm", "float", 0.0), Arg("dropout", "float", 0.0),
+         Arg("head_dim", "dim", None))
 def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, rope_factor,
-               rope_low_freq, rope_high_freq, rope_original_max, qk_norm, dropout):
+               rope_low_freq, rope_high_freq, rope_original_max, qk_norm, dropout, head_dim):
     """Multi-head self-attention over x[..., S, h]: q, k, v projections (einsum with wq, wk,
     wv[h, heads, head_dim]), scores[..., heads, S, S_k] scaled by 1/sqrt(head_dim), an optional
     causal_mask, softmax over S_k, o = probs x v, then the output projection wo and bias bo.
@@ -29,8 +30,10 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     positions (query - key < N), an attr of the causal mask; qk_norm = EPS (Qwen3's)
     RMS-normalises each head's q and k over head_dim (params q_norm, k_norm[head_dim]) before
     rope; dropout = P drops attention probabilities (GPT-2's and Megatron's attention dropout:
-    the scores are then computed and kept unfused, as Korthikanti et al. count them). The
-    primitives it emits: their records in shard/ops/."""
+    the scores are then computed and kept unfused, as Korthikanti et al. count them); head_dim
+    = D (a dim, or a size: Qwen3's 128 beside hidden 1024 and 16 heads) sets each head's width,
+    so q, k, v project hidden -> heads x D and wo heads x D -> hidden (without it, D = hidden /
+    heads). The primitives it emits: their records in shard/ops/."""
     need_float(ctx, x, "attention's input")
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
@@ -47,13 +50,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     H = heads
     if H in x.dims:
         ctx.error(f"attention heads dim {H} is already a dim of the input {dims_text(x.dims)}")
-    hs, Hs = ctx.size(h), ctx.size(H)
-    if hs % Hs:
-        ok = divisors(hs)
-        near = min(ok, key=lambda n: (abs(n - Hs), -n))
-        ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
-                  f"use {H} = {near} (head_dim = {hs // near})")
-    hd = ctx.derive("head_dim", hs // Hs, why=f"{h} / {H}")
+    hd = head_dim_of(ctx, x, H, head_dim)
     Sk = ctx.derive(f"{S}_k", ctx.size(S), alias_of=S, why=f"the key positions of {S}")
     if hd in x.dims or Sk in x.dims:
         ctx.error(f"attention's derived dims {hd}, {Sk} clash with the input {dims_text(x.dims)}")
@@ -111,6 +108,23 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     y = ctx.op("einsum", (o, wo), lead + (S, h), dt, name="y")
     bo = ctx.param("bo", (h,), "zeros")
     return ctx.op("add", (y, bo), lead + (S, h), dt)
+
+
+def head_dim_of(ctx, x: Operand, H: str, head_dim: str | None) -> str:
+    """Each head's width: the dim given, or one derived as hidden / heads (which must divide)."""
+    h = x.dims[-1]
+    if head_dim is not None:
+        if head_dim in x.dims or head_dim == H:
+            ctx.error(f"attention head_dim {head_dim} is already a dim of the input "
+                      f"{dims_text(x.dims)} or the heads", "give each head's width its own dim")
+        return head_dim
+    hs, Hs = ctx.size(h), ctx.size(H)
+    if hs % Hs:
+        ok = divisors(hs)
+        near = min(ok, key=lambda n: (abs(n - Hs), -n))
+        ctx.error(f"{h} = {hs} does not divide evenly over {H} = {Hs}",
+                  f"use {H} = {near} (head_dim = {hs // near}), or give head_dim = N")
+    return ctx.derive("head_dim", hs // Hs, why=f"{h} / {H}")
 
 
 def kv_heads_dim(ctx, x: Operand, H: str, kv: str | None) -> str:

@@ -336,7 +336,10 @@ class ModelBuilder:
             if isinstance(inner, ast.Num) and (kind == "float" or isinstance(inner.value, int)):
                 v = -inner.value if neg else inner.value
                 return float(v) if kind == "float" else v
-            self.fail(getattr(e, "loc", None), f"argument '{name}' must be a number")
+            if kind == "int" and isinstance(e, ast.Name) and e.id in self.dims:
+                return self.dims[e.id]  # a dim's size (--dim scales it): classes = vocab
+            self.fail(getattr(e, "loc", None), f"argument '{name}' must be a number"
+                      + (" or a dim" if kind == "int" else ""))
         if kind == "choice":
             if isinstance(e, ast.Name) and e.id in choices:
                 return e.id

@@ -6,6 +6,7 @@ GPT-2 and LLaMA (tests/support/hf_models.py) in a directory of its own and impor
   from the Hugging Face weights, trains 3 SGD steps with the losses and final parameters of
   the single-rank run started from them (golden tolerances: rtol 1e-5; parameters against
   their own scale, plus one fp32 rounding of an update per step);
+- the same for a LLaMA and a Qwen3 with head_dim 16 beside hidden 32 and 4 heads;
 - tensor parallel over 2 ranks trains 4 AdamW steps with the losses transformers' own model
   and torch.optim.AdamW reach on the same batches.
 """
@@ -33,11 +34,25 @@ W = init("mpi")
 KINDS = ("gpt2", "llama")
 DIRS = {k: hf_models.save(k, Path(tempfile.mkdtemp(prefix=f"hf-{k}-"))) for k in KINDS}
 SGD_LR, STEPS = 0.1, 3
+# heads x head_dim = 4 x 16 beside hidden 32 (real Qwen3 sizes are so): examples/llama.par's
+# attention given head_dim = 16 (and Qwen3's q/k norms)
+WIDE = {"llama": ", head_dim = 16", "qwen3": ", qk_norm = 1e-06, head_dim = 16"}
 
 
-def _train(kind: str, layout: str | None, optimizer: str, lr: float, steps: int):
-    """(losses, full final params) of `layout` (None: one rank, no mesh) from the HF weights."""
-    spec = dsl.load(ROOT / f"examples/{kind}.par")
+def _wide(family: str) -> tuple[str, Path]:
+    """(llama.par's text with the family's attention arguments, its HF directory)."""
+    text = (ROOT / "examples/llama.par").read_text().replace("bias = false)",
+                                                             f"bias = false{WIDE[family]})", 1)
+    d = hf_models.save(family, Path(tempfile.mkdtemp(prefix=f"hf-{family}-")), head_dim=16)
+    return text, d
+
+
+def _train(kind: str, layout: str | None, optimizer: str, lr: float, steps: int,
+           spec_dir: tuple[str, Path] | None = None):
+    """(losses, full final params) of `layout` (None: one rank, no mesh) from the HF weights
+    (of examples/KIND.par, or of `spec_dir`'s spec text and directory)."""
+    text, directory = spec_dir or (ROOT / f"examples/{kind}.par", DIRS.get(kind))
+    spec = dsl.load(text, filename=f"{kind}.par")
     par = spec.parallel(layout) if layout else None
     model = spec.model(kind)
     graph = lower_graph(model, par)
@@ -46,7 +61,7 @@ def _train(kind: str, layout: str | None, optimizer: str, lr: float, steps: int)
     # draw=False: the weights start empty, so any byte the load misses shows in the losses
     t = Trainer(graph, mesh, task=task, optimizer=optimizer, lr=lr, check_memory=False,
                 draw=False)
-    hf.load_init(t.executor, str(DIRS[kind]))
+    hf.load_init(t.executor, str(directory))
     losses = [t.step(i).loss for i in range(steps)]
     return losses, t.executor.full_state_dict(), task
 
@@ -56,12 +71,12 @@ def _layouts(kind: str) -> list[str]:
     return [p.name for p in spec.parallels.values() if p.world_size == W.size]
 
 
-def _layouts_match_single() -> None:
+def _layouts_match_single(kinds=KINDS, spec_dir=None) -> None:
     ran = 0
-    for kind in KINDS:
-        want_loss, want, _ = _train(kind, None, "sgd", SGD_LR, STEPS)
+    for kind in kinds:
+        want_loss, want, _ = _train(kind, None, "sgd", SGD_LR, STEPS, spec_dir)
         for layout in _layouts(kind):
-            loss, got, _ = _train(kind, layout, "sgd", SGD_LR, STEPS)
+            loss, got, _ = _train(kind, layout, "sgd", SGD_LR, STEPS, spec_dir)
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5,
                                        err_msg=f"{kind}/{layout} losses")
             atol = STEPS * SGD_LR * float(np.finfo(np.float32).eps)
@@ -79,6 +94,15 @@ def case_hf_layouts_match_single_rank():
     """Every 2-rank layout (dp2 ZeRO-3/ZeRO-2, tp2, sp2, cp2, pp2) from the HF weights. The
     4- and 8-rank layouts reproduce the single-rank records of tests/golden/runs instead."""
     _layouts_match_single()
+
+
+@ranks(2)
+def case_head_dim_layouts_match_single_rank():
+    """A LLaMA and a Qwen3 whose heads x head_dim (4 x 16) is not hidden (32): every 2-rank
+    layout of llama.par (tp2 and sp2 split heads, each rank's q, k, v 32 -> 2 x 16) from the
+    HF weights trains like one rank."""
+    for family in WIDE:
+        _layouts_match_single(("llama",), _wide(family))
 
 
 @ranks(2)

@@ -201,9 +201,24 @@ def test_dim_overrides():
     errs = errors(str(EXAMPLES / "gpt.par"), dims={"sequ": 32})
     assert "no model declares a dim 'sequ'" in errs[0].message
     assert errs[0].hint == "did you mean 'seq'?"
-    # an override can make a parallel block invalid
-    errs = errors(str(EXAMPLES / "gpt.par"), dims={"ffn": 65})
-    assert any("ffn = 65 does not divide over model = 2" in e.message for e in errs)
+    # an override can leave a parallel block out (its reasons kept; the others go on)
+    spec = load(EXAMPLES / "gpt.par", dims={"ffn": 65})
+    refused = [d.message for ds in spec.refused.values() for d in ds]
+    assert any("ffn = 65 does not divide over model = 2" in m for m in refused)
+    assert spec.parallels and not spec.diagnostics
+
+
+def test_an_int_argument_may_name_a_dim():
+    # examples/gpt2.par: cross_entropy(..., classes = classes), dim classes = vocab
+    def classes(**dims):
+        spec = load(EXAMPLES / "gpt2.par", dims=dims)
+        return next(op for op in spec.model().ops if op.kind == "cross_entropy").attr("classes")
+
+    assert classes() is None and classes(vocab=50257) is None  # all real: no padding
+    assert classes(vocab=50304, classes=50257) == 50257  # Megatron's padded vocab
+    text = (EXAMPLES / "gpt2.par").read_text().replace("classes = classes)", "classes = clas)")
+    errs = errors(text, filename="gpt2.par")
+    assert errs[0].message == "argument 'classes' must be a number or a dim"
 
 
 def test_include_and_cycles(tmp_path):
@@ -500,7 +515,7 @@ def test_a_rejected_mapping_does_not_cascade():
     # batch = 1 cannot split over data = 2: one error per layout that maps it, and no
     # follow-on "axis used by no statement", "zero without sample" or microbatch errors
     spec = load(EXAMPLES / "gpt.par", dims={"batch": 1}, check=False)
-    messages = [d.message for d in spec.diagnostics]
+    messages = [d.message for ds in spec.refused.values() for d in ds]  # left out, each
     assert messages == ["batch = 1 does not divide over data = 2"] * 3, messages
 
 

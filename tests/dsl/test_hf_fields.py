@@ -13,6 +13,9 @@
 - The families computed by examples/llama.par's model and its arguments: Mistral (a sliding
   window), Qwen2 (q/k/v biases alone, tied head), Qwen3 (qk_norm) match transformers on tiny
   random configs and export back as the same family; a window only some layers have is refused.
+- head_dim other than hidden / heads (Qwen3's real sizes; a LLaMA too): attention's `head_dim`
+  argument, imported, matching transformers and exported; a spec without it is exit 2 at the
+  attention naming the field.
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ MISMATCHES = [
                                 "write qk_norm = 1e-06"]),
     ("mistral", {"sliding_window": 4}, ["causal_mask window is absent here", "4",
                                         "'sliding_window'", "write window = 4"]),
+    ("llama", {"head_dim": 16}, ["attention head_dim is 8 here (hidden / heads)", "16",
+                                 "'head_dim'", "write head_dim = 16 in this attention"]),
 ]
 
 
@@ -157,6 +162,11 @@ FAMILIES = [
                "max_window_layers": 0}, "qkv_bias = true"),
     # Qwen3: q and k RMS-normed per head before rope (its head_dim set to hidden / heads)
     ("qwen3", {"head_dim": 8, "rms_norm_eps": 1e-5}, "qk_norm = 1e-05"),
+    # real Qwen3 sizes have heads x head_dim != hidden (0.6B: 16 x 128 beside 1024): q, k, v
+    # project 32 -> 4 x 16, o_proj 64 -> 32; rope and the q/k norms span 16
+    ("qwen3", {"head_dim": 16}, "qk_norm = 1e-06, head_dim = 16"),
+    ("qwen3", {"head_dim": 4, "num_key_value_heads": 1}, "head_dim = 4"),  # narrower, MQA
+    ("llama", {"head_dim": 16}, "head_dim = 16"),
 ]
 
 
@@ -173,7 +183,8 @@ def test_families_match_transformers_and_export_back(tmp_path, family, config, s
     hf.save(tmp_path / "out", model, state)
     written = json.loads((tmp_path / "out/config.json").read_text())
     assert written["model_type"] == family
-    assert written["sliding_window"] == config.get("sliding_window")
+    assert written.get("sliding_window") == config.get("sliding_window")
+    assert written["head_dim"] == config.get("head_dim", 8)
     torch.testing.assert_close(_theirs(tmp_path / "out", tokens), ours, rtol=1e-5, atol=1e-5)
 
 
@@ -181,4 +192,16 @@ def test_qwen2_with_sliding_layers_and_full_layers_is_refused(tmp_path):
     d = hf_models.save("qwen2", tmp_path / "mixed", use_sliding_window=True, sliding_window=4,
                        max_window_layers=1)  # layer 0 full, layer 1 sliding
     with pytest.raises(hf_config.HFError, match="field 'layer_types'"):
+        hf_config.read_config(d)
+
+
+@pytest.mark.parametrize("value,says", [(0, "field 'head_dim' = 0 must be a positive width"),
+                                        ("wide", "field 'head_dim' is 'wide'; soapstone needs "
+                                                 "an integer")])
+def test_a_head_dim_that_is_no_width_is_refused(tmp_path, value, says):
+    d = _dir(tmp_path, "qwen3", head_dim=8)
+    conf = json.loads((d / "config.json").read_text())
+    conf["head_dim"] = value
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(hf_config.HFError, match=says):
         hf_config.read_config(d)

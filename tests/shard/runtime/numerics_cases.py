@@ -33,7 +33,7 @@ SEED, STEPS, RTOL, LR = 7, 3, 1e-5, 1e-3
 dsl.custom.load_plugin(str(ROOT / "examples/custom_layer.py"))
 CUSTOM = {"swiglu": dsl.custom.get("swiglu").fn}
 SPECS = {name: dsl.load(ROOT / f"tests/specs/{name}_layouts.par") for name in
-         ("gpt", "mlp", "llama", "ops", "branch", "window")}
+         ("gpt", "mlp", "llama", "ops", "branch", "window", "head_dim")}
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -149,6 +149,22 @@ def case_window_sp2():
 @ranks(2)
 def case_window_cp2():
     golden("window", "cp2")
+
+
+# heads x head_dim (4 x 16) wider than hidden (32): the heads split, each head whole
+@ranks(2)
+def case_head_dim_tp2():
+    golden("head_dim", "tp2")
+
+
+@ranks(2)
+def case_head_dim_sp2():
+    golden("head_dim", "sp2")
+
+
+@ranks(2)
+def case_head_dim_cp2():
+    golden("head_dim", "cp2")
 
 
 @ranks(2)

@@ -50,6 +50,9 @@ OPS_LAYOUTS = {2: ("hid2", "cls2"), 4: ("dp2hid2",)}
 # gradient accumulation: a one-stage graph's microbatches (ZeRO 2 scatters each one)
 ACC_SPEC = ROOT / "tests/specs/accumulate_layouts.par"
 ACC_LAYOUTS = {2: ("dp2acc2", "tp2acc2")}
+# attention's head_dim other than hidden / heads: activations and collectives of heads x 16
+HEAD_DIM_SPEC = "tests/specs/head_dim_layouts.par"
+HEAD_DIM_LAYOUTS = {2: ("tp2", "sp2", "cp2")}
 
 
 def _explain_all(optimizer: str) -> None:
@@ -71,6 +74,8 @@ def _explain_all(optimizer: str) -> None:
         measure(OPS_SPEC, layout, optimizer)
     for layout in ACC_LAYOUTS.get(W.size, ()):
         measure_pipeline(ACC_SPEC, layout, optimizer)
+    for layout in HEAD_DIM_LAYOUTS.get(W.size, ()):
+        measure(HEAD_DIM_SPEC, layout, optimizer)
 
 
 @ranks(2, 4, 8)
