@@ -216,6 +216,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
+            if step.out in program.regathered:  # kept as its shard: gathered again
+                add("backward", forward_op(step), step.axis, forward_bytes(program, step))
         if not isinstance(step, Compute):
             continue
         rec = record_of(step.kind)
