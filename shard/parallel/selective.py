@@ -28,7 +28,7 @@ import torch
 
 from soapstone.shard.parallel.regather_plan import gather_step
 from soapstone.shard.parallel.selective_plan import rebuild_steps
-from soapstone.shard.plan.program import Program
+from soapstone.shard.plan.program import Compute, Program
 
 
 class Dropping:
@@ -153,4 +153,4 @@ class DropPlan:
 
 
 def _reads(step) -> tuple[str, ...]:
-    return getattr(step, "args", None) or (step.src,)
+    return step.args if isinstance(step, Compute) else (step.src,)
