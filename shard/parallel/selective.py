@@ -29,6 +29,7 @@ import torch
 from soapstone.shard.parallel.regather_plan import gather_step
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.program import Compute, Program
+from soapstone.shard.runtime.memory import storage_resized
 
 
 class Dropping:
@@ -91,7 +92,9 @@ class _Recipe:
                 or st.nbytes() != t.numel() * t.element_size():
             return
         self.inputs = {a: self.owner.held[a] for a in self.owner.plan.inputs[self.name]}
+        old = st.data_ptr()
         st.resize_(0)
+        storage_resized(st, old)
         self.freed = True
 
     def restore(self) -> None:
@@ -118,6 +121,7 @@ class _Recipe:
             ctx.rng_step, ctx.window, ctx.training = then
         st = self.tensor.untyped_storage()
         st.resize_(fresh.untyped_storage().nbytes())
+        storage_resized(st, 0)
         st.copy_(fresh.untyped_storage())
         self.inputs = {}  # autograd's saved references hold the storage from here
 
