@@ -20,6 +20,8 @@ the gather it runs again is the step's own, on the same communicator.
 
 from __future__ import annotations
 
+import attrs
+
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.analysis.activations import step_saves
@@ -65,3 +67,10 @@ def first_backward_reader(program: Program, name: str, runs_at: dict[int, int]) 
     runs, where the gather runs again."""
     return max(runs_at.get(i, i) for i, s in enumerate(program.steps)
                if isinstance(s, Compute) and name in s.args)
+
+
+def without_recompute(program: Program, selective: bool = False) -> Program:
+    """`program` as it runs without its `recompute` ranges (and, with `selective`, without its
+    selective drops): the gathered inputs the ranges covered are then regathered too."""
+    plain = attrs.evolve(program, recompute=(), dropped=() if selective else program.dropped)
+    return attrs.evolve(plain, regathered=regathered(plain))
