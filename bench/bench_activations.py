@@ -55,9 +55,6 @@ FORMULAS = {
     "tp_sp_full": ("2sbh/t (Table 2's 2sbh, its input split by sequence parallelism)",
                    lambda s, b, h, a, t: 2 * s * b * h / t),
 }
-# which of them keeps the first linears' sequence-gathered inputs whole in soapstone (below)
-GATHERED = {"tp_sp", "tp_sp_selective"}
-
 GEOMETRIES = [  # the paper's Table 3 (t = 8 throughout); microbatch b = 1
     {"name": "22B", "a": 64, "h": 6144, "L": 48, "s": 2048, "b": 1, "t": 8},
     {"name": "175B", "a": 96, "h": 12288, "L": 96, "s": 2048, "b": 1, "t": 8},
@@ -69,13 +66,6 @@ GEOMETRIES = [  # the paper's Table 3 (t = 8 throughout); microbatch b = 1
 def formula_bytes(technique: str, g: dict) -> float:
     """Table 2's bytes per layer for `technique` at geometry `g`."""
     return FORMULAS[technique][1](g["s"], g["b"], g["h"], g["a"], g["t"])
-
-
-def gathered_bytes(g: dict) -> float:
-    """What soapstone keeps beyond the paper under sequence parallelism: the two first
-    linears' (QKV's and the MLP's) inputs as gathered, 2sbh each, where Megatron keeps its
-    2sbh/t shard and gathers again in backward."""
-    return 2 * 2 * g["s"] * g["b"] * g["h"] * (g["t"] - 1) / g["t"]
 
 
 def explain_bytes(layout: str, g: dict) -> int:
@@ -103,23 +93,20 @@ def rows() -> list[dict]:
         for tech in FORMULAS:
             f = formula_bytes(tech, g)
             e = explain_bytes(tech, g)
-            like = f + (gathered_bytes(g) if tech in GATHERED else 0)
             out.append({"geometry": g["name"], "technique": tech,
                         "formula": FORMULAS[tech][0], "formula_bytes": round(f),
-                        "explain_bytes": e, "error": e / f - 1,
-                        "like_with_like_bytes": round(like), "like_error": e / like - 1})
+                        "explain_bytes": e, "error": e / f - 1})
     return out
 
 
 def table(rs: list[dict]) -> str:
     """The rows as a Markdown table (MiB per layer)."""
-    out = ["| model | technique | formula | formula MiB | explain MiB | error | "
-           "like with like |", "|---|---|---|---|---|---|---|"]
+    out = ["| model | technique | formula | formula MiB | explain MiB | error |",
+           "|---|---|---|---|---|---|"]
     for r in rs:
-        like = f"{r['like_error']:+.1%}" if r["technique"] in GATHERED else ""
         out.append(f"| {r['geometry']} | {r['technique']} | {r['formula']} | "
                    f"{r['formula_bytes'] / 2**20:.1f} | {r['explain_bytes'] / 2**20:.1f} | "
-                   f"{r['error']:+.1%} | {like} |")
+                   f"{r['error']:+.1%} |")
     return "\n".join(out) + "\n"
 
 

@@ -4,7 +4,9 @@ For each case (an example model with dims scaled up so that activations dominate
 or, under mpiexec, one layout), one training step of `soapstone run`'s path (Executor + AdamW)
 is measured on every rank after a first step has allocated gradients and optimizer state:
 - saved: the bytes autograd keeps for backward (every tensor a saved-tensors hook packs, each
-  storage once, parameters left out): explain's `activation_bytes`;
+  storage once, parameters left out): explain's `activation_bytes`. Storage that forward
+  empties after packing (selective recompute's dropped values, sequence parallelism's
+  gathered linear inputs) is counted at its packed size, so there "live" is the measure;
 - peak: the forward and backward's peak resident memory above what the rank held before
   (VmHWM reset through /proc/self/clear_refs; allocations over 64 KiB each get their own
   mmap, returned at free, so resident memory follows the live tensors): explain's

@@ -25,6 +25,7 @@ from soapstone.dsl.compile import rules
 from soapstone.dsl.lang.errors import Diagnostic, SpecError
 from soapstone.dsl.model import ir
 from soapstone.shard.ops.record import Partial, Role
+from soapstone.shard.parallel.regather_plan import regathered
 from soapstone.shard.parallel.selective_plan import selective_drops
 from soapstone.shard.plan.collectives import transition_cost
 from soapstone.shard.plan.dtypes import is_float
@@ -216,7 +217,8 @@ class _Lowering:
         )
         if self.par and self.par.recompute == ir.SELECTIVE:  # a rule over the compiled ops
             program = attrs.evolve(program, dropped=selective_drops(program))
-        return program
+        # sequence parallelism keeps the linears' input shards, not the gathered inputs
+        return attrs.evolve(program, regathered=regathered(program))
 
     def _recompute_ranges(self) -> tuple[tuple[int, int], ...]:
         """`recompute R`: each maximal run of steps lowered from one block of repeat R."""

@@ -28,6 +28,7 @@ import attrs
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
+from soapstone.shard.parallel.regather_plan import without_recompute
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
@@ -123,7 +124,7 @@ def _block_signature(model: ir.Model, i: int) -> tuple:
 
 def _plain(program):
     """`program` as it runs without its `recompute` statement."""
-    return attrs.evolve(program, recompute=())
+    return without_recompute(program)
 
 
 def _with_batch(program, batch: str, b: int):

@@ -11,18 +11,25 @@ into the same storage, so every saved reference sees it again; autograd frees it
 once the last of them is done. This is Megatron's output-discarding checkpoint, and it keeps
 the matmul outputs without running a matmul twice.
 
+Sequence parallelism's gathered linear inputs (Program.regathered) go the same way: their
+recipe is the all-gather step itself, run again on the kept shard before the first of the
+linears' backward (Megatron's approach: the shard kept, the gather repeated). Every rank runs
+the same backward graph, so the gathers meet in the same order on every rank.
+
 Rebuilding draws the same dropout masks: the model's Shards context is set back to the
-forward's settings (training step, microbatch window) around the second run. The steps make
-no collective (the rule refuses distributed forms) and read no ZeRO-3 parameter, so the plan's
-calls are unchanged.
+forward's settings (training step, microbatch window) around the second run. The selective
+steps make no collective (the rule refuses distributed forms) and read no ZeRO-3 parameter;
+the one collective run again is a regathered value's all-gather, which the plan counts.
 """
 
 from __future__ import annotations
 
 import torch
 
+from soapstone.shard.parallel.regather_plan import gather_step
 from soapstone.shard.parallel.selective_plan import rebuild_steps
-from soapstone.shard.plan.program import Program
+from soapstone.shard.plan.program import Compute, Program
+from soapstone.shard.runtime.memory import storage_resized
 
 
 class Dropping:
@@ -85,7 +92,9 @@ class _Recipe:
                 or st.nbytes() != t.numel() * t.element_size():
             return
         self.inputs = {a: self.owner.held[a] for a in self.owner.plan.inputs[self.name]}
+        old = st.data_ptr()
         st.resize_(0)
+        storage_resized(st, old)
         self.freed = True
 
     def restore(self) -> None:
@@ -112,6 +121,7 @@ class _Recipe:
             ctx.rng_step, ctx.window, ctx.training = then
         st = self.tensor.untyped_storage()
         st.resize_(fresh.untyped_storage().nbytes())
+        storage_resized(st, 0)
         st.copy_(fresh.untyped_storage())
         self.inputs = {}  # autograd's saved references hold the storage from here
 
@@ -122,10 +132,12 @@ class DropPlan:
 
     def __init__(self, program: Program, run_index: dict[int, int]):
         steps = program.steps
-        dropped = set(program.dropped)
+        dropped = set(program.dropped) | set(program.regathered)
         self.chains = {n: rebuild_steps(program, n) for n in program.dropped}
+        # sequence parallelism's gathered linear inputs: their gather runs again on the shard
+        self.chains.update({n: (gather_step(program, n),) for n in program.regathered})
         made = {n: {steps[i].out for i in c} for n, c in self.chains.items()}
-        self.inputs = {n: tuple(dict.fromkeys(a for i in c for a in steps[i].args
+        self.inputs = {n: tuple(dict.fromkeys(a for i in c for a in _reads(steps[i])
                                               if a not in made[n]))
                        for n, c in self.chains.items()}
         self.captures: dict[int, list[str]] = {}
@@ -133,7 +145,7 @@ class DropPlan:
         wanted = {a for ins in self.inputs.values() for a in ins}
         for i, s in enumerate(steps):
             at = run_index.get(i, i)
-            for a in getattr(s, "args", None) or (s.src,):
+            for a in _reads(s):
                 if a in wanted:
                     self.captures.setdefault(i, []).append(a)
                 if a in dropped:
@@ -142,3 +154,7 @@ class DropPlan:
     def begin(self, model) -> Dropping:
         """The state of one forward call."""
         return Dropping(model, self)
+
+
+def _reads(step) -> tuple[str, ...]:
+    return step.args if isinstance(step, Compute) else (step.src,)

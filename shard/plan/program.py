@@ -158,6 +158,9 @@ class Program:
     # `recompute selective`: values forward frees after their last use and backward computes
     # again from their producer's inputs (shard/parallel/selective_plan.py decides which)
     dropped: tuple[str, ...] = ()
+    # sequence parallelism: gathered linear inputs forward frees after their last use, keeping
+    # the shard, and backward gathers again (shard/parallel/regather_plan.py decides which)
+    regathered: tuple[str, ...] = ()
     # `offload optimizer`: the optimizer keeps its state in host memory on a GPU run
     offload: bool = False
 

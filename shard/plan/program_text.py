@@ -97,6 +97,10 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
             lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
                          "backward runs them again")
         lines.append(format_step(program, s))
+        if s.out in program.regathered:  # sequence parallelism's linear inputs
+            lines.append(f"      # kept as its shard {s.src}: freed after forward's last use, "
+                         f"gathered again for backward (backward allgather "
+                         f"{format_bytes(s.nbytes)})")
         if s.out in dropped:  # `recompute selective`
             lines.append(f"      # recompute selective: freed after forward's last use, "
                          f"rebuilt for backward ({' -> '.join(dropped[s.out])} again)")

@@ -74,6 +74,18 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.tracked: dict[int, int] = {}  # data pointer -> bytes of each storage counted
+        # data pointer -> [pointer, id of the storage]: what its finalizer frees, moved when
+        # the storage is resized in place; emptied storages wait in `parked` by id
+        self.cells: dict[int, list] = {}
+        self.parked: dict[int, list] = {}
+
+    def __enter__(self):
+        _METERS.add(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _METERS.discard(self)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -90,13 +102,46 @@ class LiveBytes(TorchDispatchMode):
         ptr, n = st.data_ptr(), st.nbytes()
         if not n or ptr in given or ptr in self.tracked:
             return
+        cell = [ptr, id(st)]
+        self._hold(ptr, n, cell)
+        weakref.finalize(st, self._free, cell)
+
+    def _hold(self, ptr: int, n: int, cell: list) -> None:
+        cell[0] = ptr
         self.tracked[ptr] = n
+        self.cells[ptr] = cell
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, ptr)
 
-    def _free(self, ptr: int) -> None:
-        self.live -= self.tracked.pop(ptr)
+    def _moved(self, st, old: int) -> None:
+        cell = self.cells.pop(old, None) if old else self.parked.pop(id(st), None)
+        if cell is None:
+            return
+        if old:
+            self.live -= self.tracked.pop(old)
+        if st.nbytes():
+            self._hold(st.data_ptr(), st.nbytes(), cell)
+        else:
+            cell[0] = None
+            self.parked[cell[1]] = cell
+
+    def _free(self, cell: list) -> None:
+        if cell[0] is None:
+            self.parked.pop(cell[1], None)
+            return
+        self.live -= self.tracked.pop(cell[0])
+        self.cells.pop(cell[0])
+
+
+_METERS: weakref.WeakSet = weakref.WeakSet()  # the LiveBytes now active
+
+
+def storage_resized(st, old: int) -> None:
+    """Tell the active LiveBytes that storage `st` (at data pointer `old` before; 0 when it
+    was empty) was resized in place: selective recompute empties and refills storage that
+    autograd's saved tensors share, which no torch op reports."""
+    for meter in list(_METERS):
+        meter._moved(st, old)
 
 
 def _tensors(x):

@@ -70,7 +70,9 @@ class ShardedModel:
         self.recompute = {a: Segment.of(program, a, b, self.run_index)
                           for a, b in program.recompute}
         # `recompute selective`: values freed after forward's last use, rebuilt for backward
-        self.drop_plan = DropPlan(program, self.run_index) if program.dropped else None
+        # (and under sequence parallelism the gathered linear inputs, gathered again)
+        self.drop_plan = DropPlan(program, self.run_index) \
+            if program.dropped or program.regathered else None
         self._dropping = None
         # dtype: the parameters' and activations' float dtype instead of the spec's (float64
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,

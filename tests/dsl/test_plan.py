@@ -169,9 +169,11 @@ def test_probes_under_bf16_are_the_bf16_compiles():
     for c in cands[::7]:
         r = _assert_probed_is_full(planner, c)
         f = fp32.cost(c)
-        # float saves halve; integer ones (the targets a loss keeps) do not
+        # float saves halve; integer ones (the targets a loss keeps), bool masks and the
+        # fused attention's fp32 statistics do not: a larger share once sequence parallelism
+        # keeps its linears' inputs as shards
         assert r.estimate.activation_bytes * 2 == \
-            pytest.approx(f.estimate.activation_bytes, rel=0.01), c.label
+            pytest.approx(f.estimate.activation_bytes, rel=0.02), c.label
         assert sum(w.other_bytes for w in r.work) * 2 == \
             pytest.approx(sum(w.other_bytes for w in f.work)), c.label
 
@@ -263,9 +265,9 @@ def test_recompute_is_not_costed_where_it_cannot_pay():
 
 
 def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys):
-    """gpt.par at sequence 128 on 2 devices of 781 KiB: no layout fits without recompute
-    (the smallest needs 811.5 KiB), so the plan recomputes, says what it trades, and its block
-    is accepted as is by check, explain and a 2-rank run."""
+    """gpt.par at sequence 128 on 2 devices of 732 KiB: no layout fits without recompute
+    (the smallest, t2+sp, needs 764 KiB), so the plan recomputes, says what it trades, and its
+    block is accepted as is by check, explain and a 2-rank run."""
     from mpirun import run_mpi
 
     from soapstone.dsl.cli import main
@@ -274,7 +276,7 @@ def test_where_only_recompute_fits_the_plan_recomputes_and_runs(tmp_path, capsys
 
     profile = tmp_path / "small.json"
     profile.write_text(json.dumps(load_profile("cpu-2core").to_data() | {
-        "name": "small", "memory_gib": 800_000 / 0.9 / 2**30}))
+        "name": "small", "memory_gib": 750_000 / 0.9 / 2**30}))
     dims = {"seq": 128, "batch": 16}
     flags = [x for k, v in dims.items() for x in ("--dim", f"{k}={v}")]
     model = load("examples/gpt.par", dims=dims).model()
@@ -466,8 +468,9 @@ def test_the_trainer_refuses_before_allocating():
 def test_seed_004_a_1t_model_on_4096_a100s_plans_to_tensor_8_pipeline_64_data_8():
     """Seed 004: a ~1T-parameter GPT on 4096 A100-40GB in 8-GPU nodes becomes 8-way tensor
     (inside a node) x 64-way pipeline x 8-way data parallel. At 256 the planner reaches the
-    seed's configuration by itself, and says why; at Megatron's sequence 2048 nothing fits
-    40 GB without activation recompute, so the plan recomputes (checked below)."""
+    seed's configuration by itself, and says why; at Megatron's sequence 2048 only a slow
+    sequence-parallel ZeRO-3 layout fits 40 GB without activation recompute (its linears keep
+    their inputs' shards), so the plan recomputes (checked below)."""
     from soapstone.dsl.search.plan_search import Planner, decisions, search
 
     profile = load_profile("a100-40gb")
@@ -494,11 +497,13 @@ def test_seed_004_a_1t_model_on_4096_a100s_plans_to_tensor_8_pipeline_64_data_8(
     long = load("tests/specs/gpt_1t.par").model()  # sequence 2048
     planner = Planner(long, profile, precision="bf16")
     plan = search(planner, 4096)
-    # every layout is tried without recompute first: none of them fits
-    assert plan.ranked and all(r.candidate.recompute == "layer" for r in plan.ranked)
+    # every layout is tried without recompute first: only sequence-parallel ones fit
+    assert plan.ranked and plan.best.candidate.recompute == "layer"
+    assert all(r.candidate.sequence for r in plan.ranked if r.candidate.recompute is None)
     assert plan.best.candidate.tensor == 8
     assert any(line.startswith("recompute layer: activations ") and
-               "with no recompute nothing fits" in line for line in decisions(plan, planner))
+               "the best with no recompute" in line and "slower" in line
+               for line in decisions(plan, planner))
 
 
 def test_a_mixture_of_experts_plans_expert_parallel_and_never_splits_the_router():

@@ -20,7 +20,8 @@ Under `recompute R` (Program.recompute) a range of steps keeps only its float in
 backward its own saves come back for as long as backward runs through it. `recompute_flops`
 is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
 is kept by no one after forward, and in backward lives from its last saver's backward (where
-it is rebuilt) to its first saver's.
+it is rebuilt) to its first saver's. So does a gathered linear input under sequence
+parallelism (Program.regathered), whose shard the gather keeps instead, to gather it again.
 
 `weight_grad_bytes` is what a split backward (zb1p) keeps from B to W beside the saved bytes.
 """
@@ -116,7 +117,10 @@ def activation_figures(program: Program) -> tuple[int, int]:
     # recompute selective: a dropped value is kept by no one after forward; backward rebuilds
     # it before its last saver's backward and it lives until its first saver's is done
     rebuilt: dict[int, int] = {}  # step -> dropped bytes rebuilt before its backward
-    for name in program.dropped:
+    for name in program.regathered:  # sequence parallel: the gather's shard is kept instead
+        i = next(k for k in saves if steps[k].out == name)
+        saves[i] = (saves[i][0] | {r(steps[i].src)}, saves[i][1])
+    for name in (*program.dropped, *program.regathered):
         savers = [i for i, (names, _) in saves.items() if name in names]
         for i in savers:
             saves[i] = (saves[i][0] - {name}, saves[i][1])

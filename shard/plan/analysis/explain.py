@@ -86,6 +86,7 @@ import attrs
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
+from soapstone.shard.parallel.regather_plan import without_recompute
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
@@ -216,6 +217,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
+            if step.out in program.regathered:  # kept as its shard: gathered again
+                add("backward", forward_op(step), step.axis, forward_bytes(program, step))
         if not isinstance(step, Compute):
             continue
         rec = record_of(step.kind)
@@ -308,7 +311,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     transient_bytes=transient + gathered + cached + (
                         elems * 4 - grad_bytes if z.shards_grads else 0),
                     without_recompute=(plain or activation_figures(
-                        attrs.evolve(program, recompute=(), dropped=())))
+                        without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
                     weight_grad_bytes=weight_grad_bytes(program),

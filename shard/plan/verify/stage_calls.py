@@ -11,6 +11,7 @@ import math
 from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.regather_plan import first_backward_reader, gather_step
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
@@ -102,6 +103,12 @@ class StageCalls:
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
         # a split backward (zb1p): the steps whose backward runs in B, the rest in W
         self.on_path = _on_path(p, st.recv)
+        # sequence parallelism: a gathered linear input gathered again before the backward
+        # of its last reader (regather_plan.py)
+        self.regather: dict[int, list[int]] = {}
+        for n in p.regathered:
+            at = first_backward_reader(p, n, runs_at)
+            self.regather.setdefault(at, []).append(gather_step(p, n))
 
     def _zero3_plan(self, fused: dict, runs_at: dict) -> tuple[list[int], dict]:
         """ZeRO-3 (shard/parallel/zero.py): the sharded buckets in forward order, and per run index
@@ -239,7 +246,9 @@ class StageCalls:
         nxt = 0
         gathered: set[int] = set()  # ZeRO-3: buckets gathered (or prefetched) in backward
         for i in sorted(set(self.bwd_steps) | set(arrive) | set(fill) | set(self.unpacks)
-                        | set(self.again) | {-1}, reverse=True):
+                        | set(self.again) | set(self.regather) | {-1}, reverse=True):
+            if not (weights and i in self.on_path):
+                out.extend(self._regather(i, mb))
             if i in self.again:
                 a, b = self.again[i]
                 out.extend(o for j in range(a, b) for o in self._forward_step(j, p.steps[j], mb)
@@ -271,9 +280,17 @@ class StageCalls:
         the path to the stage's float inputs, in reverse step order; no parameter gets its
         gradient yet, so no bucket moves."""
         out = []
-        for i in sorted(self.on_path & set(self.bwd_steps), reverse=True):
+        for i in sorted(self.on_path & (set(self.bwd_steps) | set(self.regather)), reverse=True):
+            out.extend(self._regather(i, mb))
             out.extend(self._backward_step(i, self.program.steps[i], mb))
         return [o for o in out if o is not None]
+
+    def _regather(self, i, mb) -> list[Op | None]:
+        """The gathers of the linear inputs whose first backward reader runs at i, again."""
+        return [self.op("allgather", (s.axis,), _shape(self.program, s.src)[0],
+                        _shape(self.program, s.src)[1], forward_bytes(self.program, s),
+                        "backward", mb, self.sources[j])
+                for j in self.regather.get(i, ()) for s in (self.program.steps[j],)]
 
     def _backward_step(self, i, s, mb) -> list[Op | None]:
         p, src = self.program, self.sources[i]

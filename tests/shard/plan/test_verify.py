@@ -404,7 +404,7 @@ def test_check_verify_prints_each_layout(capsys):
 
     assert main(["check", "examples/gpt.par", "--parallel", "gpt8", "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "verified: gpt / gpt8: 8 ranks: 744 collective calls on 14 communicators and 32 " \
+    assert "verified: gpt / gpt8: 8 ranks: 888 collective calls on 14 communicators and 32 " \
            "p2p messages per step match and complete" in out
     assert main(["check", "examples/mlp.par", "--verify"]) == 0
     assert "verified: mlp / single: 1 rank" in capsys.readouterr().out
