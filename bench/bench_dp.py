@@ -9,9 +9,13 @@ of --steps, at least 30, after 2 warm-up steps, the rows interleaved step by ste
 comm/bench/harness.py, with the interquartile range and the load average):
   soapstone zero 0 (buckets overlapped with backward)     vs torch DDP (gloo, 25 MiB buckets)
   soapstone zero 0 with reduction only after backward     (the overlap's worth)
+  soapstone zero 0 with MPI's allreduce                   (the shared-memory sum's worth:
+                                                           SOAPSTONE_SHM_ALLREDUCE=0)
   soapstone zero 3                                        vs torch FSDP2 fully_shard (gloo)
-torch's rows are run twice: with torch.optim.AdamW's default (for-loop) kernel and with
-fused=True, the kernel soapstone's flat AdamW calls.
+torch's rows are run twice: as people run them (torch.optim.AdamW's default for-loop kernel,
+DDP's defaults) and at their best: AdamW(fused=True), the kernel soapstone's flat AdamW calls,
+and for DDP gradient_as_bucket_view=True (gradients live in the buckets: no copy in or out)
+and static_graph=True. Every torch row clears gradients with zero_grad(set_to_none=True).
 Memory: bytes of parameters + gradients + optimizer state each rank holds after a step,
 counted from the tensors (each storage once), for both frameworks; plus ru_maxrss.
 --device cuda: both on NCCL, each rank on the GPU of its node-local rank (`start`, which
@@ -44,6 +48,7 @@ from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
 from soapstone.shard.train.optim import build_optimizer  # noqa: E402
 from soapstone.shard.train.reference_gpt import GPT  # noqa: E402
 
+DDP_BEST = "torch DDP best: fused AdamW, bucket views"  # the row the DP goal is against
 DIMS = dict(hidden=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=4)
 LAYERS = 4
 
@@ -134,9 +139,17 @@ def soapstone_model(zero, overlap=True, world=None, device=None):
     return step, m, opt
 
 
-def soapstone_row(zero, bench, overlap=True):
-    """(train step, bytes held after a step) of soapstone's data parallel at `zero`."""
+def soapstone_row(zero, bench, overlap=True, shared=True):
+    """(train step, bytes held after a step) of soapstone's data parallel at `zero`; shared:
+    stage 0's buckets in node-shared memory where the ranks share a node (comm/backends/shm.py),
+    else reduced by MPI's allreduce."""
+    old = os.environ.get("SOAPSTONE_SHM_ALLREDUCE")
+    os.environ["SOAPSTONE_SHM_ALLREDUCE"] = "1" if shared else "0"  # read as buckets are made
     step, m, opt = soapstone_model(zero, overlap, bench.world, bench.device)
+    if old is None:
+        os.environ.pop("SOAPSTONE_SHM_ALLREDUCE")
+    else:
+        os.environ["SOAPSTONE_SHM_ALLREDUCE"] = old
     return step, lambda: memory_report(m, opt)["total"]
 
 
@@ -151,12 +164,14 @@ def local(b):
 
 
 def ddp_row(bench, fused=False):
-    """(train step, bytes held) of torch DDP (25 MiB buckets)."""
+    """(train step, bytes held) of torch DDP (25 MiB buckets); fused: its best settings too
+    (gradients as bucket views, static graph)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = bench.device
     ids = [dev.index] if dev.type == "cuda" else None
-    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25), fused)
+    best = dict(gradient_as_bucket_view=True, static_graph=True) if fused else {}
+    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25, **best), fused)
 
 
 def fsdp_row(bench, fused=False):
@@ -179,7 +194,7 @@ def torch_row(model, fused):
     def step(b):
         model(*local(b)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
 
     return step, lambda: torch_bytes(model, opt)
 
@@ -200,8 +215,9 @@ def main() -> int:
         "soapstone zero 0": soapstone_row(0, bench),
         "torch DDP": ddp_row(bench),
         # soapstone's flat AdamW runs torch's fused kernel; torch can too, so show both
-        "torch DDP, AdamW(fused=True)": ddp_row(bench, fused=True),
+        DDP_BEST: ddp_row(bench, fused=True),
         "soapstone zero 0, reduce after backward": soapstone_row(0, bench, overlap=False),
+        "soapstone zero 0, MPI allreduce": soapstone_row(0, bench, shared=False),
         "soapstone zero 3": soapstone_row(3, bench),
         "torch FSDP2": fsdp_row(bench),
         "torch FSDP2, AdamW(fused=True)": fsdp_row(bench, fused=True),
@@ -227,10 +243,11 @@ def main() -> int:
         for k, t in session.timings.items():
             print(f"{k:42s} {t.text():>32s} {held[k] / 2**20:20.1f}")
         ratios = [session.compare("soapstone zero 0", "torch DDP"),
-                  session.compare("soapstone zero 0", "torch DDP, AdamW(fused=True)"),
+                  session.compare("soapstone zero 0", DDP_BEST),
                   session.compare("soapstone zero 3", "torch FSDP2"),
                   session.compare("soapstone zero 3", "torch FSDP2, AdamW(fused=True)"),
-                  session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward")]
+                  session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward"),
+                  session.compare("soapstone zero 0", "soapstone zero 0, MPI allreduce")]
         for r in ratios:
             print(f"throughput {r.text()}")
         print(f"max RSS {rss / 1024:.0f} MiB")

@@ -16,6 +16,7 @@ import math
 import torch
 from mpi4py import MPI
 
+from soapstone.comm.backends import shm
 from soapstone.comm.communicator import (
     Communicator,
     Work,
@@ -25,7 +26,6 @@ from soapstone.comm.communicator import (
     flat_view,
     gather_layout,
 )
-from soapstone.comm.backends import shm
 from soapstone.comm.dtypes import SUPPORTED, mpi_op, mpi_type
 from soapstone.comm.p2p import GroupedP2P
 
