@@ -15,7 +15,7 @@ comm/bench/harness.py, with the interquartile range and the load average):
 torch's rows are run twice: as people run them (torch.optim.AdamW's default for-loop kernel,
 DDP's defaults) and at their best: AdamW(fused=True), the kernel soapstone's flat AdamW calls,
 and for DDP gradient_as_bucket_view=True (gradients live in the buckets: no copy in or out)
-and static_graph=True. Every torch row clears gradients with zero_grad(set_to_none=True).
+and static_graph=True. DDP rows clear gradients with zero_grad(set_to_none=True) (no memset).
 Memory: bytes of parameters + gradients + optimizer state each rank holds after a step,
 counted from the tensors (each storage once), for both frameworks; plus ru_maxrss.
 --device cuda: both on NCCL, each rank on the GPU of its node-local rank (`start`, which
@@ -171,7 +171,8 @@ def ddp_row(bench, fused=False):
     dev = bench.device
     ids = [dev.index] if dev.type == "cuda" else None
     best = dict(gradient_as_bucket_view=True, static_graph=True) if fused else {}
-    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25, **best), fused)
+    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25, **best), fused,
+                     set_to_none=True)
 
 
 def fsdp_row(bench, fused=False):
@@ -187,16 +188,28 @@ def fsdp_row(bench, fused=False):
     return torch_row(model, fused)
 
 
-def torch_row(model, fused):
-    """(train step, bytes held) of a torch-parallelised model under AdamW."""
+def torch_row(model, fused, set_to_none=False):
+    """(train step, bytes held) of a torch-parallelised model under AdamW. set_to_none: drop
+    the gradients after each step (DDP: faster; FSDP2 keeps them, as the equal-memory
+    comparison with ZeRO-3's persistent gradient shards was measured)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+    last = []
 
     def step(b):
         model(*local(b)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
+        last[:] = [b]
 
-    return step, lambda: torch_bytes(model, opt)
+    def held() -> int:
+        # one more backward (collective: every rank, every row in order), so that gradients
+        # dropped by set_to_none are there to count, as soapstone's buffers are
+        model(*local(last[0])).backward()
+        n = torch_bytes(model, opt)
+        opt.zero_grad(set_to_none=set_to_none)
+        return n
+
+    return step, held
 
 
 def main() -> int:
