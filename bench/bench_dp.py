@@ -1,7 +1,7 @@
 """Data parallel and ZeRO-3 vs PyTorch DDP and FSDP2 (gloo), side by side in one job.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_dp.py [--steps 30]
-            [--device cpu|cuda]
+            [--device cpu|cuda] [--clock wall|cpu]
 
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers,
 seq 64, global batch 4), AdamW, the same batches everywhere. Rows (rank 0 prints, medians
@@ -16,6 +16,9 @@ torch's rows are run twice: as people run them (torch.optim.AdamW's default for-
 DDP's defaults) and at their best: AdamW(fused=True), the kernel soapstone's flat AdamW calls,
 and for DDP gradient_as_bucket_view=True (gradients live in the buckets: no copy in or out)
 and static_graph=True. DDP rows clear gradients with zero_grad(set_to_none=True) (no memset).
+--clock cpu: each step's figure is the CPU time its process spent (time.process_time: every
+thread, gloo's included; MPI's busy waits count too), the slowest rank's: on a machine loaded by
+other jobs it moves far less than the wall clock.
 Memory: bytes of parameters + gradients + optimizer state each rank holds after a step,
 counted from the tensors (each storage once), for both frameworks; plus ru_maxrss.
 --device cuda: both on NCCL, each rank on the GPU of its node-local rank (`start`, which
@@ -30,6 +33,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -219,6 +223,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here (rank 0)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time steps by the wall clock or by the process's CPU time")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     bench = start(args.device)
@@ -244,14 +250,15 @@ def main() -> int:
         return run
 
     session = interleave({k: stepper(k) for k in rows}, args.steps, warmup=2,
-                         comm=MPI.COMM_WORLD, sync=bench.sync)
+                         comm=MPI.COMM_WORLD, sync=bench.sync,
+                         clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     held = {k: held_bytes() for k, (_, held_bytes) in rows.items()}
     rss = MPI.COMM_WORLD.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, MPI.MAX)
     if MPI.COMM_WORLD.rank == 0:
         n = sum(p.numel() for p in torch_model().parameters())
         on = f" on {bench.label} (NCCL)" if bench.device.type == "cuda" else ""
         print(f"gpt {n / 1e6:.1f}M params, {MPI.COMM_WORLD.size} ranks{on}, AdamW, "
-              f"{args.steps} steps each, interleaved; {session.load_text()}")
+              f"{args.steps} steps each, interleaved, {args.clock} clock; {session.load_text()}")
         print(f"{'config':42s} {'step (median, IQR)':>32s} {'MiB/rank (p+g+opt)':>20s}")
         for k, t in session.timings.items():
             print(f"{k:42s} {t.text():>32s} {held[k] / 2**20:20.1f}")
@@ -266,7 +273,8 @@ def main() -> int:
         print(f"max RSS {rss / 1024:.0f} MiB")
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "device": bench.label, "rows": {k: session.timings[k].to_json() | {
+                "device": bench.label, "clock": args.clock,
+                "rows": {k: session.timings[k].to_json() | {
                     "bytes": held[k]} for k in rows},
                 "ratios": [r.to_json() for r in ratios]} | session.to_json(), indent=1))
     torch.distributed.destroy_process_group()
