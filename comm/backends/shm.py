@@ -103,7 +103,9 @@ class SharedReducer:
             return None
         views = [torch.frombuffer(mm, dtype=dtype, count=numel, offset=p * each)
                  for p in range(self.size)]
-        mine = views[self.rank]
+        # the caller's tensor is a view of its own (the segment's would keep it alive): when
+        # it goes, its segment goes, and with the last view the mapping
+        mine = torch.frombuffer(mm, dtype=dtype, count=numel, offset=self.rank * each)
         ptr = mine.data_ptr()
         self.segments[ptr] = Segment(views, self.rank)
         weakref.finalize(mine, self.segments.pop, ptr, None)

@@ -4,6 +4,7 @@ MPI's at 2 ranks, the same bits on every rank at 4, and queued launches run in l
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -122,12 +123,22 @@ def case_no_shared_buffer_where_none_helps():
     assert comm.shared_zeros(10, torch.float32) is not None
 
 
+def shared_mappings() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "/soapstone-" in line]
+
+
 @ranks(2)
-def case_the_files_are_gone_once_mapped():
-    """Nothing is left under /dev/shm: each file is unlinked once every rank has mapped it."""
+def case_the_files_are_gone_once_mapped_and_the_memory_with_the_tensor():
+    """Nothing is left under /dev/shm: each file is unlinked once every rank has mapped it; and
+    its mapping goes when the tensor does (no buffer outlives its user)."""
+    gc.collect()
+    before = len(shared_mappings())
     t = W.shared_zeros(1 << 16, torch.float32)
     W.allreduce(t)
-    with open("/proc/self/maps") as f:
-        ours = [line for line in f if "/soapstone-" in line]
-    assert ours, "no shared mapping found"
+    ours = shared_mappings()
+    assert len(ours) == before + 1, ours
     assert all(line.rstrip().endswith("(deleted)") for line in ours), ours
+    del t
+    gc.collect()
+    assert len(shared_mappings()) == before
