@@ -67,7 +67,7 @@ class MPICommunicator(GroupedP2P, Communicator):
         """A zeroed flat tensor in memory every rank maps, whose sum allreduce then runs
         through shared memory (backends/shm.py), when all ranks share a node; else None.
         Collective."""
-        if self.size == 1 or not shm.enabled():
+        if self.size == 1 or numel == 0 or not shm.enabled():
             return None
         if self._shared is None:
             on_node = shm.SharedReducer.on_one_node(self.mpi)

@@ -110,10 +110,12 @@ def case_shared_on_a_mesh_axis():
 
 @ranks(1, 2)
 def case_no_shared_buffer_where_none_helps():
-    """One rank, or SOAPSTONE_SHM_ALLREDUCE=0: None (the caller allocates a plain tensor)."""
+    """One rank, no elements, or SOAPSTONE_SHM_ALLREDUCE=0: None (the caller allocates a
+    plain tensor)."""
     if N == 1:
         assert W.shared_zeros(10, torch.float32) is None
         return
+    assert W.shared_zeros(0, torch.float32) is None
     comm = W.split(0)  # a new communicator: it asks the setting afresh
     os.environ["SOAPSTONE_SHM_ALLREDUCE"] = "0"
     try:
