@@ -1,7 +1,7 @@
 """Data parallel and ZeRO-3 vs PyTorch DDP and FSDP2 (gloo), side by side in one job.
 
     OMP_NUM_THREADS=1 .venv/bin/mpiexec -n 2 .venv/bin/python bench/bench_dp.py [--steps 30]
-            [--device cpu|cuda]
+            [--device cpu|cuda] [--clock wall|cpu]
 
 The gpt example scaled to ~21M parameters (hidden 512, ffn 2048, vocab 8192, 4 layers,
 seq 64, global batch 4), AdamW, the same batches everywhere. Rows (rank 0 prints, medians
@@ -9,9 +9,16 @@ of --steps, at least 30, after 2 warm-up steps, the rows interleaved step by ste
 comm/bench/harness.py, with the interquartile range and the load average):
   soapstone zero 0 (buckets overlapped with backward)     vs torch DDP (gloo, 25 MiB buckets)
   soapstone zero 0 with reduction only after backward     (the overlap's worth)
+  soapstone zero 0 with MPI's allreduce                   (the shared-memory sum's worth:
+                                                           SOAPSTONE_SHM_ALLREDUCE=0)
   soapstone zero 3                                        vs torch FSDP2 fully_shard (gloo)
-torch's rows are run twice: with torch.optim.AdamW's default (for-loop) kernel and with
-fused=True, the kernel soapstone's flat AdamW calls.
+torch's rows are run twice: as people run them (torch.optim.AdamW's default for-loop kernel,
+DDP's defaults) and at their best: AdamW(fused=True), the kernel soapstone's flat AdamW calls,
+and for DDP gradient_as_bucket_view=True (gradients live in the buckets: no copy in or out)
+and static_graph=True. DDP rows clear gradients with zero_grad(set_to_none=True) (no memset).
+--clock cpu: each step's figure is the CPU time its process spent (time.process_time: every
+thread, gloo's included; MPI's busy waits count too), the slowest rank's: on a machine loaded by
+other jobs it moves far less than the wall clock.
 Memory: bytes of parameters + gradients + optimizer state each rank holds after a step,
 counted from the tensors (each storage once), for both frameworks; plus ru_maxrss.
 --device cuda: both on NCCL, each rank on the GPU of its node-local rank (`start`, which
@@ -26,6 +33,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,6 +52,7 @@ from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
 from soapstone.shard.train.optim import build_optimizer  # noqa: E402
 from soapstone.shard.train.reference_gpt import GPT  # noqa: E402
 
+DDP_BEST = "torch DDP best: fused AdamW, bucket views"  # the row the DP goal is against
 DIMS = dict(hidden=512, heads=8, ffn=2048, vocab=8192, seq=64, batch=4)
 LAYERS = 4
 
@@ -134,9 +143,17 @@ def soapstone_model(zero, overlap=True, world=None, device=None):
     return step, m, opt
 
 
-def soapstone_row(zero, bench, overlap=True):
-    """(train step, bytes held after a step) of soapstone's data parallel at `zero`."""
+def soapstone_row(zero, bench, overlap=True, shared=True):
+    """(train step, bytes held after a step) of soapstone's data parallel at `zero`; shared:
+    stage 0's buckets in node-shared memory where the ranks share a node (comm/backends/shm.py),
+    else reduced by MPI's allreduce."""
+    old = os.environ.get("SOAPSTONE_SHM_ALLREDUCE")
+    os.environ["SOAPSTONE_SHM_ALLREDUCE"] = "1" if shared else "0"  # read as buckets are made
     step, m, opt = soapstone_model(zero, overlap, bench.world, bench.device)
+    if old is None:
+        os.environ.pop("SOAPSTONE_SHM_ALLREDUCE")
+    else:
+        os.environ["SOAPSTONE_SHM_ALLREDUCE"] = old
     return step, lambda: memory_report(m, opt)["total"]
 
 
@@ -151,12 +168,15 @@ def local(b):
 
 
 def ddp_row(bench, fused=False):
-    """(train step, bytes held) of torch DDP (25 MiB buckets)."""
+    """(train step, bytes held) of torch DDP (25 MiB buckets); fused: its best settings too
+    (gradients as bucket views, static graph)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = bench.device
     ids = [dev.index] if dev.type == "cuda" else None
-    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25), fused)
+    best = dict(gradient_as_bucket_view=True, static_graph=True) if fused else {}
+    return torch_row(DDP(torch_model(dev), device_ids=ids, bucket_cap_mb=25, **best), fused,
+                     set_to_none=True)
 
 
 def fsdp_row(bench, fused=False):
@@ -172,16 +192,28 @@ def fsdp_row(bench, fused=False):
     return torch_row(model, fused)
 
 
-def torch_row(model, fused):
-    """(train step, bytes held) of a torch-parallelised model under AdamW."""
+def torch_row(model, fused, set_to_none=False):
+    """(train step, bytes held) of a torch-parallelised model under AdamW. set_to_none: drop
+    the gradients after each step (DDP: faster; FSDP2 keeps them, as the equal-memory
+    comparison with ZeRO-3's persistent gradient shards was measured)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=fused)
+    last = []
 
     def step(b):
         model(*local(b)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
+        last[:] = [b]
 
-    return step, lambda: torch_bytes(model, opt)
+    def held() -> int:
+        # one more backward (collective: every rank, every row in order), so that gradients
+        # dropped by set_to_none are there to count, as soapstone's buffers are
+        model(*local(last[0])).backward()
+        n = torch_bytes(model, opt)
+        opt.zero_grad(set_to_none=set_to_none)
+        return n
+
+    return step, held
 
 
 def main() -> int:
@@ -191,6 +223,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here (rank 0)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (MPI vs gloo) or cuda (a GPU per rank, NCCL on both sides)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time steps by the wall clock or by the process's CPU time")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     bench = start(args.device)
@@ -200,8 +234,9 @@ def main() -> int:
         "soapstone zero 0": soapstone_row(0, bench),
         "torch DDP": ddp_row(bench),
         # soapstone's flat AdamW runs torch's fused kernel; torch can too, so show both
-        "torch DDP, AdamW(fused=True)": ddp_row(bench, fused=True),
+        DDP_BEST: ddp_row(bench, fused=True),
         "soapstone zero 0, reduce after backward": soapstone_row(0, bench, overlap=False),
+        "soapstone zero 0, MPI allreduce": soapstone_row(0, bench, shared=False),
         "soapstone zero 3": soapstone_row(3, bench),
         "torch FSDP2": fsdp_row(bench),
         "torch FSDP2, AdamW(fused=True)": fsdp_row(bench, fused=True),
@@ -215,28 +250,31 @@ def main() -> int:
         return run
 
     session = interleave({k: stepper(k) for k in rows}, args.steps, warmup=2,
-                         comm=MPI.COMM_WORLD, sync=bench.sync)
+                         comm=MPI.COMM_WORLD, sync=bench.sync,
+                         clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     held = {k: held_bytes() for k, (_, held_bytes) in rows.items()}
     rss = MPI.COMM_WORLD.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, MPI.MAX)
     if MPI.COMM_WORLD.rank == 0:
         n = sum(p.numel() for p in torch_model().parameters())
         on = f" on {bench.label} (NCCL)" if bench.device.type == "cuda" else ""
         print(f"gpt {n / 1e6:.1f}M params, {MPI.COMM_WORLD.size} ranks{on}, AdamW, "
-              f"{args.steps} steps each, interleaved; {session.load_text()}")
+              f"{args.steps} steps each, interleaved, {args.clock} clock; {session.load_text()}")
         print(f"{'config':42s} {'step (median, IQR)':>32s} {'MiB/rank (p+g+opt)':>20s}")
         for k, t in session.timings.items():
             print(f"{k:42s} {t.text():>32s} {held[k] / 2**20:20.1f}")
         ratios = [session.compare("soapstone zero 0", "torch DDP"),
-                  session.compare("soapstone zero 0", "torch DDP, AdamW(fused=True)"),
+                  session.compare("soapstone zero 0", DDP_BEST),
                   session.compare("soapstone zero 3", "torch FSDP2"),
                   session.compare("soapstone zero 3", "torch FSDP2, AdamW(fused=True)"),
-                  session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward")]
+                  session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward"),
+                  session.compare("soapstone zero 0", "soapstone zero 0, MPI allreduce")]
         for r in ratios:
             print(f"throughput {r.text()}")
         print(f"max RSS {rss / 1024:.0f} MiB")
         if args.json:
             Path(args.json).write_text(json.dumps({
-                "device": bench.label, "rows": {k: session.timings[k].to_json() | {
+                "device": bench.label, "clock": args.clock,
+                "rows": {k: session.timings[k].to_json() | {
                     "bytes": held[k]} for k in rows},
                 "ratios": [r.to_json() for r in ratios]} | session.to_json(), indent=1))
     torch.distributed.destroy_process_group()

@@ -456,6 +456,12 @@ class Communicator(abc.ABC):
             raise CommError("barrier: this communicator was freed; use one that is still alive")
         self._call("barrier", _NOTHING, _NOTHING_DTYPE, 0, False, None, self._barrier)
 
+    def shared_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A zeroed flat tensor whose sum allreduce this backend can do faster in place (MPI
+        ranks on one node: a buffer in shared memory, backends/shm.py), or None where it has
+        none: allocate a plain one then. Collective."""
+        return None
+
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """Sub-communicator of the ranks passing the same `color`, ordered by `key` (collective).
 

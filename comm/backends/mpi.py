@@ -16,6 +16,7 @@ import math
 import torch
 from mpi4py import MPI
 
+from soapstone.comm.backends import shm
 from soapstone.comm.communicator import (
     Communicator,
     Work,
@@ -60,6 +61,18 @@ class MPICommunicator(GroupedP2P, Communicator):
     def __init__(self, mpi_comm: MPI.Comm | None = None):
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
+        self._shared: shm.SharedReducer | None | bool = None  # None: not asked yet
+
+    def shared_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A zeroed flat tensor in memory every rank maps, whose sum allreduce then runs
+        through shared memory (backends/shm.py), when all ranks share a node; else None.
+        Collective."""
+        if self.size == 1 or numel == 0 or not shm.enabled():
+            return None
+        if self._shared is None:
+            on_node = shm.SharedReducer.on_one_node(self.mpi)
+            self._shared = shm.SharedReducer(self.mpi) if on_node else False
+        return self._shared.zeros(numel, dtype) if self._shared else None
 
     def _run(self, blocking, nonblocking, args, result, async_op, finish=None, keep=None):
         # One place that chooses the blocking or the I-variant, so each op is written once.
@@ -69,7 +82,13 @@ class MPICommunicator(GroupedP2P, Communicator):
         blocking(*args)
         return finish() if finish is not None else result
 
+    def _free_backend(self) -> None:
+        if self._shared:
+            self._shared.comm.Free()
+
     def _allreduce(self, t, op, async_op):
+        if op == "sum" and self._shared and self._shared.owns(t):
+            return self._shared.allreduce(t, async_op)
         c = self.mpi
         finish = (lambda: t.div_(self.size)) if op == "avg" else None
         args = (MPI.IN_PLACE, _spec(t), mpi_op(t.dtype, op))

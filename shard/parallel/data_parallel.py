@@ -94,6 +94,11 @@ class Bucket:
         self.handle = None
         self.filled = 0
         self.dirty = False  # gradients added since the last launch
+        # stage 0: zero_grad leaves last step's sums in full_grad instead of zeroing it (a
+        # pass over every gradient byte saved): each slot's first gradient then overwrites
+        # its piece, and `settle` zeroes the pieces no gradient reached before a launch
+        self.stale = False
+        self.written: set[int] = set()  # offsets of the slots written since it went stale
         self.full_grad: torch.Tensor | None = None  # stage 0/1: persistent; 2/3: transient
         self.grad_shard: torch.Tensor | None = None
         self.acc: torch.Tensor | None = None  # stage 0: the reduced gradient
@@ -113,6 +118,16 @@ class Bucket:
         """Axes over which this rank's gradient segment is a disjoint piece of the whole."""
         return tuple(sorted(set(self.split) | (set(self.dp) if self.sharded else set())))
 
+    def persistent_grad(self) -> torch.Tensor:
+        """A zeroed full gradient buffer that lives through the run (stages 0 and 1): stage 0
+        allreduces it in place every step, so it goes where the communicator reduces fastest
+        (MPI ranks on one node: shared memory, comm/backends/shm.py). Collective."""
+        if not self.sharded and self.comm_all is not None and self.device.type == "cpu":
+            t = self.comm_all.shared_zeros(self.numel, self.mdtype)
+            if t is not None:
+                return t
+        return torch.zeros(self.numel, dtype=self.mdtype, device=self.device)
+
     # --- gradients ------------------------------------------------------------------------
     # Every launch reduces the contributions added since the previous launch; results fold
     # into the segment's gradient (`acc` for stage 0, `grad_shard` for 1-3), so gradient
@@ -123,12 +138,28 @@ class Bucket:
             self.complete()  # a previous microbatch's reduction of this bucket
         if self.full_grad is None:
             self.full_grad = torch.zeros(self.numel, dtype=self.mdtype, device=self.device)
-        self.full_grad[slot.offset:slot.offset + slot.numel].add_(g.reshape(-1))
+        piece = self.full_grad[slot.offset:slot.offset + slot.numel]
+        if self.stale and slot.offset not in self.written:
+            self.written.add(slot.offset)
+            piece.copy_(g.reshape(-1))
+        else:
+            piece.add_(g.reshape(-1))
         self.dirty = True
+
+    def settle(self) -> None:
+        """Zero the pieces of a stale full_grad that no gradient overwrote (parameters this
+        step did not use): from here on it holds the step's sums only."""
+        if self.stale:
+            for s in self.slots:
+                if s.offset not in self.written:
+                    self.full_grad[s.offset:s.offset + s.numel].zero_()
+            self.stale = False
+            self.written.clear()
 
     def launch(self) -> None:
         """Start this bucket's reduction (async)."""
         self.dirty = False
+        self.settle()
         if not self.sharded:
             if self.comm_all is None:
                 self._fold_full()
@@ -242,7 +273,7 @@ class GradReducer:
                 else:
                     b.master = b.flat_param if self.dtype == b.mdtype else full
                 if b.keeps_full_grad:
-                    b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
+                    b.full_grad = b.persistent_grad()
 
     # --- during backward ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -316,6 +347,7 @@ class GradReducer:
             raise ValueError(f"{name} is not a deferred parameter (build_optimizer(deferred=...))")
         if b.full_grad is None:
             b.full_grad = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
+        b.settle()
         b.dirty = True
         return b.full_grad[s.offset:s.offset + s.numel]
 
@@ -420,9 +452,10 @@ class GradReducer:
             b.dirty = False
             if not b.sharded:
                 if b.acc is not None:
-                    b.full_grad, b.acc = b.acc.zero_(), None
-                elif b.full_grad is not None:
-                    b.full_grad.zero_()
+                    b.full_grad, b.acc = b.acc, None
+                if b.full_grad is not None:
+                    b.stale = True
+                    b.written.clear()
             elif b.keeps_full_grad:
                 b.full_grad.zero_()
                 b.grad_shard = None

@@ -38,3 +38,11 @@ def test_interleave_rotates_the_order_and_times_after_warmup():
     assert len(seen) == 3 * (MIN_STEPS + 2) and session.load_before >= 0
     with pytest.raises(ValueError, match="at least 30 steps"):
         interleave(runs, MIN_STEPS - 1)
+
+
+def test_interleave_reads_the_clock_it_is_given():
+    """bench_dp --clock cpu passes time.process_time: each step is read from that clock."""
+    ticks = iter(range(10**6))
+    session = interleave({"a": lambda: None}, MIN_STEPS, warmup=0,
+                         clock=lambda: float(next(ticks)))
+    assert session.timings["a"].times == (1.0,) * MIN_STEPS

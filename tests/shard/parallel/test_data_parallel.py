@@ -83,3 +83,24 @@ def test_zero_stages_nest_and_a_single_data_rank_runs_stage_0():
     assert ZeroStage.of(ZeroStage.of(1)) is ZeroStage.of(1) and str(ZeroStage.of(2)) == "2"
     with pytest.raises(ValueError, match="0, 1, 2 or 3"):
         ZeroStage.of(4)
+
+
+def test_a_step_that_skips_parameters_reduces_zeros_for_them():
+    """zero_grad leaves stage 0's buffers stale (data_parallel.py, Bucket.settle): a parameter
+    the next backward does not reach reduces as zero, not as last step's gradient, and the
+    ones it reaches hold their new gradient alone, accumulated over two backwards."""
+    model = dsl.load(ROOT / "examples/gpt.par").model()
+    m = ShardedModel(lower(model, None), None, seed=0)
+    opt = build_optimizer(m, "sgd", lr=0.0, zero=0)
+    m(_batch(model, 0))["loss"].backward()
+    opt.step()
+    opt.zero_grad()
+    names = list(m.params)
+    used = [m.params[n] for n in names[:2]]
+    for _ in range(2):
+        sum(p.sum() for p in used).backward()
+    opt.grad_norm_sq()  # finishes the reduction; fp32 grads are then views of the sums
+    for n in names:
+        p = m.params[n]
+        want = torch.full_like(p, 2.0) if n in names[:2] else torch.zeros_like(p)
+        assert torch.equal(p.grad, want), n
