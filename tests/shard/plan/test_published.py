@@ -64,7 +64,7 @@ def test_the_documented_fit_is_the_fits_optimum_and_every_row_is_within_15_perce
                                          abs=1e-3)
     here = b.worst(cal)
     for de, du in ((0.01, 0), (-0.01, 0), (0, 1), (0, -1)):
-        if prof.op_overhead_s * 1e6 + du < 0:
+        if prof.op_overhead_s * 1e6 + du < b.OVERHEAD_US[0]:  # the grid starts there
             continue
         near = attrs.evolve(prof, matmul_efficiency=prof.matmul_efficiency + de,
                             op_overhead_s=prof.op_overhead_s + du * 1e-6)
@@ -82,10 +82,10 @@ def test_a_profiles_fit_is_optional_and_checked(tmp_path):
     from soapstone.shard.plan.analysis.hardware import ProfileError, save_profile
 
     data = load_profile("a100-80gb").to_data()
-    assert data["fit"]["error"] == pytest.approx(0.115)
+    assert data["fit"]["error"] == pytest.approx(0.117)
     path = tmp_path / "mine.json"
     save_profile(load_profile("a100-80gb"), str(path))
-    assert load_profile(str(path)).step_error == pytest.approx(0.115)
+    assert load_profile(str(path)).step_error == pytest.approx(0.117)
     for bad, field in (("x", "'fit'"), ({"error": -1}, "'fit.error'")):
         path.write_text(json.dumps(data | {"fit": bad}))
         with pytest.raises(ProfileError, match=field):
