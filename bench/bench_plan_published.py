@@ -20,9 +20,15 @@ Calibration: the rows are split in two. The odd rows (1, 3, 5, 7, 9) calibrate; 
 are held out, and the table marks them. `--fit` searches the profile's two fitted constants
 (matmul_efficiency, op_overhead_us) on a grid, coarse then fine, for the least worst
 |log(predicted / published)| over the calibration rows, and prints them beside profiles.json's.
-The other published data files (bench/data/) hold no row this model can score: the Megatron-LM
-README's H100 table is an image, and torchtitan's H100 rows either run Float8 or leave the
-sequence length unstated (their files say so).
+torchtitan's Llama 3.1 rows (bench/data/torchtitan_llama3_h100.json) are scored too, on the
+h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layout (FSDP as
+ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recompute (its
+`selective` as soapstone's selective rule, which keeps more than torchtitan's op policy: the
+memory column shows it), sequence 8192 where the page leaves it to the benchmarked commit's
+configs; predicted TPS per GPU = published TPS x published step / predicted step. Rows 1 and
+9 calibrate h100-96gb's matmul_efficiency, rows 2 and 8 are held out; the Float8 rows are
+listed as not scored (`titan_scored` says why). The Megatron-LM README's H100 rows are an
+image: its text states MFU ranges without layouts, nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
