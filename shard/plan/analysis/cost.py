@@ -21,11 +21,11 @@ time, on a `hardware.Profile`:
   `op_overhead_us`, forward and backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
   / bandwidth, on the link class of the row's axes (a ring across nodes pays the inter-node
-  latency only on the hops that cross, NCCL's model: `row_seconds`). Axes are laid out row-major (the last mesh
-  axis innermost, as comm.Mesh places ranks): a group of axes stays inside a node when its
-  ranks span at most `devices_per_node` consecutive ranks, else it crosses the inter-node
-  links. Ring hops: allreduce 2(n-1), reduce_scatter / allgather / alltoall / broadcast
-  n-1, a p2p send 1.
+  latency only on the hops that cross, NCCL's model: `row_seconds`). Axes are laid out
+  row-major (the last mesh axis innermost, as comm.Mesh places ranks): a group of axes stays
+  inside a node when its ranks span at most `devices_per_node` consecutive ranks, else it
+  crosses the inter-node links. Ring hops: allreduce 2(n-1), reduce_scatter / allgather /
+  alltoall / broadcast n-1, a p2p send 1.
 - overlap, where the runtime overlaps, per link class (intra- or inter-node: every axis on
   one class shares its links, so what overlaps on it adds up first; `LinkLoad`,
   `exposed_on_link`): ZeRO-3's prefetched parameter gathers hide behind forward compute
