@@ -20,9 +20,15 @@ Calibration: the rows are split in two. The odd rows (1, 3, 5, 7, 9) calibrate; 
 are held out, and the table marks them. `--fit` searches the profile's two fitted constants
 (matmul_efficiency, op_overhead_us) on a grid, coarse then fine, for the least worst
 |log(predicted / published)| over the calibration rows, and prints them beside profiles.json's.
-The other published data files (bench/data/) hold no row this model can score: the Megatron-LM
-README's H100 table is an image, and torchtitan's H100 rows either run Float8 or leave the
-sequence length unstated (their files say so).
+torchtitan's Llama 3.1 rows (bench/data/torchtitan_llama3_h100.json) are scored too, on the
+h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layout (FSDP as
+ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recompute (its
+`selective` as soapstone's selective rule, which keeps more than torchtitan's op policy: the
+memory column shows it), sequence 8192 where the page leaves it to the benchmarked commit's
+configs; predicted TPS per GPU = published TPS x published step / predicted step. Rows 1 and
+9 calibrate h100-96gb's matmul_efficiency, rows 2 and 8 are held out; the Float8 rows are
+listed as not scored (`titan_scored` says why). The Megatron-LM README's H100 rows are an
+image: its text states MFU ranges without layouts, nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
@@ -40,8 +46,17 @@ import attrs
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "bench/data/megatron_sc21_table1.json"
 CALIBRATION = (0, 2, 4, 6, 8)  # 0-based: the paper's rows 1, 3, 5, 7, 9; the rest held out
+TITAN = ROOT / "bench/data/torchtitan_llama3_h100.json"
+TITAN_PROFILE = "h100-96gb"
+TITAN_CALIBRATION = (0, 3)  # 0-based among the scored rows: the file's rows 1 and 9
+TITAN_EFFICIENCY = (0.20, 0.95)  # a 500 W H100: its grid reaches lower
+# op_overhead_us held at the a100 fit's: the scored rows are one model at one batch per GPU,
+# so they cannot tell a kernel's fixed cost from the matmul rate
+TITAN_OVERHEAD_US = (1, 1)
 EFFICIENCY = (0.50, 0.95)  # the grid's bounds: matmul_efficiency
-OVERHEAD_US = (0, 40)  # and op_overhead_us
+# and op_overhead_us: at least 1 us, the gap a GPU leaves between two dependent kernels even
+# when they are launched ahead (the fit is flat below it: it would say kernels cost nothing)
+OVERHEAD_US = (1, 40)
 
 
 def spec_text(row: dict, table: dict) -> str:
@@ -113,11 +128,139 @@ class Rows:
             out.append(planner.cost(c))
         return out
 
+    def published(self, i: int) -> float:
+        """Row i's published seconds per step."""
+        return published_step(self.items[i][0], self.table)
+
     def ratios(self, profile=None, rows=None) -> list[float]:
         """Predicted / published step time of `rows` (indices; all by default)."""
         got = self.results(profile)
-        return [got[i].time.total / published_step(self.items[i][0], self.table)
+        return [got[i].time.total / self.published(i)
                 for i in (range(len(got)) if rows is None else rows)]
+
+
+# ---- torchtitan's Llama 3.1 rows on H100 ------------------------------------------------
+
+
+def llama_text(geom: dict, batch: int, seq: int, vocab: int, rope: float) -> str:
+    """A Llama 3.1 model as .par text (examples/llama.par's blocks with the row's sizes)."""
+    return f"""model llama {{
+  dim batch = {batch}, seq = {seq}, hidden = {geom['hidden']}, heads = {geom['heads']}, \
+kv_heads = {geom['kv_heads']}, ffn = {geom['ffn']}, vocab = {vocab}
+
+  input tokens  : i64[batch, seq]
+  input targets : i64[batch, seq]
+
+  x = embedding(tokens, vocab -> hidden)
+  repeat {geom['layers']} as layer {{
+    x = x + attention(rmsnorm(x), heads = heads, kv_heads = kv_heads, rope = {rope},
+                      bias = false)
+    x = x + mlp(rmsnorm(x), ffn, activation = silu, gated = true, bias = false)
+  }}
+  logits = linear(rmsnorm(x), hidden -> vocab, bias = false)
+  output loss = cross_entropy(logits, targets)
+}}
+"""
+
+
+def load_titan() -> dict:
+    """The torchtitan data file."""
+    return json.loads(TITAN.read_text())
+
+
+def titan_scored(row: dict) -> str:
+    """'' where the bf16 cost model can score the row, else why not."""
+    if "float8" in row["techniques"]:
+        return ("Float8 linears: the cost model runs every matmul of a step in one precision; "
+                "these run the weight matmuls in fp8 (with dynamic-scaling casts) and the rest "
+                "in bf16")
+    return ""
+
+
+def titan_candidate(row: dict):
+    """The row's layout as a plan Candidate: FSDP as ZeRO-3 over the data axis (torchtitan
+    reshards after forward), the local batch in one microbatch (or the pipeline degree's
+    microbatches), selective recompute as soapstone's rule (module doc)."""
+    from soapstone.dsl.search.space import Candidate
+
+    recompute = "selective" if row["recompute"] == "selective" else "layer"
+    p = row["pipeline"]
+    return Candidate(row["fsdp"], row["tensor"], p, zero=3 if p == 1 else 2,
+                     schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",
+                     microbatches=row.get("microbatches", 1),
+                     chunks=2 if row.get("schedule") == "interleaved" else 1,
+                     context=row["context"], recompute=recompute)
+
+
+class TitanRows(Rows):
+    """torchtitan's bf16 rows (Float8 ones are listed, not scored), compiled once."""
+
+    def __init__(self, table: dict, profile=None):
+        from soapstone.dsl import load
+        from soapstone.dsl.search.plan_search import Planner
+        from soapstone.shard.plan.analysis.hardware import load_profile
+
+        self.table = table
+        self.profile = profile or load_profile(TITAN_PROFILE)
+        self.items, self.skipped = [], []
+        geom = table["geometry"]
+        for n, row in enumerate(table["rows"], 1):
+            if titan_scored(row):
+                self.skipped.append((n, row))
+                continue
+            dp = row["fsdp"]
+            text = llama_text(geom[row["model"]], row["local_batch"] * dp, row["seq"],
+                              geom["vocab"], geom["rope"])
+            c = titan_candidate(row)
+            planner = Planner(load(text).model(), self.profile, precision="bf16",
+                              recompute=(c.recompute,), always_recompute=True)
+            self.items.append((row, planner, c))
+        self.numbers = [n for n, r in enumerate(table["rows"], 1) if not titan_scored(r)]
+
+    def published(self, i: int) -> float:
+        """Row i's published seconds per step: its local batch's tokens (every GPU of a
+        data-parallel group shares them) over TPS/GPU x the group's GPUs."""
+        row = self.items[i][0]
+        group = row["tensor"] * row["pipeline"] * row["context"]
+        return row["local_batch"] * row["seq"] / (row["tps_per_gpu"] * group)
+
+
+def titan_rows_scored(rows: TitanRows) -> list[dict]:
+    """Each scored torchtitan row: predicted vs published TPS per GPU and memory."""
+    out = []
+    for i, ((row, _, c), r) in enumerate(zip(rows.items, rows.results(), strict=True)):
+        pub = rows.published(i)
+        out.append({"row": rows.numbers[i], "model": row["model"], "layout": c.label,
+                    "gpus": row["gpus"], "techniques": row["techniques"],
+                    "held_out": i not in TITAN_CALIBRATION,
+                    "published_tps": row["tps_per_gpu"],
+                    "predicted_tps": row["tps_per_gpu"] * pub / r.time.total,
+                    "ratio": pub / r.time.total, "published_step_s": pub,
+                    "predicted_step_s": r.time.total, "mfu": r.score.mfu,
+                    "published_memory_gib": row["memory_gib"],
+                    "memory_gib": r.memory / 2**30, "fits": r.fits,
+                    "exposed_comm_s": r.time.param_gathers + r.time.grad_sync,
+                    "source": row["source"]})
+    return out
+
+
+def titan_text(scored: list[dict], skipped: list) -> str:
+    """The torchtitan rows as a markdown table, and the rows not scored."""
+    out = ["| row | model | techniques | layout | GPUs | published TPS/GPU | predicted | "
+           "pred / pub | step s pub / pred | MFU | memory GiB pub / pred |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in scored:
+        mark = " (held out)" if r["held_out"] else ""
+        out.append(f"| {r['row']}{mark} | {r['model']} | {r['techniques']} | {r['layout']} | "
+                   f"{r['gpus']} | {r['published_tps']} | {r['predicted_tps']:.0f} | "
+                   f"{r['ratio']:.3f} | {r['published_step_s']:.2f} / "
+                   f"{r['predicted_step_s']:.2f} | {r['mfu']:.0%} | "
+                   f"{r['published_memory_gib']} / {r['memory_gib']:.1f}"
+                   f"{'' if r['fits'] else ' (no fit)'} |")
+    out.append("")
+    out += [f"not scored: row {n} ({row['model']}, {row['techniques']}, {row['gpus']} GPUs): "
+            f"{titan_scored(row)}" for n, row in skipped]
+    return "\n".join(out) + "\n"
 
 
 def worst(ratios: list[float]) -> float:
@@ -125,22 +268,23 @@ def worst(ratios: list[float]) -> float:
     return max(abs(math.log(r)) for r in ratios)
 
 
-def fit(rows: Rows, which=CALIBRATION) -> dict:
+def fit(rows, which=CALIBRATION, efficiency=EFFICIENCY, overhead_us=OVERHEAD_US) -> dict:
     """The constants that minimise `worst` over the rows `which`: a grid of matmul_efficiency
-    (step 0.05, then 0.01 around the best) x op_overhead_us (step 5, then 1 around it)."""
+    (step 0.05, then 0.01 around the best) x op_overhead_us (step 5, then 1 around it),
+    within the bounds `efficiency` and `overhead_us`."""
     def score(eff: float, us: float) -> tuple[float, float, float]:
         prof = attrs.evolve(rows.profile, matmul_efficiency=eff, op_overhead_s=us * 1e-6)
         return worst(rows.ratios(prof, which)), eff, us
 
-    lo, hi = EFFICIENCY
+    lo, hi = efficiency
     coarse = min(score(round(lo + 0.05 * i, 2), float(us))
                  for i in range(round((hi - lo) / 0.05) + 1)
-                 for us in range(OVERHEAD_US[0], OVERHEAD_US[1] + 1, 5))
+                 for us in range(overhead_us[0], overhead_us[1] + 1, 5))
     _, e0, u0 = coarse
     fine = min(score(round(e0 + 0.01 * i, 2), float(us))
                for i in range(-4, 5) if lo <= e0 + 0.01 * i <= hi
-               for us in range(max(OVERHEAD_US[0], int(u0) - 4),
-                               min(OVERHEAD_US[1], int(u0) + 4) + 1))
+               for us in range(max(overhead_us[0], int(u0) - 4),
+                               min(overhead_us[1], int(u0) + 4) + 1))
     best, eff, us = fine
     prof = attrs.evolve(rows.profile, matmul_efficiency=eff, op_overhead_s=us * 1e-6)
     r = rows.ratios(prof, which)
@@ -235,6 +379,33 @@ def plan_text(planned: list[dict]) -> str:
         f"{lo:.3f}..{hi:.3f}\n"
 
 
+def titan_report(fit_again: bool) -> tuple[str, dict]:
+    """torchtitan's rows scored on h100-96gb (and its constants fitted again)."""
+    table = load_titan()
+    rows = TitanRows(table)
+    prof = rows.profile
+    scored = titan_rows_scored(rows)
+    cal = [r["ratio"] for r in scored if not r["held_out"]]
+    held = [r["ratio"] for r in scored if r["held_out"]]
+    text = (f"{table['source']}; {prof.name} (matmul_efficiency {prof.matmul_efficiency}, "
+            f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16, seq and layouts as the "
+            f"data file states\n\n" + titan_text(scored, rows.skipped) +
+            f"\npredicted / published TPS per GPU: calibration rows {min(cal):.3f}.."
+            f"{max(cal):.3f}, held-out rows {min(held):.3f}..{max(held):.3f}\n")
+    data: dict = {"rows": scored, "not_scored": [
+        {"row": n, "techniques": r["techniques"], "why": titan_scored(r)}
+        for n, r in rows.skipped]}
+    if fit_again:
+        got = fit(rows, TITAN_CALIBRATION, TITAN_EFFICIENCY, TITAN_OVERHEAD_US)
+        text += (f"\nfit on rows {', '.join(str(rows.numbers[i]) for i in TITAN_CALIBRATION)}"
+                 f": matmul_efficiency {got['matmul_efficiency']} (op_overhead_us held at "
+                 f"{got['op_overhead_us']:g}; worst |log ratio| {got['worst_log']:.4f}, ratios "
+                 f"{got['ratio_min']:.3f}..{got['ratio_max']:.3f}); profiles.json has "
+                 f"{prof.matmul_efficiency}, {prof.op_overhead_s * 1e6:g}\n")
+        data["fit"] = got
+    return text, data
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true",
@@ -275,6 +446,8 @@ def main() -> int:
                          f"{got['ratio_max']:.3f}); profiles.json has "
                          f"{prof.matmul_efficiency}, {prof.op_overhead_s * 1e6:g}\n")
         data["fit"] = got
+    text, data["torchtitan"] = titan_report(args.fit)
+    sys.stdout.write("\n" + text)
     if args.plan:
         planned = plan_rows(rows)
         sys.stdout.write("\n" + plan_text(planned))

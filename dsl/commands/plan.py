@@ -39,8 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, required=True, metavar="N",
                         help="how many devices")
     parser.add_argument("--profile", required=True, metavar="NAME|FILE",
-                        help="a hardware preset (a100-40gb, a100-80gb, h100-80gb, h200, "
-                             "cpu-2core) or a profile file (`soapstone bench calibrate -o`)")
+                        help="a hardware preset (a100-40gb, a100-80gb, h100-80gb, h100-96gb, "
+                             "h200, cpu-2core) or a profile file (`soapstone bench calibrate -o`)")
     parser.add_argument("--global-batch", type=int, metavar="B",
                         help="the batch per step (default: the spec's batch dim)")
     parser.add_argument("--top", type=int, default=10, metavar="K",

@@ -85,6 +85,29 @@ def test_axes_are_laid_out_innermost_first_inside_a_node():
     assert link_of("data", {"data": 4, "model": 4}, prof) == prof.inter_node
 
 
+def test_a_ring_across_nodes_pays_the_inter_node_latency_only_where_it_crosses():
+    """NCCL's ring model: of a reduce-scatter's n - 1 steps over 4 nodes, 3 cross between
+    nodes; an allreduce crosses on 2 x 3 of its 2(n - 1); a ring with one rank per node
+    crosses on every step; inside a node nothing changes. By hand, on a100-40gb (8 per
+    node, 5 us inside, 10 us between, 20 GB/s between)."""
+    from soapstone.shard.plan.analysis.cost import nodes_spanned, row_seconds
+    from soapstone.shard.plan.analysis.explain import Traffic
+
+    prof = load_profile("a100-40gb")
+    mesh = {"data": 16, "model": 2}  # data ranks 0, 2, .., 30: 4 per node, 4 nodes
+    assert nodes_spanned("data", mesh, prof) == 4
+    rs = Traffic("grad sync", "reduce_scatter", "data", calls=3, bytes=10**9)
+    assert row_seconds(rs, mesh, prof) == pytest.approx(
+        3 * (3 * 10e-6 + 12 * 5e-6) + 1e9 / 20e9)
+    ar = Traffic("grad sync", "allreduce", "data", calls=1, bytes=10**9)
+    assert row_seconds(ar, mesh, prof) == pytest.approx(6 * 10e-6 + 24 * 5e-6 + 1e9 / 20e9)
+    outer = {"data": 4, "model": 8}  # one data rank per node: every step crosses
+    assert nodes_spanned("data", outer, prof) == 4
+    assert row_seconds(rs, outer, prof) == pytest.approx(3 * 3 * 10e-6 + 1e9 / 20e9)
+    inner = {"data": 2, "model": 4}
+    assert row_seconds(rs, inner, prof) == pytest.approx(3 * 1 * 5e-6 + 1e9 / 240e9)
+
+
 def test_step_time_of_one_rank_is_its_compute_and_its_update():
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.shard.plan.analysis.cost import program_work, step_time

@@ -20,11 +20,12 @@ time, on a `hardware.Profile`:
   fused chain is one, a redistribution is one) also costs the profile's fixed
   `op_overhead_us`, forward and backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
-  / bandwidth, on the link class of the row's axes. Axes are laid out row-major (the last mesh
-  axis innermost, as comm.Mesh places ranks): a group of axes stays inside a node when its
-  ranks span at most `devices_per_node` consecutive ranks, else it crosses the inter-node
-  links. Ring hops: allreduce 2(n-1), reduce_scatter / allgather / alltoall / broadcast
-  n-1, a p2p send 1.
+  / bandwidth, on the link class of the row's axes (a ring across nodes pays the inter-node
+  latency only on the hops that cross, NCCL's model: `row_seconds`). Axes are laid out
+  row-major (the last mesh axis innermost, as comm.Mesh places ranks): a group of axes stays
+  inside a node when its ranks span at most `devices_per_node` consecutive ranks, else it
+  crosses the inter-node links. Ring hops: allreduce 2(n-1), reduce_scatter / allgather /
+  alltoall / broadcast n-1, a p2p send 1.
 - overlap, where the runtime overlaps, per link class (intra- or inter-node: every axis on
   one class shares its links, so what overlaps on it adds up first; `LinkLoad`,
   `exposed_on_link`): ZeRO-3's prefetched parameter gathers hide behind forward compute
@@ -178,11 +179,32 @@ def link_of(axes: str, mesh: dict[str, int], profile: Profile) -> Link:
         profile.inter_node
 
 
+def nodes_spanned(axes: str, mesh: dict[str, int], profile: Profile) -> int:
+    """How many nodes one communicator over `axes` reaches (ranks laid out row-major over
+    `mesh`, `devices_per_node` consecutive ranks to a node): the group of rank 0."""
+    names = list(mesh)
+    group = [a for a in axes.split(",") if a in mesh]
+    ranks = [0]
+    for a in group:
+        stride = math.prod(mesh[b] for b in names[names.index(a) + 1:])
+        ranks = [r + i * stride for r in ranks for i in range(mesh[a])]
+    return len({r // profile.devices_per_node for r in ranks})
+
+
 def row_seconds(t: Traffic, mesh: dict[str, int], profile: Profile) -> float:
-    """One traffic row's time: calls x hops x latency + bus bytes / bandwidth."""
+    """One traffic row's time: calls x the ring's latency + bus bytes / bandwidth. A ring
+    over several nodes (NCCL's model, src/graph/tuning.cc) crosses between nodes on
+    nodes - 1 of its steps (twice as many for an allreduce's two passes) and stays on the
+    intra-node links for the rest: those steps cost the intra-node latency."""
     n = math.prod(mesh.get(a, 1) for a in t.axis.split(","))
     hops = HOPS.get(t.kind, lambda n: n - 1)(n)
-    return link_of(t.axis, mesh, profile).time(t.calls * hops, t.bytes)
+    link = link_of(t.axis, mesh, profile)
+    if link is profile.intra_node or t.kind == "send":
+        return link.time(t.calls * hops, t.bytes)
+    nodes = nodes_spanned(t.axis, mesh, profile)
+    inter = min(hops, (nodes - 1) * (2 if t.kind == "allreduce" else 1))
+    return link.time(t.calls * inter, t.bytes) + \
+        t.calls * (hops - inter) * profile.intra_node.latency_s
 
 
 @attrs.frozen
