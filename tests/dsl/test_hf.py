@@ -12,7 +12,6 @@ own AdamW steps: tests/dsl/hf_cases.py.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import attrs
@@ -125,16 +124,8 @@ def test_hf_case(comm_runs, case, n):
 
 # ---- bad input -----------------------------------------------------------------------------
 
-def _copy(src: Path, dst: Path, **config) -> Path:
-    shutil.copytree(src, dst)
-    conf = json.loads((dst / "config.json").read_text())
-    conf.update(config)
-    (dst / "config.json").write_text(json.dumps(conf))
-    return dst
-
-
 def test_unsupported_config_field_exit_2(hf_dirs, tmp_path):
-    bad = _copy(hf_dirs["gpt2"], tmp_path / "bad", activation_function="quick_gelu")
+    bad = hf_models.with_config(hf_dirs["gpt2"], tmp_path / "bad", activation_function="quick_gelu")
     r = run_mpi(1, [*CLI, "run", "examples/gpt2.par", "--init", f"hf:{bad}", "--steps", "1"])
     assert r.returncode == 2, r.report()
     assert "field 'activation_function' = \"quick_gelu\" is not supported" in r.stderr, r.stderr
@@ -149,7 +140,7 @@ def test_unsupported_config_field_exit_2(hf_dirs, tmp_path):
     ("gpt2", "model_type", "bert"),
 ])
 def test_unsupported_config_field_is_named(hf_dirs, tmp_path, kind, field, value):
-    bad = _copy(hf_dirs[kind], tmp_path / "bad", **{field: value})
+    bad = hf_models.with_config(hf_dirs[kind], tmp_path / "bad", **{field: value})
     with pytest.raises(hf_config.HFError, match=f"field '{field}' = .* is not supported"):
         hf_config.read_config(bad)
 
@@ -157,7 +148,7 @@ def test_unsupported_config_field_is_named(hf_dirs, tmp_path, kind, field, value
 def test_weight_of_wrong_shape_names_tensor_shapes_and_dim(hf_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    bad = _copy(hf_dirs["gpt2"], tmp_path / "bad")
+    bad = hf_models.with_config(hf_dirs["gpt2"], tmp_path / "bad")
     tensors = load_file(bad / "model.safetensors")
     tensors["transformer.wpe.weight"] = torch.zeros(40, 32)
     tensors["transformer.h.1.attn.c_attn.weight"] = torch.zeros(32, 99)
@@ -188,7 +179,7 @@ def test_dims_that_differ_name_the_flags(hf_dirs):
 
 
 def test_another_layer_count_names_the_repeat(hf_dirs, tmp_path):
-    bad = _copy(hf_dirs["llama"], tmp_path / "bad", num_hidden_layers=3)
+    bad = hf_models.with_config(hf_dirs["llama"], tmp_path / "bad", num_hidden_layers=3)
     model = dsl.load(ROOT / "examples/llama.par").model("llama")
     with pytest.raises(hf_config.HFError, match="repeats 2 blocks, but .* has 3 layers") as e:
         hf.load(bad, model)

@@ -19,7 +19,6 @@ exit 2 naming them. Every layout of examples/mixtral.par under mpiexec: hf_moe_c
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import attrs
@@ -208,7 +207,7 @@ def test_the_commands_run_export_and_refuse(hf_dirs, tmp_path):
     OUT` writes what transformers computes as soapstone does; a config with
     output_router_logits is exit 2 naming the field."""
     metrics = tmp_path / "m.jsonl"
-    bad = _copy(hf_dirs["mixtral"], tmp_path / "bad", output_router_logits=True)
+    bad = hf_models.with_config(hf_dirs["mixtral"], tmp_path / "bad", output_router_logits=True)
     ran, exported, refused = cli(
         ["run", "examples/mixtral.par", "--init", f"hf:{hf_dirs['mixtral']}", "--steps", "1",
          "--optimizer", "sgd", "--quiet", "--metrics", str(metrics)],
@@ -240,14 +239,6 @@ def test_hf_moe_case(comm_runs, case, n):
 
 # ---- bad input -----------------------------------------------------------------------------
 
-def _copy(src: Path, dst: Path, **config) -> Path:
-    shutil.copytree(src, dst)
-    conf = json.loads((dst / "config.json").read_text())
-    conf.update(config)
-    (dst / "config.json").write_text(json.dumps(conf))
-    return dst
-
-
 @pytest.mark.parametrize("family,field,value", [
     ("qwen2_moe", "decoder_sparse_step", 2),
     ("qwen3_moe", "mlp_only_layers", [0]),
@@ -255,7 +246,7 @@ def _copy(src: Path, dst: Path, **config) -> Path:
     ("qwen2_moe", "output_router_logits", True),
 ])
 def test_unsupported_moe_field_is_named(hf_dirs, tmp_path, family, field, value):
-    bad = _copy(hf_dirs[family], tmp_path / "bad", **{field: value})
+    bad = hf_models.with_config(hf_dirs[family], tmp_path / "bad", **{field: value})
     with pytest.raises(hf_config.HFError, match=f"field '{field}' = .* is not supported"):
         hf_config.read_config(bad)
 
@@ -269,7 +260,7 @@ def test_qwen2_moe_window_on_alternate_layers_is_refused(tmp_path):
 
 
 def test_too_many_experts_per_token_is_refused(hf_dirs, tmp_path):
-    bad = _copy(hf_dirs["qwen3_moe"], tmp_path / "bad", num_experts_per_tok=5)
+    bad = hf_models.with_config(hf_dirs["qwen3_moe"], tmp_path / "bad", num_experts_per_tok=5)
     with pytest.raises(hf_config.HFError, match="num_experts_per_tok = 5 must be between 1 "
                        "and num_local_experts = 4"):
         hf_config.read_config(bad)
@@ -287,7 +278,7 @@ def test_too_many_experts_per_token_is_refused(hf_dirs, tmp_path):
 ])
 def test_a_spec_that_routes_otherwise_is_refused_at_its_line(hf_dirs, tmp_path, edit, config,
                                                              needle, hint):
-    src = _copy(hf_dirs["mixtral"], tmp_path / "src", **config)
+    src = hf_models.with_config(hf_dirs["mixtral"], tmp_path / "src", **config)
     text = (ROOT / "examples/mixtral.par").read_text()
     if edit is not None:
         text = text.replace(*edit)

@@ -8,6 +8,8 @@ start at 0 and 1), so a tensor mapped to the wrong place cannot go unnoticed."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -57,3 +59,12 @@ def load(directory: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def with_config(src: Path, dst: Path, **config) -> Path:
+    """A copy of the model directory src at dst, its config.json changed by `config`."""
+    shutil.copytree(src, dst)
+    conf = json.loads((dst / "config.json").read_text())
+    conf.update(config)
+    (dst / "config.json").write_text(json.dumps(conf))
+    return dst
