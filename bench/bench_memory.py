@@ -11,6 +11,14 @@ is measured on every rank after a first step has allocated gradients and optimiz
   (VmHWM reset through /proc/self/clear_refs; allocations over 64 KiB each get their own
   mmap, returned at free, so resident memory follows the live tensors): explain's
   `activation_bytes + transient_bytes`, less the input batch, which exists before.
+  glibc serves a request over the mmap threshold from a free chunk of its heap when one is
+  big enough (mmap only when the heap would grow), so which tensors land in already-resident
+  heap pages varies run to run with the heap's layout: at a few MiB this moves the resident
+  peak by up to ~0.8 MiB (measured at pipe 2, 1F1B: the free heap chunks of >= 128 KiB at a
+  step's start were 0 to 3, and a 128 KiB receive buffer came from the heap in some runs);
+- malloc: the same step's peak of the bytes malloc hands out (heap in use + mmapped chunks,
+  glibc's mallinfo2) above the step's start, sampled after every torch op: every tensor,
+  MPI's and Python's own allocations included, wherever malloc puts them; the same every run.
 
     .venv/bin/python bench/bench_memory.py [--json F] [--precision bf16]
     mpiexec -n 2 .venv/bin/python bench/bench_memory.py --spec examples/gpt.par \\
@@ -52,6 +60,39 @@ def _exact_rss() -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic raise)
     libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+
+def _malloc_in_use() -> int:
+    """Bytes malloc has handed out and not taken back: heap chunks in use + mmapped chunks."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+def _malloc_peak(run) -> int:
+    """The peak of `_malloc_in_use` over `run()` above its start, sampled after every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sampler(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Sampler.peak = max(Sampler.peak, _malloc_in_use())
+            return out
+
+    start = _malloc_in_use()
+    Sampler.peak = start
+    with Sampler():
+        run()
+    return Sampler.peak - start
 
 
 def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=None,
@@ -107,6 +148,8 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     with live:
         ex.forward_backward(task.batch(3), step=3)
     ex.step()
+    malloc = _malloc_peak(lambda: ex.forward_backward(task.batch(4), step=4))
+    ex.step()
     # the batch exists before the step; under bf16 its float inputs are cast to a new bf16
     # copy inside the step, which explain counts as the input value: only the rest is old
     inputs = sum(t.untyped_storage().nbytes() for t in batch.values()
@@ -116,7 +159,8 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
             "explain_activation_bytes": est.activation_bytes,
             "explain_transient_bytes": est.transient_bytes, "saved_bytes": sum(saved.values()),
             "peak_step_bytes": peak, "input_bytes": inputs, "live_step_bytes": live.peak,
-            "live_error": est_peak / max(1, live.peak) - 1,
+            "live_error": est_peak / max(1, live.peak) - 1, "malloc_step_bytes": malloc,
+            "malloc_error": est_peak / max(1, malloc) - 1,
             "saved_error": est.activation_bytes / max(1, sum(saved.values())) - 1,
             "peak_error": est_peak / max(1, peak) - 1}
 
@@ -124,7 +168,8 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
 def table(rows: list[dict]) -> str:
     """The rows as text."""
     out = [f"{'case':<34} {'rank':>4} {'saved MiB':>9} {'explain':>8} {'err':>6} "
-           f"{'peak MiB':>8} {'explain':>8} {'err':>6} {'live MiB':>8} {'err':>6}"]
+           f"{'peak MiB':>8} {'explain':>8} {'err':>6} {'live MiB':>8} {'err':>6} "
+           f"{'malloc':>8} {'err':>6}"]
     for r in rows:
         case = r["spec"] + (f" / {r['layout']}" if r["layout"] else "")
         est_peak = r["explain_activation_bytes"] + r["explain_transient_bytes"] - \
@@ -133,7 +178,8 @@ def table(rows: list[dict]) -> str:
                    f"{r['explain_activation_bytes'] / 2**20:>8.1f} {r['saved_error']:>+6.1%} "
                    f"{r['peak_step_bytes'] / 2**20:>8.1f} {est_peak / 2**20:>8.1f} "
                    f"{r['peak_error']:>+6.1%} {r['live_step_bytes'] / 2**20:>8.1f} "
-                   f"{r['live_error']:>+6.1%}")
+                   f"{r['live_error']:>+6.1%} {r['malloc_step_bytes'] / 2**20:>8.1f} "
+                   f"{r['malloc_error']:>+6.1%}")
     return "\n".join(out) + "\n"
 
 
