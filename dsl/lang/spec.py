@@ -61,7 +61,6 @@ class Spec:
                                         )])
         return self.parallels[name]
 
-
     def refusals(self) -> list[str]:
         """One line per refused layout: its name and the first reason, at its place."""
         lines = []
