@@ -104,6 +104,9 @@ def test_a_ring_across_nodes_pays_the_inter_node_latency_only_where_it_crosses()
     outer = {"data": 4, "model": 8}  # one data rank per node: every step crosses
     assert nodes_spanned("data", outer, prof) == 4
     assert row_seconds(rs, outer, prof) == pytest.approx(3 * 3 * 10e-6 + 1e9 / 20e9)
+    # counted, not listed: a group of 2**30 ranks answers at once
+    assert nodes_spanned("data", {"data": 2**30, "model": 8}, prof) == 2**30
+    assert nodes_spanned("model,data", {"pipe": 4, "data": 4, "model": 4}, prof) == 2
     inner = {"data": 2, "model": 4}
     assert row_seconds(rs, inner, prof) == pytest.approx(3 * 1 * 5e-6 + 1e9 / 240e9)
 

@@ -181,14 +181,20 @@ def link_of(axes: str, mesh: dict[str, int], profile: Profile) -> Link:
 
 def nodes_spanned(axes: str, mesh: dict[str, int], profile: Profile) -> int:
     """How many nodes one communicator over `axes` reaches (ranks laid out row-major over
-    `mesh`, `devices_per_node` consecutive ranks to a node): the group of rank 0."""
+    `mesh`, `devices_per_node` consecutive ranks to a node): the group of rank 0, its size
+    over how many of its ranks rank 0's node holds. Counted without listing the group (a
+    mesh may have 2**31 ranks): at most devices_per_node ranks are looked at. Exact where
+    node boundaries fall on whole groups, as in every power-of-two layout."""
     names = list(mesh)
     group = [a for a in axes.split(",") if a in mesh]
-    ranks = [0]
+    per_node = profile.devices_per_node
+    on_first = [0]  # the group's ranks on rank 0's node
     for a in group:
         stride = math.prod(mesh[b] for b in names[names.index(a) + 1:])
-        ranks = [r + i * stride for r in ranks for i in range(mesh[a])]
-    return len({r // profile.devices_per_node for r in ranks})
+        on_first = [r + i * stride for r in on_first
+                    for i in range(min(mesh[a], (per_node - 1 - r) // stride + 1))]
+    size = math.prod(mesh[a] for a in group)
+    return -(-size // len(on_first))
 
 
 def row_seconds(t: Traffic, mesh: dict[str, int], profile: Profile) -> float:
