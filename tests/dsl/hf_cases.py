@@ -79,12 +79,7 @@ def _layouts_match_single(kinds=KINDS, spec_dir=None) -> None:
             loss, got, _ = _train(kind, layout, "sgd", SGD_LR, STEPS, spec_dir)
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5,
                                        err_msg=f"{kind}/{layout} losses")
-            atol = STEPS * SGD_LR * float(np.finfo(np.float32).eps)
-            for name, w in want.items():
-                scale = float(w.abs().max())
-                diff = float((got[name] - w).abs().max())
-                assert diff <= 1e-5 * 2 * scale + atol, \
-                    f"{kind}/{layout}: {name} differs by {diff:.3e} (scale {scale:.3e})"
+            hf_models.assert_trained_alike(got, want, STEPS, SGD_LR, f"{kind}/{layout}")
             ran += 1
     assert ran, f"no layout of {W.size} ranks"
 

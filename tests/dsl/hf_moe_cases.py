@@ -93,12 +93,7 @@ def case_moe_layouts_match_single_rank():
             loss, got, _ = _train(family, layout, "sgd", SGD_LR, STEPS)
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5,
                                        err_msg=f"{family}/{layout} losses")
-            atol = STEPS * SGD_LR * float(np.finfo(np.float32).eps)
-            for name, w in want.items():
-                scale = float(w.abs().max())
-                diff = float((got[name] - w).abs().max())
-                assert diff <= 1e-5 * 2 * scale + atol, \
-                    f"{family}/{layout}: {name} differs by {diff:.3e} (scale {scale:.3e})"
+            hf_models.assert_trained_alike(got, want, STEPS, SGD_LR, f"{family}/{layout}")
 
 
 @ranks(2)

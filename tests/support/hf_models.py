@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 GPT2 = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_head": 4, "n_layer": 2,
@@ -68,3 +69,14 @@ def with_config(src: Path, dst: Path, **config) -> Path:
     conf.update(config)
     (dst / "config.json").write_text(json.dumps(conf))
     return dst
+
+
+def assert_trained_alike(got: dict, want: dict, steps: int, lr: float, what: str) -> None:
+    """Parameters after `steps` SGD steps at `lr` equal the single rank's: within 2e-5 of
+    each tensor's scale, plus one float32 rounding per step's update."""
+    atol = steps * lr * float(np.finfo(np.float32).eps)
+    for name, w in want.items():
+        scale = float(w.abs().max())
+        diff = float((got[name] - w).abs().max())
+        assert diff <= 1e-5 * 2 * scale + atol, \
+            f"{what}: {name} differs by {diff:.3e} (scale {scale:.3e})"
