@@ -25,8 +25,8 @@ from soapstone.dsl.compile import rules
 from soapstone.dsl.lang.errors import Diagnostic, SpecError
 from soapstone.dsl.model import ir
 from soapstone.shard.ops.record import Partial, Role
-from soapstone.shard.parallel.regather_plan import regathered
 from soapstone.shard.parallel.op_policy_plan import op_policy_drops
+from soapstone.shard.parallel.regather_plan import regathered
 from soapstone.shard.parallel.selective_plan import selective_drops
 from soapstone.shard.plan.collectives import transition_cost
 from soapstone.shard.plan.dtypes import is_float

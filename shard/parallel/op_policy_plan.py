@@ -85,7 +85,8 @@ def op_policy_drops(program: Program, blocks: tuple[str | None, ...]
     made_in = {s.out: b for s, b in zip(steps, blocks, strict=True)}
     # rebuildable[v]: the anchors its rebuild reads (v made by a local op of its block)
     rebuildable: dict[str, set[str]] = {}
-    dropped: list[str] = []  # (a set beside it for the lookups above)
+    dropped: list[str] = []
+    gone: set[str] = set()  # the same, for lookups
     for i, s in enumerate(steps):
         b = blocks[i]
         if b is None or not isinstance(s, Compute) or i in in_fusion or s.dist or s.owner \
@@ -100,7 +101,7 @@ def op_policy_drops(program: Program, blocks: tuple[str | None, ...]
                 continue
             if a in anchors:
                 reads.add(a)
-            elif a in rebuildable and (a in dropped or a not in kept):
+            elif a in rebuildable and made_in[a] == b and (a in gone or a not in kept):
                 reads |= rebuildable[a]  # dropped (rebuilt first) or rebuilt on the way
             elif a not in kept or not program.value(a).is_float:
                 break  # not there in backward
@@ -110,6 +111,7 @@ def op_policy_drops(program: Program, blocks: tuple[str | None, ...]
                     and rec.bound is not Bound.VIEW and s.out not in viewed \
                     and program.value(s.out).is_float:
                 dropped.append(s.out)
+                gone.add(s.out)
     reached = set().union(*(rebuildable[d] for d in dropped)) if dropped else set()
     held = tuple(s.out for s in steps if s.out in reached and s.out not in kept)
     return tuple(dropped), held
