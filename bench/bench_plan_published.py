@@ -183,7 +183,8 @@ def titan_candidate(row: dict):
     microbatches), selective recompute as soapstone's rule (module doc)."""
     from soapstone.dsl.search.space import Candidate
 
-    recompute = "selective" if row["recompute"] == "selective" else "layer"
+    # torchtitan's `selective` is its op policy: soapstone's `recompute ops`
+    recompute = "ops" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
     return Candidate(row["fsdp"], row["tensor"], p, zero=3 if p == 1 else 2,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",
