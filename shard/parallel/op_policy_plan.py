@@ -27,6 +27,8 @@ gradient: the runtime gathers that bucket at the rebuild (shard/parallel/zero.py
 A LLaMA block keeps its input, q, v, the attention output and its log-sum-exp, and the gate
 half of the MLP (27,712 elements per token at Llama 3.1 8B's widths, tests/shard/parallel/
 test_op_policy.py); torchtitan's 31,808 also holds w2's output, which its backward never reads.
+A linear with a bias runs as one fused kernel (fusion_plan.py), never run again here: on
+gpt.par this rule drops what `recompute selective` does and reruns no matmul.
 """
 
 from __future__ import annotations
