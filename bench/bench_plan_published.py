@@ -26,8 +26,9 @@ ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recomp
 `selective` is torchtitan's op policy: soapstone's `recompute ops`), sequence 8192 where the
 page leaves it to the benchmarked commit's configs; predicted TPS per GPU = published TPS x
 published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency, rows 2
-and 8 are held out; the Float8 rows are listed as not scored (`titan_scored` says why). The Megatron-LM README's H100 rows are an
-image: its text states MFU ranges without layouts, nothing to score.
+and 8 are held out; the Float8 rows are listed as not scored (`titan_scored` says why). The
+Megatron-LM README's H100 rows are an image: its text states MFU ranges without layouts,
+nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
