@@ -79,6 +79,14 @@ def lse_bytes(program: Program, f: FusedAttention) -> int:
 def activation_figures(program: Program) -> tuple[int, int]:
     """(bytes saved for backward, peak working set above them) of one forward and backward
     of `program` (module doc)."""
+    saved, forward, backward = phase_figures(program)
+    return saved, max(forward, backward)
+
+
+def phase_figures(program: Program) -> tuple[int, int, int]:
+    """(bytes saved for backward, the forward's peak working set above them, the
+    backward's) of one forward and backward of `program` (module doc): a pipeline's peak
+    adds each to what is held at its own actions (in_flight.py)."""
     fused = find_fusions(program)
     covered = {i for f in fused.values() for i in f.covered}
     root = _roots(program, covered)
@@ -188,6 +196,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
             if a in alive and last_use.get(a) == i and a not in keep:
                 alive.discard(a)
                 live -= val(a).nbytes
+    forward, peak = peak, 0
     # backward: what is still saved + gradients in flight (+ a parameter's, briefly)
     grads: dict[str, int] = {}
     for o in program.outputs:
@@ -213,7 +222,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
-    return saved_total, max(0, peak - saved_total)
+    return saved_total, max(0, forward - saved_total), max(0, peak - saved_total)
 
 
 def _rebuild_chains(program: Program, kept: set[str], params: set[str]

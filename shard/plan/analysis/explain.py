@@ -57,9 +57,12 @@ figures add up its virtual stages:
   read by the stage's first op, which saves it). For 1F1B that is p - s microbatches on pipe
   rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; zb1p keeps the
   saved bytes until W, and from B to W the gradients B keeps for it (activations.py's
-  weight_grad_bytes). The transient: the largest of the rank's stages', plus the one
-  message received ahead of the compute reading it; sends add nothing, each let go as it
-  completes (shard/runtime/pipe_p2p.py). Flat in m but for GPipe.
+  weight_grad_bytes). The peak is per action (in_flight.py): what is held at that action
+  plus that action's own working set (its stage's forward's at an F, backward's at a B or
+  W), the largest over the actions; activations is what is held there, transient that
+  action's working set, plus the one message received ahead of the compute reading it;
+  sends add nothing, each let go as it completes (shard/runtime/pipe_p2p.py). Flat in m
+  but for GPipe.
 - communication: a stage's forward and backward collectives run once per microbatch (x m);
   gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
   reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
@@ -92,6 +95,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.activations import (
     activation_figures,
+    phase_figures,
     recompute_flops,
     weight_grad_bytes,
 )
@@ -141,6 +145,9 @@ class Estimate:
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
     transient_bytes: int = 0  # the working set above the saved activations at the peak
+    # (forward's, backward's) working sets, of which transient_bytes is the larger; a
+    # pipeline adds each at its own actions (in_flight.py). None: both transient_bytes
+    phase_transients: tuple[int, int] | None = attrs.field(default=None, repr=False)
     # `recompute`: (saved, working set) without it, and the matmul FLOPs backward runs again
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
@@ -173,7 +180,7 @@ class Estimate:
     def to_data(self) -> dict:
         """The estimate as plain data (`explain --json`), with total and per-axis bytes."""
         d = attrs.asdict(self)
-        del d["rank_traffic"]
+        del d["rank_traffic"], d["phase_transients"]
         d["total_bytes"] = self.total_bytes
         d["comm_bytes_per_axis"] = {}
         for t in self.traffic:
@@ -207,7 +214,10 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
     elems = sum(math.prod(p.local_shape) for p in float_params)
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
-    activations, transient = activations or activation_figures(program)
+    phases = None
+    if activations is None:
+        activations, *phases = phase_figures(program)
+    activations, transient = activations if phases is None else (activations, max(phases))
     again = {i for a, b in program.recompute for i in range(a, b)}
     for i, step in enumerate(program.steps):
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
@@ -305,11 +315,15 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
+    # held beside either phase's working set: the gathered bucket, the bf16 shard copies,
+    # ZeRO >= 2's full gradient buffers
+    beside = gathered + cached + (elems * 4 - grad_bytes if z.shards_grads else 0)
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + gathered + cached + (
-                        elems * 4 - grad_bytes if z.shards_grads else 0),
+                    transient_bytes=transient + beside,
+                    phase_transients=None if phases is None else
+                    tuple(w + beside for w in phases),
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
@@ -393,6 +407,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     # never built: in_flight's closed forms and short walks, and the bubble's formula
     sched = ScheduleShape(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
+    work = {i: e.phase_transients or (e.transient_bytes,) * 2 for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
     backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
@@ -413,7 +428,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
-        peak, flight = in_flight(sched, r, act, sent, kept)
+        peak = in_flight(sched, r, act, sent, kept, work)
         rows: dict[tuple[str, str, str], Traffic] = {}
 
         def add(phase, kind, ax, calls, nbytes, rows=rows):
@@ -443,12 +458,12 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             "master_bytes": sum(per_stage[st.index].master_bytes for st in mine),
             "grad_bytes": sum(per_stage[st.index].grad_bytes for st in mine),
             "optimizer_bytes": sum(per_stage[st.index].optimizer_bytes for st in mine),
-            "activation_bytes": peak,
-            "transient_bytes": max(per_stage[st.index].transient_bytes for st in mine)
-            + received_ahead(r, sends, backs),
+            # at the action where held + its working set peaks (in_flight.py)
+            "activation_bytes": peak.held,
+            "transient_bytes": peak.working + received_ahead(r, sends, backs),
             "activation_bytes_per_microbatch": {st.index: act[st.index] + sent.get(st.index, 0)
                                                 for st in mine},
-            "microbatches_in_flight": {st.index: flight.get(st.index, 0) for st in mine},
+            "microbatches_in_flight": {st.index: peak.live.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
             "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
         })
@@ -499,9 +514,9 @@ def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate],
         return {}
     plain = {i: (e.without_recompute or (e.activation_bytes, e.transient_bytes))
              for i, e in per_stage.items()}
-    peak, _ = in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()}, sent,
-                        kept)
-    return {"without_recompute": (peak, max(plain[i][1] for i in mine) + ahead),
+    peak = in_flight(sched, pick["pipe_rank"], {i: a for i, (a, _) in plain.items()}, sent,
+                     kept, {i: (w, w) for i, (_, w) in plain.items()})
+    return {"without_recompute": (peak.held, peak.working + ahead),
             "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
 
 

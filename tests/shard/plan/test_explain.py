@@ -108,16 +108,44 @@ def test_in_flight_walks_the_schedules_action_lists():
     m 4, rank 0: its warm-up runs F0 F1 of stage 0 and F0 F1 of stage 2, then F2 of stage 0
     before the first B: 3 x stage 0 + 2 x stage 2 is its peak; stage 0 alone reaches 4 after
     F3@0, when stage 2 holds 1 (4 x 101 + 1010 is less)."""
-    from soapstone.shard.plan.analysis.in_flight import in_flight
+    from soapstone.shard.plan.analysis.in_flight import Peak, in_flight
 
     zb = build("zb1p", 3, 4)
     assert [str(a) for a in zb.ranks[1]][:6] == ["F0@1", "F1@1", "B0@1", "F2@1", "B1@1",
                                                  "W0@1"]
-    assert in_flight(zb, 1, {1: 100}, {1: 10}, {1: 50}) == (410, {1: 3})
-    assert in_flight(zb, 1, {1: 100}, {1: 10}) == (320, {1: 3})
-    assert in_flight(build("1f1b", 3, 4), 1, {1: 100}, {1: 10}) == (220, {1: 2})
+    assert in_flight(zb, 1, {1: 100}, {1: 10}, {1: 50}) == Peak(410, 0, {1: 3})
+    assert in_flight(zb, 1, {1: 100}, {1: 10}) == Peak(320, 0, {1: 3})
+    assert in_flight(build("1f1b", 3, 4), 1, {1: 100}, {1: 10}) == Peak(220, 0, {1: 2})
     inter = build("interleaved", 2, 4, 2)
     assert [str(a) for a in inter.ranks[0]][:6] == ["F0@0", "F1@0", "F0@2", "F1@2", "F2@0",
                                                     "B0@2"]
-    assert in_flight(inter, 0, {0: 100, 2: 1000}, {0: 1, 2: 10}) == (3 * 101 + 2 * 1010,
-                                                                     {0: 4, 2: 2})
+    assert in_flight(inter, 0, {0: 100, 2: 1000}, {0: 1, 2: 10}) == Peak(3 * 101 + 2 * 1010, 0,
+                                                                         {0: 4, 2: 2})
+
+
+def test_in_flight_adds_each_actions_own_working_set():
+    """The peak per action, by hand: interleaved pipe 2, 2 chunks, m 4, rank 1 runs F0@1 F1@1
+    F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 F3@3 B3@3 B2@1 B3@1. Stage 1 keeps 100
+    and sends 10 per microbatch, works with 5 in forward and 20 in backward; stage 3 (the
+    loss) keeps 50 and works with 300 in forward, 400 in backward (its logits). At B0@3 it
+    holds 2 x 110 + 50 = 270, + 400 = 670, the peak (at B1@3, B2@3 and B3@3 too); the most
+    held, 3 x 110 = 330 after F2@1, comes with stage 1's working set (+ 5; before B0@1,
+    + 20 = 350). The old bound, the most held plus the largest working set, was
+    330 + 400 = 730. A split backward (zb1p, pipe 3, m 4, rank 1: F0 F1 B0 F2 B1 W0 F3 B2 W1
+    B3 W2 W3, keeping 50 from B to W): after B1 one microbatch awaits B and two W,
+    110 + 2 x 150 = 410, with B's working set 30; after F2 (2 x 110 + 150 = 370) forward's 0
+    adds nothing."""
+    from soapstone.shard.plan.analysis.in_flight import Peak, in_flight
+
+    inter = build("interleaved", 2, 4, 2)
+    assert [str(a) for a in inter.ranks[1]] == [
+        "F0@1", "F1@1", "F0@3", "B0@3", "F1@3", "B1@3", "F2@1", "B0@1", "F3@1", "B1@1",
+        "F2@3", "B2@3", "F3@3", "B3@3", "B2@1", "B3@1"]
+    work = {1: (5, 20), 3: (300, 400)}
+    assert in_flight(inter, 1, {1: 100, 3: 50}, {1: 10}, None, work) == \
+        Peak(2 * 110 + 50, 400, {1: 3, 3: 1})
+    # stage 1's backward working set large instead: at B0@1, 3 x 110 + 1000
+    assert in_flight(inter, 1, {1: 100, 3: 50}, {1: 10}, None, {1: (5, 1000), 3: (0, 400)}) \
+        == Peak(3 * 110, 1000, {1: 3, 3: 1})
+    zb = build("zb1p", 3, 4)
+    assert in_flight(zb, 1, {1: 100}, {1: 10}, {1: 50}, {1: (0, 30)}) == Peak(410, 30, {1: 3})

@@ -1,6 +1,6 @@
 """explain's activation bytes per transformer layer against Korthikanti et al.'s formulas
 (arXiv:2205.05198, Table 2; bench/data/korthikanti_activations.json), evaluated here by hand at
-the paper's 22B geometry (s 2048, b 1, h 6144, a 64, t 8) under --precision bf16, on
+the paper's 22B geometry (its Table 3: s 2048, b 4, h 6144, a 64, t 8) under --precision bf16, on
 tests/specs/korthikanti_gpt.par (pre-norm layer, gelu MLP, dropout on each residual branch
 and, where the paper keeps the attention core, on the attention probabilities). Torch-free.
 
@@ -21,7 +21,7 @@ from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.precision import program_as_run
 
 SPEC = "tests/specs/korthikanti_gpt.par"
-S, B, H, A, T = 2048, 1, 6144, 64, 8
+S, B, H, A, T = 2048, 4, 6144, 64, 8
 SBH = S * B * H
 NORMS = 2 * 2 * (2 * S * B)  # two layernorms' mean and 1/std, bf16, per row
 MASK = S * S  # the unfused causal mask, one byte per (query, key)
@@ -31,7 +31,7 @@ def per_layer(layout: str) -> int:
     """explain's bytes for one layer: 2 layers' activations less 1 layer's."""
     got = []
     for layers in (1, 2):
-        spec = dsl.load(SPEC, dims={"layers": layers})
+        spec = dsl.load(SPEC, dims={"layers": layers, "batch": B})
         par = spec.parallel(layout)
         program = lower_graph(spec.model(par.model), par).stages[0].program
         got.append(activation_figures(program_as_run(program, "bf16"))[0])
@@ -80,9 +80,15 @@ def test_full_recompute_keeps_the_layer_input():
 def test_the_data_file_rows_are_the_formulas():
     data = json.loads(Path("bench/data/korthikanti_activations.json").read_text())
     assert "2205.05198" in data["source"]
+    table3 = {g["name"]: (g["a"], g["h"], g["L"], g["s"], g["b"], g["t"], g["p"])
+              for g in data["geometries"]}  # heads, hidden, layers, seq, microbatch, t, p
+    assert table3 == {"22B": (64, 6144, 48, 2048, 4, 8, 1),
+                      "175B": (96, 12288, 96, 2048, 1, 8, 8),
+                      "530B": (128, 20480, 105, 2048, 1, 8, 35),
+                      "1T": (160, 25600, 128, 2048, 1, 8, 64)}
     rows = {(r["geometry"], r["technique"]): r["bytes_per_layer"] for r in data["rows"]}
     assert rows[("22B", "none")] == SBH * 34 + 5 * A * S * S * B
     assert rows[("22B", "tp_sp_selective")] == SBH * 34 // T
-    # 1T: s 2048, h 25600, a 160, t 8: sbh(10 + 24/t + 5as/(ht))
+    # 1T: s 2048, b 1, h 25600, a 160, t 8: sbh(10 + 24/t + 5as/(ht))
     s, h, a, t = 2048, 25600, 160, 8
     assert rows[("1T", "tp")] == s * h * 10 + s * h * 24 // t + 5 * a * s * s // t
