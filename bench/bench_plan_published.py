@@ -23,12 +23,12 @@ are held out, and the table marks them. `--fit` searches the profile's two fitte
 torchtitan's Llama 3.1 rows (bench/data/torchtitan_llama3_h100.json) are scored too, on the
 h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layout (FSDP as
 ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recompute (its
-`selective` as soapstone's selective rule, which keeps more than torchtitan's op policy: the
-memory column shows it), sequence 8192 where the page leaves it to the benchmarked commit's
-configs; predicted TPS per GPU = published TPS x published step / predicted step. Rows 1 and
-9 calibrate h100-96gb's matmul_efficiency, rows 2 and 8 are held out; the Float8 rows are
-listed as not scored (`titan_scored` says why). The Megatron-LM README's H100 rows are an
-image: its text states MFU ranges without layouts, nothing to score.
+`selective` is torchtitan's op policy: soapstone's `recompute ops`), sequence 8192 where the
+page leaves it to the benchmarked commit's configs; predicted TPS per GPU = published TPS x
+published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency, rows 2
+and 8 are held out; the Float8 rows are listed as not scored (`titan_scored` says why). The
+Megatron-LM README's H100 rows are an image: its text states MFU ranges without layouts,
+nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
@@ -180,10 +180,11 @@ def titan_scored(row: dict) -> str:
 def titan_candidate(row: dict):
     """The row's layout as a plan Candidate: FSDP as ZeRO-3 over the data axis (torchtitan
     reshards after forward), the local batch in one microbatch (or the pipeline degree's
-    microbatches), selective recompute as soapstone's rule (module doc)."""
+    microbatches), selective recompute as `recompute ops` (module doc)."""
     from soapstone.dsl.search.space import Candidate
 
-    recompute = "selective" if row["recompute"] == "selective" else "layer"
+    # torchtitan's `selective` is its op policy: soapstone's `recompute ops`
+    recompute = "ops" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
     return Candidate(row["fsdp"], row["tensor"], p, zero=3 if p == 1 else 2,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",

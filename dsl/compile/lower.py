@@ -25,6 +25,7 @@ from soapstone.dsl.compile import rules
 from soapstone.dsl.lang.errors import Diagnostic, SpecError
 from soapstone.dsl.model import ir
 from soapstone.shard.ops.record import Partial, Role
+from soapstone.shard.parallel.op_policy_plan import op_policy_drops
 from soapstone.shard.parallel.regather_plan import regathered
 from soapstone.shard.parallel.selective_plan import selective_drops
 from soapstone.shard.plan.collectives import transition_cost
@@ -216,14 +217,18 @@ class _Lowering:
             offload=bool(par and par.offload),
         )
         if self.par and self.par.recompute == ir.SELECTIVE:  # a rule over the compiled ops
-            program = attrs.evolve(program, dropped=selective_drops(program))
+            program = attrs.evolve(program, dropped=selective_drops(program),
+                                   drop_rule="selective")
+        elif self.par and self.par.recompute == ir.OPS:  # the same, per repeat block
+            dropped, held = op_policy_drops(program, tuple(self.step_block))
+            program = attrs.evolve(program, dropped=dropped, held=held, drop_rule="ops")
         # sequence parallelism keeps the linears' input shards, not the gathered inputs
         return attrs.evolve(program, regathered=regathered(program))
 
     def _recompute_ranges(self) -> tuple[tuple[int, int], ...]:
         """`recompute R`: each maximal run of steps lowered from one block of repeat R."""
         target = self.par.recompute if self.par else None
-        if target == ir.SELECTIVE:
+        if target in (ir.SELECTIVE, ir.OPS):
             return ()
         out: list[tuple[int, int]] = []
         for i, b in enumerate(self.step_block):

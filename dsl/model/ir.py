@@ -140,6 +140,9 @@ class Schedule:
 # `recompute selective`: the argument that names no repeat but the rule of
 # shard/parallel/selective_plan.py (the cheap ops' outputs are dropped and recomputed)
 SELECTIVE = "selective"
+# `recompute ops`: torchtitan's op policy (shard/parallel/op_policy_plan.py): in each repeat
+# block every other weight matmul's output and attention's are held, the rest rebuilt
+OPS = "ops"
 
 
 @attrs.frozen
@@ -161,7 +164,8 @@ class Parallel:
     # runs exactly as no statement, so two blocks that differ only here are equal)
     schedule_written: bool = attrs.field(default=False, eq=False)
     # `recompute R`: the blocks of repeat R keep only their inputs for backward;
-    # `recompute selective` (SELECTIVE): only the cheap ops' outputs are dropped
+    # `recompute selective` (SELECTIVE): only the cheap ops' outputs are dropped;
+    # `recompute ops` (OPS): torchtitan's op policy
     recompute: str | None = None
     # `offload optimizer`: master weights and optimizer state in host memory
     offload: str | None = None

@@ -22,6 +22,7 @@ from soapstone.dsl.lang import ast
 from soapstone.dsl.lang.errors import Diagnostic, did_you_mean, nearest_divisible
 from soapstone.dsl.lang.parser import Sources
 from soapstone.dsl.model.ir import (
+    OPS,
     SELECTIVE,
     Branch,
     Loc,
@@ -334,13 +335,13 @@ def _zero(ctx: Ctx, facts: Facts, s: ast.Zero) -> Diags:
 
 
 def _recompute(ctx: Ctx, facts: Facts, s: ast.Recompute) -> Diags:
-    """`recompute R`: R names a repeat of the model, or is `selective`."""
+    """`recompute R`: R names a repeat of the model, or is `selective` or `ops`."""
     repeats = _repeats(ctx.model)
-    if s.repeat != SELECTIVE and s.repeat not in repeats:
-        hint = did_you_mean(s.repeat, [*repeats, SELECTIVE]) or (
-            f"repeats: {', '.join(repeats)}; or `recompute {SELECTIVE}`" if repeats
-            else "wrap the layers to recompute in `repeat N as NAME { ... }`, or write "
-            f"`recompute {SELECTIVE}`")
+    if s.repeat not in (SELECTIVE, OPS) and s.repeat not in repeats:
+        hint = did_you_mean(s.repeat, [*repeats, SELECTIVE, OPS]) or (
+            f"repeats: {', '.join(repeats)}; or `recompute {SELECTIVE}` or `recompute {OPS}`"
+            if repeats else "wrap the layers to recompute in `repeat N as NAME { ... }`, or "
+            f"write `recompute {SELECTIVE}`")
         return [ctx.diag(s.loc, f"recompute {s.repeat}: model {ctx.model.name} has no repeat "
                          f"'{s.repeat}'", hint)]
     facts.recompute = s.repeat

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from soapstone.dsl.lang import ast
 from soapstone.dsl.lang.errors import did_you_mean
-from soapstone.dsl.model.ir import SELECTIVE, Loc
+from soapstone.dsl.model.ir import OPS, SELECTIVE, Loc
 from soapstone.dsl.model.parallel_facts import Ctx, Diags, Facts
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
@@ -170,7 +170,7 @@ def _split_backward(ctx: Ctx, facts: Facts, kind: ScheduleKind) -> Diags:
                               f"use zero 1 or 2 with {name}, or schedule 1f1b with zero 3"))
     if facts.recompute is not None:
         why = (f"the values it drops are rebuilt for one backward, and {name}'s weight "
-               "gradients run apart from it, later" if facts.recompute == SELECTIVE else
+               "gradients run apart from it, later" if facts.recompute in (SELECTIVE, OPS) else
                "the deferred weight gradients would run each recomputed range's forward a "
                "second time, collectives included")
         diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with "

@@ -72,5 +72,6 @@ def first_backward_reader(program: Program, name: str, runs_at: dict[int, int]) 
 def without_recompute(program: Program, selective: bool = False) -> Program:
     """`program` as it runs without its `recompute` ranges (and, with `selective`, without its
     selective drops): the gathered inputs the ranges covered are then regathered too."""
-    plain = attrs.evolve(program, recompute=(), dropped=() if selective else program.dropped)
+    plain = attrs.evolve(program, recompute=()) if not selective else attrs.evolve(
+        program, recompute=(), dropped=(), held=(), drop_rule=None)
     return attrs.evolve(plain, regathered=regathered(plain))

@@ -20,6 +20,9 @@ Rebuilding draws the same dropout masks: the model's Shards context is set back 
 forward's settings (training step, microbatch window) around the second run. The selective
 steps make no collective (the rule refuses distributed forms) and read no ZeRO-3 parameter;
 the one collective run again is a regathered value's all-gather, which the plan counts.
+`recompute ops` (op_policy_plan.py) also runs weight matmuls again: under ZeRO-3 their
+weights' bucket is gathered at the rebuild (zero.py `gather_for`), which is backward's own
+gather of it, moved a little earlier: no gather is added.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from soapstone.shard.runtime.memory import storage_resized
 class Dropping:
     """What one forward call needs to free and later rebuild the values of Program.dropped."""
 
-    def __init__(self, model, plan: DropPlan):
-        self.model, self.plan = model, plan
+    def __init__(self, model, plan: DropPlan, provider=None):
+        self.model, self.plan, self.provider = model, plan, provider
         self.held: dict[str, torch.Tensor] = {}  # rebuild inputs, captured as steps read them
         self.recipes: dict[str, _Recipe] = {}
         ctx = model.ctx
@@ -107,6 +110,8 @@ class _Recipe:
         for a in owner.plan.inputs[self.name]:
             if a in owner.recipes:  # a dropped input: rebuilt first
                 owner.recipes[a].restore()
+        if owner.provider is not None:  # ZeRO-3: the weights of a rebuilt matmul (recompute ops)
+            owner.provider.gather_for([a for a in self.inputs if a in model.params])
         then = (ctx.rng_step, ctx.window, ctx.training)
         ctx.rng_step, ctx.window, ctx.training = owner.settings[0], dict(owner.settings[1]), \
             owner.settings[2]
@@ -123,7 +128,9 @@ class _Recipe:
         st.resize_(fresh.untyped_storage().nbytes())
         storage_resized(st, 0)
         st.copy_(fresh.untyped_storage())
-        self.inputs = {}  # autograd's saved references hold the storage from here
+        # autograd's saved references hold the storage from here (the hooks that hold this
+        # recipe live as long as the graph: keeping the tensor would keep it to the end)
+        self.inputs, self.tensor = {}, None
 
 
 class DropPlan:
@@ -151,9 +158,9 @@ class DropPlan:
                 if a in dropped:
                     self.reads.setdefault(at, []).append(a)
 
-    def begin(self, model) -> Dropping:
-        """The state of one forward call."""
-        return Dropping(model, self)
+    def begin(self, model, provider=None) -> Dropping:
+        """The state of one forward call (provider: ZeRO-3's, which rebuilds ask for weights)."""
+        return Dropping(model, self, provider)
 
 
 def _reads(step) -> tuple[str, ...]:

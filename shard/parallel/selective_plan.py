@@ -109,7 +109,7 @@ def rebuild_steps(program: Program, name: str) -> tuple[int, ...]:
     for i in range(len(program.steps)):
         if i not in covered:
             kept.update(step_saves(program, i, fused, params)[0])
-    kept -= set(program.dropped)
+    kept = (kept - set(program.dropped)) | set(program.held)  # held: recompute ops's anchors
     order: list[int] = []
 
     def visit(v: str) -> None:
@@ -131,5 +131,6 @@ def selective_flops(program: Program) -> float:
     for name in program.dropped:
         for i in rebuild_steps(program, name):
             s = program.steps[i]
-            total += _flops_per_element(program, s) * math.prod(program.value(s.out).local_shape)
+            per = _flops_per_element(program, s) or 0.0  # a view (recompute ops's chains) is free
+            total += per * math.prod(program.value(s.out).local_shape)
     return total

@@ -51,6 +51,7 @@ class Zero3Provider:
         self.model = reducer.model
         self.buckets = reducer.buckets
         owner = {s.name: b for b in self.buckets if b.zero.shards_params for s in b.slots}
+        self.owner = owner
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for i, step in enumerate(self.model.program.steps):
@@ -158,6 +159,16 @@ class Zero3Provider:
         if prev is not None:
             self.prefetch(prev)
         return full.as_strided(x.size, x.stride, x.offset)
+
+    def gather_for(self, names) -> None:
+        """Gather the buckets of parameters `names` for a rebuild in backward (`recompute
+        ops`): a rebuilt matmul's weight is one whose gradient backward has still to make, so
+        its bucket is gathered or about to be (and not yet freed): gathering it here moves
+        backward's own gather earlier, its unpack then finds it, and no gather is added."""
+        for n in names:
+            b = self.owner.get(n)
+            if b is not None:
+                self.gather(b.index)
 
     def grad_done(self, b) -> None:
         """Called by the gradient hook: once a bucket has all its gradients, free it."""

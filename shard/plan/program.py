@@ -158,6 +158,10 @@ class Program:
     # `recompute selective`: values forward frees after their last use and backward computes
     # again from their producer's inputs (shard/parallel/selective_plan.py decides which)
     dropped: tuple[str, ...] = ()
+    # `recompute ops`: values no kernel keeps that backward's rebuilds read, held until then
+    # (shard/parallel/op_policy_plan.py); and which rule chose `dropped` (selective, ops)
+    held: tuple[str, ...] = ()
+    drop_rule: str | None = None
     # sequence parallelism: gathered linear inputs forward frees after their last use, keeping
     # the shard, and backward gathers again (shard/parallel/regather_plan.py decides which)
     regathered: tuple[str, ...] = ()

@@ -101,9 +101,12 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
             lines.append(f"      # kept as its shard {s.src}: freed after forward's last use, "
                          f"gathered again for backward (backward allgather "
                          f"{format_bytes(s.nbytes)})")
-        if s.out in dropped:  # `recompute selective`
-            lines.append(f"      # recompute selective: freed after forward's last use, "
-                         f"rebuilt for backward ({' -> '.join(dropped[s.out])} again)")
+        if s.out in dropped:  # `recompute selective` or `recompute ops`
+            lines.append(f"      # recompute {program.drop_rule}: freed after forward's last "
+                         f"use, rebuilt for backward ({' -> '.join(dropped[s.out])} again)")
+        if s.out in program.held:  # `recompute ops`: an anchor no kernel keeps
+            lines.append("      # recompute ops: held for backward, where the dropped values "
+                         "are rebuilt from it")
     lines.append("outputs:")
     for o in program.outputs:
         tag = " (loss)" if o.is_loss else ""

@@ -162,7 +162,7 @@ class ShardedModel:
             else:  # a caller's argument: the commands' tasks make every input
                 raise KeyError(f"missing input {name!r}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
-        self._dropping = self.drop_plan.begin(self) \
+        self._dropping = self.drop_plan.begin(self, provider) \
             if self.drop_plan and torch.is_grad_enabled() else None
         with provider.forward_context() if provider else contextlib.nullcontext():
             i = 0

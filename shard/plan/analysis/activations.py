@@ -123,18 +123,36 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
             saves[i] = (set(), 0)
         saves[mine[0]] = (inputs - made, 0)
     # recompute selective: a dropped value is kept by no one after forward; backward rebuilds
-    # it before its last saver's backward and it lives until its first saver's is done
+    # it before its last saver's backward (or before a rebuild that reads it, which rebuilds
+    # it first) and it lives until its first saver's is done
     rebuilt: dict[int, int] = {}  # step -> dropped bytes rebuilt before its backward
+    scratch_at: dict[int, int] = {}  # step -> the largest rebuild's intermediates there
     for name in program.regathered:  # sequence parallel: the gather's shard is kept instead
         i = next(k for k in saves if steps[k].out == name)
         saves[i] = (saves[i][0] | {r(steps[i].src)}, saves[i][1])
+    chains = _rebuild_chains(program, {n for names, _ in saves.values() for n in names},
+                             params)
+    at: dict[str, int] = {}
     for name in (*program.dropped, *program.regathered):
         savers = [i for i, (names, _) in saves.items() if name in names]
         for i in savers:
             saves[i] = (saves[i][0] - {name}, saves[i][1])
         if savers:
-            rebuilt[max(savers)] = rebuilt.get(max(savers), 0) + val(name).nbytes
+            at[name] = max(savers)
             release[min(savers)] = release.get(min(savers), 0) + val(name).nbytes
+    for name in reversed(program.dropped):  # a rebuild's dropped inputs come back with it
+        for a in chains[name][1]:
+            if a in at and name in at:
+                at[a] = max(at[a], at[name])
+    for name, i in at.items():
+        rebuilt[i] = rebuilt.get(i, 0) + val(name).nbytes
+        if name in chains:
+            scratch_at[i] = max(scratch_at.get(i, 0), chains[name][0])
+    for name in program.held:  # recompute ops: held from forward until its last rebuild
+        i = min((at[d] for d in program.dropped if d in at and name in chains[d][1]),
+                default=None)
+        if i is not None:
+            saves[i] = (saves[i][0] | {r(name)}, saves[i][1])
     first_saver: dict[str, int] = {}  # a saved tensor lives until its earliest saver's backward
     for i, (names, _) in saves.items():
         for n in names:
@@ -189,6 +207,7 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
         if i in again:
             held += again[i][1]
         held += rebuilt.get(i, 0)
+        peak = max(peak, held + sum(grads.values()) + scratch_at.get(i, 0))
         new = 0
         pgrad = 0
         for a in reads(i):
@@ -204,6 +223,36 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
         if out is not None:
             grads.pop(out, None)
     return saved_total, max(0, forward - saved_total), max(0, peak - saved_total)
+
+
+def _rebuild_chains(program: Program, kept: set[str], params: set[str]
+                    ) -> dict[str, tuple[int, set[str]]]:
+    """Each dropped value -> (the bytes its rebuild makes, itself included; the dropped and
+    held values it reads): the walk of selective_plan.rebuild_steps, through the unsaved
+    intermediates, from what is kept."""
+    where = {s.out: i for i, s in enumerate(program.steps)}
+    dropped, held = set(program.dropped), set(program.held)
+    stops = params | (kept - dropped) | held
+    out: dict[str, tuple[int, set[str]]] = {}
+    for name in program.dropped:
+        made: set[str] = set()
+        reads: set[str] = set()
+        todo = [name]
+        while todo:
+            v = todo.pop()
+            if v in made:
+                continue
+            made.add(v)
+            s = program.steps[where[v]]
+            for a in s.args if isinstance(s, Compute) else (s.src,):
+                if a in dropped or a in held:
+                    reads.add(a)
+                elif a not in stops:
+                    todo.append(a)
+        views = {v for v in made if isinstance(program.steps[where[v]], Compute)
+                 and record_of(program.steps[where[v]].kind).aliases(program.steps[where[v]])}
+        out[name] = (sum(program.value(v).nbytes for v in made - views), reads)
+    return out
 
 
 def recompute_flops(program: Program) -> float:

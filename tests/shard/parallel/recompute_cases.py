@@ -43,9 +43,10 @@ def case_recompute_explain_matches_counters():
         measure(SPEC, layout, "adamw")
 
 
-def train_twice(layout: str, mesh=None, spec: str = SPEC) -> tuple[list[float], dict]:
+def train_twice(layout: str, mesh=None, spec: str = SPEC, gathers: bool = False) -> tuple:
     """Two SGD steps of `layout` of `spec` (here: of the drop model, dropout in every block):
-    the losses and the full parameters after them."""
+    the losses and the full parameters after them (and, with `gathers`, the ZeRO-3
+    allgathers the second step issued)."""
     from soapstone.shard.data.source import make_task
     from soapstone.shard.runtime.executor import Executor
 
@@ -53,9 +54,14 @@ def train_twice(layout: str, mesh=None, spec: str = SPEC) -> tuple[list[float], 
     par = spec.parallel(layout)
     model = spec.model(par.model)
     ex = Executor(lower_graph(model, par), mesh, seed=3)
-    ex.use_optimizer(name="sgd", lr=0.5)
+    ex.use_optimizer(name="sgd", lr=0.5, zero=par.zero)
     task = make_task(lower_graph(model, None).program, 0)
-    losses = [ex.train_step(task.batch(k), step=k) for k in range(2)]
+    losses = [ex.train_step(task.batch(0), step=0)]
+    provider = next(iter(ex.optimizers.values())).param_provider if gathers else None
+    before = provider.gathers if provider else 0
+    losses.append(ex.train_step(task.batch(1), step=1))
+    if gathers:
+        return losses, ex.full_state_dict(), provider.gathers - before
     return losses, ex.full_state_dict()
 
 

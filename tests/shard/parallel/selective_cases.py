@@ -7,7 +7,11 @@
   under sequence parallel and ZeRO-3 the communicators' `stats` over one step still equal
   explain's figures, and each flight recorder the plan's calls in order;
 - dropout: a model whose dropped values include a dropout's output trains bitwise as without
-  selective recompute, in a 1F1B pipeline and under gpipe accumulation.
+  selective recompute, in a 1F1B pipeline and under gpipe accumulation;
+- `recompute ops` (tests/specs/op_policy_layouts.par, llama.par's model): ZeRO-3 and tensor
+  parallel reproduce llama.par's record; under ZeRO-3 it trains bitwise as without it,
+  gathering each bucket as often (the rebuilt matmuls use backward's own gather), and the
+  counters equal explain's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from recompute_cases import train_twice  # noqa: E402  (two SGD steps of a layou
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = str(ROOT / "tests/specs/selective_layouts.par")
 RECORD = str(ROOT / "tests/golden/runs/gpt.npz")
+OPS_SPEC = str(ROOT / "tests/specs/op_policy_layouts.par")
 W = init("mpi")
 
 
@@ -53,3 +58,17 @@ def case_selective_redraws_the_same_dropout_masks():
         assert got[0] == want[0], (plain, got[0], want[0])
         for name, t in want[1].items():
             assert got[1][name].equal(t), (plain, name)
+
+
+@ranks(2)
+def case_op_policy_under_zero3_trains_as_without_it():
+    for layout in ("ops_zero3", "ops_tp2"):
+        assert_matches_golden(OPS_SPEC, layout, str(ROOT / "tests/golden/runs/llama.npz"))
+    runs = [train_twice(layout, Mesh(W, data=2), OPS_SPEC, gathers=True)
+            for layout in ("plain_zero3", "ops_zero3")]
+    (want, want_params, want_gathers), (got, got_params, got_gathers) = runs
+    assert got == want, (got, want)
+    for name, t in want_params.items():
+        assert got_params[name].equal(t), name
+    assert got_gathers == want_gathers > 0, (got_gathers, want_gathers)
+    measure(OPS_SPEC, "ops_zero3", "adamw")
