@@ -23,7 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from soapstone.comm.dtype_table import RUN_PRECISIONS
+from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims
 from soapstone.dsl.commands import fail
@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the batch per step (default: the spec's batch dim)")
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="table rows (default 10)")
-    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
+    parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
                         help="what `run --precision` computes in: the peak the compute runs "
                              "at and the bytes it keeps and moves (bf16 activations and "
                              "collectives, fp32 masters; default fp32, as `run`)")

@@ -56,6 +56,35 @@ def einsum_spec(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) ->
         f"{''.join(letter[d] for d in out)}"
 
 
+def float8_steps(program) -> dict[int, int]:
+    """The einsum steps `--precision float8` runs in float8 -> k, the dims they contract: each
+    plain matmul (`matmul_split`) of an activation by a weight (Program.weights) that does not
+    set float8 = false. Attention's activation-activation matmuls stay in bf16 (torchtitan's
+    Float8Linear converts nn.Linear only); so do weight einsums of another shape."""
+    out = {}
+    for i, step in enumerate(program.steps):
+        if getattr(step, "kind", None) != "einsum" or step.attr("float8", True) is False:
+            continue
+        a, b = (program.value(n) for n in step.args)
+        k = matmul_split(a.dims, b.dims, program.value(step.out).dims)
+        if k and b.name in program.weights and a.name not in program.weights:
+            out[i] = k
+    return out
+
+
+def matmul_2d(x, w, k: int, float8=None):
+    """x[..., c] . w[c, ...] over the k dims c, as one [M, K] . [K, N] matmul (no permutes);
+    `float8`: the kernel that runs it instead of torch.matmul (shard/runtime/float8.py)."""
+    import torch
+
+    x2, w2 = x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1)
+    if float8 is not None:
+        y = float8(x2.reshape(-1, x2.shape[-1]), w2)
+    else:
+        y = torch.matmul(x2, w2)
+    return y.reshape(*x.shape[:-k], *w.shape[k:])
+
+
 def einsum(step, args, ctx):
     """Named-dim contraction; a split contracted dim leaves each rank a partial sum."""
     import torch
@@ -63,9 +92,7 @@ def einsum(step, args, ctx):
     a, b, out = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims, ctx.out(step).dims
     k = matmul_split(a, b, out)
     if k:  # x[..., c] . w[c, ...]: a plain matmul (what nn.Linear runs), no permutes
-        x, w = args
-        y = torch.matmul(x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1))
-        y = y.reshape(*x.shape[:-k], *w.shape[k:])
+        y = matmul_2d(*args, k, ctx.float8_kernel(step))
     else:
         y = torch.einsum(einsum_spec(a, b, out), args[0], args[1])
     scale = step.attr("scale")
@@ -76,12 +103,14 @@ RECORDS = (
     OpRecord(
         "einsum",
         "args (a, b); output dims = type.dims; dims of a or b not in the output are "
-        "contracted (summed). attrs: scale (float, optional, multiplies the result)",
+        "contracted (summed). attrs: scale (float, optional, multiplies the result); float8 "
+        "(bool, default true: under --precision float8 a weight matmul runs in float8; false "
+        "keeps it in bf16)",
         kernel=einsum, roles=einsum_roles, partial_pass=Partial.ONE, bound=Bound.MATMUL,
         flops=einsum_flops, saves=saves_inputs, scratch=scaled_copy, keeps=keeps_args,
         # attention's scores carry the 1/sqrt(d) scale into the fused call; its context
         # product and a fused linear's matmul honour none
         fuses={Slot.SCORES: frozenset({"scale"}), Slot.CONTEXT: frozenset(),
-               Slot.MATMUL: frozenset()},
+               Slot.MATMUL: frozenset({"float8"})},
     ),
 )

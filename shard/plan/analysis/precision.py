@@ -14,6 +14,9 @@ shard/parallel/data_parallel.py, shard/parallel/zero.py, shard/runtime/pipe_p2p.
   gradient reduction moves fp32) and fp32 state: explain counts those from the master width
   (explain.py), whatever the model's dtype.
 - fp64: the whole model in float64 (parameters too), masters float64.
+- float8: what bf16 keeps and moves (the float8 casts are transient: shard/runtime/float8.py
+  saves the bf16 operands for backward, as torchao does), with the weight matmuls' FLOPs at
+  the profile's fp8 peak and their amax and cast passes as memory-bound work (cost.py).
 Integer and bool values never change.
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import attrs
 
-from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Program
 
@@ -32,9 +35,29 @@ COMPUTE = {"fp32": None, "bf16": "bf16", "fp64": "f64"}
 def compute_dtype(precision: str) -> str | None:
     """The spec dtype float values take under `--precision precision` (None: as declared);
     ValueError for an unknown precision (the commands' choices never pass one)."""
+    precision = MIXED_PRECISIONS.get(precision, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
     return COMPUTE.get(precision)
+
+
+def matmul_peaks(precision: str) -> tuple[str, str]:
+    """The profile peaks (peak_tflops keys) a run in `precision` computes its weight matmuls
+    and its activation matmuls at: float8 runs only the weight matmuls in fp8."""
+    if precision == "float8":
+        return "fp8", "bf16"
+    return precision, precision
+
+
+def mfu_peak(precision: str) -> str:
+    """The peak (peak_tflops key) MFU divides by: float8's is bf16's, the rate the model's
+    other matmuls run at (a float8 step mixes two peaks; torchtitan quotes no MFU for it)."""
+    return matmul_peaks(precision)[1]
+
+
+def missing_peak(peaks: dict, precision: str) -> str | None:
+    """The peak_tflops key a run in `precision` needs and `peaks` lacks, or None."""
+    return next((k for k in matmul_peaks(precision) if k not in peaks), None)
 
 
 def _retype(x, dtype: str):

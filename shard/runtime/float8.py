@@ -1,0 +1,134 @@
+"""Float8 weight matmuls (`run --precision float8`): tensorwise dynamic scaling, as torchao's
+Float8Linear does it by default (written here, not imported).
+
+Forward: y = x . w with x and w each cast to float8_e4m3fn at scale = e4m3_max / amax(|t|)
+(one scale per tensor, taken from the tensor itself every call), multiplied by
+`torch._scaled_mm` with a bf16 result. Backward: the output gradient g cast to float8_e5m2
+(more range, fewer mantissa bits: gradients span more decades) at its own amax scale, then
+grad_x = g . w^T (e5m2 x e4m3) and grad_w = x^T . g (e4m3 x e5m2).
+
+What backward keeps: the bf16 x and w, as torchao does (its `matmul_with_hp_or_float8_args`
+saves the high-precision operands and casts again), so a float8 step holds what a bf16 step
+holds; the float8 copies live only inside one matmul. The casts are the same values again
+(same tensor, same amax), so the forward and backward operands agree bit for bit.
+
+`_scaled_mm` takes its first operand row-major and its second column-major, and on CUDA
+needs the contracted and the output widths to be multiples of 16. Every matmul of the three
+contracts or outputs each of tokens, in-width and out-width once, so all three must be
+multiples of 16; `check_shapes` refuses others before a step runs, naming the layer and the
+fix, on every device alike (the CPU kernel is laxer: the same spec must run on both).
+Attention's activation-activation matmuls never come here (shard/ops/einsum.py
+`float8_steps`), nor does a linear with `float8 = false`.
+
+Scales are per local tensor: under tensor or sequence parallelism each rank scales its own
+shard (torchao over DTensor takes the global amax), so a layout's steps agree with one rank's
+within float8 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from soapstone.comm.errors import UserError
+from soapstone.shard.ops.einsum import float8_steps
+
+E4M3 = torch.float8_e4m3fn  # forward operands: x and w
+E5M2 = torch.float8_e5m2  # gradients
+EPS = 1e-12  # amax floor: an all-zero tensor casts to zeros at a finite scale (torchao's)
+MULTIPLE = 16  # _scaled_mm's width rule on CUDA
+
+
+class Float8Shape(UserError, ValueError):
+    """A float8 matmul whose widths `_scaled_mm` cannot take."""
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in `dtype` at scale fmax / amax, saturated; the inverse scale `_scaled_mm` takes)."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().max().to(torch.float64)
+    scale = (fmax / amax.clamp(min=EPS)).to(torch.float32)
+    data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return data, scale.reciprocal()
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """t with the same shape and values, laid out column-major (_scaled_mm's second operand)."""
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+def _mm(a, a_inv, b, b_inv, out_dtype):
+    return torch._scaled_mm(a.contiguous(), column_major(b), scale_a=a_inv, scale_b=b_inv,
+                            out_dtype=out_dtype)
+
+
+class Float8Matmul(torch.autograd.Function):
+    """y[m, n] = x[m, k] . w[k, n] in float8 (module doc); gradients in the operands' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        xq, xi = to_float8(x, E4M3)
+        wq, wi = to_float8(w, E4M3)
+        return _mm(xq, xi, wq, wi, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gq, gi = to_float8(g, E5M2)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            wq, wi = to_float8(w, E4M3)
+            gx = _mm(gq, gi, wq.t(), wi, x.dtype)  # g . w^T: w^T is column-major already
+        if ctx.needs_input_grad[1]:
+            xq, xi = to_float8(x, E4M3)
+            gw = _mm(xq.t(), xi, gq, gi, w.dtype)  # x^T . g
+        return gx, gw
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, where: str) -> torch.Tensor:
+    """x[M, K] . w[K, N] in float8 (module doc), in x's dtype; `where` names the layer."""
+    check_widths(x.shape[0], x.shape[1], w.shape[1], where)
+    return Float8Matmul.apply(x, w)
+
+
+def check_widths(m: int, k: int, n: int, where: str) -> None:
+    """Float8Shape unless tokens m, in-width k and out-width n are multiples of 16."""
+    bad = [f"{name} {size}" for name, size in (("tokens", m), ("in-width", k), ("out-width", n))
+           if size % MULTIPLE]
+    if bad:
+        raise Float8Shape(
+            f"{where}: --precision float8 runs this weight matmul with torch._scaled_mm, whose "
+            f"widths must be multiples of {MULTIPLE}; it has {', '.join(bad)} on this rank")
+
+
+def check_shapes(program, steps: dict[int, int]) -> None:
+    """Float8Shape for the first float8 step (`steps`: shard/ops/einsum.py float8_steps) whose
+    local widths are not multiples of 16 (a Program is compiled for one microbatch), naming
+    the layer and the fix."""
+    for i in sorted(steps):
+        step = program.steps[i]
+        x, w = program.value(step.args[0]), program.value(step.args[1])
+        out = program.value(step.out)
+        n = math.prod(s for d, s in zip(out.dims, out.local_shape, strict=True)
+                      if d in w.dims)
+        k = math.prod(s for d, s in zip(w.dims, w.local_shape, strict=True)
+                      if d not in out.dims)
+        m = math.prod(out.local_shape) // max(n, 1)
+        try:
+            check_widths(m, k, n, step.source or step.out)
+        except Float8Shape as e:
+            raise Float8Shape(f"{e}; fix: make the dims multiples of {MULTIPLE} (or the "
+                              f"local batch x sequence, per microbatch), set `float8 = false` "
+                              f"on this linear, or run --precision bf16") from None
+
+
+def float8_matmuls(program) -> dict:
+    """The float8 matmul of each step of `program` that runs in float8, by its output (what
+    Shards.float8 holds), after `check_shapes`."""
+    steps = float8_steps(program)
+    check_shapes(program, steps)
+    return {program.steps[i].out: functools.partial(
+        matmul, where=program.steps[i].source or program.steps[i].out) for i in steps}
