@@ -58,7 +58,7 @@ from soapstone.shard.plan.schedules import ActionKind
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify import p2p_proof
 from soapstone.shard.runtime import trace as tr
-from soapstone.shard.runtime.float8 import float8_matmuls
+from soapstone.shard.runtime.float8 import check_graph
 from soapstone.shard.runtime.p2p_mode import P2PModeError, check_device, p2p_mode
 from soapstone.shard.runtime.pipe_p2p import PipeP2P
 from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel, check_mesh
@@ -96,9 +96,8 @@ class Executor:
                  p2p: str | None = None, draw: bool = True, float8: bool = False):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
-        if float8:  # every stage's widths, on every rank: all refuse alike, none waits
-            for s in graph.stages:
-                float8_matmuls(s.program)
+        if float8:
+            check_graph(graph)
         self.graph = graph
         self.mesh = mesh
         # where parameters, activations and every buffer sent between ranks live
