@@ -186,13 +186,15 @@ def titan_scored(row: dict) -> str:
 
 def titan_candidate(row: dict):
     """The row's layout as a plan Candidate: FSDP as ZeRO-3 over the data axis (torchtitan
-    reshards after forward), the local batch in one microbatch (or the pipeline degree's
-    microbatches), selective recompute as soapstone's rule (module doc)."""
+    reshards after forward), TP with sequence parallelism (torchtitan's TP plan shards the
+    norms' sequence: SequenceParallel), the local batch in one microbatch (or the pipeline
+    degree's microbatches), selective recompute as soapstone's rule (module doc)."""
     from soapstone.dsl.search.space import Candidate
 
     recompute = "selective" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
-    return Candidate(row["fsdp"], row["tensor"], p, zero=3 if p == 1 else 2,
+    return Candidate(row["fsdp"], row["tensor"], p, sequence=row["tensor"] > 1,
+                     zero=3 if p == 1 else 2,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",
                      microbatches=row.get("microbatches", 1),
                      chunks=2 if row.get("schedule") == "interleaved" else 1,

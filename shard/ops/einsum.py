@@ -79,7 +79,7 @@ def matmul_2d(x, w, k: int, float8=None):
 
     x2, w2 = x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1)
     if float8 is not None:
-        y = float8(x2.reshape(-1, x2.shape[-1]), w2)
+        y = float8(x2.reshape(-1, x2.shape[-1]), w2, source=x)
     else:
         y = torch.matmul(x2, w2)
     return y.reshape(*x.shape[:-k], *w.shape[k:])

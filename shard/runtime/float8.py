@@ -65,12 +65,14 @@ def _mm(a, a_inv, b, b_inv, out_dtype):
 
 
 class Float8Matmul(torch.autograd.Function):
-    """y[m, n] = x[m, k] . w[k, n] in float8 (module doc); gradients in the operands' dtypes."""
+    """y[m, n] = x[m, k] . w[k, n] in float8 (module doc); gradients in the operands' dtypes.
+    `xq`, `xi`: x's cast already made (`LastCast`), or None."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, xq=None, xi=None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        xq, xi = to_float8(x, E4M3)
+        if xq is None:
+            xq, xi = to_float8(x, E4M3)
         wq, wi = to_float8(w, E4M3)
         return _mm(xq, xi, wq, wi, x.dtype)
 
@@ -85,13 +87,39 @@ class Float8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             xq, xi = to_float8(x, E4M3)
             gw = _mm(xq.t(), xi, gq, gi, w.dtype)  # x^T . g
-        return gx, gw
+        return gx, gw, None, None
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, where: str) -> torch.Tensor:
-    """x[M, K] . w[K, N] in float8 (module doc), in x's dtype; `where` names the layer."""
+class LastCast:
+    """The forward cast of the last float8 matmul's input, kept for the next one: matmuls
+    that read one activation one after another (q, k and v; a gated mlp's two inputs) cast
+    it once, as torch.compile's common-subexpression pass makes torchao's casts. One slot:
+    it holds one float8 copy at a time, never the step's."""
+
+    def __init__(self):
+        self.source = None
+        self.cast: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def release(self) -> None:
+        """Drop the kept cast (a forward's end: nothing holds it past its matmuls)."""
+        self.source = self.cast = None
+
+    def of(self, source: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's e4m3 cast (x: `source` as [M, K]), made once while `source` is the input."""
+        if self.source is not source or self.cast is None:
+            self.source, self.cast = source, to_float8(x.detach(), E4M3)
+        return self.cast
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, where: str, last: LastCast | None = None,
+           source: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M, K] . w[K, N] in float8 (module doc), in x's dtype; `where` names the layer;
+    `last` shares x's cast with the matmul before when both read `source` (x before its
+    reshape)."""
     check_widths(x.shape[0], x.shape[1], w.shape[1], where)
-    return Float8Matmul.apply(x, w)
+    if last is None or source is None:
+        return Float8Matmul.apply(x, w)
+    return Float8Matmul.apply(x, w, *last.of(source, x))
 
 
 def check_widths(m: int, k: int, n: int, where: str) -> None:
@@ -125,13 +153,14 @@ def check_shapes(program, steps: dict[int, int]) -> None:
                               f"on this linear, or run --precision bf16") from None
 
 
-def float8_matmuls(program) -> dict:
+def float8_matmuls(program, last: LastCast | None = None) -> dict:
     """The float8 matmul of each step of `program` that runs in float8, by its output (what
-    Shards.float8 holds), after `check_shapes`."""
+    Shards.float8 holds), after `check_shapes`; `last`: the cast they share (`LastCast`)."""
     steps = float8_steps(program)
     check_shapes(program, steps)
     return {program.steps[i].out: functools.partial(
-        matmul, where=program.steps[i].source or program.steps[i].out) for i in steps}
+        matmul, where=program.steps[i].source or program.steps[i].out, last=last)
+        for i in steps}
 
 
 def check_graph(graph) -> None:

@@ -21,7 +21,7 @@ from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
-from soapstone.shard.runtime.float8 import float8_matmuls
+from soapstone.shard.runtime.float8 import LastCast, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.param_init import (  # noqa: F401
     TORCH_DTYPES,
@@ -81,8 +81,9 @@ class ShardedModel:
         self.compute_dtype = compute_dtype or dtype
         # float8: the weight matmuls in float8 (--precision float8), refused up front where
         # a width is no multiple of 16 (Float8Shape, a UserError)
+        self.float8_last = LastCast() if float8 else None
         if float8:
-            self.ctx.float8 = float8_matmuls(program)
+            self.ctx.float8 = float8_matmuls(program, self.float8_last)
         # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
         # draw=False leaves them empty for weights loaded right after (--init, --resume)
         def first(p):
@@ -180,6 +181,8 @@ class ShardedModel:
         if self._dropping is not None:
             self._dropping.end()
             self._dropping = None
+        if self.float8_last is not None:
+            self.float8_last.release()
         return {o.name: env[o.value] for o in self.program.outputs}
 
     def _step(self, i: int, env: dict[str, torch.Tensor], provider) -> None:

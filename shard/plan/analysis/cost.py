@@ -132,16 +132,18 @@ class Work:
             sum(self.cast_seconds(profile, precision))
 
 
-def float8_casts(x: float, w: float, y: float, nbytes: float) -> tuple[float, float]:
+def float8_casts(x: float, w: float, y: float, nbytes: float,
+                 shared: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes the casts of one float8 matmul move (shard/runtime/float8.py)
     for x, w and y elements of `nbytes` each: a cast to float8 is an amax pass (reads the
     tensor) and a scaling pass (reads it, writes 1 byte an element), 2 x nbytes + 1 bytes an
     element; a transposing copy of a float8 tensor reads and writes 1 byte an element.
-    Forward casts x and w and lays w out column-major. Backward casts the output gradient
-    (y elements), casts x and w again (backward keeps them in bf16, as torchao does), and
-    copies x^T row-major and the gradient column-major for grad_w = x^T . g."""
+    Forward casts x (unless `shared`: the matmul before read the same x, LastCast) and w, and
+    lays w out column-major. Backward casts the output gradient (y elements), casts x and w
+    again (backward keeps them in bf16, as torchao does), and copies x^T row-major and the
+    gradient column-major for grad_w = x^T . g."""
     cast = 2 * nbytes + 1
-    return cast * (x + w) + 2 * w, cast * (y + x + w) + 2 * (x + y)
+    return cast * ((0 if shared else x) + w) + 2 * w, cast * (y + x + w) + 2 * (x + y)
 
 
 def program_work(program: Program) -> Work:
@@ -165,12 +167,13 @@ def _work(program: Program, indices) -> Work:
     work = {i: record_of(s.kind).bound for i, s in enumerate(program.steps)
             if i in indices and isinstance(s, Compute)}
     f8_flops = f8_fwd = f8_bwd = 0.0
-    for i in float8_steps(program).keys() & indices:
+    last = None  # the input of the float8 matmul before: its cast is shared (LastCast)
+    for i in sorted(float8_steps(program).keys() & indices):
         x, w, y = (program.value(n) for n in (*program.steps[i].args, program.steps[i].out))
         f8_flops += record_of("einsum").flops(program.steps[i], program)
         fwd, bwd = float8_casts(*(math.prod(v.local_shape) for v in (x, w, y)),
-                                DTYPE_BYTES[x.dtype])
-        f8_fwd, f8_bwd = f8_fwd + fwd, f8_bwd + bwd
+                                DTYPE_BYTES[x.dtype], shared=x.name == last)
+        f8_fwd, f8_bwd, last = f8_fwd + fwd, f8_bwd + bwd, x.name
     ops = sum(1 for i in range(len(program.steps)) if i in indices and i not in covered and
               work.get(i) is not Bound.VIEW)  # a view is no work
     weights = program.weights

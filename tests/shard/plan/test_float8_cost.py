@@ -31,6 +31,9 @@ def test_one_matmuls_casts_by_hand():
     # (4096 + 8192)).
     assert float8_casts(4096, 2048, 8192, 2) == (5 * 6144 + 2 * 2048,
                                                  5 * 14336 + 2 * 12288)
+    # x cast by the matmul before (k and v after q): forward casts only w
+    assert float8_casts(4096, 2048, 8192, 2, shared=True) == (5 * 2048 + 2 * 2048,
+                                                              5 * 14336 + 2 * 12288)
 
 
 def test_float8_runs_its_matmuls_at_the_fp8_peak_and_pays_its_casts():
@@ -62,7 +65,7 @@ def test_a_profile_without_an_fp8_peak_refuses_float8():
 def test_gpt_work_by_hand():
     """examples/gpt.par (batch 8 x seq 16 = 128 tokens, hidden 32, 4 heads x 8, ffn 64,
     vocab 64), retyped to bf16: its 25 weight matmuls (q, k, v, o, mlp up and down in 4 blocks,
-    the output) are float8's, attention's products are not."""
+    the output) are float8's, attention's products are not; k and v share q's cast of x."""
     program = program_as_run(lower_graph(dsl.load("examples/gpt.par").model(), None).program,
                              "float8")
     w = program_work(program)
@@ -72,7 +75,10 @@ def test_gpt_work_by_hand():
     flops = 2 * t * (4 * (4 * 32 * 32 + 2 * 32 * 64) + 32 * 64)
     assert w.f8_flops == flops == 8_912_896
     assert w.matmul_flops - w.act_flops == flops  # every weight matmul is float8's
-    casts = [float8_casts(*qkvo, 2)] * 16 + [float8_casts(*up, 2)] * 5 + \
-        [float8_casts(*down, 2)] * 4
-    assert w.f8_forward_bytes == sum(f for f, _ in casts) == 837_632
+    casts = [float8_casts(*qkvo, 2)] * 8 + [float8_casts(*qkvo, 2, shared=True)] * 8 + \
+        [float8_casts(*up, 2)] * 5 + [float8_casts(*down, 2)] * 4
+    # by hand, per block: q and o 5 x (4096 + 1024) + 2 x 1024, k and v 5 x 1024 + 2 x 1024,
+    # up 5 x (4096 + 2048) + 2 x 2048, down 5 x (8192 + 2048) + 2 x 2048; the output as up
+    assert w.f8_forward_bytes == sum(f for f, _ in casts) == \
+        4 * (2 * 27648 + 2 * 7168 + 34816 + 55296) + 34816 == 673_792
     assert w.f8_backward_bytes == sum(b for _, b in casts) == 1_865_728

@@ -19,7 +19,14 @@ from soapstone import dsl
 from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.data.source import make_task
 from soapstone.shard.ops.einsum import float8_steps
-from soapstone.shard.runtime.float8 import E4M3, E5M2, Float8Matmul, to_float8
+from soapstone.shard.runtime.float8 import (
+    E4M3,
+    E5M2,
+    Float8Matmul,
+    LastCast,
+    matmul,
+    to_float8,
+)
 from soapstone.shard.train.trainer import Trainer
 
 STEPS = 8
@@ -48,11 +55,24 @@ def test_the_matmul_and_its_gradients_are_within_float8_rounding():
     x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
 
     def rel(a, b):
-        return float((a.double() - b).norm() / b.norm())
+        return float((a.detach().double() - b).norm() / b.norm())
 
     assert 0 < rel(y, x64 @ w64) < 2.0**-4
     assert 0 < rel(x.grad, g64 @ w64.t()) < 2.0**-3
     assert 0 < rel(w.grad, x64.t() @ g64) < 2.0**-3
+
+
+def test_matmuls_reading_one_input_share_its_cast_and_agree_bit_for_bit():
+    torch.manual_seed(1)
+    x = torch.randn(32, 16, dtype=torch.bfloat16)
+    w1, w2 = (torch.randn(16, 16, dtype=torch.bfloat16) for _ in range(2))
+    last = LastCast()
+    shared = [matmul(x, w, "t", last, source=x) for w in (w1, w2)]
+    assert last.source is x  # one cast, kept for the second
+    alone = [matmul(x, w, "t") for w in (w1, w2)]
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
+    last.release()
+    assert last.source is None and last.cast is None
 
 
 def _losses(precision: str) -> tuple[list[float], int]:
