@@ -26,9 +26,14 @@ ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recomp
 `selective` as soapstone's selective rule, which keeps more than torchtitan's op policy: the
 memory column shows it), sequence 8192 where the page leaves it to the benchmarked commit's
 configs; predicted TPS per GPU = published TPS x published step / predicted step. Rows 1 and
-9 calibrate h100-96gb's matmul_efficiency, rows 2 and 8 are held out; the Float8 rows are
-listed as not scored (`titan_scored` says why). The Megatron-LM README's H100 rows are an
-image: its text states MFU ranges without layouts, nothing to score.
+9 calibrate h100-96gb's matmul_efficiency; every other row is held out. The Float8 rows run
+`--precision float8` (the weight matmuls at the fp8 peak with their casts, the output
+projection in bf16 as torchtitan's converter leaves it; TP with sequence parallelism, as
+torchtitan's TP plan); all are torch.compile rows, whose gain the fit splits between eager
+and compiled rows as for bf16 (the model has no compile), and AsyncTP's overlap and
+torchtitan's float8 all-gathers (FSDP's and TP's) are not modelled: soapstone gathers bf16.
+The Megatron-LM README's H100 rows are an image: its text states MFU ranges without layouts,
+nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
@@ -202,7 +207,7 @@ def titan_candidate(row: dict):
 
 
 class TitanRows(Rows):
-    """torchtitan's bf16 rows (Float8 ones are listed, not scored), compiled once."""
+    """torchtitan's rows (bf16, or float8 where they ran Float8 linears), compiled once."""
 
     def __init__(self, table: dict, profile=None):
         from soapstone.dsl import load
@@ -399,8 +404,9 @@ def titan_report(fit_again: bool) -> tuple[str, dict]:
     cal = [r["ratio"] for r in scored if not r["held_out"]]
     held = [r["ratio"] for r in scored if r["held_out"]]
     text = (f"{table['source']}; {prof.name} (matmul_efficiency {prof.matmul_efficiency}, "
-            f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16, seq and layouts as the "
-            f"data file states\n\n" + titan_text(scored, rows.skipped) +
+            f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16 or float8 as the row ran "
+            f"(float8's MFU over the bf16 peak), seq and layouts as the data file states\n\n" +
+            titan_text(scored, rows.skipped) +
             f"\npredicted / published TPS per GPU: calibration rows {min(cal):.3f}.."
             f"{max(cal):.3f}, held-out rows {min(held):.3f}..{max(held):.3f}\n")
     data: dict = {"rows": scored, "not_scored": [

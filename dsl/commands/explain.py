@@ -84,6 +84,10 @@ def main(args: argparse.Namespace) -> int:
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        if args.precision == "float8":
+            from soapstone.shard.plan.analysis.precision import float8_line
+
+            print(float8_line(graph))
         if scored:
             from soapstone.shard.plan.analysis.score import format_time
 

@@ -138,8 +138,7 @@ def check_shapes(program, steps: dict[int, int]) -> None:
     the layer and the fix."""
     for i in sorted(steps):
         step = program.steps[i]
-        x, w = program.value(step.args[0]), program.value(step.args[1])
-        out = program.value(step.out)
+        w, out = program.value(step.args[1]), program.value(step.out)
         n = math.prod(s for d, s in zip(out.dims, out.local_shape, strict=True)
                       if d in w.dims)
         k = math.prod(s for d, s in zip(w.dims, w.local_shape, strict=True)

@@ -85,3 +85,21 @@ def graph_as_run(graph, precision: str):
     edges = tuple(attrs.evolve(e, tensors=tuple(_retype(t, dtype) for t in e.tensors))
                   for e in graph.edges)
     return attrs.evolve(graph, stages=stages, edges=edges)
+
+
+def float8_line(graph) -> str:
+    """explain's line under `--precision float8`: how many weight matmuls of the stage graph
+    run in float8 (einsum.float8_steps) and how many weight einsums stay in bf16."""
+    from soapstone.shard.ops.einsum import float8_steps
+
+    ran = kept = 0
+    for stage in graph.stages:
+        program = stage.program
+        f8 = float8_steps(program)
+        ran += len(f8)
+        kept += sum(1 for i, s in enumerate(program.steps)
+                    if getattr(s, "kind", None) == "einsum" and i not in f8
+                    and set(s.args) & program.weights)
+    return (f"float8: {ran} weight matmuls in float8 (e4m3 x e4m3 forward, e5m2 gradients, "
+            f"dynamic per-tensor scales), {kept} weight einsums in bf16 (float8 = false, or "
+            f"not a plain matmul); attention's products in bf16")

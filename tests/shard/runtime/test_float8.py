@@ -124,3 +124,4 @@ def test_widths_float8_cannot_take_and_profiles_without_fp8_are_exit_2(tmp_path)
     assert fixed["rc"] == 0, fixed["text"]
     assert a100["rc"] == 2 and "'fp8'" in a100["text"] and "a100-80gb" in a100["text"]
     assert h100["rc"] == 0 and "(float8)" in h100["text"]
+    assert "float8: 25 weight matmuls in float8" in h100["text"]
