@@ -44,8 +44,15 @@ def einsum_roles(op, arg_dim_lists) -> dict[str, Role]:
 
 
 def scaled_copy(step, program) -> int:
-    """A scaled einsum multiplies a copy of its product (the kernel's `y * scale`)."""
-    return program.value(step.out).nbytes if step.attr("scale") is not None else 0
+    """A scaled einsum multiplies a copy of its product (the kernel's `y * scale`); a float8
+    one (float8 = true: what precision.program_as_run marks under --precision float8) holds
+    the float8 copies of x and w and w's column-major copy, one byte an element
+    (shard/runtime/float8.py), while it runs."""
+    scaled = program.value(step.out).nbytes if step.attr("scale") is not None else 0
+    if step.attr("float8") is not True:
+        return scaled
+    x, w = (program.value(n) for n in step.args)
+    return scaled + math.prod(x.local_shape) + 2 * math.prod(w.local_shape)
 
 
 @functools.cache

@@ -15,8 +15,10 @@ shard/parallel/data_parallel.py, shard/parallel/zero.py, shard/runtime/pipe_p2p.
   (explain.py), whatever the model's dtype.
 - fp64: the whole model in float64 (parameters too), masters float64.
 - float8: what bf16 keeps and moves (the float8 casts are transient: shard/runtime/float8.py
-  saves the bf16 operands for backward, as torchao does), with the weight matmuls' FLOPs at
-  the profile's fp8 peak and their amax and cast passes as memory-bound work (cost.py).
+  saves the bf16 operands for backward, as torchao does), its float8 steps marked
+  `float8 = true` so that the working set counts their float8 copies while they run
+  (einsum.scaled_copy), with the weight matmuls' FLOPs at the profile's fp8 peak and their
+  amax and cast passes as memory-bound work (cost.py).
 Integer and bool values never change.
 """
 
@@ -70,8 +72,16 @@ def program_as_run(program: Program, precision: str) -> Program:
     dtype = compute_dtype(precision)
     if dtype is None:
         return program
+    steps = program.steps
+    if precision == "float8":  # the steps that run in float8 say so (their working set)
+        from soapstone.shard.ops.einsum import float8_steps
+
+        f8 = float8_steps(program)
+        steps = tuple(attrs.evolve(s, attrs=tuple(sorted({**dict(s.attrs), "float8": True}
+                                                         .items())))
+                      if i in f8 else s for i, s in enumerate(steps))
     return attrs.evolve(program, values=tuple(_retype(v, dtype) for v in program.values),
-                        params=tuple(_retype(p, dtype) for p in program.params))
+                        params=tuple(_retype(p, dtype) for p in program.params), steps=steps)
 
 
 def graph_as_run(graph, precision: str):

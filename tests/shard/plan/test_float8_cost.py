@@ -82,3 +82,18 @@ def test_gpt_work_by_hand():
     assert w.f8_forward_bytes == sum(f for f, _ in casts) == \
         4 * (2 * 27648 + 2 * 7168 + 34816 + 55296) + 34816 == 673_792
     assert w.f8_backward_bytes == sum(b for _, b in casts) == 1_865_728
+
+
+def test_a_float8_matmul_holds_its_float8_copies_while_it_runs():
+    """The working set of a float8 step: x and w in float8 and w's column-major copy, one
+    byte an element (q of gpt.par: x 128 x 32, w 32 x 32): 4096 + 2 x 1024 bytes more than
+    under bf16; what is saved for backward is bf16's."""
+    from soapstone.shard.ops.registry import record_of
+    from soapstone.shard.plan.analysis.activations import activation_figures
+
+    program = lower_graph(dsl.load("examples/gpt.par").model(), None).program
+    bf16, f8 = program_as_run(program, "bf16"), program_as_run(program, "float8")
+    i = next(k for k, s in enumerate(program.steps) if s.out == "layer.0.attention0.q")
+    scratch = record_of("einsum").scratch
+    assert scratch(f8.steps[i], f8) - scratch(bf16.steps[i], bf16) == 4096 + 2 * 1024
+    assert activation_figures(f8)[0] == activation_figures(bf16)[0]
