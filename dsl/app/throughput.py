@@ -60,7 +60,8 @@ def find_peak(profile: str | None, precision: str, gpu_name: str | None) -> Peak
         return None
     lacks = missing_peak(prof.peak_flops, precision)
     if lacks is not None:
-        raise BadInput(f"--profile {profile or prof.name}: has no peak_tflops {lacks} for "
-                       f"--precision {precision} (it has {', '.join(prof.peak_flops)})")
+        raise BadInput(f"--profile {profile or prof.name}: has no peak_tflops for "
+                       f"--precision {precision} (it needs {lacks}, it has "
+                       f"{', '.join(prof.peak_flops)})")
     return Peak(prof.peak_flops[mfu_peak(precision)], source)
 
