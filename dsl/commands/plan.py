@@ -117,7 +117,23 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(_usage(args, dims))
     for line in nodes[2]:
         print(f"warning: {line}", file=sys.stderr)
+    if args.precision == "float8":
+        why = _float8_refusal(model, plan.parallel(args.name))
+        if why:
+            print(f"warning: `run --precision float8` would refuse this layout: {why}",
+                  file=sys.stderr)
     return 0
+
+
+def _float8_refusal(model, parallel) -> str:
+    """Why `run --precision float8` refuses the chosen layout ('' if it runs it): the
+    search costs every layout, and only a compiled one knows its widths per rank."""
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.ops.einsum import float8_refusal
+
+    graph = lower_graph(model, parallel)
+    return next((why for why in map(float8_refusal, (s.program for s in graph.stages))
+                 if why), "")
 
 
 def _planner(model, profile, args: argparse.Namespace):

@@ -79,6 +79,39 @@ def float8_steps(program) -> dict[int, int]:
     return out
 
 
+FLOAT8_MULTIPLE = 16  # torch._scaled_mm's width rule on CUDA
+
+
+def float8_widths(step, program) -> tuple[int, int, int]:
+    """(tokens, in-width, out-width) of a float8 step's [M, K] . [K, N] on this rank."""
+    w, out = program.value(step.args[1]), program.value(step.out)
+    n = math.prod(s for d, s in zip(out.dims, out.local_shape, strict=True) if d in w.dims)
+    k = math.prod(s for d, s in zip(w.dims, w.local_shape, strict=True) if d not in out.dims)
+    return math.prod(out.local_shape) // max(n, 1), k, n
+
+
+def float8_misfit(widths: tuple[int, int, int]) -> str:
+    """'' when `_scaled_mm` takes these (tokens, in-width, out-width), else which do not."""
+    return ", ".join(f"{name} {size}" for name, size in zip(
+        ("tokens", "in-width", "out-width"), widths, strict=True) if size % FLOAT8_MULTIPLE)
+
+
+def float8_refusal(program) -> str:
+    """'' when every float8 step of `program` has widths `_scaled_mm` takes, else why and where
+    (the first that does not) and the fixes: what `run --precision float8` refuses."""
+    for i in sorted(float8_steps(program)):
+        step = program.steps[i]
+        bad = float8_misfit(float8_widths(step, program))
+        if bad:
+            return (f"{step.source or step.out}: --precision float8 runs this weight matmul "
+                    f"with torch._scaled_mm, whose widths must be multiples of "
+                    f"{FLOAT8_MULTIPLE}; it has {bad} on this rank; fix: make the dims "
+                    f"multiples of {FLOAT8_MULTIPLE} (or the local batch x sequence, per "
+                    f"microbatch), set `float8 = false` on this linear, or run --precision "
+                    f"bf16")
+    return ""
+
+
 def matmul_2d(x, w, k: int, float8=None):
     """x[..., c] . w[c, ...] over the k dims c, as one [M, K] . [K, N] matmul (no permutes);
     `float8`: the kernel that runs it instead of torch.matmul (shard/runtime/float8.py)."""

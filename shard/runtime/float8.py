@@ -28,17 +28,21 @@ within float8 rounding, not bit for bit.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from soapstone.comm.errors import UserError
-from soapstone.shard.ops.einsum import float8_steps
+from soapstone.shard.ops.einsum import (
+    FLOAT8_MULTIPLE,
+    float8_misfit,
+    float8_refusal,
+    float8_steps,
+)
 
 E4M3 = torch.float8_e4m3fn  # forward operands: x and w
 E5M2 = torch.float8_e5m2  # gradients
 EPS = 1e-12  # amax floor: an all-zero tensor casts to zeros at a finite scale (torchao's)
-MULTIPLE = 16  # _scaled_mm's width rule on CUDA
+MULTIPLE = FLOAT8_MULTIPLE  # _scaled_mm's width rule on CUDA
 
 
 class Float8Shape(UserError, ValueError):
@@ -124,39 +128,26 @@ def matmul(x: torch.Tensor, w: torch.Tensor, where: str, last: LastCast | None =
 
 def check_widths(m: int, k: int, n: int, where: str) -> None:
     """Float8Shape unless tokens m, in-width k and out-width n are multiples of 16."""
-    bad = [f"{name} {size}" for name, size in (("tokens", m), ("in-width", k), ("out-width", n))
-           if size % MULTIPLE]
+    bad = float8_misfit((m, k, n))
     if bad:
-        raise Float8Shape(
-            f"{where}: --precision float8 runs this weight matmul with torch._scaled_mm, whose "
-            f"widths must be multiples of {MULTIPLE}; it has {', '.join(bad)} on this rank")
+        raise Float8Shape(f"{where}: torch._scaled_mm needs widths that are multiples of "
+                          f"{MULTIPLE}; it has {bad} on this rank")
 
 
-def check_shapes(program, steps: dict[int, int]) -> None:
-    """Float8Shape for the first float8 step (`steps`: shard/ops/einsum.py float8_steps) whose
-    local widths are not multiples of 16 (a Program is compiled for one microbatch), naming
-    the layer and the fix."""
-    for i in sorted(steps):
-        step = program.steps[i]
-        w, out = program.value(step.args[1]), program.value(step.out)
-        n = math.prod(s for d, s in zip(out.dims, out.local_shape, strict=True)
-                      if d in w.dims)
-        k = math.prod(s for d, s in zip(w.dims, w.local_shape, strict=True)
-                      if d not in out.dims)
-        m = math.prod(out.local_shape) // max(n, 1)
-        try:
-            check_widths(m, k, n, step.source or step.out)
-        except Float8Shape as e:
-            raise Float8Shape(f"{e}; fix: make the dims multiples of {MULTIPLE} (or the "
-                              f"local batch x sequence, per microbatch), set `float8 = false` "
-                              f"on this linear, or run --precision bf16") from None
+def check_shapes(program) -> None:
+    """Float8Shape for the first float8 step of `program` whose local widths are not multiples
+    of 16 (a Program is compiled for one microbatch), naming the layer and the fix
+    (einsum.float8_refusal)."""
+    why = float8_refusal(program)
+    if why:
+        raise Float8Shape(why)
 
 
 def float8_matmuls(program, last: LastCast | None = None) -> dict:
     """The float8 matmul of each step of `program` that runs in float8, by its output (what
     Shards.float8 holds), after `check_shapes`; `last`: the cast they share (`LastCast`)."""
     steps = float8_steps(program)
-    check_shapes(program, steps)
+    check_shapes(program)
     return {program.steps[i].out: functools.partial(
         matmul, where=program.steps[i].source or program.steps[i].out, last=last)
         for i in steps}
@@ -166,4 +157,4 @@ def check_graph(graph) -> None:
     """Float8Shape for the first stage of `graph` with a float8 matmul `_scaled_mm` cannot
     take: every rank checks every stage, so all refuse alike and none waits on another."""
     for stage in graph.stages:
-        check_shapes(stage.program, float8_steps(stage.program))
+        check_shapes(stage.program)

@@ -111,9 +111,10 @@ def test_widths_float8_cannot_take_and_profiles_without_fp8_are_exit_2(tmp_path)
     opted.write_text(open("examples/gpt.par").read().replace(
         "linear(layernorm(x), hidden -> vocab)",
         "linear(layernorm(x), hidden -> vocab, float8 = false)"))
-    bad, fixed, a100, h100 = cli(
+    bad, warned, fixed, a100, h100 = cli(
         ["run", "examples/gpt.par", "--dim", "vocab=40", "--steps", "1",
          "--precision", "float8"],
+        ["explain", "examples/gpt.par", "--dim", "vocab=40", "--precision", "float8"],
         ["run", str(opted), "--dim", "vocab=40", "--steps", "1", "--precision", "float8"],
         ["explain", "examples/gpt.par", "--precision", "float8", "--profile", "a100-80gb"],
         ["explain", "examples/gpt.par", "--precision", "float8", "--profile", "h100-80gb"])
@@ -121,6 +122,8 @@ def test_widths_float8_cannot_take_and_profiles_without_fp8_are_exit_2(tmp_path)
     for needle in ("linear0.mm", "out-width 40", "multiples of 16", "float8 = false",
                    "--precision bf16"):
         assert needle in bad["text"]
+    # explain (and plan, for its winner) says so before a run is tried
+    assert warned["rc"] == 0 and "would refuse this layout: linear0.mm" in warned["text"]
     assert fixed["rc"] == 0, fixed["text"]
     assert a100["rc"] == 2 and "'fp8'" in a100["text"] and "a100-80gb" in a100["text"]
     assert h100["rc"] == 0 and "(float8)" in h100["text"]
