@@ -9,7 +9,8 @@ grad_x = g . w^T (e5m2 x e4m3) and grad_w = x^T . g (e4m3 x e5m2).
 
 What backward keeps: the bf16 x and w, as torchao does (its `matmul_with_hp_or_float8_args`
 saves the high-precision operands and casts again), so a float8 step holds what a bf16 step
-holds; the float8 copies live only inside one matmul. The casts are the same values again
+holds; the float8 copies live only while their matmul runs (x's, shared, until a float8
+matmul reads another input: `LastCast`). The casts are the same values again
 (same tensor, same amax), so the forward and backward operands agree bit for bit.
 
 `_scaled_mm` takes its first operand row-major and its second column-major, and on CUDA
@@ -98,7 +99,7 @@ class LastCast:
     """The forward cast of the last float8 matmul's input, kept for the next one: matmuls
     that read one activation one after another (q, k and v; a gated mlp's two inputs) cast
     it once, as torch.compile's common-subexpression pass makes torchao's casts. One slot:
-    it holds one float8 copy at a time, never the step's."""
+    it holds one float8 copy at a time, dropped at the forward's end."""
 
     def __init__(self):
         self.source = None
