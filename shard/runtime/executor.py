@@ -336,6 +336,9 @@ class Executor:
         for w in st.inflight:
             w.wait()
         wire.sends.drain()
+        for model in self.models.values():  # what a recompute in backward cast last
+            if model.float8_last is not None:
+                model.float8_last.release()
         self.last_loss = self._loss(st.losses)
         return self.last_loss
 

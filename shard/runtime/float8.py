@@ -99,7 +99,8 @@ class LastCast:
     """The forward cast of the last float8 matmul's input, kept for the next one: matmuls
     that read one activation one after another (q, k and v; a gated mlp's two inputs) cast
     it once, as torch.compile's common-subexpression pass makes torchao's casts. One slot:
-    it holds one float8 copy at a time, dropped at the forward's end."""
+    it holds one float8 copy at a time, dropped at the forward's end (and at the step's,
+    for what a recompute in backward cast)."""
 
     def __init__(self):
         self.source = None
