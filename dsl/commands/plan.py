@@ -48,7 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
                         help="what `run --precision` computes in: the peak the compute runs "
                              "at and the bytes it keeps and moves (bf16 activations and "
-                             "collectives, fp32 masters; default fp32, as `run`)")
+                             "collectives, fp32 masters; float8: bf16's, the weight "
+                             "matmuls at the fp8 peak; default fp32, as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
     parser.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
