@@ -25,9 +25,14 @@ h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layo
 ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recompute (its
 `selective` is torchtitan's op policy: soapstone's `recompute ops`), sequence 8192 where the
 page leaves it to the benchmarked commit's configs; predicted TPS per GPU = published TPS x
-published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency, rows 2
-and 8 are held out; the Float8 rows are listed as not scored (`titan_scored` says why). The
-Megatron-LM README's H100 rows are an image: its text states MFU ranges without layouts,
+published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency; every
+other row is held out. The Float8 rows run `--precision float8` (the weight matmuls at the fp8
+peak with their casts, the output projection in bf16 as torchtitan's converter leaves it; TP
+with sequence parallelism, as torchtitan's TP plan); all are torch.compile rows, whose gain the
+fit splits between eager and compiled rows as for bf16 (the model has no compile), and AsyncTP's
+overlap and torchtitan's float8 all-gathers (FSDP's and TP's) are not modelled: soapstone
+gathers bf16. The Megatron-LM README's H100 rows are an image: its text states MFU ranges
+without layouts,
 nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
@@ -48,7 +53,7 @@ DATA = ROOT / "bench/data/megatron_sc21_table1.json"
 CALIBRATION = (0, 2, 4, 6, 8)  # 0-based: the paper's rows 1, 3, 5, 7, 9; the rest held out
 TITAN = ROOT / "bench/data/torchtitan_llama3_h100.json"
 TITAN_PROFILE = "h100-96gb"
-TITAN_CALIBRATION = (0, 3)  # 0-based among the scored rows: the file's rows 1 and 9
+TITAN_CALIBRATION_ROWS = (1, 9)  # the file's rows (bf16, FSDP 8 eager and FSDP 128 compiled)
 TITAN_EFFICIENCY = (0.20, 0.95)  # a 500 W H100: its grid reaches lower
 # op_overhead_us held at the a100 fit's: the scored rows are one model at one batch per GPU,
 # so they cannot tell a kernel's fixed cost from the matmul rate
@@ -120,10 +125,14 @@ class Rows:
                           recompute="layer")
             self.items.append((row, planner, c))
 
-    def results(self, profile=None) -> list:
-        """Each row's costed published layout (plan_search.Result) on `profile`."""
+    def results(self, profile=None, rows=None) -> list:
+        """Each row's costed published layout (plan_search.Result) on `profile` (of `rows`,
+        indices, only where given: None in the others' places)."""
         out = []
-        for _, planner, c in self.items:
+        for i, (_, planner, c) in enumerate(self.items):
+            if rows is not None and i not in rows:
+                out.append(None)
+                continue
             planner.profile = profile or self.profile
             out.append(planner.cost(c))
         return out
@@ -134,7 +143,7 @@ class Rows:
 
     def ratios(self, profile=None, rows=None) -> list[float]:
         """Predicted / published step time of `rows` (indices; all by default)."""
-        got = self.results(profile)
+        got = self.results(profile, rows)
         return [got[i].time.total / self.published(i)
                 for i in (range(len(got)) if rows is None else rows)]
 
@@ -143,7 +152,9 @@ class Rows:
 
 
 def llama_text(geom: dict, batch: int, seq: int, vocab: int, rope: float) -> str:
-    """A Llama 3.1 model as .par text (examples/llama.par's blocks with the row's sizes)."""
+    """A Llama 3.1 model as .par text (examples/llama.par's blocks with the row's sizes); its
+    output projection keeps bf16 under float8, as torchtitan's Float8 converter skips it
+    (`module_filter_fn=lambda mod, fqn: fqn != "output"`)."""
     return f"""model llama {{
   dim batch = {batch}, seq = {seq}, hidden = {geom['hidden']}, heads = {geom['heads']}, \
 kv_heads = {geom['kv_heads']}, ffn = {geom['ffn']}, vocab = {vocab}
@@ -157,7 +168,7 @@ kv_heads = {geom['kv_heads']}, ffn = {geom['ffn']}, vocab = {vocab}
                       bias = false)
     x = x + mlp(rmsnorm(x), ffn, activation = silu, gated = true, bias = false)
   }}
-  logits = linear(rmsnorm(x), hidden -> vocab, bias = false)
+  logits = linear(rmsnorm(x), hidden -> vocab, bias = false, float8 = false)
   output loss = cross_entropy(logits, targets)
 }}
 """
@@ -168,25 +179,28 @@ def load_titan() -> dict:
     return json.loads(TITAN.read_text())
 
 
+def titan_precision(row: dict) -> str:
+    """The row's --precision: float8 where torchtitan ran its linears in Float8, else bf16."""
+    return "float8" if "float8" in row["techniques"] else "bf16"
+
+
 def titan_scored(row: dict) -> str:
-    """'' where the bf16 cost model can score the row, else why not."""
-    if "float8" in row["techniques"]:
-        return ("Float8 linears: the cost model runs every matmul of a step in one precision; "
-                "these run the weight matmuls in fp8 (with dynamic-scaling casts) and the rest "
-                "in bf16")
+    """'' where the cost model can score the row, else why not (every row now)."""
     return ""
 
 
 def titan_candidate(row: dict):
     """The row's layout as a plan Candidate: FSDP as ZeRO-3 over the data axis (torchtitan
-    reshards after forward), the local batch in one microbatch (or the pipeline degree's
-    microbatches), selective recompute as `recompute ops` (module doc)."""
+    reshards after forward), TP with sequence parallelism (torchtitan's TP plan shards the
+    norms' sequence: SequenceParallel), the local batch in one microbatch (or the pipeline
+    degree's microbatches), selective recompute as `recompute ops` (module doc)."""
     from soapstone.dsl.search.space import Candidate
 
     # torchtitan's `selective` is its op policy: soapstone's `recompute ops`
     recompute = "ops" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
-    return Candidate(row["fsdp"], row["tensor"], p, zero=3 if p == 1 else 2,
+    return Candidate(row["fsdp"], row["tensor"], p, sequence=row["tensor"] > 1,
+                     zero=3 if p == 1 else 2,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",
                      microbatches=row.get("microbatches", 1),
                      chunks=2 if row.get("schedule") == "interleaved" else 1,
@@ -194,7 +208,7 @@ def titan_candidate(row: dict):
 
 
 class TitanRows(Rows):
-    """torchtitan's bf16 rows (Float8 ones are listed, not scored), compiled once."""
+    """torchtitan's rows (bf16, or float8 where they ran Float8 linears), compiled once."""
 
     def __init__(self, table: dict, profile=None):
         from soapstone.dsl import load
@@ -213,10 +227,12 @@ class TitanRows(Rows):
             text = llama_text(geom[row["model"]], row["local_batch"] * dp, row["seq"],
                               geom["vocab"], geom["rope"])
             c = titan_candidate(row)
-            planner = Planner(load(text).model(), self.profile, precision="bf16",
+            planner = Planner(load(text).model(), self.profile, precision=titan_precision(row),
                               recompute=(c.recompute,), always_recompute=True)
             self.items.append((row, planner, c))
         self.numbers = [n for n, r in enumerate(table["rows"], 1) if not titan_scored(r)]
+        # the calibration rows' places among the scored ones
+        self.calibration = tuple(self.numbers.index(n) for n in TITAN_CALIBRATION_ROWS)
 
     def published(self, i: int) -> float:
         """Row i's published seconds per step: its local batch's tokens (every GPU of a
@@ -233,7 +249,7 @@ def titan_rows_scored(rows: TitanRows) -> list[dict]:
         pub = rows.published(i)
         out.append({"row": rows.numbers[i], "model": row["model"], "layout": c.label,
                     "gpus": row["gpus"], "techniques": row["techniques"],
-                    "held_out": i not in TITAN_CALIBRATION,
+                    "held_out": i not in rows.calibration,
                     "published_tps": row["tps_per_gpu"],
                     "predicted_tps": row["tps_per_gpu"] * pub / r.time.total,
                     "ratio": pub / r.time.total, "published_step_s": pub,
@@ -389,16 +405,17 @@ def titan_report(fit_again: bool) -> tuple[str, dict]:
     cal = [r["ratio"] for r in scored if not r["held_out"]]
     held = [r["ratio"] for r in scored if r["held_out"]]
     text = (f"{table['source']}; {prof.name} (matmul_efficiency {prof.matmul_efficiency}, "
-            f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16, seq and layouts as the "
-            f"data file states\n\n" + titan_text(scored, rows.skipped) +
+            f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16 or float8 as the row ran "
+            f"(float8's MFU over the bf16 peak), seq and layouts as the data file states\n\n" +
+            titan_text(scored, rows.skipped) +
             f"\npredicted / published TPS per GPU: calibration rows {min(cal):.3f}.."
             f"{max(cal):.3f}, held-out rows {min(held):.3f}..{max(held):.3f}\n")
     data: dict = {"rows": scored, "not_scored": [
         {"row": n, "techniques": r["techniques"], "why": titan_scored(r)}
         for n, r in rows.skipped]}
     if fit_again:
-        got = fit(rows, TITAN_CALIBRATION, TITAN_EFFICIENCY, TITAN_OVERHEAD_US)
-        text += (f"\nfit on rows {', '.join(str(rows.numbers[i]) for i in TITAN_CALIBRATION)}"
+        got = fit(rows, rows.calibration, TITAN_EFFICIENCY, TITAN_OVERHEAD_US)
+        text += (f"\nfit on rows {', '.join(str(rows.numbers[i]) for i in rows.calibration)}"
                  f": matmul_efficiency {got['matmul_efficiency']} (op_overhead_us held at "
                  f"{got['op_overhead_us']:g}; worst |log ratio| {got['worst_log']:.4f}, ratios "
                  f"{got['ratio_min']:.3f}..{got['ratio_max']:.3f}); profiles.json has "

@@ -59,3 +59,9 @@ TABLE: tuple[DType, ...] = (
 PRECISIONS: dict[str, DType] = {d.precision: d for d in TABLE if d.precision}
 #: what a run's --precision offers, and what calibration measures (a profile's peak_flops)
 RUN_PRECISIONS = ("fp32", "bf16")
+#: --precision names that are no one dtype -> the precision everything else computes in.
+#: float8: the weight matmuls in float8 with dynamic per-tensor scales (e4m3 forward, e5m2
+#: gradients: shard/runtime/float8.py), bf16 around them over fp32 masters
+MIXED_PRECISIONS = {"float8": "bf16"}
+#: what the commands' --precision accepts
+COMMAND_PRECISIONS = RUN_PRECISIONS + tuple(MIXED_PRECISIONS)

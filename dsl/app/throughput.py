@@ -48,6 +48,7 @@ def find_peak(profile: str | None, precision: str, gpu_name: str | None) -> Peak
     """The peak from --profile, else from the GPU's name; None when neither gives one.
     BadInput when --profile has no peak for `precision`."""
     from soapstone.shard.plan.analysis.hardware import load_profile, presets
+    from soapstone.shard.plan.analysis.precision import mfu_peak, missing_peak
 
     if profile:
         prof = load_profile(profile)
@@ -57,8 +58,10 @@ def find_peak(profile: str | None, precision: str, gpu_name: str | None) -> Peak
         source = f"{prof.name}, from the GPU's name {gpu_name!r}; --profile to set another"
     else:
         return None
-    if precision not in prof.peak_flops:
+    lacks = missing_peak(prof.peak_flops, precision)
+    if lacks is not None:
         raise BadInput(f"--profile {profile or prof.name}: has no peak_tflops for "
-                       f"--precision {precision} (it has {', '.join(prof.peak_flops)})")
-    return Peak(prof.peak_flops[precision], source)
+                       f"--precision {precision} (it needs {lacks}, it has "
+                       f"{', '.join(prof.peak_flops)})")
+    return Peak(prof.peak_flops[mfu_peak(precision)], source)
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from soapstone.comm.dtype_table import RUN_PRECISIONS
+from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import compile_layout, load_layout
 from soapstone.dsl.commands import fail
@@ -26,9 +26,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
-    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
+    parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
                         help="what `run --precision` keeps and moves: bf16 counts bf16 "
-                             "activations, collectives and p2p, fp32 masters and gradients "
+                             "activations, collectives and p2p, fp32 masters and gradients; "
+                             "float8 as bf16 with the weight matmuls at the fp8 peak "
                              "(default fp32, as `run`)")
     parser.add_argument("--profile", metavar="NAME|FILE",
                         help="compare the memory with this device's (a preset or a profile "
@@ -83,6 +84,15 @@ def main(args: argparse.Namespace) -> int:
                          | ({"placement": nodes[0]} if nodes else {}), indent=1))
     else:
         sys.stdout.write(format_estimate(est))
+        if args.precision == "float8":
+            from soapstone.shard.ops.einsum import float8_refusal
+            from soapstone.shard.plan.analysis.precision import float8_line
+
+            print(float8_line(graph))
+            why = next((w for w in (float8_refusal(s.program) for s in graph.stages) if w), "")
+            if why:
+                print(f"warning: `run --precision float8` would refuse this layout: {why}",
+                      file=sys.stderr)
         if scored:
             from soapstone.shard.plan.analysis.score import format_time
 

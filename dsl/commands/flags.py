@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from soapstone.comm.dtype_table import RUN_PRECISIONS
+from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 
 
 def add_spec_options(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +42,9 @@ def add_train_options(parser: argparse.ArgumentParser, steps: int, optimizer: st
     parser.add_argument("--weight-decay", type=float, default=0.0, help="default 0")
     parser.add_argument("--grad-clip", type=float, default=None, metavar="C",
                         help="clip the global gradient norm to C")
-    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
-                        help="parameter and activation dtype (default fp32)")
+    parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
+                        help="parameter and activation dtype (default fp32); float8: the weight "
+                             "matmuls in float8 with dynamic scales, bf16 around them")
     parser.add_argument("--data", metavar="FILE",
                         help="token data: a .npy of integer ids, or any file read as bytes "
                              "(default: the built-in synthetic task)")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from soapstone.comm.dtype_table import RUN_PRECISIONS
+from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims
 from soapstone.dsl.commands import fail
@@ -45,10 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the batch per step (default: the spec's batch dim)")
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="table rows (default 10)")
-    parser.add_argument("--precision", choices=RUN_PRECISIONS, default="fp32",
+    parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
                         help="what `run --precision` computes in: the peak the compute runs "
                              "at and the bytes it keeps and moves (bf16 activations and "
-                             "collectives, fp32 masters; default fp32, as `run`)")
+                             "collectives, fp32 masters; float8: bf16's, the weight "
+                             "matmuls at the fp8 peak; default fp32, as `run`)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="whose state to count (default adamw)")
     parser.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
@@ -117,7 +118,23 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(_usage(args, dims))
     for line in nodes[2]:
         print(f"warning: {line}", file=sys.stderr)
+    if args.precision == "float8":
+        why = _float8_refusal(model, plan.parallel(args.name))
+        if why:
+            print(f"warning: `run --precision float8` would refuse this layout: {why}",
+                  file=sys.stderr)
     return 0
+
+
+def _float8_refusal(model, parallel) -> str:
+    """Why `run --precision float8` refuses the chosen layout ('' if it runs it): the
+    search costs every layout, and only a compiled one knows its widths per rank."""
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.ops.einsum import float8_refusal
+
+    graph = lower_graph(model, parallel)
+    return next((why for why in map(float8_refusal, (s.program for s in graph.stages))
+                 if why), "")
 
 
 def _planner(model, profile, args: argparse.Namespace):

@@ -118,6 +118,10 @@ def main(args: argparse.Namespace) -> int:
             check_trace_flag(args.trace, par)
         prove_layout(model, program, args.optimizer)  # every rank's calls match, statically
         check_memory(model, program, comm, args.optimizer, args.spec, args.precision)
+        if args.precision == "float8":  # _scaled_mm's widths, before anything runs
+            from soapstone.shard.runtime.float8 import check_graph
+
+            check_graph(program)
         schedule = lr_schedule(args, args.lr if args.lr is not None else default_lr(args.optimizer))
         check_tensorboard(args.tensorboard)
         task = make_task(single_program(model, program), args.seed, args.data, args.val_data,

@@ -6,9 +6,12 @@ from soapstone.dsl.layers.elementwise import activation_op
 from soapstone.dsl.layers.registry import Arg, builtin, dims_text, last_dim, need_float
 
 
-@builtin("linear", Arg("x", "tensor"), Arg("dims", "map"), Arg("bias", "bool", True))
-def _linear(ctx, x, dims, bias):
-    """linear(x, a -> b, bias = true): weight[a, b] normal(0.02), bias[b] zeros."""
+@builtin("linear", Arg("x", "tensor"), Arg("dims", "map"), Arg("bias", "bool", True),
+         Arg("float8", "bool", True))
+def _linear(ctx, x, dims, bias, float8):
+    """linear(x, a -> b, bias = true, float8 = true): weight[a, b] normal(0.02), bias[b]
+    zeros; float8 = false keeps its matmul in bf16 under `run --precision float8` (as
+    torchtitan keeps its output projection)."""
     a, b = dims
     need_float(ctx, x, "linear's input")
     last = last_dim(ctx, x, "linear")
@@ -20,9 +23,10 @@ def _linear(ctx, x, dims, bias):
                   "declare a new dim for the output")
     out = x.dims[:-1] + (b,)
     w = ctx.param("weight", (a, b), "normal(0.02)")
+    keep = None if float8 else {"float8": False}  # only when set: Programs stay as they were
     if not bias:
-        return ctx.op("einsum", (x, w), out, x.dtype)
-    y = ctx.op("einsum", (x, w), out, x.dtype, name="mm")
+        return ctx.op("einsum", (x, w), out, x.dtype, keep)
+    y = ctx.op("einsum", (x, w), out, x.dtype, keep, name="mm")
     bb = ctx.param("bias", (b,), "zeros")
     return ctx.op("add", (y, bb), out, x.dtype)
 

@@ -52,21 +52,28 @@ def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> F
                ("activation_bytes",): est.activation_bytes,
                ("transient_bytes",): est.transient_bytes - working_set,
                ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
-               ("flops",): work.matmul_flops, ("moved",): work.other_bytes, ("ops",): work.ops,
-               ("act_flops",): work.act_flops, ("act_bytes",): work.act_bytes,
-               ("param_elements",): param_elements}
+               ("param_elements",): param_elements} | _work_figs(work, "")
     if est.without_recompute is not None:
-        again = work.again or Work()
         f |= {("plain_saved",): est.without_recompute[0],
-              ("plain_working_set",): est.without_recompute[1],
-              ("again_flops",): again.matmul_flops, ("again_moved",): again.other_bytes,
-              ("again_ops",): again.ops, ("again_act_flops",): again.act_flops,
-              ("again_act_bytes",): again.act_bytes}
+              ("plain_working_set",): est.without_recompute[1]}
+        f |= _work_figs(work.again or Work(), "again_")
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
         for what, v in (("calls", t.calls), ("bytes", t.bytes)):
             f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
     return f
+
+
+# a Work's additive fields (all but `again`, which is a Work of its own)
+WORK_FIELDS = tuple(a.name for a in attrs.fields(Work) if a.name != "again")
+
+
+def _work_figs(work: Work, prefix: str) -> Figs:
+    return {(prefix + name,): getattr(work, name) for name in WORK_FIELDS}
+
+
+def _work_of(f: Figs, prefix: str, again: Work | None = None) -> Work:
+    return Work(**{name: f[(prefix + name,)] for name in WORK_FIELDS}, again=again)
 
 
 # Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set
@@ -87,18 +94,16 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
     g = {k: max(0, round(v)) for k, v in f.items()}
     traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
-    rc = ("again_flops",) in f
+    rc = ("again_matmul_flops",) in f
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
                    g[("activation_bytes",)], traffic,
                    transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
                    without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
-                   if rc else None, recompute_flops=f[("again_flops",)] if rc else 0.0,
+                   if rc else None, recompute_flops=f[("again_matmul_flops",)] if rc else 0.0,
                    weight_grad_bytes=g[("weight_grad_bytes",)])
-    again = Work(f[("again_flops",)], f[("again_moved",)], f[("again_ops",)], None,
-                 f[("again_act_flops",)], f[("again_act_bytes",)]) if rc else None
-    return est, Work(f[("flops",)], f[("moved",)], f[("ops",)], again, f[("act_flops",)],
-                     f[("act_bytes",)]), g[("param_elements",)]
+    again = _work_of(f, "again_") if rc else None
+    return est, _work_of(f, "", again), g[("param_elements",)]
 
 
 def _remesh(program, data: int):

@@ -44,8 +44,15 @@ def einsum_roles(op, arg_dim_lists) -> dict[str, Role]:
 
 
 def scaled_copy(step, program) -> int:
-    """A scaled einsum multiplies a copy of its product (the kernel's `y * scale`)."""
-    return program.value(step.out).nbytes if step.attr("scale") is not None else 0
+    """A scaled einsum multiplies a copy of its product (the kernel's `y * scale`); a float8
+    one (float8 = true: what precision.program_as_run marks under --precision float8) holds
+    the float8 copies of x and w and w's column-major copy, one byte an element
+    (shard/runtime/float8.py), while it runs."""
+    scaled = program.value(step.out).nbytes if step.attr("scale") is not None else 0
+    if step.attr("float8") is not True:
+        return scaled
+    x, w = (program.value(n) for n in step.args)
+    return scaled + math.prod(x.local_shape) + 2 * math.prod(w.local_shape)
 
 
 @functools.cache
@@ -56,6 +63,68 @@ def einsum_spec(a: tuple[str, ...], b: tuple[str, ...], out: tuple[str, ...]) ->
         f"{''.join(letter[d] for d in out)}"
 
 
+def float8_steps(program) -> dict[int, int]:
+    """The einsum steps `--precision float8` runs in float8 -> k, the dims they contract: each
+    plain matmul (`matmul_split`) of an activation by a weight (Program.weights) that does not
+    set float8 = false. Attention's activation-activation matmuls stay in bf16 (torchtitan's
+    Float8Linear converts nn.Linear only); so do weight einsums of another shape."""
+    out = {}
+    for i, step in enumerate(program.steps):
+        if getattr(step, "kind", None) != "einsum" or step.attr("float8", True) is False:
+            continue
+        a, b = (program.value(n) for n in step.args)
+        k = matmul_split(a.dims, b.dims, program.value(step.out).dims)
+        if k and b.name in program.weights and a.name not in program.weights:
+            out[i] = k
+    return out
+
+
+FLOAT8_MULTIPLE = 16  # torch._scaled_mm's width rule on CUDA
+
+
+def float8_widths(step, program) -> tuple[int, int, int]:
+    """(tokens, in-width, out-width) of a float8 step's [M, K] . [K, N] on this rank."""
+    w, out = program.value(step.args[1]), program.value(step.out)
+    n = math.prod(s for d, s in zip(out.dims, out.local_shape, strict=True) if d in w.dims)
+    k = math.prod(s for d, s in zip(w.dims, w.local_shape, strict=True) if d not in out.dims)
+    return math.prod(out.local_shape) // max(n, 1), k, n
+
+
+def float8_misfit(widths: tuple[int, int, int]) -> str:
+    """'' when `_scaled_mm` takes these (tokens, in-width, out-width), else which do not."""
+    return ", ".join(f"{name} {size}" for name, size in zip(
+        ("tokens", "in-width", "out-width"), widths, strict=True) if size % FLOAT8_MULTIPLE)
+
+
+def float8_refusal(program) -> str:
+    """'' when every float8 step of `program` has widths `_scaled_mm` takes, else why and where
+    (the first that does not) and the fixes: what `run --precision float8` refuses."""
+    for i in sorted(float8_steps(program)):
+        step = program.steps[i]
+        bad = float8_misfit(float8_widths(step, program))
+        if bad:
+            return (f"{step.source or step.out}: --precision float8 runs this weight matmul "
+                    f"with torch._scaled_mm, whose widths must be multiples of "
+                    f"{FLOAT8_MULTIPLE}; it has {bad} on this rank; fix: make the dims "
+                    f"multiples of {FLOAT8_MULTIPLE} (or the local batch x sequence, per "
+                    f"microbatch), set `float8 = false` on this linear, or run --precision "
+                    f"bf16")
+    return ""
+
+
+def matmul_2d(x, w, k: int, float8=None):
+    """x[..., c] . w[c, ...] over the k dims c, as one [M, K] . [K, N] matmul (no permutes);
+    `float8`: the kernel that runs it instead of torch.matmul (shard/runtime/float8.py)."""
+    import torch
+
+    x2, w2 = x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1)
+    if float8 is not None:
+        y = float8(x2.reshape(-1, x2.shape[-1]), w2, source=x)
+    else:
+        y = torch.matmul(x2, w2)
+    return y.reshape(*x.shape[:-k], *w.shape[k:])
+
+
 def einsum(step, args, ctx):
     """Named-dim contraction; a split contracted dim leaves each rank a partial sum."""
     import torch
@@ -63,9 +132,7 @@ def einsum(step, args, ctx):
     a, b, out = ctx.arg(step, 0).dims, ctx.arg(step, 1).dims, ctx.out(step).dims
     k = matmul_split(a, b, out)
     if k:  # x[..., c] . w[c, ...]: a plain matmul (what nn.Linear runs), no permutes
-        x, w = args
-        y = torch.matmul(x.reshape(*x.shape[:-k], -1), w.reshape(math.prod(w.shape[:k]), -1))
-        y = y.reshape(*x.shape[:-k], *w.shape[k:])
+        y = matmul_2d(*args, k, ctx.float8_kernel(step))
     else:
         y = torch.einsum(einsum_spec(a, b, out), args[0], args[1])
     scale = step.attr("scale")
@@ -76,12 +143,14 @@ RECORDS = (
     OpRecord(
         "einsum",
         "args (a, b); output dims = type.dims; dims of a or b not in the output are "
-        "contracted (summed). attrs: scale (float, optional, multiplies the result)",
+        "contracted (summed). attrs: scale (float, optional, multiplies the result); float8 "
+        "(bool, default true: under --precision float8 a weight matmul runs in float8; false "
+        "keeps it in bf16)",
         kernel=einsum, roles=einsum_roles, partial_pass=Partial.ONE, bound=Bound.MATMUL,
         flops=einsum_flops, saves=saves_inputs, scratch=scaled_copy, keeps=keeps_args,
         # attention's scores carry the 1/sqrt(d) scale into the fused call; its context
         # product and a fused linear's matmul honour none
         fuses={Slot.SCORES: frozenset({"scale"}), Slot.CONTEXT: frozenset(),
-               Slot.MATMUL: frozenset()},
+               Slot.MATMUL: frozenset({"float8"})},
     ),
 )

@@ -44,6 +44,13 @@ class Shards:
         # tensors fixed by the program and this rank's place in it (rope's cos/sin tables),
         # made once instead of every layer of every step
         self.constants: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        # --precision float8: the output of each step that runs in float8 -> its matmul
+        # (set by the runtime: shard/runtime/float8.py; empty otherwise)
+        self.float8: dict[str, Callable] = {}
+
+    def float8_kernel(self, step: Compute) -> Callable | None:
+        """The float8 matmul `step` runs with, or None (it runs in its inputs' dtype)."""
+        return self.float8.get(step.out)
 
     def comm(self, axis: str):
         """The communicator along one mesh axis."""

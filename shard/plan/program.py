@@ -181,6 +181,16 @@ class Program:
     def _by_name(self) -> dict[str, Value]:
         return {v.name: v for v in self.values}
 
+    @functools.cached_property
+    def weights(self) -> frozenset[str]:
+        """The parameters and the values that gather or copy one (a weight's local form where a
+        step reads it): what makes a matmul a weight matmul."""
+        out = {p.name for p in self.params}
+        for step in self.steps:
+            if not isinstance(step, Compute) and step.src in out:
+                out.add(step.out)
+        return frozenset(out)
+
     def param(self, name: str) -> ParamSpec:
         """Look up a parameter by name."""
         for p in self.params:

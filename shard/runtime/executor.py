@@ -58,6 +58,7 @@ from soapstone.shard.plan.schedules import ActionKind
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify import p2p_proof
 from soapstone.shard.runtime import trace as tr
+from soapstone.shard.runtime.float8 import check_graph
 from soapstone.shard.runtime.p2p_mode import P2PModeError, check_device, p2p_mode
 from soapstone.shard.runtime.pipe_p2p import PipeP2P
 from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel, check_mesh
@@ -92,9 +93,11 @@ class Executor:
     def __init__(self, graph: StageGraph, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
                  trace: bool = False, device: torch.device | str | None = None,
-                 p2p: str | None = None, draw: bool = True):
+                 p2p: str | None = None, draw: bool = True, float8: bool = False):
         if graph.world_size > 1:
             check_mesh(mesh, graph.mesh, f"layout {graph.model}/{graph.parallel}")
+        if float8:
+            check_graph(graph)
         self.graph = graph
         self.mesh = mesh
         # where parameters, activations and every buffer sent between ranks live
@@ -109,7 +112,7 @@ class Executor:
         self.stages = {s.index: s for s in graph.stages_of(self.pipe_rank)}
         self.models = {i: ShardedModel(s.program, sub, seed=seed, custom=custom, dtype=dtype,
                                        compute_dtype=compute_dtype, device=self.device,
-                                       draw=draw)
+                                       draw=draw, float8=float8)
                        for i, s in self.stages.items()}
         self.schedule = schedules.build(graph.schedule, graph.pipe, graph.microbatches,
                                         graph.chunks)
@@ -333,6 +336,9 @@ class Executor:
         for w in st.inflight:
             w.wait()
         wire.sends.drain()
+        for model in self.models.values():  # what a recompute in backward cast last
+            if model.float8_last is not None:
+                model.float8_last.release()
         self.last_loss = self._loss(st.losses)
         return self.last_loss
 

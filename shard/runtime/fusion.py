@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from soapstone.shard.ops.einsum import matmul_2d
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.program import Program
 from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the plan, run here
@@ -33,16 +34,19 @@ from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the p
 
 
 def run_fused(f: FusedAttention | FusedLinear, env: dict[str, torch.Tensor], program: Program,
-              offset) -> torch.Tensor:
-    """The output of fused chain `f` from its inputs in `env`."""
+              offset, float8: dict | None = None) -> torch.Tensor:
+    """The output of fused chain `f` from its inputs in `env`; `float8`: the float8 matmuls
+    by step output (Shards.float8)."""
     if isinstance(f, FusedLinear):
-        return run_linear(f, env)
+        return run_linear(f, env, (float8 or {}).get(program.steps[f.covered[0]].out))
     return run_attention(f, env, program, offset)
 
 
-def run_linear(f: FusedLinear, env: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One addmm over the flattened leading dims."""
+def run_linear(f: FusedLinear, env: dict[str, torch.Tensor], float8=None) -> torch.Tensor:
+    """One addmm over the flattened leading dims (under float8: its matmul, then the bias)."""
     x, w, b = env[f.x], env[f.w], env[f.bias]
+    if float8 is not None:
+        return matmul_2d(x, w, f.k, float8) + b
     lead, k = x.shape[:-f.k], f.k
     y = torch.addmm(b.reshape(-1), x.reshape(-1, math.prod(x.shape[-k:])),
                     w.reshape(math.prod(w.shape[:k]), -1))

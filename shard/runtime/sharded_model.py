@@ -21,6 +21,7 @@ from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
+from soapstone.shard.runtime.float8 import LastCast, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.param_init import (  # noqa: F401
     TORCH_DTYPES,
@@ -47,7 +48,7 @@ class ShardedModel:
     def __init__(self, program: Program, mesh=None, seed: int = 0, custom: dict | None = None,
                  dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
                  fuse: bool = True, device: torch.device | str | None = None,
-                 draw: bool = True):
+                 draw: bool = True, float8: bool = False):
         if program.world_size > 1:
             check_mesh(mesh, program.mesh, f"program {program.model}/{program.parallel}")
         self.program = program
@@ -78,6 +79,11 @@ class ShardedModel:
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
         self.compute_dtype = compute_dtype or dtype
+        # float8: the weight matmuls in float8 (--precision float8), refused up front where
+        # a width is no multiple of 16 (Float8Shape, a UserError)
+        self.float8_last = LastCast() if float8 else None
+        if float8:
+            self.ctx.float8 = float8_matmuls(program, self.float8_last)
         # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
         # draw=False leaves them empty for weights loaded right after (--init, --resume)
         def first(p):
@@ -175,6 +181,8 @@ class ShardedModel:
         if self._dropping is not None:
             self._dropping.end()
             self._dropping = None
+        if self.float8_last is not None:
+            self.float8_last.release()
         return {o.name: env[o.value] for o in self.program.outputs}
 
     def _step(self, i: int, env: dict[str, torch.Tensor], provider) -> None:
@@ -187,7 +195,7 @@ class ShardedModel:
             drops.before_step(i, env)
         if i in self.fused:
             f = self.fused[i]
-            out = run_fused(f, env, self.program, self.ctx.offset)
+            out = run_fused(f, env, self.program, self.ctx.offset, self.ctx.float8)
             env[f.out] = self._checked(step, out, f.out)
         elif i not in self.covered:
             env[step.out] = self._run(step, env)

@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 import torch
 
-from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.shard.train.optim import OPTIMIZERS
 
@@ -159,7 +159,8 @@ def load(path: str | Path) -> Record:
             missing = [k for k in REQUIRED if k not in header]
             if missing:
                 raise GoldenError(f"{path}: header lacks {', '.join(map(repr, missing))}")
-            for key, known in (("optimizer", OPTIMIZERS), ("precision", tuple(PRECISIONS))):
+            for key, known in (("optimizer", OPTIMIZERS),
+                               ("precision", (*PRECISIONS, *MIXED_PRECISIONS))):
                 if header[key] not in known:
                     raise GoldenError(f"{path}: header {key} {header[key]!r} is none of "
                                       f"{', '.join(known)}; record it again with `soapstone "

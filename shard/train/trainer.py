@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import attrs
 import torch
 
-from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
@@ -114,9 +114,9 @@ class Trainer:
                  peak_flops: float | None = None,
                  on_nonfinite: OnNonFinite = OnNonFinite.STOP,
                  max_skips: int = DEFAULT_MAX_SKIPS, draw: bool = True):
-        if precision not in PRECISIONS:
-            raise SettingError(f"precision must be one of {', '.join(PRECISIONS)}, not "
-                               f"{precision!r}")
+        if precision not in PRECISIONS and precision not in MIXED_PRECISIONS:
+            raise SettingError(f"precision must be one of "
+                               f"{', '.join((*PRECISIONS, *MIXED_PRECISIONS))}, not {precision!r}")
         if check_memory:  # before anything is allocated: DoesNotFit (a UserError)
             from soapstone.shard.plan.analysis.fit import check_fit
             from soapstone.shard.plan.analysis.precision import graph_as_run
@@ -125,13 +125,15 @@ class Trainer:
             check_fit(graph_as_run(graph, precision), optimizer,
                       *rank_memory(mesh.world if mesh is not None else None))
         self.graph = graph
-        # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters
-        want = getattr(torch, PRECISIONS[precision].torch_name)
+        # fp64: the whole model in float64 (checks); bf16: bf16 compute over fp32 masters;
+        # float8: bf16's, with the weight matmuls in float8 (shard/runtime/float8.py)
+        base = MIXED_PRECISIONS.get(precision, precision)
+        want = getattr(torch, PRECISIONS[base].torch_name)
         self.executor = Executor(
             graph, mesh, seed=seed, custom=custom,
-            dtype=want if precision == "fp64" else None,
-            compute_dtype=want if precision == "bf16" else None, trace=trace,
-            device=device, draw=draw)
+            dtype=want if base == "fp64" else None,
+            compute_dtype=want if base == "bf16" else None, trace=trace,
+            device=device, draw=draw, float8=precision in MIXED_PRECISIONS)
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:

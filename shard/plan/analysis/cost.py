@@ -12,7 +12,10 @@ time, on a `hardware.Profile`:
   FLOPs at that rate and its bytes at the memory bandwidth; every other op (elementwise,
   norms, softmax, embedding, cross entropy) is memory-bound: the bytes of its float inputs and
   output at the memory bandwidth, in the dtype the run computes in (the Program is retyped to
-  it first: precision.py, so under bf16 they are half of fp32's). A fused chain
+  it first: precision.py, so under bf16 they are half of fp32's). Under `--precision float8`
+  the weight matmuls that run in float8 (einsum.float8_steps) take the profile's fp8 peak at
+  the same efficiency, the rest bf16's, and each adds its casts' memory traffic
+  (`float8_casts`: amax and scaling passes, forward and backward). A fused chain
   (shard/runtime/fusion_plan.py: attention's scores, mask, softmax and p.v in one call; a
   matmul and its bias) is one kernel: it reads what it takes from outside and writes its
   output once, its inner values never reach memory. Backward costs twice the forward (a
@@ -49,12 +52,15 @@ import math
 
 import attrs
 
+from soapstone.shard.ops.einsum import float8_steps
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
+from soapstone.shard.plan.analysis.precision import matmul_peaks
+from soapstone.shard.plan.dtypes import DTYPE_BYTES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
@@ -76,33 +82,68 @@ class Work:
     again: Work | None = None
     act_flops: float = 0.0  # of matmul_flops
     act_bytes: float = 0.0  # their operands and outputs
+    # the weight matmuls `--precision float8` runs in float8 (einsum.float8_steps): their
+    # FLOPs (of matmul_flops) and their casts' bytes, forward and backward (`float8_casts`)
+    f8_flops: float = 0.0
+    f8_forward_bytes: float = 0.0
+    f8_backward_bytes: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
         return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes,
                     self.ops + other.ops, again, self.act_flops + other.act_flops,
-                    self.act_bytes + other.act_bytes)
+                    self.act_bytes + other.act_bytes, self.f8_flops + other.f8_flops,
+                    self.f8_forward_bytes + other.f8_forward_bytes,
+                    self.f8_backward_bytes + other.f8_backward_bytes)
 
     def matmul_seconds(self, profile: Profile, precision: str) -> float:
-        """The matmuls' forward time: weight matmuls at the achievable rate; activation
-        matmuls at the roofline, the slower of their FLOPs at that rate and their bytes at
-        the memory bandwidth."""
-        rate = profile.matmul_flops(precision)
+        """The matmuls' forward time: weight matmuls at the achievable rate (under float8,
+        those `f8_flops` count at the fp8 peak's); activation matmuls at the roofline, the
+        slower of their FLOPs at that rate and their bytes at the memory bandwidth."""
+        weight_peak, act_peak = matmul_peaks(precision)
+        rate = profile.matmul_flops(act_peak)
         act = max(self.act_flops / rate, self.act_bytes / profile.memory_bandwidth)
-        return (self.matmul_flops - self.act_flops) / rate + act
+        f8 = self.f8_flops if weight_peak != act_peak else 0.0
+        f8_s = f8 / profile.matmul_flops(weight_peak) if f8 else 0.0
+        return (self.matmul_flops - self.act_flops - f8) / rate + f8_s + act
+
+    def cast_seconds(self, profile: Profile, precision: str) -> tuple[float, float]:
+        """(forward, backward) time of the float8 casts at the memory bandwidth (0 unless the
+        weight matmuls run at another peak than the rest: float8)."""
+        weight_peak, act_peak = matmul_peaks(precision)
+        if weight_peak == act_peak:
+            return 0.0, 0.0
+        bw = profile.memory_bandwidth
+        return self.f8_forward_bytes / bw, self.f8_backward_bytes / bw
 
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
         return self.matmul_seconds(profile, precision) + \
-            self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s
+            self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s + \
+            self.cast_seconds(profile, precision)[0]
 
     def seconds(self, profile: Profile, precision: str) -> float:
-        """Forward + backward time at the profile's rates, each op's fixed cost, and the
-        forward that recompute runs again."""
+        """Forward + backward time at the profile's rates, each op's fixed cost, the float8
+        casts, and the forward that recompute runs again."""
         fwd = self.matmul_seconds(profile, precision) + \
             self.other_bytes / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
-        return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again
+        return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again + \
+            sum(self.cast_seconds(profile, precision))
+
+
+def float8_casts(x: float, w: float, y: float, nbytes: float,
+                 shared: bool = False) -> tuple[float, float]:
+    """(forward, backward) bytes the casts of one float8 matmul move (shard/runtime/float8.py)
+    for x, w and y elements of `nbytes` each: a cast to float8 is an amax pass (reads the
+    tensor) and a scaling pass (reads it, writes 1 byte an element), 2 x nbytes + 1 bytes an
+    element; a transposing copy of a float8 tensor reads and writes 1 byte an element.
+    Forward casts x (unless `shared`: the matmul before read the same x, LastCast) and w, and
+    lays w out column-major. Backward casts the output gradient (y elements), casts x and w
+    again (backward keeps them in bf16, as torchao does), and copies x^T row-major and the
+    gradient column-major for grad_w = x^T . g."""
+    cast = 2 * nbytes + 1
+    return cast * ((0 if shared else x) + w) + 2 * w, cast * (y + x + w) + 2 * (x + y)
 
 
 def program_work(program: Program) -> Work:
@@ -125,14 +166,20 @@ def _work(program: Program, indices) -> Work:
     covered = {i for f in fusions.values() for i in f.covered}
     work = {i: record_of(s.kind).bound for i, s in enumerate(program.steps)
             if i in indices and isinstance(s, Compute)}
+    f8_flops = f8_fwd = f8_bwd = 0.0
+    last = None  # the input of the float8 matmul before: its cast is shared (LastCast)
+    for i in sorted(float8_steps(program).keys() & indices):
+        x, w, y = (program.value(n) for n in (*program.steps[i].args, program.steps[i].out))
+        f8_flops += record_of("einsum").flops(program.steps[i], program)
+        fwd, bwd = float8_casts(*(math.prod(v.local_shape) for v in (x, w, y)),
+                                DTYPE_BYTES[x.dtype], shared=x.name == last)
+        f8_fwd, f8_bwd, last = f8_fwd + fwd, f8_bwd + bwd, x.name
     ops = sum(1 for i in range(len(program.steps)) if i in indices and i not in covered and
               work.get(i) is not Bound.VIEW)  # a view is no work
-    weights = {p.name for p in program.params}  # and what gathers or copies them
+    weights = program.weights
     chains: dict[int, float] = {}  # a fused chain's matmul FLOPs, by where it runs
     for i, step in enumerate(program.steps):
         if not isinstance(step, Compute):
-            if step.src in weights:
-                weights.add(step.out)
             continue
         if work.get(i, Bound.VIEW) is Bound.VIEW:
             continue
@@ -154,7 +201,7 @@ def _work(program: Program, indices) -> Work:
         if not weights & outside:  # attention: bound by its q, k, v and output as much
             act_flops += f
             act_bytes += _float_bytes(program, (*outside, program.steps[at].out))
-    return Work(flops, moved, ops, None, act_flops, act_bytes)
+    return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd)
 
 
 def _float_bytes(program: Program, names) -> float:

@@ -14,6 +14,11 @@ shard/parallel/data_parallel.py, shard/parallel/zero.py, shard/runtime/pipe_p2p.
   gradient reduction moves fp32) and fp32 state: explain counts those from the master width
   (explain.py), whatever the model's dtype.
 - fp64: the whole model in float64 (parameters too), masters float64.
+- float8: what bf16 keeps and moves (the float8 casts are transient: shard/runtime/float8.py
+  saves the bf16 operands for backward, as torchao does), its float8 steps marked
+  `float8 = true` so that the working set counts their float8 copies while they run
+  (einsum.scaled_copy), with the weight matmuls' FLOPs at the profile's fp8 peak and their
+  amax and cast passes as memory-bound work (cost.py).
 Integer and bool values never change.
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import attrs
 
-from soapstone.comm.dtype_table import PRECISIONS
+from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Program
 
@@ -32,9 +37,29 @@ COMPUTE = {"fp32": None, "bf16": "bf16", "fp64": "f64"}
 def compute_dtype(precision: str) -> str | None:
     """The spec dtype float values take under `--precision precision` (None: as declared);
     ValueError for an unknown precision (the commands' choices never pass one)."""
+    precision = MIXED_PRECISIONS.get(precision, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
     return COMPUTE.get(precision)
+
+
+def matmul_peaks(precision: str) -> tuple[str, str]:
+    """The profile peaks (peak_tflops keys) a run in `precision` computes its weight matmuls
+    and its activation matmuls at: float8 runs only the weight matmuls in fp8."""
+    if precision == "float8":
+        return "fp8", "bf16"
+    return precision, precision
+
+
+def mfu_peak(precision: str) -> str:
+    """The peak (peak_tflops key) MFU divides by: float8's is bf16's, the rate the model's
+    other matmuls run at (a float8 step mixes two peaks; torchtitan quotes no MFU for it)."""
+    return matmul_peaks(precision)[1]
+
+
+def missing_peak(peaks: dict, precision: str) -> str | None:
+    """The peak_tflops key a run in `precision` needs and `peaks` lacks, or None."""
+    return next((k for k in matmul_peaks(precision) if k not in peaks), None)
 
 
 def _retype(x, dtype: str):
@@ -47,8 +72,16 @@ def program_as_run(program: Program, precision: str) -> Program:
     dtype = compute_dtype(precision)
     if dtype is None:
         return program
+    steps = program.steps
+    if precision == "float8":  # the steps that run in float8 say so (their working set)
+        from soapstone.shard.ops.einsum import float8_steps
+
+        f8 = float8_steps(program)
+        steps = tuple(attrs.evolve(s, attrs=tuple(sorted({**dict(s.attrs), "float8": True}
+                                                         .items())))
+                      if i in f8 else s for i, s in enumerate(steps))
     return attrs.evolve(program, values=tuple(_retype(v, dtype) for v in program.values),
-                        params=tuple(_retype(p, dtype) for p in program.params))
+                        params=tuple(_retype(p, dtype) for p in program.params), steps=steps)
 
 
 def graph_as_run(graph, precision: str):
@@ -62,3 +95,21 @@ def graph_as_run(graph, precision: str):
     edges = tuple(attrs.evolve(e, tensors=tuple(_retype(t, dtype) for t in e.tensors))
                   for e in graph.edges)
     return attrs.evolve(graph, stages=stages, edges=edges)
+
+
+def float8_line(graph) -> str:
+    """explain's line under `--precision float8`: how many weight matmuls of the stage graph
+    run in float8 (einsum.float8_steps) and how many weight einsums stay in bf16."""
+    from soapstone.shard.ops.einsum import float8_steps
+
+    ran = kept = 0
+    for stage in graph.stages:
+        program = stage.program
+        f8 = float8_steps(program)
+        ran += len(f8)
+        kept += sum(1 for i, s in enumerate(program.steps)
+                    if getattr(s, "kind", None) == "einsum" and i not in f8
+                    and set(s.args) & program.weights)
+    return (f"float8: {ran} weight matmuls in float8 (e4m3 x e4m3 forward, e5m2 gradients, "
+            f"dynamic per-tensor scales), {kept} weight einsums in bf16 (float8 = false, or "
+            f"not a plain matmul); attention's products in bf16")

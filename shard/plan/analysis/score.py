@@ -19,6 +19,7 @@ import attrs
 
 from soapstone.shard.plan.analysis.cost import BACKWARD_FACTOR, StepTime, Work, program_work
 from soapstone.shard.plan.analysis.hardware import Profile, ProfileError
+from soapstone.shard.plan.analysis.precision import mfu_peak, missing_peak
 from soapstone.shard.plan.program import Program
 
 
@@ -49,10 +50,13 @@ def graph_work(graph) -> list[Work]:
 def peak_of(profile: Profile, precision: str) -> float:
     """One device's peak FLOP/s in `precision` (ProfileError, a user error, when the profile
     gives none)."""
-    if precision not in profile.peak_flops:
-        raise ProfileError(f"profile {profile.name} has no peak_tflops for {precision!r} "
-                           f"(it has {', '.join(profile.peak_flops)})")
-    return profile.peak_flops[precision]
+    lacks = missing_peak(profile.peak_flops, precision)
+    if lacks is not None:
+        raise ProfileError(f"profile {profile.name} has no peak_tflops for {lacks!r}, which "
+                           f"--precision {precision} needs (it has "
+                           f"{', '.join(profile.peak_flops)}); pick a profile with one or "
+                           f"another --precision")
+    return profile.peak_flops[mfu_peak(precision)]
 
 
 @attrs.frozen

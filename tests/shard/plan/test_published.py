@@ -116,11 +116,13 @@ def test_the_torchtitan_rows_name_their_sources_and_assumptions():
         "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336}
 
 
-def test_the_h100_fit_reproduces_and_every_scored_torchtitan_row_is_within_15_percent():
+def test_the_h100_fit_reproduces_and_the_fsdp_torchtitan_rows_are_within_15_percent():
     """h100-96gb's fitted matmul_efficiency reproduces the fit's documented spread on its
-    calibration rows, no step of 0.01 either way does better, every scored row (the held-out
-    ones too) is within 15% of its published TPS per GPU, and every Float8 row is listed as
-    not scored with its reason."""
+    calibration rows, no step of 0.01 either way does better, every row is scored (the Float8
+    ones under --precision float8), and every bf16 row and every Float8 row of the 8B
+    FSDP-only layouts (held out) is within 15% of its published TPS per GPU, as is the Float8
+    gain over bf16 on those layouts. The Float8 rows with TP, CP or PP are not all within it
+    (BENCHMARKS.md)."""
     b = bench()
     prof = load_profile("h100-96gb")
     fit = prof.fit
@@ -128,14 +130,20 @@ def test_the_h100_fit_reproduces_and_every_scored_torchtitan_row_is_within_15_pe
     assert "bench_plan_published.py --fit" in fit["command"]
     assert prof.op_overhead_s * 1e6 == b.TITAN_OVERHEAD_US[0] == b.OVERHEAD_US[0]
     rows = b.TitanRows(b.load_titan())
-    assert rows.numbers == [1, 2, 8, 9]
-    assert [n for n, r in rows.skipped if "float8" in r["techniques"]] == \
-        [n for n, _ in rows.skipped] and len(rows.skipped) == 14
-    cal = rows.ratios(prof, b.TITAN_CALIBRATION)
+    assert rows.numbers == list(range(1, 19)) and rows.skipped == []
+    assert [rows.numbers[i] for i in rows.calibration] == [1, 9]
+    cal = rows.ratios(prof, rows.calibration)
     spread_is_documented(cal, fit)
     here = b.worst(cal)
     for de in (0.01, -0.01):
         near = attrs.evolve(prof, matmul_efficiency=prof.matmul_efficiency + de)
-        assert b.worst(rows.ratios(near, b.TITAN_CALIBRATION)) >= here - 1e-12, de
-    every = rows.ratios(prof)
-    assert all(abs(math.log(r)) < math.log(1.15) for r in every), every
+        assert b.worst(rows.ratios(near, rows.calibration)) >= here - 1e-12, de
+    scored = [rows.numbers.index(n) for n in (1, 2, 3, 8, 9, 10)]
+    every = dict(zip((1, 2, 3, 8, 9, 10), rows.ratios(prof, scored), strict=True))
+    assert all(abs(math.log(r)) < math.log(1.15) for r in every.values()), every
+    assert [b.titan_precision(rows.items[i][0]) for i in scored] == \
+        ["bf16", "bf16", "float8"] * 2
+    for bf16, f8 in ((2, 3), (9, 10)):  # the same layout compiled, without and with Float8
+        published = rows.items[f8 - 1][0]["tps_per_gpu"] / rows.items[bf16 - 1][0]["tps_per_gpu"]
+        predicted = every[bf16] / every[f8] * published  # ratios: predicted / published step
+        assert abs(math.log(predicted / published)) < math.log(1.15), (bf16, predicted)

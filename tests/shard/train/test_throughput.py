@@ -34,6 +34,10 @@ def test_peak_from_the_profile_else_the_gpu_else_none():
     assert find_peak(None, "bf16", None) is None
     with pytest.raises(BadInput, match="no peak_tflops for --precision fp64"):
         find_peak("h200", "fp64", None)
+    # float8: MFU over the bf16 peak, on a profile that has an fp8 one (the A100 has none)
+    assert find_peak("h100-80gb", "float8", None).flops == pytest.approx(989e12)
+    with pytest.raises(BadInput, match="--precision float8 .it needs fp8"):
+        find_peak("a100-80gb", "float8", None)
 
 
 def test_step_flops_is_three_forwards_of_the_whole_model():

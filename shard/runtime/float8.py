@@ -1,0 +1,162 @@
+"""Float8 weight matmuls (`run --precision float8`): tensorwise dynamic scaling, as torchao's
+Float8Linear does it by default (written here, not imported).
+
+Forward: y = x . w with x and w each cast to float8_e4m3fn at scale = e4m3_max / amax(|t|)
+(one scale per tensor, taken from the tensor itself every call), multiplied by
+`torch._scaled_mm` with a bf16 result. Backward: the output gradient g cast to float8_e5m2
+(more range, fewer mantissa bits: gradients span more decades) at its own amax scale, then
+grad_x = g . w^T (e5m2 x e4m3) and grad_w = x^T . g (e4m3 x e5m2).
+
+What backward keeps: the bf16 x and w, as torchao does (its `matmul_with_hp_or_float8_args`
+saves the high-precision operands and casts again), so a float8 step holds what a bf16 step
+holds; the float8 copies live only while their matmul runs (x's, shared, until a float8
+matmul reads another input: `LastCast`). The casts are the same values again
+(same tensor, same amax), so the forward and backward operands agree bit for bit.
+
+`_scaled_mm` takes its first operand row-major and its second column-major, and on CUDA
+needs the contracted and the output widths to be multiples of 16. Every matmul of the three
+contracts or outputs each of tokens, in-width and out-width once, so all three must be
+multiples of 16; `check_shapes` refuses others before a step runs, naming the layer and the
+fix, on every device alike (the CPU kernel is laxer: the same spec must run on both).
+Attention's activation-activation matmuls never come here (shard/ops/einsum.py
+`float8_steps`), nor does a linear with `float8 = false`.
+
+Scales are per local tensor: under tensor or sequence parallelism each rank scales its own
+shard (torchao over DTensor takes the global amax), so a layout's steps agree with one rank's
+within float8 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from soapstone.comm.errors import UserError
+from soapstone.shard.ops.einsum import (
+    FLOAT8_MULTIPLE,
+    float8_misfit,
+    float8_refusal,
+    float8_steps,
+)
+
+E4M3 = torch.float8_e4m3fn  # forward operands: x and w
+E5M2 = torch.float8_e5m2  # gradients
+EPS = 1e-12  # amax floor: an all-zero tensor casts to zeros at a finite scale (torchao's)
+MULTIPLE = FLOAT8_MULTIPLE  # _scaled_mm's width rule on CUDA
+
+
+class Float8Shape(UserError, ValueError):
+    """A float8 matmul whose widths `_scaled_mm` cannot take."""
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in `dtype` at scale fmax / amax, saturated; the inverse scale `_scaled_mm` takes)."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().max().to(torch.float64)
+    scale = (fmax / amax.clamp(min=EPS)).to(torch.float32)
+    data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return data, scale.reciprocal()
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """t with the same shape and values, laid out column-major (_scaled_mm's second operand)."""
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+def _mm(a, a_inv, b, b_inv, out_dtype):
+    return torch._scaled_mm(a.contiguous(), column_major(b), scale_a=a_inv, scale_b=b_inv,
+                            out_dtype=out_dtype)
+
+
+class Float8Matmul(torch.autograd.Function):
+    """y[m, n] = x[m, k] . w[k, n] in float8 (module doc); gradients in the operands' dtypes.
+    `xq`, `xi`: x's cast already made (`LastCast`), or None."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, xq=None, xi=None) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        if xq is None:
+            xq, xi = to_float8(x, E4M3)
+        wq, wi = to_float8(w, E4M3)
+        return _mm(xq, xi, wq, wi, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        gq, gi = to_float8(g, E5M2)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            wq, wi = to_float8(w, E4M3)
+            gx = _mm(gq, gi, wq.t(), wi, x.dtype)  # g . w^T: w^T is column-major already
+        if ctx.needs_input_grad[1]:
+            xq, xi = to_float8(x, E4M3)
+            gw = _mm(xq.t(), xi, gq, gi, w.dtype)  # x^T . g
+        return gx, gw, None, None
+
+
+class LastCast:
+    """The forward cast of the last float8 matmul's input, kept for the next one: matmuls
+    that read one activation one after another (q, k and v; a gated mlp's two inputs) cast
+    it once, as torch.compile's common-subexpression pass makes torchao's casts. One slot:
+    it holds one float8 copy at a time, dropped at the forward's end (and at the step's,
+    for what a recompute in backward cast)."""
+
+    def __init__(self):
+        self.source = None
+        self.cast: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def release(self) -> None:
+        """Drop the kept cast (a forward's end: nothing holds it past its matmuls)."""
+        self.source = self.cast = None
+
+    def of(self, source: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's e4m3 cast (x: `source` as [M, K]), made once while `source` is the input."""
+        if self.source is not source or self.cast is None:
+            self.source, self.cast = source, to_float8(x.detach(), E4M3)
+        return self.cast
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, where: str, last: LastCast | None = None,
+           source: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M, K] . w[K, N] in float8 (module doc), in x's dtype; `where` names the layer;
+    `last` shares x's cast with the matmul before when both read `source` (x before its
+    reshape)."""
+    check_widths(x.shape[0], x.shape[1], w.shape[1], where)
+    if last is None or source is None:
+        return Float8Matmul.apply(x, w)
+    return Float8Matmul.apply(x, w, *last.of(source, x))
+
+
+def check_widths(m: int, k: int, n: int, where: str) -> None:
+    """Float8Shape unless tokens m, in-width k and out-width n are multiples of 16."""
+    bad = float8_misfit((m, k, n))
+    if bad:
+        raise Float8Shape(f"{where}: torch._scaled_mm needs widths that are multiples of "
+                          f"{MULTIPLE}; it has {bad} on this rank")
+
+
+def check_shapes(program) -> None:
+    """Float8Shape for the first float8 step of `program` whose local widths are not multiples
+    of 16 (a Program is compiled for one microbatch), naming the layer and the fix
+    (einsum.float8_refusal)."""
+    why = float8_refusal(program)
+    if why:
+        raise Float8Shape(why)
+
+
+def float8_matmuls(program, last: LastCast | None = None) -> dict:
+    """The float8 matmul of each step of `program` that runs in float8, by its output (what
+    Shards.float8 holds), after `check_shapes`; `last`: the cast they share (`LastCast`)."""
+    steps = float8_steps(program)
+    check_shapes(program)
+    return {program.steps[i].out: functools.partial(
+        matmul, where=program.steps[i].source or program.steps[i].out, last=last)
+        for i in steps}
+
+
+def check_graph(graph) -> None:
+    """Float8Shape for the first stage of `graph` with a float8 matmul `_scaled_mm` cannot
+    take: every rank checks every stage, so all refuse alike and none waits on another."""
+    for stage in graph.stages:
+        check_shapes(stage.program)

@@ -1,0 +1,99 @@
+"""The cost model under `--precision float8` (shard/plan/analysis/cost.py): the weight matmuls
+at the fp8 peak, the rest at bf16's, and the casts' memory traffic; every figure against a
+hand computation; no timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from soapstone import dsl
+from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.plan.analysis.cost import Work, float8_casts, program_work
+from soapstone.shard.plan.analysis.hardware import Link, Profile, ProfileError
+from soapstone.shard.plan.analysis.precision import program_as_run
+from soapstone.shard.plan.analysis.score import peak_of
+
+GB = 1e9
+
+
+def profile(fp8: bool = True) -> Profile:
+    """Round numbers: bf16 2 TFLOP/s, fp8 4 TFLOP/s, at efficiency 1; 1 TB/s of memory; no
+    per-op cost."""
+    peaks = {"fp32": 1e12, "bf16": 2e12} | ({"fp8": 4e12} if fp8 else {})
+    return Profile("hand", "by hand", 80 * 2**30, 1.0, 8, peaks, 1.0, 1e12,
+                   Link(10 * GB, 0.0), Link(1 * GB, 0.0))
+
+
+def test_one_matmuls_casts_by_hand():
+    # x 128 x 32, w 32 x 64, y 128 x 64 in bf16 (2 bytes): a cast moves 2 + 2 + 1 = 5 bytes
+    # an element. Forward: x and w cast (5 x (4096 + 2048)), w copied column-major (2 x
+    # 2048). Backward: g, x, w cast (5 x (8192 + 4096 + 2048)), x^T and g copied (2 x
+    # (4096 + 8192)).
+    assert float8_casts(4096, 2048, 8192, 2) == (5 * 6144 + 2 * 2048,
+                                                 5 * 14336 + 2 * 12288)
+    # x cast by the matmul before (k and v after q): forward casts only w
+    assert float8_casts(4096, 2048, 8192, 2, shared=True) == (5 * 2048 + 2 * 2048,
+                                                              5 * 14336 + 2 * 12288)
+
+
+def test_float8_runs_its_matmuls_at_the_fp8_peak_and_pays_its_casts():
+    # 4 TFLOP of matmuls, 3 of them float8, 1 of them activation x activation (bound by FLOPs
+    # here: 1 GB at 1 TB/s is 1 ms); casts 1 GB forward, 2 GB backward
+    w = Work(matmul_flops=4e12, act_flops=1e12, act_bytes=1e9, f8_flops=2e12,
+             f8_forward_bytes=1e9, f8_backward_bytes=2e9)
+    # bf16: all 4 TFLOP at 2 TFLOP/s, x3 for backward; no casts
+    assert w.seconds(profile(), "bf16") == pytest.approx(3 * 2.0)
+    # float8: 1 TFLOP weight (bf16) at 2, 2 TFLOP at 4 (fp8), 1 activation TFLOP at 2:
+    # 0.5 + 0.5 + 0.5 = 1.5 s forward, x3; casts 3 GB at 1 TB/s = 3 ms
+    assert w.matmul_seconds(profile(), "float8") == pytest.approx(1.5)
+    assert w.seconds(profile(), "float8") == pytest.approx(3 * 1.5 + 0.003)
+    # recompute runs the forward again, its forward casts with it (1 ms)
+    again = Work(matmul_flops=2e12, f8_flops=2e12, f8_forward_bytes=1e9,
+                 f8_backward_bytes=2e9)
+    r = Work(again=again) + again
+    assert r.seconds(profile(), "float8") == pytest.approx(3 * 0.5 + 0.003 + 0.5 + 0.001)
+
+
+def test_a_profile_without_an_fp8_peak_refuses_float8():
+    with pytest.raises(ProfileError, match="'fp8'"):
+        Work(matmul_flops=1.0, f8_flops=1.0).seconds(profile(fp8=False), "float8")
+    with pytest.raises(ProfileError, match="--precision float8"):
+        peak_of(profile(fp8=False), "float8")
+    assert peak_of(profile(), "float8") == 2e12  # MFU over bf16's peak
+
+
+def test_gpt_work_by_hand():
+    """examples/gpt.par (batch 8 x seq 16 = 128 tokens, hidden 32, 4 heads x 8, ffn 64,
+    vocab 64), retyped to bf16: its 25 weight matmuls (q, k, v, o, mlp up and down in 4 blocks,
+    the output) are float8's, attention's products are not; k and v share q's cast of x."""
+    program = program_as_run(lower_graph(dsl.load("examples/gpt.par").model(), None).program,
+                             "float8")
+    w = program_work(program)
+    t = 128
+    qkvo, up, down = (t * 32, 32 * 32, t * 32), (t * 32, 32 * 64, t * 64), \
+        (t * 64, 64 * 32, t * 32)
+    flops = 2 * t * (4 * (4 * 32 * 32 + 2 * 32 * 64) + 32 * 64)
+    assert w.f8_flops == flops == 8_912_896
+    assert w.matmul_flops - w.act_flops == flops  # every weight matmul is float8's
+    casts = [float8_casts(*qkvo, 2)] * 8 + [float8_casts(*qkvo, 2, shared=True)] * 8 + \
+        [float8_casts(*up, 2)] * 5 + [float8_casts(*down, 2)] * 4
+    # by hand, per block: q and o 5 x (4096 + 1024) + 2 x 1024, k and v 5 x 1024 + 2 x 1024,
+    # up 5 x (4096 + 2048) + 2 x 2048, down 5 x (8192 + 2048) + 2 x 2048; the output as up
+    assert w.f8_forward_bytes == sum(f for f, _ in casts) == \
+        4 * (2 * 27648 + 2 * 7168 + 34816 + 55296) + 34816 == 673_792
+    assert w.f8_backward_bytes == sum(b for _, b in casts) == 1_865_728
+
+
+def test_a_float8_matmul_holds_its_float8_copies_while_it_runs():
+    """The working set of a float8 step: x and w in float8 and w's column-major copy, one
+    byte an element (q of gpt.par: x 128 x 32, w 32 x 32): 4096 + 2 x 1024 bytes more than
+    under bf16; what is saved for backward is bf16's."""
+    from soapstone.shard.ops.registry import record_of
+    from soapstone.shard.plan.analysis.activations import activation_figures
+
+    program = lower_graph(dsl.load("examples/gpt.par").model(), None).program
+    bf16, f8 = program_as_run(program, "bf16"), program_as_run(program, "float8")
+    i = next(k for k, s in enumerate(program.steps) if s.out == "layer.0.attention0.q")
+    scratch = record_of("einsum").scratch
+    assert scratch(f8.steps[i], f8) - scratch(bf16.steps[i], bf16) == 4096 + 2 * 1024
+    assert activation_figures(f8)[0] == activation_figures(bf16)[0]
