@@ -44,6 +44,9 @@ class Shards:
         # tensors fixed by the program and this rank's place in it (rope's cos/sin tables),
         # made once instead of every layer of every step
         self.constants: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        # values no step reads after their last consumer and no autograd node keeps: a
+        # record with grad_in_place may write their gradient over them (overwrite_plan.py)
+        self.overwritable: frozenset[str] = frozenset()
 
     def comm(self, axis: str):
         """The communicator along one mesh axis."""
