@@ -45,6 +45,7 @@ SMALL = [  # quick enough for a test
     ("examples/mlp.par", {"batch": 1024, "features": 256, "ffn": 1024}),
     ("examples/gpt.par", {"batch": 8, "seq": 128, "hidden": 128, "heads": 4, "ffn": 512,
                           "vocab": 256}),
+    ("tests/specs/loss_layouts.par", {}),  # the loss's chunks most of the step
 ]
 
 
