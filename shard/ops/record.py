@@ -12,8 +12,8 @@ of its family (einsum.py, norms.py, masks.py, ...), listed by registry.py. The r
 - `saves`: what its kernel keeps for backward (`scratch`: a temporary it makes in forward
   beside its output; `backward_scratch`: one its backward makes beside the gradients;
   `grad_in_place`: its backward writes its first arg's gradient into that arg's saved storage
-  where the runtime lets it, shard/runtime/overwrite_plan.py), `keeps`: the args among them a ZeRO-3 unpack meets, `calls`: the
-  collectives its kernel runs itself (expert routing);
+  where the runtime lets it, shard/runtime/overwrite_plan.py), `keeps`: the args among them
+  a ZeRO-3 unpack meets, `calls`: the collectives its kernel runs itself (expert routing);
 - `fuses`: the slots of the fused chains (shard/runtime/fusion_plan.py) it may fill and, per
   slot, the attrs the fused kernel honours: a step with any other attr is not fused, so a
   fused kernel never silently drops an option; `mask`: a mask's rule, shared by its kernel

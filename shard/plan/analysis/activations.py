@@ -11,11 +11,12 @@ addmm) x, and no matmul temporary.
 On top of the saved bytes, a step also needs a working set: in forward the values not saved
 but still to be read, in backward the gradients in flight (each value's from its first
 consumer's backward until its producer's) and one parameter's gradient before it lands in its
-bucket (none for a gradient its op writes over its saved arg: `grad_in_place`,
-shard/runtime/overwrite_plan.py), and the temporaries an op's backward makes beside them
-(its record's `backward_scratch`: cross_entropy's chunk). `activation_figures` walks the Program forward then backward, freeing each value
-after its last use (the runtime does) and each saved tensor after the backward of the step
-that saved it, and returns the saved bytes and the peak above them (`transient`).
+bucket, and the temporaries an op's backward makes beside them (its record's
+`backward_scratch`: cross_entropy's chunk); a gradient its op writes over its saved arg takes
+no new bytes (`grad_in_place`, shard/runtime/overwrite_plan.py). `activation_figures` walks the
+Program forward then backward, freeing each value after its last use (the runtime does) and
+each saved tensor after the backward of the step that saved it, and returns the saved bytes
+and the peak above them (`transient`).
 tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in

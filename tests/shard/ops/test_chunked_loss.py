@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from mpirun import ROOT, mpiexec
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
@@ -25,7 +26,6 @@ from soapstone.shard.plan.analysis.precision import program_as_run
 from soapstone.shard.plan.program import Compute, Output
 from soapstone.shard.runtime.fusion_plan import find_fusions
 from soapstone.shard.runtime.overwrite_plan import overwritable
-from mpirun import ROOT, mpiexec
 
 SPEC = "tests/specs/loss_layouts.par"
 DTYPES = [torch.float32, torch.bfloat16]
