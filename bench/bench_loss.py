@@ -44,7 +44,7 @@ def steps(tokens: int, vocab: int, dtype, rows: int):
             h.grad = w.grad = None
             loss = loss_of(h @ w)
             loss.backward()
-            return float(loss)
+            return float(loss.detach())
         return step
 
     return {

@@ -75,10 +75,11 @@ def cross_entropy_saves(step, program, floats: list[str]) -> tuple[list[str], in
 
 
 def cross_entropy_scratch(step, program) -> int:
-    """Forward's temporaries: one chunk's log-probabilities (split: its shifted logits and
-    their exponentials), and a float or two per token (the target log-probabilities; split:
-    the statistics and the target logits)."""
-    chunks = 2 if step.dist else 1
+    """Forward's temporaries: one chunk's log-probabilities (and, with padded classes, the
+    real classes' copy they are taken from; split: its shifted logits and their exponentials),
+    and a float or more per token (the target log-probabilities; split: the statistics and
+    the target logits)."""
+    chunks = 2 if step.dist or step.attr("classes") is not None else 1
     return chunks * chunk_bytes(step, program) + (3 if step.dist else 1) * token_bytes(
         step, program)
 

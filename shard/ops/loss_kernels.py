@@ -28,7 +28,7 @@ def _spans(n: int, rows: int):
     return ((a, min(n, a + rows)) for a in range(0, n, rows))
 
 
-def _target(out: torch.Tensor, x: torch.Tensor, in_place: bool) -> torch.Tensor:
+def _target(x: torch.Tensor, in_place: bool) -> torch.Tensor:
     """Where backward writes the logits' gradient: their own storage, or a new buffer."""
     return x if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -54,7 +54,7 @@ class PlainLoss(torch.autograd.Function):
     def backward(ctx, g):
         x, t = ctx.saved_tensors
         c = ctx.classes
-        out = _target(g, x, ctx.in_place)
+        out = _target(x, ctx.in_place)
         for a, b in _spans(x.shape[0], ctx.rows):
             lp = torch.log_softmax(x[a:b, :c].contiguous(), -1)
             # what nll_loss's backward hands log_softmax's: -g at each target, 0 elsewhere
@@ -99,7 +99,7 @@ class SplitLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, m, se, local, inside = ctx.saved_tensors
-        out = _target(g, x, ctx.in_place)
+        out = _target(x, ctx.in_place)
         gse = g / se  # log's backward
         gpick = -g * inside.to(g.dtype)  # the target logit's, through its mask
         for a, b in _spans(x.shape[0], ctx.rows):
