@@ -40,6 +40,7 @@ def cross_entropy(step, args, ctx):
     over = step.attr("over")
     lead = tuple(d for d in lv.dims if d != over)
     x = align(logits, lv.dims, (*lead, over))
+    shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     t = align(targets, tv.dims, lead).reshape(-1)
     count = math.prod(ctx.sizes[d] for d in lead)
@@ -51,7 +52,8 @@ def cross_entropy(step, args, ctx):
     if not step.dist:
         return PlainLoss.apply(x, t, classes or x.shape[-1], rows, mine) / count
     stats = Stats(step, ctx, RECORDS)
-    return SplitLoss.apply(x, t, ctx.offset(lv, over), classes, stats, rows, mine).sum() / count
+    return SplitLoss.apply(x, t, ctx.offset(lv, over), classes, stats, rows, mine,
+                           tuple(shape)).sum() / count
 
 
 def chunk_bytes(step, program) -> int:

@@ -71,27 +71,31 @@ class SplitLoss(torch.autograd.Function):
     """The per-token loss over a class dim split across ranks: x[N, n] is this rank's slice
     (classes from `lo`; global classes >= `classes` are padding), `stats` combines the max,
     the sum of exponentials and the target logit across the ranks (the record's dist_stats, in
-    order); `rows` tokens at a time. Backward needs no communication: each rank's logits
-    get exp(x - m) / se and -1 at their targets, as autograd gives the unchunked form."""
+    order, each in the tokens' shape `lead`); `rows` tokens at a time. Backward needs no
+    communication: each rank's logits get exp(x - m) / se and -1 at their targets, as autograd
+    gives the unchunked form."""
 
     @staticmethod
-    def forward(ctx, x, t, lo: int, classes: int | None, stats, rows: int, in_place: bool):
-        n = x.shape[1]
+    def forward(ctx, x, t, lo: int, classes: int | None, stats, rows: int, in_place: bool,
+                lead: tuple[int, ...]):
+        n, tokens = x.shape[1], x.shape[0]
         pad = (torch.arange(lo, lo + n, device=x.device) >= classes) \
             if classes is not None else None
         m = torch.empty(x.shape[0], 1, dtype=x.dtype, device=x.device)
         for a, b in _spans(x.shape[0], rows):
             m[a:b] = _masked(x[a:b], pad).amax(-1, keepdim=True)
-        m = stats.reduce(m, Reduce.MAX)
+        # reduced in the tokens' own shape: the collectives the plan lists (show, verify)
+        m = stats.reduce(m.view(*lead, 1), Reduce.MAX).reshape(tokens, 1)
         se = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
         for a, b in _spans(x.shape[0], rows):
             se[a:b] = torch.exp(_masked(x[a:b], pad) - m[a:b]).sum(-1)
-        se = stats.reduce(se, Reduce.SUM)
+        se = stats.reduce(se.view(lead), Reduce.SUM).reshape(tokens)
         lse = torch.log(se) + m.squeeze(-1)
         inside = (t >= lo) & (t < lo + n)
         local = torch.where(inside, t - lo, torch.zeros_like(t))
         at = torch.arange(x.shape[0], device=x.device)
-        picked = stats.reduce(_masked(x, pad, at, local) * inside.to(x.dtype), Reduce.SUM)
+        picked = stats.reduce((_masked(x, pad, at, local) * inside.to(x.dtype)).view(lead),
+                              Reduce.SUM).reshape(tokens)
         ctx.save_for_backward(x, m, se, local, inside)
         ctx.pad, ctx.rows, ctx.in_place = pad, rows, in_place
         return lse - picked
@@ -109,7 +113,7 @@ class SplitLoss(torch.autograd.Function):
                 gx.masked_fill_(ctx.pad, 0)
             out[a:b] = gx
             del gx
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def _masked(x, pad, rows=None, cols=None):

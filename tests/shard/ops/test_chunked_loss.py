@@ -84,7 +84,8 @@ def test_the_split_form_is_the_unchunked_one_to_the_bit(dtype, lo, classes, in_p
     want = _split_unchunked(want_x, t + lo // 2, lo, classes, _stats()).sum() / 50
     (want * 0.37).backward()
     got_x = x.clone().requires_grad_()
-    got = SplitLoss.apply(got_x * 1, t + lo // 2, lo, classes, _stats(), 7, in_place).sum() / 50
+    got = SplitLoss.apply(got_x * 1, t + lo // 2, lo, classes, _stats(), 7, in_place,
+                          (5, 10)).sum() / 50
     (got * 0.37).backward()
     assert torch.equal(got.detach(), want.detach())
     assert torch.equal(got_x.grad, want_x.grad)
