@@ -10,7 +10,9 @@ model's head makes them), the mean token loss, backward to h and W. Implementati
 - chunked: the chunk rule's tokens per chunk (cross_entropy.CHUNK_ELEMENTS), gradient in a
   new buffer;
 - chunked, in place: the same, the gradient written over the logits (what the runtime runs
-  where no one reads the logits again: shard/runtime/overwrite_plan.py).
+  where no one reads the logits again: shard/runtime/overwrite_plan.py);
+- folded into forward: Liger's way, each chunk's gradient computed in forward and written
+  over the logits (its loss equals the others' to rounding, not to the bit).
 Peak: the tensors the step allocates and still holds at its high point
 (shard/runtime/memory.LiveBytes; h, W and the targets exist before). Time: the harness's
 interleaved median of 30 steps with its IQR, and the load average.
@@ -25,6 +27,37 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def folded(rows: int):
+    """The gradient folded into forward (Liger's way), written over the logits chunk by chunk:
+    forward must assume the loss's incoming gradient (here 1 / tokens, the mean's) and
+    backward rescales by whatever arrives. The same bytes as chunked, in place; kept here
+    only to measure it."""
+    import torch
+
+    class Folded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, t):
+            n = x.shape[0]
+            picked = torch.empty(n, dtype=x.dtype)
+            for a in range(0, n, rows):
+                b = min(n, a + rows)
+                lp = torch.log_softmax(x[a:b], -1)
+                picked[a:b] = lp.gather(1, t[a:b, None]).squeeze(1)
+                lp.exp_().scatter_add_(1, t[a:b, None], torch.full((b - a, 1), -1.0,
+                                                                    dtype=x.dtype))
+                x[a:b] = lp.div_(n)
+                del lp
+            ctx.save_for_backward(x)
+            return -picked.sum() / n
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return (x if float(g) == 1.0 else x.mul_(g)), None
+
+    return Folded
 
 
 def steps(tokens: int, vocab: int, dtype, rows: int):
@@ -52,6 +85,7 @@ def steps(tokens: int, vocab: int, dtype, rows: int):
         "one chunk": run(lambda x: PlainLoss.apply(x, t, vocab, tokens, False) / tokens),
         "chunked": run(lambda x: PlainLoss.apply(x, t, vocab, rows, False) / tokens),
         "chunked, in place": run(lambda x: PlainLoss.apply(x, t, vocab, rows, True) / tokens),
+        "folded into forward": run(lambda x: folded(rows).apply(x, t)),
     }
 
 
@@ -95,7 +129,9 @@ def main() -> int:
               f"{t.text()}")
     base = session.compare("chunked, in place", "torch F.cross_entropy")
     print(f"chunked, in place vs torch: {base.text()}")
-    print("losses equal:", len(set(losses.values())) == 1)
+    exact = [v for k, v in losses.items() if k != "folded into forward"]
+    print("losses equal:", len(set(exact)) == 1, "(folded:",
+          f"{losses['folded into forward'] - exact[0]:+.2e})")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "tokens": args.tokens, "vocab": args.vocab, "precision": args.precision,
