@@ -5,8 +5,9 @@ F.cross_entropy, side by side on CPU.
 One step: logits = h . W (h [tokens, 16], W [16, vocab]: logits made in the step, as the
 model's head makes them), the mean token loss, backward to h and W. Implementations:
 - torch: F.cross_entropy(logits, targets);
-- one chunk: soapstone's plain form with every token in one chunk and the gradient in a new
-  buffer (what the unchunked op kept: log-probabilities and a gradient of the logits' size);
+- torch is also what soapstone's op ran on one rank before chunks (reduction "sum" / count);
+- one chunk: the chunked kernel with every token in one chunk and the gradient in a new
+  buffer (backward's recompute without the chunking: the worst of both);
 - chunked: the chunk rule's tokens per chunk (cross_entropy.CHUNK_ELEMENTS), gradient in a
   new buffer;
 - chunked, in place: the same, the gradient written over the logits (what the runtime runs
