@@ -20,7 +20,7 @@ is measured on every rank after a first step has allocated gradients and optimiz
   glibc's mallinfo2) above the step's start, sampled after every torch op: every tensor,
   MPI's and Python's own allocations included, wherever malloc puts them; the same every run.
 
-    .venv/bin/python bench/bench_memory.py [--json F] [--precision bf16]
+    .venv/bin/python bench/bench_memory.py [--json F] [--precision bf16 [--precision fp32]]
     mpiexec -n 2 .venv/bin/python bench/bench_memory.py --spec examples/gpt.par \\
         --parallel tp2 --dim seq=256 --dim hidden=256
 """
@@ -45,6 +45,7 @@ SMALL = [  # quick enough for a test
     ("examples/mlp.par", {"batch": 1024, "features": 256, "ffn": 1024}),
     ("examples/gpt.par", {"batch": 8, "seq": 128, "hidden": 128, "heads": 4, "ffn": 512,
                           "vocab": 256}),
+    ("tests/specs/loss_layouts.par", {}),  # the loss's chunks most of the step
 ]
 
 
@@ -190,8 +191,9 @@ def main() -> int:
     ap.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--small", action="store_true", help="the quick cases (tests)")
     ap.add_argument("--json", metavar="F", help="also write the rows as JSON (rank 0)")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                    help="the step's, as run's --precision (default fp32)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), action="append",
+                    help="the step's, as run's --precision (default fp32; repeat it for "
+                         "each in turn)")
     args = ap.parse_args()
     import torch
 
@@ -205,7 +207,8 @@ def main() -> int:
         cases = [(args.spec, parse_dims(args.dim))]
     else:
         cases = SMALL if args.small else CASES
-    rows = [measure(spec, dims, args.parallel, comm, args.precision) for spec, dims in cases]
+    rows = [measure(spec, dims, args.parallel, comm, p) for spec, dims in cases
+            for p in args.precision or ["fp32"]]
     from mpi4py import MPI
 
     every = MPI.COMM_WORLD.allgather(rows)

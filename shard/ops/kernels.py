@@ -47,6 +47,9 @@ class Shards:
         # --precision float8: the output of each step that runs in float8 -> its matmul
         # (set by the runtime: shard/runtime/float8.py; empty otherwise)
         self.float8: dict[str, Callable] = {}
+        # values no step reads after their last consumer and no autograd node keeps: a
+        # record with grad_in_place may write their gradient over them (overwrite_plan.py)
+        self.overwritable: frozenset[str] = frozenset()
 
     def float8_kernel(self, step: Compute) -> Callable | None:
         """The float8 matmul `step` runs with, or None (it runs in its inputs' dtype)."""

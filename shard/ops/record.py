@@ -10,8 +10,10 @@ of its family (einsum.py, norms.py, masks.py, ...), listed by registry.py. The r
 - `dist_stats`: the allreduces of statistics its distributed form runs per split axis;
 - its cost: `bound` (what bounds its time) and `flops` (its forward arithmetic on this rank);
 - `saves`: what its kernel keeps for backward (`scratch`: a temporary it makes in forward
-  beside its output), `keeps`: the args among them a ZeRO-3 unpack meets, `calls`: the
-  collectives its kernel runs itself (expert routing);
+  beside its output; `backward_scratch`: one its backward makes beside the gradients;
+  `grad_in_place`: its backward writes its first arg's gradient into that arg's saved storage
+  where the runtime lets it, shard/runtime/overwrite_plan.py), `keeps`: the args among them
+  a ZeRO-3 unpack meets, `calls`: the collectives its kernel runs itself (expert routing);
 - `fuses`: the slots of the fused chains (shard/runtime/fusion_plan.py) it may fill and, per
   slot, the attrs the fused kernel honours: a step with any other attr is not fused, so a
   fused kernel never silently drops an option; `mask`: a mask's rule, shared by its kernel
@@ -205,6 +207,8 @@ class OpRecord:
     identity: Callable | None = attrs.field(default=None, eq=False)
     saves: Callable = attrs.field(default=saves_nothing, eq=False)
     scratch: Callable = attrs.field(default=no_scratch, eq=False)  # forward temporary bytes
+    backward_scratch: Callable = attrs.field(default=no_scratch, eq=False)
+    grad_in_place: bool = False
     keeps: Callable = attrs.field(default=keeps_none, eq=False)
     calls: Callable = attrs.field(default=no_calls, eq=False)
     fuses: Mapping[Slot, frozenset[str]] = attrs.field(factory=dict, eq=False)

@@ -23,6 +23,7 @@ from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.float8 import LastCast, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
+from soapstone.shard.runtime.overwrite_plan import overwritable
 from soapstone.shard.runtime.param_init import (  # noqa: F401
     TORCH_DTYPES,
     empty_shard,
@@ -67,6 +68,8 @@ class ShardedModel:
         self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
         self.covered = set(self.run_index)
         self.frees = _last_uses(program, self.run_index)
+        # the logits a loss may write its gradient over (shard/runtime/overwrite_plan.py)
+        self.ctx.overwritable = overwritable(program, self.fused)
         # `recompute`: the step ranges run as checkpointed segments, by first step
         self.recompute = {a: Segment.of(program, a, b, self.run_index)
                           for a, b in program.recompute}

@@ -418,6 +418,8 @@ def test_explains_activations_match_a_measured_step(tmp_path):
     for row in json.loads(out.read_text()):
         assert abs(row["saved_error"]) < 0.05, r.stdout
         assert abs(row["peak_error"]) < 0.15, r.stdout
+        if "loss_layouts" in row["spec"]:  # the chunked loss: the tensors alive, exactly
+            assert abs(row["live_error"]) < 0.03, r.stdout
 
 
 def test_explains_bf16_activations_match_a_measured_bf16_step(tmp_path):
@@ -435,6 +437,8 @@ def test_explains_bf16_activations_match_a_measured_bf16_step(tmp_path):
         assert row["precision"] == "bf16"
         assert abs(row["saved_error"]) < 0.05, r.stdout
         assert abs(row["peak_error"]) < 0.15, r.stdout
+        if "loss_layouts" in row["spec"]:  # the chunked loss: the tensors alive, exactly
+            assert abs(row["live_error"]) < 0.03, r.stdout
 
 
 # ---- the fit check -----------------------------------------------------------------------

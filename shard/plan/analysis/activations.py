@@ -11,9 +11,12 @@ addmm) x, and no matmul temporary.
 On top of the saved bytes, a step also needs a working set: in forward the values not saved
 but still to be read, in backward the gradients in flight (each value's from its first
 consumer's backward until its producer's) and one parameter's gradient before it lands in its
-bucket. `activation_figures` walks the Program forward then backward, freeing each value
-after its last use (the runtime does) and each saved tensor after the backward of the step
-that saved it, and returns the saved bytes and the peak above them (`transient`).
+bucket, and the temporaries an op's backward makes beside them (its record's
+`backward_scratch`: cross_entropy's chunk); a gradient its op writes over its saved arg takes
+no new bytes (`grad_in_place`, shard/runtime/overwrite_plan.py). `activation_figures` walks the
+Program forward then backward, freeing each value after its last use (the runtime does) and
+each saved tensor after the backward of the step that saved it, and returns the saved bytes
+and the peak above them (`transient`).
 tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
@@ -34,6 +37,7 @@ from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
+from soapstone.shard.runtime import overwrite_plan
 from soapstone.shard.runtime.fusion_plan import FusedAttention, FusedLinear, find_fusions
 
 
@@ -92,6 +96,7 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
     root = _roots(program, covered)
     params = {p.name for p in program.params}
     val = program.value
+    overwritable = overwrite_plan.overwritable(program, fused)
 
     def r(name: str) -> str:
         return root.get(name, name)
@@ -208,16 +213,22 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
             held += again[i][1]
         held += rebuilt.get(i, 0)
         peak = max(peak, held + sum(grads.values()) + scratch_at.get(i, 0))
-        new = 0
         pgrad = 0
+        step = steps[i]
+        rec = record_of(step.kind) if isinstance(step, Compute) and i not in fused else None
+        # a gradient written over its saved arg (cross_entropy's logits) takes no new bytes
+        into = r(step.args[0]) if rec is not None and rec.grad_in_place and \
+            step.args[0] in overwritable else None
         for a in reads(i):
             if a in params:
                 pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
             elif val(a).is_float and r(a) not in grads:
-                grads[r(a)] = val(a).nbytes
-                new += val(a).nbytes
-        peak = max(peak, held + sum(grads.values()) + pgrad)
+                grads[r(a)] = 0 if r(a) == into else val(a).nbytes
+        work = rec.backward_scratch(step, program) if rec is not None else 0
+        peak = max(peak, held + sum(grads.values()) + pgrad + work)
         held -= sum(val(n).nbytes for n in names if first_saver[n] == i) + extra
+        if into is not None:  # the saved logits live on as their gradient
+            grads[into] = val(into).nbytes
         held -= release.get(i, 0)
         out = makes.get(i)
         if out is not None:
