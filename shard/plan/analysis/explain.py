@@ -55,11 +55,12 @@ figures add up its virtual stages:
   (microbatches past F, before their backward's last part) x s's saved bytes + (those
   before B) x the bytes s sends forward (its outputs, stored for its B; a received input is
   read by the stage's first op, which saves it). For 1F1B that is p - s microbatches on pipe
-  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; zb1p keeps the
-  saved bytes until W, and from B to W the gradients B keeps for it (activations.py's
-  weight_grad_bytes). The peak is per action (in_flight.py): what is held at that action
-  plus that action's own working set (its stage's forward's at an F, backward's at a B or
-  W), the largest over the actions; activations is what is held there, transient that
+  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; a split
+  backward (zb1p, zbv, dualpipev) keeps the saved bytes until W, and from B to W the
+  gradients B keeps for it (activations.py's Phases.kept). The peak is per action
+  (in_flight.py): what is held at that action plus that action's own working set (its
+  stage's forward's at an F, backward's at a B; a split backward's B's and W's, each what
+  that half keeps alive), the largest over the actions; activations is what is held there, transient that
   action's working set, plus the one message received ahead of the compute reading it;
   sends add nothing, each let go as it completes (shard/runtime/pipe_p2p.py). Flat in m
   but for GPipe.
@@ -145,9 +146,10 @@ class Estimate:
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
     transient_bytes: int = 0  # the working set above the saved activations at the peak
-    # (forward's, backward's) working sets, of which transient_bytes is the larger; a
-    # pipeline adds each at its own actions (in_flight.py). None: both transient_bytes
-    phase_transients: tuple[int, int] | None = attrs.field(default=None, repr=False)
+    # (forward's, backward's, a split backward's B's and W's) working sets, transient_bytes
+    # the larger of the first two; a pipeline adds each at its own actions (in_flight.py).
+    # None: all transient_bytes
+    phase_transients: tuple[int, ...] | None = attrs.field(default=None, repr=False)
     # `recompute`: (saved, working set) without it, and the matmul FLOPs backward runs again
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
@@ -216,8 +218,9 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
     phases = None
     if activations is None:
-        activations, *phases = phase_figures(program)
-    activations, transient = activations if phases is None else (activations, max(phases))
+        phases = phase_figures(program)
+        activations = (phases.saved, max(phases.forward, phases.backward))
+    activations, transient = activations
     again = {i for a, b in program.recompute for i in range(a, b)}
     for i, step in enumerate(program.steps):
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
@@ -323,12 +326,13 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + beside,
                     phase_transients=None if phases is None else
-                    tuple(w + beside for w in phases),
+                    tuple(w + beside for w in phases.working),
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
-                    weight_grad_bytes=weight_grad_bytes(program),
+                    weight_grad_bytes=weight_grad_bytes(program) if phases is None
+                    else phases.kept,
                     experts=expert_figures(program), master_bytes=masters,
                     compute_dtype=float_params[0].dtype if float_params else None)
 
@@ -407,7 +411,6 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     # never built: in_flight's closed forms and short walks, and the bubble's formula
     sched = ScheduleShape(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
-    work = {i: e.phase_transients or (e.transient_bytes,) * 2 for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
     backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
@@ -425,6 +428,10 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         # gradients instead (split_backward.py: the roots off B's path)
         if not any(x.dst == e.src and x.float_tensors for x in edges):
             kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
+    # the planner's stages have one working set: a split B's then ends with what it keeps
+    work = {i: e.phase_transients or (e.transient_bytes, e.transient_bytes,
+                                      e.transient_bytes + kept[i], e.transient_bytes)
+            for i, e in per_stage.items()}
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
