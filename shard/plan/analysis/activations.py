@@ -85,8 +85,8 @@ def lse_bytes(program: Program, f: FusedAttention) -> int:
 def activation_figures(program: Program) -> tuple[int, int]:
     """(bytes saved for backward, peak working set above them) of one forward and backward
     of `program` (module doc)."""
-    ph = phase_figures(program)
-    return ph.saved, max(ph.forward, ph.backward)
+    sv = _saves_of(program)
+    return sv.total, max(0, _forward_peak(sv) - sv.total, _backward_peak(sv) - sv.total)
 
 
 @attrs.frozen
@@ -135,11 +135,7 @@ class _Saves:
             sum(e for _, e in self.saves.values())
 
     def reads(self, i: int) -> tuple[str, ...]:
-        if i in self.fused:
-            f = self.fused[i]
-            return (f.q, f.k, f.v) if isinstance(f, FusedAttention) else (f.x, f.w, f.bias)
-        s = self.program.steps[i]
-        return s.args if isinstance(s, Compute) else (s.src,)
+        return _reads(self.program, self.fused, i)
 
     def makes(self) -> dict[int, str]:
         """Kept step -> the float value it makes with storage of its own."""
@@ -152,6 +148,33 @@ class _Saves:
         message, not its working set)."""
         return {self.r(o.value): self.program.value(o.value).nbytes
                 for o in self.program.outputs if o.is_loss}
+
+
+def _reads(program: Program, fused: dict, i: int) -> tuple[str, ...]:
+    """What step i reads (a fused chain, by its last step: the fused call's operands)."""
+    if i in fused:
+        f = fused[i]
+        return (f.q, f.k, f.v) if isinstance(f, FusedAttention) else (f.x, f.w, f.bias)
+    s = program.steps[i]
+    return s.args if isinstance(s, Compute) else (s.src,)
+
+
+def _split_path(program: Program, fused: dict, order: list[int], r) -> tuple[set[str], dict]:
+    """A split backward's path (`_split_peaks`): the value roots a float input of the program
+    reaches, and per step in `order` (forward order) whether it is on the path and whether
+    it is a joint."""
+    val, params = program.value, {p.name for p in program.params}
+    path = {r(n) for n in program.inputs if val(n).is_float and n not in params}
+    off = {r(p) for p in params if val(p).is_float}  # tracked by autograd, off the path
+    kind: dict[int, tuple[bool, bool]] = {}
+    for i in order:
+        reads = {r(a) for a in _reads(program, fused, i)}
+        on = not reads.isdisjoint(path)
+        kind[i] = (on, on and not reads.isdisjoint(off))
+        out = program.steps[i].out
+        if val(out).is_float and not (reads.isdisjoint(path) and reads.isdisjoint(off)):
+            (path if on else off).add(r(out))
+    return path, kind
 
 
 def _saves_of(program: Program) -> _Saves:
@@ -294,39 +317,31 @@ def _split_peaks(sv: _Saves) -> tuple[int, int, int]:
     backward (schedule_rules.py)."""
     program, val, r = sv.program, sv.program.value, sv.r
     steps = program.steps
-    path = {r(n) for n in program.inputs if val(n).is_float and n not in sv.params}
-    grad = {r(p) for p in sv.params if val(p).is_float} | path  # values autograd tracks
-    on: dict[int, bool] = {}
-    joint: dict[int, bool] = {}
-    for i in sv.saves:
-        reads = {r(a) for a in sv.reads(i)}
-        on[i] = bool(reads & path)
-        joint[i] = on[i] and bool(reads & (grad - path))
-        if val(steps[i].out).is_float and reads & grad:
-            grad.add(r(steps[i].out))
-            if on[i]:
-                path.add(r(steps[i].out))
+    path, kind = _split_path(program, sv.fused, list(sv.saves), r)
     makes = sv.makes()
-    # B: the path backwards, nothing saved let go
+    # B: the path backwards, nothing saved let go; `free`: the gradients not kept
     held, grads, kept = sv.total, {k: v for k, v in sv.loss_grads().items() if k in path}, {}
-    b_peak = held + sum(grads.values())
+    free = sum(grads.values())
+    b_peak = held + free
     for i in reversed(list(sv.saves)):
-        if not on[i]:
+        on, joint = kind[i]
+        if not on:
             continue
         held += sv.rebuilt.get(i, 0)
         out = r(steps[i].out)
-        if joint[i]:
+        if joint and out not in kept:
             kept[out] = val(steps[i].out).nbytes
+            free -= grads.get(out, 0)
         for a in sv.reads(i):
             if r(a) in path and r(a) not in grads:
                 grads[r(a)] = val(a).nbytes
-        b_peak = max(b_peak, held + sum(v for k, v in grads.items() if k not in kept)
-                     + sum(kept.values()))
+                free += 0 if r(a) in kept else val(a).nbytes
+        b_peak = max(b_peak, held + free + sum(kept.values()))
         held -= sv.release.get(i, 0)
-        if makes.get(i) is not None:
-            grads.pop(makes[i], None)
+        if makes.get(i) is not None and makes[i] not in kept:
+            free -= grads.pop(makes[i], 0)
     # W: the joints' weight outputs and the steps off the path, beside the kept gradients
-    runs = {i for i in sv.saves if joint[i] or not on[i]}
+    runs = {i for i, (on, joint) in kind.items() if joint or not on}
     stays = {n for i in sv.saves if i not in runs for n in sv.saves[i][0]}
     held = sv.total + sum(kept.values())
     grads = {k: v for k, v in sv.loss_grads().items() if k not in path}
@@ -337,12 +352,12 @@ def _split_peaks(sv: _Saves) -> tuple[int, int, int]:
         for a in sv.reads(i):
             if a in sv.params:
                 pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
-            elif r(a) in grad and r(a) not in path and r(a) not in grads:
+            elif val(a).is_float and r(a) not in path and r(a) not in grads:
                 grads[r(a)] = val(a).nbytes
         w_peak = max(w_peak, held + sum(grads.values()) + pgrad)
         held -= sum(val(n).nbytes for n in names
                     if sv.first_saver[n] == i and n not in stays) + extra
-        if not on[i] and makes.get(i) is not None:
+        if not kind[i][0] and makes.get(i) is not None:
             grads.pop(makes[i], None)
     return b_peak, w_peak, sum(kept.values())
 
@@ -360,5 +375,13 @@ def recompute_flops(program: Program) -> float:
 
 
 def weight_grad_bytes(program: Program) -> int:
-    """The gradients a split backward's B keeps for its W, one microbatch (`Phases.kept`)."""
-    return _split_peaks(_saves_of(program))[2]
+    """The gradients a split backward's B keeps for its W, one microbatch (`Phases.kept`:
+    the joints' outputs), without the walks."""
+    fused = find_fusions(program)
+    covered = {i for f in fused.values() for i in f.covered}
+    root = _roots(program, covered)
+    order = [i for i in range(len(program.steps)) if i not in covered]
+    _, kind = _split_path(program, fused, order, lambda n: root.get(n, n))
+    joints = {root.get(s.out, s.out): program.value(s.out).nbytes
+              for i, s in enumerate(program.steps) if kind.get(i, (0, 0))[1]}
+    return sum(joints.values())
