@@ -8,9 +8,10 @@ reduction group); under ZeRO-3 it also never spans two blocks. Each bucket owns 
 buffer of its parameters (the parameters are views into it) and one flat fp32 gradient buffer.
 
 A post-accumulate-grad hook on every parameter copies the fresh gradient into its bucket's
-slot (unless the op's backward wrote it there already: `GradReducer.sink`); when a bucket is complete its collective starts asynchronously, and buckets are launched
-strictly in index order (a bucket completed early waits for its predecessors), so every rank
-issues the same collectives in the same order. `finish()` (called by the optimizer's step)
+slot (unless the op's backward wrote it there already: `GradReducer.sink`); when a bucket is
+complete its collective starts asynchronously, and buckets are launched strictly in index
+order (a bucket completed early waits for its predecessors), so every rank issues the same
+collectives in the same order. `finish()` (called by the optimizer's step)
 waits for them. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 

@@ -80,13 +80,13 @@ class LinearIntoBucket(torch.autograd.Function):
             else:
                 gx = gy.mm(w2.t())
         if ctx.needs_input_grad[1]:
-            piece = ctx.sinks.sink(w) if not (w2.stride(0) == 1 and w2.stride(1) == w2.shape[0]) \
-                else None  # (a column-major weight takes torch's other branch: never here)
-            if piece is None:
-                gw = x2.t().mm(gy).view(w.shape)
-            else:
+            if w2.stride(0) == 1 and w2.stride(1) == w2.shape[0]:  # column-major: torch's other
+                gw = gy.t().mm(x2).t().reshape(w.shape)  # branch (degenerate shapes only)
+            elif (piece := ctx.sinks.sink(w)) is not None:
                 torch.mm(x2.t(), gy, out=piece.view(w2.shape))
                 gw = piece
+            else:
+                gw = x2.t().mm(gy).view(w.shape)
         if ctx.needs_input_grad[2]:
             gb = gy.sum_to_size(gy.shape[-1]).view(ctx.bias_shape)
         return gx, gw, gb, None, None
