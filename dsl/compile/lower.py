@@ -208,7 +208,6 @@ class _Lowering:
             steps=tuple(self.steps),
             outputs=outputs,
             batch_dim=batch_dim(self.model, par),
-            # the sample axes that split something: gradients are summed and ZeRO shards there
             data_axes=self._sample_axes(),
             zero_axes=self._zero_axes(params),
             zero=par.zero if par else 0,
