@@ -219,7 +219,7 @@ class GradReducer:
         self.zero = ZeroStage.of(program.zero if zero is None else zero)
         self.mesh = model.mesh
         self.overlap = overlap
-        self.data_axes = tuple(program.data_axes if data_axes is None else data_axes)
+        self.data_axes = tuple(program.zero_axes if data_axes is None else data_axes)
         # the flat parameters hold the model's compute dtype (bf16 under mixed precision)
         self.dtype = model.compute_dtype or next(
             (p.dtype for p in model.params.values() if p.is_floating_point()), torch.float32)

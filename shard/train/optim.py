@@ -187,10 +187,11 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
                     offload: bool | None = None, track_norm: bool = True) -> Optimizer:
     """An optimizer for `model` (a ShardedModel) that also owns its gradient reduction.
 
-    name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data-parallel axes
-    (default: the Program's, from the spec's `zero` statement). data_axes: the sample axes to
-    shard over (default: the Program's). bucket_mb: gradient bucket size (the first bucket is
-    1 MiB at most, as in PyTorch DDP). deferred: parameters whose gradients the caller sums
+    name: "adamw" | "sgd" (momentum). zero: ZeRO stage 0..3 over the data and context
+    parallel axes (default: the Program's, from the spec's `zero` statement). data_axes: the
+    axes to shard over (default: the Program's zero_axes, its sample and context-parallel
+    axes). bucket_mb: gradient bucket size (the first bucket is 1 MiB at most, as in PyTorch
+    DDP). deferred: parameters whose gradients the caller sums
     further before reduction (weights tied across pipeline stages). Mixed precision follows
     the model: built with compute_dtype=torch.bfloat16, it computes in bf16 while the
     optimizer keeps fp32 master weights, gradient buffers and state. overlap=False reduces

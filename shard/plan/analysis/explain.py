@@ -197,7 +197,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     same of the program without recompute (one that has it)."""
     mesh = dict(program.mesh)
     z = ZeroStage.of(zero)
-    dp_axes = program.data_axes if z.shards_optimizer else ()
+    dp_axes = program.zero_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
     rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -262,7 +262,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     # already (through an activation's copy_to: a position table) has no data-axis sync,
     # so ZeRO leaves it, its gradient and its optimizer state whole
     whole = 0
-    for plan in plan_buckets(program, zero, program.data_axes, deferred):
+    for plan in plan_buckets(program, zero, program.zero_axes, deferred):
         n_dp = math.prod(mesh[a] for a in plan.dp)
         if n_dp == 1:
             whole += plan.numel

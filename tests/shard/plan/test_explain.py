@@ -210,3 +210,36 @@ def test_split_backward_working_sets_by_hand():
     # explain's rank 1: the same, + the one 32-byte message received ahead
     row = estimate_pipeline(graph).pipe_ranks[1]
     assert (row["activation_bytes"], row["transient_bytes"]) == (640, 480 + 32), row
+
+
+def test_zero3_over_context_parallel_halves_the_state_by_hand():
+    """gpt.par's cp2 under ZeRO-3: the cp ranks hold the parameters whole, so ZeRO shards them
+    (and gradients, optimizer state) over cp. With E float elements (4 bytes each, Adam's two
+    moments): 4E parameter, 4E gradient and 8E state bytes at ZeRO 0 become 2E, 2E and 4E; the
+    gradient allreduce over cp (2 (n-1)/n 4E = 4E bus bytes) becomes a reduce-scatter (2E) and
+    allgathers in forward and backward (2E each), beside the attention's own gathers."""
+    import math
+
+    from soapstone import dsl
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.plan.analysis.explain import estimate
+
+    spec = dsl.load("tests/specs/zero_layouts.par")
+    model = spec.model()
+    dims = dict(model.dims)
+    e = sum(math.prod(dims[d] for d in p.type.dims) for p in model.params)
+    prog = lower(model, spec.parallel("cp2z3"))
+
+    def rows(est):
+        return {(t.phase, t.kind, t.axis): t.bytes for t in est.traffic}
+
+    plain, sharded = estimate(prog, 0), estimate(prog, 3)
+    assert (plain.param_bytes, plain.grad_bytes, plain.optimizer_bytes) == (4 * e, 4 * e, 8 * e)
+    assert (sharded.param_bytes, sharded.grad_bytes, sharded.optimizer_bytes) == \
+        (2 * e, 2 * e, 4 * e)
+    before, after = rows(plain), rows(sharded)
+    assert before[("grad sync", "allreduce", "cp")] == 4 * e
+    assert ("grad sync", "allreduce", "cp") not in after
+    assert after[("grad sync", "reduce_scatter", "cp")] == 2 * e
+    assert after[("backward", "allgather", "cp")] == 2 * e
+    assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")] + 2 * e
