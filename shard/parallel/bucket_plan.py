@@ -67,3 +67,52 @@ def plan_buckets(program, zero: int | ZeroStage, data_axes: tuple[str, ...],
     return [BucketPlan(tuple(names), sum(numel[x] for x in names), sync, dp, split, block,
                        own is not None)
             for (sync, dp, split, block, own), names in order]
+
+
+# ZeRO-2/3: reduce-scatters launched and not yet waited, at most. Launching bucket n + K waits
+# bucket n's and frees its full gradient buffer (FSDP2 keeps one in flight likewise), so
+# backward holds K + 1 full buffers, not every bucket's until the step.
+REDUCTIONS_IN_FLIGHT = 1
+
+
+@attrs.frozen
+class GradBuffers:
+    """Bytes of the gradient buffers a backward makes beside the kept shards (full_grad_peak):
+    the most held when a bucket's full buffer is made (its first gradient), the most held at a
+    launch (ZeRO-3 has freed that bucket's gathered parameters by then: zero.py's grad_done),
+    and what is still held when backward ends."""
+
+    at_make: int
+    at_launch: int
+    left: int
+
+
+def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
+                   out: list[int], transient: list[bool]) -> GradBuffers:
+    """The gradient buffers GradReducer holds in backward beside the kept shards: the full
+    buffer of each bucket whose buffer lives only until its reduce-scatter (`transient[i]`:
+    ZeRO-2/3 over several data ranks; `full[i]` bytes, padded) and the reduce-scatter's output
+    (`out[i]` bytes) until it is waited and added to the shard; a deferred bucket's full
+    buffer, until the step. Gradients arrive in `arrival` order (reverse program order); a
+    buffer is made at its bucket's first gradient; full buckets launch in index order; a
+    transient bucket's launch waits the one launched REDUCTIONS_IN_FLIGHT before it."""
+    where = {name: i for i, plan in enumerate(plans) for name in plan.names}
+    filled = [0] * len(plans)
+    window: list[int] = []
+    live = at_make = at_launch = nxt = 0
+    for name in arrival:
+        i = where[name]
+        if filled[i] == 0 and (transient[i] or plans[i].deferred):
+            live += full[i]
+            at_make = max(at_make, live)
+        filled[i] += 1
+        while nxt < len(plans) and filled[nxt] == len(plans[nxt].names):
+            if transient[nxt] and not plans[nxt].deferred:
+                window.append(nxt)
+                live += out[nxt]
+                at_launch = max(at_launch, live)
+                if len(window) > REDUCTIONS_IN_FLIGHT:
+                    done = window.pop(0)
+                    live -= full[done] + out[done]
+            nxt += 1
+    return GradBuffers(at_make, at_launch, live)

@@ -10,8 +10,11 @@ buffer of its parameters (the parameters are views into it) and one flat fp32 gr
 A post-accumulate-grad hook on every parameter copies the fresh gradient into its bucket's
 slot; when a bucket is complete its collective starts asynchronously, and buckets are launched
 strictly in index order (a bucket completed early waits for its predecessors), so every rank
-issues the same collectives in the same order. `finish()` (called by the optimizer's step)
-waits for them. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
+issues the same collectives in the same order. Under ZeRO-2/3 the launch of a bucket waits
+the reduce-scatter launched REDUCTIONS_IN_FLIGHT buckets before it (bucket_plan.py), whose full
+gradient buffer is then freed, so backward holds a few full buffers rather than every one
+(FSDP2 frees each layer's likewise); every rank waits at the same launches, in order.
+`finish()` (called by the optimizer's step) waits for the rest. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
   stage 0  allreduce the full gradient buffer.
@@ -31,12 +34,13 @@ pipe axis) and `finish()` then reduces it like any other bucket.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import attrs
 import torch
 
-from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.bucket_plan import REDUCTIONS_IN_FLIGHT, plan_buckets
 from soapstone.shard.parallel.zero_stage import ZeroStage
 
 
@@ -227,6 +231,8 @@ class GradReducer:
         self._callback_queued = False
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
+        # ZeRO-2/3 buckets whose reduce-scatter (holding the full buffer) may still run
+        self.in_flight: collections.deque[Bucket] = collections.deque()
         self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
         if self.zero.shards_params:
             from soapstone.shard.parallel.zero import Zero3Provider
@@ -326,6 +332,10 @@ class GradReducer:
             return  # reduce the accumulated sum later
         if b.dirty:
             b.launch()
+            if b.sharded and not b.keeps_full_grad:
+                self.in_flight.append(b)
+                while len(self.in_flight) > REDUCTIONS_IN_FLIGHT:
+                    self.in_flight.popleft().complete()  # frees its full buffer
 
     def _end_backward(self) -> None:
         """Autograd's end-of-backward callback: launch what is left (unused params too)."""
@@ -362,6 +372,7 @@ class GradReducer:
                 b.grad_shard = torch.zeros(b.shard, dtype=b.mdtype, device=b.device)
             if not b.sharded and b.acc is None:
                 b.acc = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
+        self.in_flight.clear()
         self._expose_grads()
 
     def _expose_grads(self) -> None:
@@ -447,6 +458,7 @@ class GradReducer:
     def zero_grad(self) -> None:
         """Clear the gradients for the next step (buffers zeroed or dropped per ZeRO stage)."""
         self._hide_grads()
+        self.in_flight.clear()
         for b in self.buckets:
             b.complete()
             b.dirty = False

@@ -251,12 +251,12 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                         add("backward", "allreduce", axis, stat)
     # gradient sync, as shard/parallel/data_parallel.py does it: its own bucket plan (plan_buckets),
     # fp32 gradient buffers padded to a multiple of the data-parallel size
-    from soapstone.shard.parallel.bucket_plan import plan_buckets
+    from soapstone.shard.parallel.bucket_plan import full_grad_peak, plan_buckets
 
     norm_keys: set[tuple[str, ...]] = set()
-    # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
-    # gradient buffers, held until their reduce-scatters complete
-    gathered = 0
+    # ZeRO-3: a bucket's full parameters gathered for use and the next one's prefetched
+    # (zero.py), the largest such pair
+    gathered = largest = last_gather = 0
     cached = 0  # ZeRO-3 under bf16: the compute-dtype copies of the master shards (zero.py)
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
@@ -264,11 +264,17 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     # already (through an activation's copy_to: a position table) has no data-axis sync,
     # so ZeRO leaves it, its gradient and its optimizer state whole
     whole = 0
-    for plan in plan_buckets(program, zero, program.data_axes, deferred):
+    plans = plan_buckets(program, zero, program.data_axes, deferred)
+    # ZeRO >= 2's transient gradient buffers (full_grad_peak): full and reduce-scatter output
+    full_bytes, out_bytes, transient = [], [], []
+    for plan in plans:
         n_dp = math.prod(mesh[a] for a in plan.dp)
         if n_dp == 1:
             whole += plan.numel
         padded = -(-plan.numel // n_dp) * n_dp
+        full_bytes.append(padded * master)
+        out_bytes.append(padded // n_dp * master)
+        transient.append(z.on(n_dp).shards_grads)
         item = FLOAT_BYTES[program.value(plan.names[0]).dtype]
         # a weight tied across pipeline stages is reduced once, at the step, after its sum
         # over the pipe axis; every other bucket in backward (each microbatch's at ZeRO >= 2)
@@ -285,7 +291,9 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
             add("forward", "allgather", plan.dp, padded * item)
             add("backward", "allgather", plan.dp, padded * item)
-            gathered = max(gathered, padded * item)
+            gathered = max(gathered, last_gather + padded * item)
+            largest = max(largest, padded * item)
+            last_gather = padded * item
             if item != master:  # a bf16 copy of the master shard, gathered from, kept all step
                 cached += padded // n_dp * item
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
@@ -315,15 +323,20 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
-    # held beside either phase's working set: the gathered bucket, the bf16 shard copies,
-    # ZeRO >= 2's full gradient buffers
-    beside = gathered + cached + (elems * 4 - grad_bytes if z.shards_grads else 0)
+    # held beside a phase's working set: the gathered buckets, the bf16 shard copies, ZeRO >= 2's
+    # gradient buffers in flight (backward's peak; forward: those a previous microbatch left)
+    # (at a launch, the bucket's own gathered parameters are freed already)
+    grads = full_grad_peak(plans, [p.name for p in reversed(float_params)], full_bytes,
+                           out_bytes, transient)
+    beside_f = gathered + cached + grads.left
+    beside_b = cached + max(gathered + grads.at_make, largest + grads.at_launch)
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + beside,
+                    transient_bytes=transient + beside_b if phases is None else
+                    max(phases[0] + beside_f, phases[1] + beside_b),
                     phase_transients=None if phases is None else
-                    tuple(w + beside for w in phases),
+                    (phases[0] + beside_f, phases[1] + beside_b),
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
