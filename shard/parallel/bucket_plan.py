@@ -80,10 +80,12 @@ class GradBuffers:
     """Bytes of the gradient buffers a backward makes beside the kept shards (full_grad_peak):
     the most held when a bucket's full buffer is made (its first gradient), the most held at a
     launch (ZeRO-3 has freed that bucket's gathered parameters by then: zero.py's grad_done),
-    and what is still held when backward ends."""
+    the most at the launches of the last gradient (backward's end: its saved tensors are
+    freed), and what is still held after backward (deferred buckets: the rest is waited)."""
 
     at_make: int
     at_launch: int
+    at_end: int
     left: int
 
 
@@ -95,12 +97,13 @@ def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
     (`out[i]` bytes) until it is waited and added to the shard; a deferred bucket's full
     buffer, until the step. Gradients arrive in `arrival` order (reverse program order); a
     buffer is made at its bucket's first gradient; full buckets launch in index order; a
-    transient bucket's launch waits the one launched REDUCTIONS_IN_FLIGHT before it."""
+    transient bucket's launch waits the one launched REDUCTIONS_IN_FLIGHT before it; the end of
+    backward waits the rest."""
     where = {name: i for i, plan in enumerate(plans) for name in plan.names}
     filled = [0] * len(plans)
     window: list[int] = []
-    live = at_make = at_launch = nxt = 0
-    for name in arrival:
+    live = at_make = at_launch = at_end = nxt = 0
+    for k, name in enumerate(arrival):
         i = where[name]
         if filled[i] == 0 and (transient[i] or plans[i].deferred):
             live += full[i]
@@ -110,9 +113,13 @@ def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
             if transient[nxt] and not plans[nxt].deferred:
                 window.append(nxt)
                 live += out[nxt]
-                at_launch = max(at_launch, live)
+                if k == len(arrival) - 1:
+                    at_end = max(at_end, live)
+                else:
+                    at_launch = max(at_launch, live)
                 if len(window) > REDUCTIONS_IN_FLIGHT:
                     done = window.pop(0)
                     live -= full[done] + out[done]
             nxt += 1
-    return GradBuffers(at_make, at_launch, live)
+    return GradBuffers(at_make, at_launch, at_end,
+                       live - sum(full[i] + out[i] for i in window))

@@ -13,7 +13,8 @@ strictly in index order (a bucket completed early waits for its predecessors), s
 issues the same collectives in the same order. Under ZeRO-2/3 the launch of a bucket waits
 the reduce-scatter launched REDUCTIONS_IN_FLIGHT buckets before it (bucket_plan.py), whose full
 gradient buffer is then freed, so backward holds a few full buffers rather than every one
-(FSDP2 frees each layer's likewise); every rank waits at the same launches, in order.
+(FSDP2 frees each layer's likewise); every rank waits at the same launches, in order, and
+waits the last ones at the end of backward.
 `finish()` (called by the optimizer's step) waits for the rest. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
@@ -341,6 +342,8 @@ class GradReducer:
         """Autograd's end-of-backward callback: launch what is left (unused params too)."""
         for b in self.buckets[self._next:]:
             self._launch(b)
+        while self.in_flight:  # the next microbatch's forward holds no full buffer
+            self.in_flight.popleft().complete()
         for b in self.buckets:
             b.filled = 0
         self._next = 0

@@ -325,18 +325,20 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                                                    for p in float_params), elems, master, held, z)
     # held beside a phase's working set: the gathered buckets, the bf16 shard copies, ZeRO >= 2's
     # gradient buffers in flight (backward's peak; forward: those a previous microbatch left)
-    # (at a launch, the bucket's own gathered parameters are freed already)
+    # (at a launch, the bucket's own gathered parameters are freed already; at backward's end,
+    # its saved tensors: what is held there may exceed the saved bytes + working set)
     grads = full_grad_peak(plans, [p.name for p in reversed(float_params)], full_bytes,
                            out_bytes, transient)
     beside_f = gathered + cached + grads.left
     beside_b = cached + max(gathered + grads.at_make, largest + grads.at_launch)
+    end = cached + grads.at_end - activations  # above the saved bytes, as a working set is
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + beside_b if phases is None else
-                    max(phases[0] + beside_f, phases[1] + beside_b),
+                    transient_bytes=max(transient + beside_b, end) if phases is None else
+                    max(phases[0] + beside_f, phases[1] + beside_b, end),
                     phase_transients=None if phases is None else
-                    (phases[0] + beside_f, phases[1] + beside_b),
+                    (phases[0] + beside_f, max(phases[1] + beside_b, end)),
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
