@@ -232,8 +232,10 @@ class GradReducer:
         self._callback_queued = False
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
-        # ZeRO-2/3 buckets whose reduce-scatter (holding the full buffer) may still run
+        # ZeRO-2/3 buckets whose reduce-scatter (holding the full buffer) may still run, at
+        # most `reductions_in_flight` (None: all, waited at the step; bench_dp's baseline)
         self.in_flight: collections.deque[Bucket] = collections.deque()
+        self.reductions_in_flight: int | None = REDUCTIONS_IN_FLIGHT
         self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
         if self.zero.shards_params:
             from soapstone.shard.parallel.zero import Zero3Provider
@@ -333,9 +335,9 @@ class GradReducer:
             return  # reduce the accumulated sum later
         if b.dirty:
             b.launch()
-            if b.sharded and not b.keeps_full_grad:
+            if b.sharded and not b.keeps_full_grad and self.reductions_in_flight is not None:
                 self.in_flight.append(b)
-                while len(self.in_flight) > REDUCTIONS_IN_FLIGHT:
+                while len(self.in_flight) > self.reductions_in_flight:
                     self.in_flight.popleft().complete()  # frees its full buffer
 
     def _end_backward(self) -> None:
