@@ -123,3 +123,4 @@ def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
             nxt += 1
     return GradBuffers(at_make, at_launch, at_end,
                        live - sum(full[i] + out[i] for i in window))
+

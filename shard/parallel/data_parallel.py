@@ -14,8 +14,8 @@ issues the same collectives in the same order. Under ZeRO-2/3 the launch of a bu
 the reduce-scatter launched REDUCTIONS_IN_FLIGHT buckets before it (bucket_plan.py), whose full
 gradient buffer is then freed, so backward holds a few full buffers rather than every one
 (FSDP2 frees each layer's likewise); every rank waits at the same launches, in order, and
-waits the last ones at the end of backward.
-`finish()` (called by the optimizer's step) waits for the rest. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
+waits the last ones at the end of backward. `finish()` (called by the optimizer's step) waits
+for the rest. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
   stage 0  allreduce the full gradient buffer.

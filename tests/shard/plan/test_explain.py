@@ -161,7 +161,11 @@ def test_full_grad_peak_walks_the_buckets_by_hand():
     c1 makes C (14); d1 makes D (16); c2, the last gradient, launches C (20) and waits B (14);
     the end of backward waits C: D's 2 are left."""
     from soapstone.shard.parallel.bucket_plan import (
-        REDUCTIONS_IN_FLIGHT, BucketPlan, GradBuffers, full_grad_peak)
+        REDUCTIONS_IN_FLIGHT,
+        BucketPlan,
+        GradBuffers,
+        full_grad_peak,
+    )
 
     assert REDUCTIONS_IN_FLIGHT == 1
 
