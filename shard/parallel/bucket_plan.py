@@ -37,7 +37,8 @@ def plan_buckets(program, zero: int | ZeroStage, data_axes: tuple[str, ...],
     """The buckets GradReducer builds for `program` (the module doc's rules), from the Program
     alone (torch-free, so `soapstone explain` counts the same collectives the runtime issues).
     Float parameters in reverse program order; a bucket's key is (grad_sync, data axes among
-    them, split axes, block under ZeRO-3, own name if deferred)."""
+    them, split axes, block under ZeRO-3, own name if deferred); buckets are numbered by their
+    first parameter, or under ZeRO-2/3 by their last (the order they fill)."""
     per_block = ZeroStage.of(zero).shards_params
     cap = max(int(bucket_mb * (1 << 20)), 1)
     axes_order = [a for a, _ in program.mesh]
@@ -64,6 +65,13 @@ def plan_buckets(program, zero: int | ZeroStage, data_axes: tuple[str, ...],
             order.append((key, group))
         group.append(spec.name)
         open_bytes[key] += n * 4
+    if ZeroStage.of(zero).shards_grads:
+        # launched in index order: number them in the order they fill (their last gradient),
+        # so a bucket that spans the stage (layernorm weights under sequence parallelism, the
+        # output layer beside the embedding) holds back no other's reduce-scatter, nor its
+        # full buffer, until backward's end
+        arrival = {name: i for i, name in enumerate(numel)}
+        order.sort(key=lambda group: arrival[group[1][-1]])
     return [BucketPlan(tuple(names), sum(numel[x] for x in names), sync, dp, split, block,
                        own is not None)
             for (sync, dp, split, block, own), names in order]
