@@ -183,7 +183,7 @@ def test_zero3_working_set_counts_the_buckets_in_flight_by_hand():
     reduce-scatter's output o = f / 2, its gathered parameters f too). Backward's peak: the
     previous bucket in flight (f + o), this one's buffer (f) and two gathered buckets (2f),
     when its first gradient arrives; at a launch, 2(f + o) and one gathered bucket (f): 4.5f
-    against 4f. Not every bucket's buffer until the step (4 layers: 4f + 2f more)."""
+    against 4f (every bucket's buffer until the step would be 4f + 2f at the last launch)."""
     from soapstone import dsl
     from soapstone.dsl.compile.lower import lower
     from soapstone.shard.plan.analysis.activations import phase_figures
