@@ -311,12 +311,13 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
-    beside = zero_beside(program, plans, z, master, activations)  # zero_memory.py
-    work = phases and (phases[0] + beside.forward, max(phases[1] + beside.backward, beside.end))
+    beside = zero_beside(program, z, deferred)  # zero_memory.py
+    end = beside.end - activations
+    work = phases and (phases[0] + beside.forward, max(phases[1] + beside.backward, end))
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=max(work or (transient + beside.backward, beside.end)),
+                    transient_bytes=max(work or (transient + beside.backward, end)),
                     phase_transients=work or None,
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
