@@ -200,7 +200,7 @@ class Probes:
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
         # (kind, n, b) -> the walk's figures, with and without recompute, and the work
         self.acts: dict[tuple[str, int, int], tuple] = {}
-        self.cache: dict[tuple, tuple] = {}
+        self.cache: dict[tuple, object] = {}  # stage estimates; ("beside", ...) -> Beside
         self.batch = dims.batch
         self.peaks: dict[tuple, tuple[int, ...]] = {}  # (kind, n, b) and ("phases", ...)
         self._model, self._dims = model, dims
@@ -282,8 +282,11 @@ class Probes:
     def beside(self, kind: str, n: int, data: int, zero: int) -> Beside:
         """What ZeRO holds beside the working set in a stage of n blocks (zero_memory.py: a
         function of its parameters, the 2-block probe's with its last block repeated)."""
-        prog = _remesh(self.program(kind, min(n, 2), 1), data)
-        return zero_beside(repeat_block(prog, n) if n > 2 else prog, zero)
+        key = ("beside", kind, n, data, zero)
+        if key not in self.cache:
+            prog = _remesh(self.program(kind, min(n, 2), 1), data)
+            self.cache[key] = zero_beside(repeat_block(prog, n) if n > 2 else prog, zero)
+        return self.cache[key]
 
     def stage_estimate(self, kind: str, n: int, b: int, data: int, zero: int,
                        mesh: dict[str, int]) -> tuple[Estimate, Work, int]:
