@@ -12,6 +12,9 @@ comm/bench/harness.py, with the interquartile range and the load average):
   soapstone zero 0 with MPI's allreduce                   (the shared-memory sum's worth:
                                                            SOAPSTONE_SHM_ALLREDUCE=0)
   soapstone zero 3                                        vs torch FSDP2 fully_shard (gloo)
+  soapstone zero 3 with every reduce-scatter waited at the step (one in flight, each full
+                                                           gradient buffer freed as backward
+                                                           goes: what that costs)
 torch's rows are run twice: as people run them (torch.optim.AdamW's default for-loop kernel,
 DDP's defaults) and at their best: AdamW(fused=True), the kernel soapstone's flat AdamW calls,
 and for DDP gradient_as_bucket_view=True (gradients live in the buckets: no copy in or out)
@@ -145,13 +148,16 @@ def soapstone_model(zero, overlap=True, world=None, device=None):
     return step, m, opt
 
 
-def soapstone_row(zero, bench, overlap=True, shared=True):
+def soapstone_row(zero, bench, overlap=True, shared=True, wait_at_step=False):
     """(train step, bytes held after a step) of soapstone's data parallel at `zero`; shared:
     stage 0's buckets in node-shared memory where the ranks share a node (comm/backends/shm.py),
-    else reduced by MPI's allreduce."""
+    else reduced by MPI's allreduce; wait_at_step: ZeRO-2/3's reduce-scatters all waited at the
+    step, none during backward."""
     old = os.environ.get("SOAPSTONE_SHM_ALLREDUCE")
     os.environ["SOAPSTONE_SHM_ALLREDUCE"] = "1" if shared else "0"  # read as buckets are made
     step, m, opt = soapstone_model(zero, overlap, bench.world, bench.device)
+    if wait_at_step:
+        opt.reducer.reductions_in_flight = None
     if old is None:
         os.environ.pop("SOAPSTONE_SHM_ALLREDUCE")
     else:
@@ -240,6 +246,7 @@ def main() -> int:
         "soapstone zero 0, reduce after backward": soapstone_row(0, bench, overlap=False),
         "soapstone zero 0, MPI allreduce": soapstone_row(0, bench, shared=False),
         "soapstone zero 3": soapstone_row(3, bench),
+        "soapstone zero 3, waits at the step": soapstone_row(3, bench, wait_at_step=True),
         "torch FSDP2": fsdp_row(bench),
         "torch FSDP2, AdamW(fused=True)": fsdp_row(bench, fused=True),
     }
@@ -269,7 +276,8 @@ def main() -> int:
                   session.compare("soapstone zero 3", "torch FSDP2"),
                   session.compare("soapstone zero 3", "torch FSDP2, AdamW(fused=True)"),
                   session.compare("soapstone zero 0", "soapstone zero 0, reduce after backward"),
-                  session.compare("soapstone zero 0", "soapstone zero 0, MPI allreduce")]
+                  session.compare("soapstone zero 0", "soapstone zero 0, MPI allreduce"),
+                  session.compare("soapstone zero 3", "soapstone zero 3, waits at the step")]
         for r in ratios:
             print(f"throughput {r.text()}")
         print(f"max RSS {rss / 1024:.0f} MiB")

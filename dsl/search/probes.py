@@ -29,10 +29,11 @@ from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
 from soapstone.shard.parallel.regather_plan import without_recompute
-from soapstone.shard.plan.analysis.activations import activation_figures
+from soapstone.shard.plan.analysis.activations import activation_figures, phase_figures
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
 from soapstone.shard.plan.analysis.precision import graph_as_run, program_as_run
+from soapstone.shard.plan.analysis.zero_memory import Beside, repeat_block, zero_beside
 
 PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, not compiled
 
@@ -43,14 +44,13 @@ Figs = dict[tuple, float]
 def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> Figs:
     """An estimate's additive figures as one flat dict (for extrapolation); a communicator's
     axes of size 1 are left out of its name (as a mesh without them would name it).
-    `working_set` (the activation walk's peak above the saved bytes) is kept apart from the
-    rest of the transient (ZeRO's full gradient buffers and gathered bucket), which grows with
-    the blocks; under recompute, what the step would hold without it and the forward work run
-    again come too."""
+    `working_set` (the activation walk's peak above the saved bytes) stands for the transient:
+    ZeRO's buffers beside it are no sum over blocks, so `figures` adds the stage's own
+    (zero_memory.py); under recompute, what the step would hold without it and the forward
+    work run again come too."""
     f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
-               ("transient_bytes",): est.transient_bytes - working_set,
                ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
                ("param_elements",): param_elements} | _work_figs(work, "")
     if est.without_recompute is not None:
@@ -92,13 +92,17 @@ def _lin(*terms: tuple[float, Figs]) -> Figs:
 def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
                optimizer: str) -> tuple[Estimate, Work, int]:
     g = {k: max(0, round(v)) for k, v in f.items()}
+    # each phase's working set and ZeRO's buffers beside it, as explain adds them
+    work = (g[("working_fwd",)] + g[("beside_fwd",)],
+            max(g[("working_bwd",)] + g[("beside",)],
+                g[("beside_end",)] - g[("activation_bytes",)]))
     traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
     rc = ("again_matmul_flops",) in f
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
                    g[("activation_bytes",)], traffic,
-                   transient_bytes=g[("transient_bytes",)] + g[("working_set",)],
+                   transient_bytes=max(work), phase_transients=work,
                    without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
                    if rc else None, recompute_flops=f[("again_matmul_flops",)] if rc else 0.0,
                    weight_grad_bytes=g[("weight_grad_bytes",)])
@@ -196,9 +200,9 @@ class Probes:
         self.programs: dict[tuple[str, int, int], object] = {}  # (kind, n, b) -> Program
         # (kind, n, b) -> the walk's figures, with and without recompute, and the work
         self.acts: dict[tuple[str, int, int], tuple] = {}
-        self.cache: dict[tuple, tuple] = {}
+        self.cache: dict[tuple, object] = {}  # stage estimates; ("beside", ...) -> Beside
         self.batch = dims.batch
-        self.peaks: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self.peaks: dict[tuple, tuple[int, ...]] = {}  # (kind, n, b) and ("phases", ...)
         self._model, self._dims = model, dims
         self._recompute = recompute
         self._compiled = {} if compiled is None else compiled
@@ -269,7 +273,20 @@ class Probes:
                    ((b - 1) * (1 - n), s1))
         for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):
             out[key] = v
+        out[("working_fwd",)], out[("working_bwd",)] = self.phases(kind, min(n, 2), b)
+        beside = self.beside(kind, n, data, zero)
+        out[("beside_fwd",)], out[("beside",)] = beside.forward, beside.backward
+        out[("beside_end",)] = beside.end
         return out
+
+    def beside(self, kind: str, n: int, data: int, zero: int) -> Beside:
+        """What ZeRO holds beside the working set in a stage of n blocks (zero_memory.py: a
+        function of its parameters, the 2-block probe's with its last block repeated)."""
+        key = ("beside", kind, n, data, zero)
+        if key not in self.cache:
+            prog = _remesh(self.program(kind, min(n, 2), 1), data)
+            self.cache[key] = zero_beside(repeat_block(prog, n) if n > 2 else prog, zero)
+        return self.cache[key]
 
     def stage_estimate(self, kind: str, n: int, b: int, data: int, zero: int,
                        mesh: dict[str, int]) -> tuple[Estimate, Work, int]:
@@ -290,6 +307,15 @@ class Probes:
             prog = _with_batch(self.program(kind, n, 1), self.batch, b)
             walks = (prog, _plain(prog)) if prog.recompute else (prog,)
             self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
+        return self.peaks[key]
+
+    def phases(self, kind: str, n: int, b: int) -> tuple[int, int]:
+        """(forward's, backward's) working sets of a stage of n <= 2 blocks and b samples, walked
+        as `working_set`'s peak is."""
+        key = ("phases", kind, n, b)
+        if key not in self.peaks:
+            self.peaks[key] = tuple(phase_figures(_with_batch(self.program(kind, n, 1),
+                                                              self.batch, b))[1:])
         return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:

@@ -11,8 +11,12 @@ A post-accumulate-grad hook on every parameter copies the fresh gradient into it
 slot (unless the op's backward wrote it there already: `GradReducer.sink`); when a bucket is
 complete its collective starts asynchronously, and buckets are launched strictly in index
 order (a bucket completed early waits for its predecessors), so every rank issues the same
-collectives in the same order. `finish()` (called by the optimizer's step)
-waits for them. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
+collectives in the same order. Under ZeRO-2/3 the launch of a bucket waits the reduce-scatter
+launched REDUCTIONS_IN_FLIGHT buckets before it (bucket_plan.py), whose full gradient buffer is
+then freed, so backward holds a few full buffers rather than every one (FSDP2 frees each
+layer's likewise); every rank waits at the same launches, in order, and waits the last ones at
+the end of backward. `finish()` (called by the optimizer's step) waits for the rest. Per ZeRO
+stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
   stage 0  allreduce the full gradient buffer.
@@ -32,12 +36,13 @@ pipe axis) and `finish()` then reduces it like any other bucket.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import attrs
 import torch
 
-from soapstone.shard.parallel.bucket_plan import plan_buckets
+from soapstone.shard.parallel.bucket_plan import REDUCTIONS_IN_FLIGHT, plan_buckets
 from soapstone.shard.parallel.zero_stage import ZeroStage
 
 
@@ -236,6 +241,10 @@ class GradReducer:
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
         self.in_place = 0  # gradients a backward wrote straight into their bucket (sink)
+        # ZeRO-2/3 buckets whose reduce-scatter (holding the full buffer) may still run, at
+        # most `reductions_in_flight` (None: all, waited at the step; bench_dp's baseline)
+        self.in_flight: collections.deque[Bucket] = collections.deque()
+        self.reductions_in_flight: int | None = REDUCTIONS_IN_FLIGHT
         self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
         if self.zero.shards_params:
             from soapstone.shard.parallel.zero import Zero3Provider
@@ -353,11 +362,17 @@ class GradReducer:
             return  # reduce the accumulated sum later
         if b.dirty:
             b.launch()
+            if b.sharded and not b.keeps_full_grad and self.reductions_in_flight is not None:
+                self.in_flight.append(b)
+                while len(self.in_flight) > self.reductions_in_flight:
+                    self.in_flight.popleft().complete()  # frees its full buffer
 
     def _end_backward(self) -> None:
         """Autograd's end-of-backward callback: launch what is left (unused params too)."""
         for b in self.buckets[self._next:]:
             self._launch(b)
+        while self.in_flight:  # the next microbatch's forward holds no full buffer
+            self.in_flight.popleft().complete()
         for b in self.buckets:
             b.filled = 0
         self._next = 0
@@ -389,6 +404,7 @@ class GradReducer:
                 b.grad_shard = torch.zeros(b.shard, dtype=b.mdtype, device=b.device)
             if not b.sharded and b.acc is None:
                 b.acc = torch.zeros(b.numel, dtype=b.mdtype, device=b.device)
+        self.in_flight.clear()
         self._expose_grads()
 
     def _expose_grads(self) -> None:
@@ -474,6 +490,7 @@ class GradReducer:
     def zero_grad(self) -> None:
         """Clear the gradients for the next step (buffers zeroed or dropped per ZeRO stage)."""
         self._hide_grads()
+        self.in_flight.clear()
         for b in self.buckets:
             b.complete()
             b.dirty = False

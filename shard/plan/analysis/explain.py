@@ -5,8 +5,8 @@ figures are every rank's.
 
 Memory (bytes per rank):
 - params: the local shards in the dtype the model computes in (the spec's, or --precision's:
-  precision.py), plus the fp32 masters kept apart from a narrower copy (ZeRO >= 1: 1/D of
-  them); ZeRO-3: only the master shard, 1/D (D the data-parallel size).
+  precision.py), plus the fp32 masters kept apart from a narrower copy (ZeRO >= 1: 1/D of them);
+  ZeRO-3: only the master shard, 1/D (D the data-parallel size).
 - grads: the optimizer's fp32 gradient buffers, one element per local parameter element
   (ZeRO-2/3: 1/D).
 - optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
@@ -16,9 +16,10 @@ Memory (bytes per rank):
   scores; an add keeps nothing; ...: shard/plan/analysis/activations.py), each tensor once;
 - transient: the working set on top of them at the step's peak (values still to be read in
   forward, gradients in flight in backward), from a walk of the Program that frees each value
-  after its last use as the runtime does. activations + transient is the step's peak above
-  the parameter state (within a few percent of the measured peak on the examples:
-  bench/bench_memory.py, tests/dsl/test_plan.py).
+  after its last use as the runtime does; beside it ZeRO-3's gathered buckets (in use and
+  prefetched) and ZeRO-2/3's gradient buffers in flight (zero_memory.py), never every
+  bucket's. activations + transient is the step's peak above the parameter state (within a few
+  percent of the measured peak on the examples: bench/bench_memory.py, tests/dsl/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
@@ -100,6 +101,7 @@ from soapstone.shard.plan.analysis.activations import (
     weight_grad_bytes,
 )
 from soapstone.shard.plan.analysis.in_flight import ScheduleShape, in_flight
+from soapstone.shard.plan.analysis.zero_memory import zero_beside
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -252,17 +254,14 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     from soapstone.shard.parallel.bucket_plan import plan_buckets
 
     norm_keys: set[tuple[str, ...]] = set()
-    # ZeRO-3: the largest bucket's full parameters, gathered for use; ZeRO >= 2: the full fp32
-    # gradient buffers, held until their reduce-scatters complete
-    gathered = 0
-    cached = 0  # ZeRO-3 under bf16: the compute-dtype copies of the master shards (zero.py)
     # master copies are fp32, or as wide as the params (fp64)
     master = max(4, FLOAT_BYTES[float_params[0].dtype]) if float_params else 4
     # elements no data axis shards: a param whose gradient arrives summed over the data axes
     # already (through an activation's copy_to: a position table) has no data-axis sync,
     # so ZeRO leaves it, its gradient and its optimizer state whole
     whole = 0
-    for plan in plan_buckets(program, zero, program.zero_axes, deferred):
+    plans = plan_buckets(program, zero, program.zero_axes, deferred)
+    for plan in plans:
         n_dp = math.prod(mesh[a] for a in plan.dp)
         if n_dp == 1:
             whole += plan.numel
@@ -283,9 +282,6 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
             add("forward", "allgather", plan.dp, padded * item)
             add("backward", "allgather", plan.dp, padded * item)
-            gathered = max(gathered, padded * item)
-            if item != master:  # a bf16 copy of the master shard, gathered from, kept all step
-                cached += padded // n_dp * item
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -313,15 +309,16 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
-    # held beside either phase's working set: the gathered bucket, the bf16 shard copies,
-    # ZeRO >= 2's full gradient buffers
-    beside = gathered + cached + (elems * 4 - grad_bytes if z.shards_grads else 0)
+    beside = zero_beside(program, z, deferred)  # zero_memory.py
+    end = beside.end - activations
+    # per phase (in_flight.py's order): a split backward's B and W beside the buffers too
+    work = phases and (phases.forward + beside.forward,
+                       *(max(w + beside.backward, end) for w in phases.working[1:]))
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=transient + beside,
-                    phase_transients=None if phases is None else
-                    tuple(w + beside for w in phases.working),
+                    transient_bytes=max(work or (transient + beside.backward, end)),
+                    phase_transients=work or None,
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,

@@ -5,12 +5,15 @@ collective; param/grad/optimizer memory within 10% of the measured tensors), and
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 from mpirun import case_names, case_params, run_mpi
 
 from soapstone.shard.plan.schedules import build
 
+ROOT = Path(__file__).resolve().parents[3]
 CASES = "tests/shard/train/run_cases.py"
 CLI = ["-m", "soapstone.dsl.cli", "explain"]
 
@@ -243,3 +246,52 @@ def test_zero3_over_context_parallel_halves_the_state_by_hand():
     assert after[("grad sync", "reduce_scatter", "cp")] == 2 * e
     assert after[("backward", "allgather", "cp")] == 2 * e
     assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")] + 2 * e
+
+
+def test_full_grad_peak_walks_the_buckets_by_hand():
+    """ZeRO-2/3's gradient buffers (bucket_plan.full_grad_peak), one reduction in flight:
+    A (a1, a2), B (b1), C (c1, c2) transient, D deferred; full bytes 8, 4, 8, 2, outputs 4, 2,
+    4. a1 makes A (8); a2 launches A (+4: 12); b1 makes B (16), launches it (18) and waits A (6);
+    c1 makes C (14); d1 makes D (16); c2, the last gradient, launches C (20) and waits B (14);
+    the end of backward waits C: D's 2 are left."""
+    from soapstone.shard.parallel.bucket_plan import (
+        REDUCTIONS_IN_FLIGHT,
+        BucketPlan,
+        GradBuffers,
+        full_grad_peak,
+    )
+
+    assert REDUCTIONS_IN_FLIGHT == 1
+
+    def plan(*names, deferred=False):
+        return BucketPlan(names, len(names), ("data",), ("data",), (), None, deferred)
+
+    plans = [plan("a1", "a2"), plan("b1"), plan("c1", "c2"), plan("d1", deferred=True)]
+    got = full_grad_peak(plans, ["a1", "a2", "b1", "c1", "d1", "c2"], [8, 4, 8, 2],
+                         [4, 2, 4, 0], [True, True, True, False])
+    assert got == GradBuffers(at_make=16, at_launch=18, at_end=20, left=2)
+
+
+def test_zero3_working_set_counts_the_buckets_in_flight_by_hand():
+    """dp2z3 with 3 MiB blocks: every layer's bucket holds f bytes of fp32 gradient (its
+    reduce-scatter's output o = f / 2, its gathered parameters f too). Backward's peak: the
+    previous bucket in flight (f + o), this one's buffer (f) and two gathered buckets (2f),
+    when its first gradient arrives; at a launch, 2(f + o) and one gathered bucket (f): 4.5f
+    against 4f (every bucket's buffer until the step would be 4f + 2f at the last launch)."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.plan.analysis.activations import phase_figures
+    from soapstone.shard.plan.analysis.explain import estimate
+
+    dims = {"batch": 4, "seq": 32, "hidden": 256, "heads": 4, "ffn": 1024, "vocab": 512}
+    spec = dsl.load(ROOT / "tests/specs/zero_layouts.par", dims=dims)
+    par = spec.parallel("dp2z3")
+    program = lower(spec.model(par.model), par)
+    layer = sum(4 * math.prod(p.local_shape) for p in program.params if p.block == "layer.0")
+    f = -(-layer // 8) * 8  # padded to an even element count
+    o = f // 2
+    saved, fwd, bwd = phase_figures(program)
+    est = estimate(program, 3)
+    assert est.activation_bytes == saved
+    assert est.transient_bytes == max(bwd + max(2 * f + (f + o + f), f + 2 * (f + o)),
+                                      fwd + 2 * f)
