@@ -4,7 +4,9 @@
         [--schedules 1f1b gpipe] [--dim hidden=64 ...] [--json F]
 
 examples/gpt.par cut in two (layers 0-1 and the embedding on pipe rank 0, layers 2-3, the
-head and the loss on pipe rank 1), the same global batch for every microbatch count. For each
+head and the loss on pipe rank 1; interleaved: layers 0 and 2 on rank 0; a V (zbv,
+dualpipev): layers 0 and 3 on rank 0, the embedding and the head both there), the same global
+batch for every microbatch count. For each
 schedule and count, in one job: a training step (AdamW: gradients and optimizer state
 exist), then a second step's forward and backward under shard/runtime/memory.py's LiveBytes, whose
 peak is the bytes of tensors the step allocated and held at once: the activations of the
@@ -27,13 +29,16 @@ MICROBATCH = 2  # rows per microbatch: the global batch is m of them (gpt.par ne
 
 
 def layout(model, kind: str, microbatches: int, pipe: int = 2, chunks: int = 1):
-    """The model's blocks cut evenly over `pipe` ranks (`chunks` per rank), by `kind`."""
+    """The model's blocks cut evenly over `pipe` ranks (`chunks` per rank, or as many as the
+    schedule places: a V's two), each virtual stage on the rank `kind` places it."""
     from soapstone.dsl.model import ir
+    from soapstone.shard.plan import schedules
 
+    spec = schedules.get(kind)
     b = model.blocks
-    n = pipe * chunks
+    n = pipe * spec.per_rank(chunks)
     per = len(b) // n
-    cut = tuple(ir.StageAssignment(b[i * per:(i + 1) * per], "pipe", i % pipe)
+    cut = tuple(ir.StageAssignment(b[i * per:(i + 1) * per], "pipe", spec.rank_of(i, pipe))
                 for i in range(n))
     return ir.Parallel(f"pp{pipe}", model.name, (("pipe", pipe),), operator=cut,
                        schedule=ir.Schedule(kind, microbatches, chunks))

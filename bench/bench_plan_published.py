@@ -22,7 +22,7 @@ are held out, and the table marks them. `--fit` searches the profile's two fitte
 |log(predicted / published)| over the calibration rows, and prints them beside profiles.json's.
 torchtitan's Llama 3.1 rows (bench/data/torchtitan_llama3_h100.json) are scored too, on the
 h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layout (FSDP as
-ZeRO-3 over the data axis, TP, PP, CP as the row states), bf16, the row's recompute (its
+ZeRO-3 over data x cp, TP, PP, CP as the row states), bf16, the row's recompute (its
 `selective` is torchtitan's op policy: soapstone's `recompute ops`), sequence 8192 where the
 page leaves it to the benchmarked commit's configs; predicted TPS per GPU = published TPS x
 published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency; every
@@ -190,7 +190,7 @@ def titan_scored(row: dict) -> str:
 
 
 def titan_candidate(row: dict):
-    """The row's layout as a plan Candidate: FSDP as ZeRO-3 over the data axis (torchtitan
+    """The row's layout as a plan Candidate: FSDP as ZeRO-3 over data x cp (torchtitan
     reshards after forward), TP with sequence parallelism (torchtitan's TP plan shards the
     norms' sequence: SequenceParallel), the local batch in one microbatch (or the pipeline
     degree's microbatches), selective recompute as `recompute ops` (module doc)."""

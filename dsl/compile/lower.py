@@ -216,9 +216,8 @@ class _Lowering:
             steps=tuple(self.steps),
             outputs=outputs,
             batch_dim=batch_dim(self.model, par),
-            # the sample axes that split something: gradients are summed and ZeRO shards there
-            data_axes=tuple(dict.fromkeys(a for _, a in (par.sample if par else ())
-                                          if a in self.active)),
+            data_axes=self._sample_axes(),
+            zero_axes=self._zero_axes(params),
             zero=par.zero if par else 0,
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
@@ -232,6 +231,20 @@ class _Lowering:
             program = attrs.evolve(program, dropped=dropped, held=held, drop_rule="ops")
         # sequence parallelism keeps the linears' input shards, not the gathered inputs
         return attrs.evolve(program, regathered=regathered(program))
+
+    def _sample_axes(self) -> tuple[str, ...]:
+        """The sample axes that split something: gradients are summed there."""
+        return tuple(dict.fromkeys(a for _, a in (self.par.sample if self.par else ())
+                                   if a in self.active))
+
+    def _zero_axes(self, params: tuple[ParamSpec, ...]) -> tuple[str, ...]:
+        """What ZeRO shards over (Program.zero_axes): the sample axes, then each `attribute`
+        axis (context parallel) on which no parameter is split; under sequence parallelism
+        the tensor axis splits the matmul weights, so it is not one."""
+        split = {a for p in params for a in p.layout.split_axes()}
+        context = (a for _, a in (self.par.attribute if self.par else ())
+                   if a in self.active and a not in split)
+        return tuple(dict.fromkeys((*self._sample_axes(), *context)))
 
     def _recompute_ranges(self) -> tuple[tuple[int, int], ...]:
         """`recompute R`: each maximal run of steps lowered from one block of repeat R."""

@@ -434,12 +434,16 @@ def _one_dim_per_axis(ctx: Ctx, facts: Facts) -> Diags:
 
 
 def _zero_needs_sample(ctx: Ctx, facts: Facts) -> Diags:
-    """`zero N` (N >= 1) shards over the sample axis, so it needs a sample mapping."""
-    if not ZeroStage.of(facts.zero).shards_optimizer or facts.soap["sample"] \
+    """`zero N` (N >= 1) shards over the sample axes and the context-parallel ones (attribute
+    axes no parameter statement splits), so it needs one of them."""
+    split = {a for _, a in facts.soap["parameter"]}
+    context = [a for _, a in facts.soap["attribute"] if a not in split]
+    if not ZeroStage.of(facts.zero).shards_optimizer or facts.soap["sample"] or context \
             or "sample" in facts.failed:
         return []
     return [ctx.diag(facts.seen["zero"], f"zero {facts.zero} shards optimizer state over the "
-                     "sample (data-parallel) axis, but no sample statement maps the batch",
+                     "sample (data-parallel) axes and the context-parallel ones, but no sample "
+                     "statement maps the batch and every attribute axis splits parameters",
                      f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
 
 

@@ -153,7 +153,7 @@ class Planner:
         exact = self.exact if exact is None else exact
         est, work = self._exact(c) if exact else self._probed(c)
         t = step_time(est, work, self.profile, self.precision,
-                      ("data",) if c.data > 1 else ())
+                      ("data",) if c.data > 1 else (), ("cp",) if c.context > 1 else ())
         devices = c.data * c.tensor * c.pipe * c.context
         scored = Score(t.total, self._flops, self._tokens, devices,
                        peak_of(self.profile, self.precision), self.profile.name, self.precision)
@@ -542,7 +542,7 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
         out.append(f"pipeline 1: the model's state is {format_bytes(total / c.tensor)} per "
                    f"device with tensor {c.tensor}; "
                    + _versus(plan, "stages", lambda x: x.pipe > 1))
-    if c.data > 1:
+    if c.data * c.context > 1 and (c.data > 1 or c.zero):
         z = ZeroStage.of(c.zero).summary
         lower = [r for r in plan.unfit if attrs.evolve(r.candidate, zero=c.zero) == c
                  and r.candidate.zero < c.zero]
@@ -550,9 +550,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
         need = (f" (with ZeRO-{below.candidate.zero} it needs "
                 f"{format_bytes(below.memory)})") if below else ""
         cp = f" x {c.context}" if c.context > 1 else ""
+        over = f" (ZeRO shards over data x context: {c.data * c.context} ranks)" if cp else ""
         out.append(f"data parallel {c.data}: the remaining {plan.world} / ({c.tensor}{cp} x "
                    f"{c.pipe}) devices replicate the {'pipeline' if c.pipe > 1 else 'model'}; "
-                   f"{z}{need}")
+                   f"{z}{over}{need}")
     if c.recompute:
         out.append(f"recompute {c.recompute}: {best.recompute_summary}; each block keeps only "
                    "its inputs and backward runs its forward again; "

@@ -274,7 +274,7 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                         continue
                     for sp in ((False, True) if seq_ok and cp == 1 else (False,)):
                         for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
-                            for z in (range(4) if d > 1 else (0,)):  # search climbs it
+                            for z in (range(4) if d * cp > 1 else (0,)):  # search climbs it
                                 yield Candidate(d, t, p, sp, z, sched, m, v, cp,
                                                 experts_on_data=ep)
 

@@ -8,9 +8,10 @@ reduction group); under ZeRO-3 it also never spans two blocks. Each bucket owns 
 buffer of its parameters (the parameters are views into it) and one flat fp32 gradient buffer.
 
 A post-accumulate-grad hook on every parameter copies the fresh gradient into its bucket's
-slot; when a bucket is complete its collective starts asynchronously, and buckets are launched
-strictly in index order (a bucket completed early waits for its predecessors), so every rank
-issues the same collectives in the same order. `finish()` (called by the optimizer's step)
+slot (unless the op's backward wrote it there already: `GradReducer.sink`); when a bucket is
+complete its collective starts asynchronously, and buckets are launched strictly in index
+order (a bucket completed early waits for its predecessors), so every rank issues the same
+collectives in the same order. `finish()` (called by the optimizer's step)
 waits for them. Per ZeRO stage, over the data axes (the other grad_sync axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
@@ -99,6 +100,7 @@ class Bucket:
         # its piece, and `settle` zeroes the pieces no gradient reached before a launch
         self.stale = False
         self.written: set[int] = set()  # offsets of the slots written since it went stale
+        self.claimed: set[int] = set()  # offsets handed out by `GradReducer.sink` since then
         self.full_grad: torch.Tensor | None = None  # stage 0/1: persistent; 2/3: transient
         self.grad_shard: torch.Tensor | None = None
         self.acc: torch.Tensor | None = None  # stage 0: the reduced gradient
@@ -132,8 +134,9 @@ class Bucket:
     # Every launch reduces the contributions added since the previous launch; results fold
     # into the segment's gradient (`acc` for stage 0, `grad_shard` for 1-3), so gradient
     # accumulation is right with or without no_sync.
-    def add_grad(self, slot: Slot, g: torch.Tensor) -> None:
-        """Add parameter gradient g into the bucket's full gradient buffer at slot."""
+    def add_grad(self, slot: Slot, g: torch.Tensor) -> bool:
+        """Add parameter gradient g into the bucket's full gradient buffer at slot; whether g
+        was that piece already (written in place by the backward)."""
         if self.handle is not None:
             self.complete()  # a previous microbatch's reduction of this bucket
         if self.full_grad is None:
@@ -141,10 +144,14 @@ class Bucket:
         piece = self.full_grad[slot.offset:slot.offset + slot.numel]
         if self.stale and slot.offset not in self.written:
             self.written.add(slot.offset)
+            self.dirty = True
+            if g.data_ptr() == piece.data_ptr():  # the backward wrote it in place
+                return True
             piece.copy_(g.reshape(-1))
         else:
             piece.add_(g.reshape(-1))
         self.dirty = True
+        return False
 
     def settle(self) -> None:
         """Zero the pieces of a stale full_grad that no gradient overwrote (parameters this
@@ -155,6 +162,7 @@ class Bucket:
                     self.full_grad[s.offset:s.offset + s.numel].zero_()
             self.stale = False
             self.written.clear()
+            self.claimed.clear()
 
     def launch(self) -> None:
         """Start this bucket's reduction (async)."""
@@ -211,7 +219,7 @@ class GradReducer:
         self.zero = ZeroStage.of(program.zero if zero is None else zero)
         self.mesh = model.mesh
         self.overlap = overlap
-        self.data_axes = tuple(program.data_axes if data_axes is None else data_axes)
+        self.data_axes = tuple(program.zero_axes if data_axes is None else data_axes)
         # the flat parameters hold the model's compute dtype (bf16 under mixed precision)
         self.dtype = model.compute_dtype or next(
             (p.dtype for p in model.params.values() if p.is_floating_point()), torch.float32)
@@ -227,6 +235,7 @@ class GradReducer:
         self._callback_queued = False
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
+        self.in_place = 0  # gradients a backward wrote straight into their bucket (sink)
         self.provider = None  # ZeRO-3: where the forward gets its parameters (zero.py)
         if self.zero.shards_params:
             from soapstone.shard.parallel.zero import Zero3Provider
@@ -235,6 +244,7 @@ class GradReducer:
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._on_grad)
+        model.grad_sinks = self  # its fused linears may write weight gradients in place
 
     # --- construction ---------------------------------------------------------------------
     def _make_buckets(self, bucket_mb: float) -> list[Bucket]:
@@ -295,6 +305,23 @@ class GradReducer:
         finally:
             self._end_backward()
 
+    def sink(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Where a backward may write this step's gradient of parameter p itself (shaped like
+        p), so that no copy into its bucket is needed; None where it must hand it over as
+        usual. Offered once per step, and only where the gradient's first write overwrites its
+        piece (stage 0's stale buffer, no reduction pending, same dtype): an accumulation or a
+        second use of p in the same backward adds, as autograd does."""
+        hit = self.slot_of.get(id(p))
+        if hit is None:
+            return None
+        b, s = hit
+        if not b.stale or b.sharded or b.handle is not None or b.full_grad is None \
+                or b.full_grad.dtype != p.dtype or s.offset in b.written \
+                or s.offset in b.claimed or self._grads_exposed or p.grad is not None:
+            return None
+        b.claimed.add(s.offset)
+        return b.full_grad[s.offset:s.offset + s.numel].view(s.shape)
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         b, s = self.slot_of[id(p)]
         if not self._callback_queued:
@@ -302,7 +329,7 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._grads_exposed:
             self._hide_grads()
-        b.add_grad(s, p.grad)
+        self.in_place += b.add_grad(s, p.grad)
         p.grad = None
         b.filled += 1
         if self.provider is not None:
@@ -456,6 +483,7 @@ class GradReducer:
                 if b.full_grad is not None:
                     b.stale = True
                     b.written.clear()
+                    b.claimed.clear()
             elif b.keeps_full_grad:
                 b.full_grad.zero_()
                 b.grad_shard = None

@@ -149,7 +149,11 @@ class Program:
     outputs: tuple[Output, ...]
     # What the runtime would otherwise re-derive, decided once by the compiler:
     batch_dim: str | None = None  # the dim microbatching cuts (the sample-mapped one)
-    data_axes: tuple[str, ...] = ()  # the sample axes: gradient sync and ZeRO shard over them
+    data_axes: tuple[str, ...] = ()  # the sample axes that split something
+    # the axes ZeRO shards over and gradient buckets reduce-scatter over: the sample axes, then
+    # the context-parallel ones (an `attribute` axis that splits no parameter: its ranks hold
+    # the parameters whole and sum their gradients, as FSDP's data x cp mesh)
+    zero_axes: tuple[str, ...] = ()
     zero: int = 0  # the ZeRO stage the spec asks for
     roles: tuple[InputRole, ...] = ()  # one per input
     # `recompute R`: [start, stop) step ranges, one per block of repeat R, each run so that

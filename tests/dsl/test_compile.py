@@ -172,6 +172,19 @@ def test_the_program_carries_the_data_axes_and_zero():
     assert single.data_axes == () and single.zero == 0
 
 
+@pytest.mark.parametrize("layout,sample,zero_axes", [
+    ("cp2", (), ("cp",)),  # context parallel: the parameters are whole on cp
+    ("ulysses4", (), ("cp",)),  # heads on cp too: inputs only, no parameter splits there
+    ("cp2tp2", (), ("cp",)),  # the tensor axis splits parameters
+    ("dp2sp2", ("data",), ("data",)),  # sequence parallel: seq on the tensor axis
+    ("dp2", ("data",), ("data",)),
+])
+def test_zero_shards_over_the_sample_and_context_axes(layout, sample, zero_axes):
+    """ZeRO's axes: the sample axes, then each attribute axis no parameter is split on."""
+    prog = program(GPT, layout)
+    assert prog.data_axes == sample and prog.zero_axes == zero_axes
+
+
 def test_lower_resolves_tied_params():
     """A param tied to another is the same tensor without stages too: one param, read twice."""
     m = GPT.model()

@@ -491,9 +491,12 @@ def test_parallel_blocks_the_lowering_would_ignore():
                   "  sample batch -> data\n  schedule interleaved, microbatches = 2, chunks = 2\n"
                   "}\n")  # gpipe and 1f1b without stages are gradient accumulation
     assert len(errs) == 1 and "interleaved schedule needs pipeline stages" in errs[0].message
-    errs = errors(base + "parallel p for gpt on mesh(data = 2) {\n"
-                  "  attribute seq -> data\n  zero 1\n}\n")
+    # the sequence on the tensor axis (which splits parameters) leaves ZeRO nothing to shard
+    errs = errors(base + "parallel p for gpt on mesh(model = 2) {\n"
+                  "  parameter heads -> model\n  attribute seq -> model\n  zero 1\n}\n")
     assert len(errs) == 1 and "no sample statement" in errs[0].message
+    # on its own axis (context parallel) the parameters are whole there: ZeRO shards over it
+    load(base + "parallel p for gpt on mesh(cp = 2) {\n  attribute seq -> cp\n  zero 1\n}\n")
     # one mapping per tensor per axis is fine, even with several dims on one axis
     load(base + "parallel p for gpt on mesh(model = 2) {\n"
          "  parameter heads, ffn, vocab -> model\n}\n")

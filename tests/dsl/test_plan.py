@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 
 from soapstone.comm.errors import UserError
@@ -393,7 +394,11 @@ def test_context_parallel_is_searched_only_where_the_batch_does_not_divide():
     planner = Planner(model, profile)
     ctx = [c for c in candidates(model, planner.dims, 8, profile, []) if c.context > 1]
     assert {c.context for c in ctx} == {2, 4, 8} and all(c.data * c.context > 2 for c in ctx)
-    for c in ctx[::7]:
+    # ZeRO shards over data x cp, so it is searched without data parallel too, and shards there
+    alone = next(c for c in ctx if c.data == 1 and c.zero == 3)
+    whole = planner.cost(attrs.evolve(alone, zero=0), exact=True).estimate.optimizer_bytes
+    assert planner.cost(alone, exact=True).estimate.optimizer_bytes * alone.context == whole
+    for c in [*ctx[::7], alone]:
         par = to_parallel(model, planner.dims, c)
         assert ("seq", "cp") in par.attribute and dict(par.mesh)["cp"] == c.context
         assert load(text + format_parallel(par, source=True)).parallel("planned") == par

@@ -26,12 +26,18 @@ is kept by no one after forward, and in backward lives from its last saver's bac
 it is rebuilt) to its first saver's. So does a gathered linear input under sequence
 parallelism (Program.regathered), whose shard the gather keeps instead, to gather it again.
 
-`weight_grad_bytes` is what a split backward (zb1p) keeps from B to W beside the saved bytes.
+A split backward (zb1p, zbv, dualpipev: shard/runtime/split_backward.py) has two working
+sets of its own (`phase_figures`'s Phases): B runs only the steps a received input reaches,
+keeps every saved tensor and, from each step where a parameter's gradient branches off, the
+gradient at its output (`kept`, held until W); W runs those steps' weight halves and the
+steps no input reaches, beside the kept gradients.
 """
 
 from __future__ import annotations
 
 import math
+
+import attrs
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
@@ -83,20 +89,106 @@ def lse_bytes(program: Program, f: FusedAttention) -> int:
 def activation_figures(program: Program) -> tuple[int, int]:
     """(bytes saved for backward, peak working set above them) of one forward and backward
     of `program` (module doc)."""
-    saved, forward, backward = phase_figures(program)
-    return saved, max(forward, backward)
+    sv = _saves_of(program)
+    return sv.total, max(0, _forward_peak(sv) - sv.total, _backward_peak(sv) - sv.total)
 
 
-def phase_figures(program: Program) -> tuple[int, int, int]:
-    """(bytes saved for backward, the forward's peak working set above them, the
-    backward's) of one forward and backward of `program` (module doc): a pipeline's peak
-    adds each to what is held at its own actions (in_flight.py)."""
+@attrs.frozen
+class Phases:
+    """One microbatch's saved bytes and the peak working set above them in each phase:
+    forward, a whole backward, and a split backward's B (input gradients, with the gradients
+    it keeps for W as they come) and W (weight gradients, above the saved and kept bytes);
+    `kept`: the gradients B keeps for W (module doc)."""
+
+    saved: int
+    forward: int
+    backward: int
+    input_grad: int
+    weight_grad: int
+    kept: int
+
+    @property
+    def working(self) -> tuple[int, int, int, int]:
+        """The working sets in in_flight.py's phase order."""
+        return self.forward, self.backward, self.input_grad, self.weight_grad
+
+
+@attrs.frozen
+class _Saves:
+    """What one forward of a program keeps, as the walks read it: per kept step (fused
+    chains by their last step) the storage roots it saves and the bytes of new tensors
+    besides, and what recompute frees and brings back."""
+
+    program: Program
+    root: dict[str, str]
+    params: set[str]
+    fused: dict
+    saves: dict[int, tuple[set[str], int]]
+    again: dict[int, tuple[int, int]]  # a recompute range's last step -> (its first, bytes)
+    release: dict[int, int]  # step -> recomputed bytes its backward frees
+    rebuilt: dict[int, int]  # step -> dropped bytes rebuilt before its backward
+    scratch_at: dict[int, int]  # step -> the largest rebuild's intermediates there
+    first_saver: dict[str, int]  # a saved tensor lives until its earliest saver's backward
+    overwritable: frozenset[str]  # values whose gradient may be written over them
+
+    def r(self, name: str) -> str:
+        return self.root.get(name, name)
+
+    @property
+    def total(self) -> int:
+        val = self.program.value
+        return sum(val(n).nbytes for n in self.first_saver) + \
+            sum(e for _, e in self.saves.values())
+
+    def reads(self, i: int) -> tuple[str, ...]:
+        return _reads(self.program, self.fused, i)
+
+    def makes(self) -> dict[int, str]:
+        """Kept step -> the float value it makes with storage of its own."""
+        steps, val = self.program.steps, self.program.value
+        return {i: self.r(steps[i].out) for i in self.saves
+                if self.r(steps[i].out) == steps[i].out and val(steps[i].out).is_float}
+
+    def loss_grads(self) -> dict[str, int]:
+        """The gradient backward starts from: the loss's (a stage's received ones are its
+        message, not its working set)."""
+        return {self.r(o.value): self.program.value(o.value).nbytes
+                for o in self.program.outputs if o.is_loss}
+
+
+def _reads(program: Program, fused: dict, i: int) -> tuple[str, ...]:
+    """What step i reads (a fused chain, by its last step: the fused call's operands)."""
+    if i in fused:
+        f = fused[i]
+        return (f.q, f.k, f.v) if isinstance(f, FusedAttention) else (f.x, f.w, f.bias)
+    s = program.steps[i]
+    return s.args if isinstance(s, Compute) else (s.src,)
+
+
+def _split_path(program: Program, fused: dict, order: list[int], r) -> tuple[set[str], dict]:
+    """A split backward's path (`_split_peaks`): the value roots a float input of the program
+    reaches, and per step in `order` (forward order) whether it is on the path and whether
+    it is a joint."""
+    val, params = program.value, {p.name for p in program.params}
+    path = {r(n) for n in program.inputs if val(n).is_float and n not in params}
+    off = {r(p) for p in params if val(p).is_float}  # tracked by autograd, off the path
+    kind: dict[int, tuple[bool, bool]] = {}
+    for i in order:
+        reads = {r(a) for a in _reads(program, fused, i)}
+        on = not reads.isdisjoint(path)
+        kind[i] = (on, on and not reads.isdisjoint(off))
+        out = program.steps[i].out
+        if val(out).is_float and not (reads.isdisjoint(path) and reads.isdisjoint(off)):
+            (path if on else off).add(r(out))
+    return path, kind
+
+
+def _saves_of(program: Program) -> _Saves:
     fused = find_fusions(program)
     covered = {i for f in fused.values() for i in f.covered}
     root = _roots(program, covered)
     params = {p.name for p in program.params}
     val = program.value
-    overwritable = overwrite_plan.overwritable(program, fused)
 
     def r(name: str) -> str:
         return root.get(name, name)
@@ -109,8 +201,8 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
             saves[i] = ({r(n) for n in names if n not in params and val(n).is_float}, extra)
     # recompute: a range keeps its float inputs (saved by its first step) instead of what its
     # steps keep; backward holds the range's own saves again while it runs through it
-    again: dict[int, tuple[int, int]] = {}  # the range's last step -> (its first, bytes)
-    release: dict[int, int] = {}  # step -> recomputed bytes its backward frees
+    again: dict[int, tuple[int, int]] = {}
+    release: dict[int, int] = {}
     for a, b in program.recompute:
         mine = [i for i in range(a, b) if i in saves]
         made = {r(steps[i].out) for i in range(a, b)}
@@ -130,8 +222,8 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
     # recompute selective: a dropped value is kept by no one after forward; backward rebuilds
     # it before its last saver's backward (or before a rebuild that reads it, which rebuilds
     # it first) and it lives until its first saver's is done
-    rebuilt: dict[int, int] = {}  # step -> dropped bytes rebuilt before its backward
-    scratch_at: dict[int, int] = {}  # step -> the largest rebuild's intermediates there
+    rebuilt: dict[int, int] = {}
+    scratch_at: dict[int, int] = {}
     for name in program.regathered:  # sequence parallel: the gather's shard is kept instead
         i = next(k for k in saves if steps[k].out == name)
         saves[i] = (saves[i][0] | {r(steps[i].src)}, saves[i][1])
@@ -158,82 +250,150 @@ def phase_figures(program: Program) -> tuple[int, int, int]:
                 default=None)
         if i is not None:
             saves[i] = (saves[i][0] | {r(name)}, saves[i][1])
-    first_saver: dict[str, int] = {}  # a saved tensor lives until its earliest saver's backward
+    first_saver: dict[str, int] = {}
     for i, (names, _) in saves.items():
         for n in names:
             first_saver[n] = min(first_saver.get(n, i), i)
-    saved_total = sum(val(n).nbytes for n in first_saver) + sum(e for _, e in saves.values())
+    return _Saves(program, root, params, fused, saves, again, release, rebuilt, scratch_at,
+                  first_saver, overwrite_plan.overwritable(program, fused))
 
-    def reads(i: int) -> tuple[str, ...]:
-        if i in fused:
-            f = fused[i]
-            return (f.q, f.k, f.v) if isinstance(f, FusedAttention) else (f.x, f.w, f.bias)
-        s = steps[i]
-        return s.args if isinstance(s, Compute) else (s.src,)
 
+def phase_figures(program: Program) -> Phases:
+    """One microbatch's saved bytes and working sets, per phase (module doc): a pipeline's
+    peak adds each to what is held at its own actions (in_flight.py)."""
+    sv = _saves_of(program)
+    saved = sv.total
+    b, w, kept = _split_peaks(sv)
+    return Phases(saved, max(0, _forward_peak(sv) - saved), max(0, _backward_peak(sv) - saved),
+                  max(0, b - saved), max(0, w - saved - kept), kept)
+
+
+def _forward_peak(sv: _Saves) -> int:
+    """Forward: saved so far (from when each is made) + values still to be read (+ a
+    kernel's scratch: an einsum's scaled copy)."""
+    program, val, r = sv.program, sv.program.value, sv.r
     last_use: dict[str, int] = {}
-    for i in saves:
-        for a in reads(i):
+    for i in sv.saves:
+        for a in sv.reads(i):
             last_use[r(a)] = i
     keep = {r(o.value) for o in program.outputs}
-    makes = {i: r(steps[i].out) for i in saves if r(steps[i].out) == steps[i].out
-             and val(steps[i].out).is_float}
-    # forward: saved so far (from when each is made) + values still to be read (+ a
-    # kernel's scratch: an einsum's scaled copy)
+    makes = sv.makes()
     made = set(makes.values())
-    held = sum(val(n).nbytes for n in first_saver if n not in made)  # saved inputs
+    held = sum(val(n).nbytes for n in sv.first_saver if n not in made)  # saved inputs
     live = peak = 0
     alive: set[str] = set()
-    for i, (_, extra) in saves.items():
+    for i, (_, extra) in sv.saves.items():
         out = makes.get(i)
-        if out is not None and out in first_saver:
+        if out is not None and out in sv.first_saver:
             held += val(out).nbytes
         elif out is not None:
             alive.add(out)
             live += val(out).nbytes
         held += extra
-        step = steps[i]
+        step = program.steps[i]
         scratch = record_of(step.kind).scratch(step, program) \
-            if isinstance(step, Compute) and i not in fused else 0
+            if isinstance(step, Compute) and i not in sv.fused else 0
         peak = max(peak, held + live + scratch)
-        for a in reads(i):
+        for a in sv.reads(i):
             a = r(a)
             if a in alive and last_use.get(a) == i and a not in keep:
                 alive.discard(a)
                 live -= val(a).nbytes
-    forward, peak = peak, 0
-    # backward: what is still saved + gradients in flight (+ a parameter's, briefly)
-    grads: dict[str, int] = {}
-    for o in program.outputs:
-        if o.is_loss:
-            grads[r(o.value)] = val(o.value).nbytes
-    for i in reversed(list(saves)):
-        names, extra = saves[i]
-        if i in again:
-            held += again[i][1]
-        held += rebuilt.get(i, 0)
-        peak = max(peak, held + sum(grads.values()) + scratch_at.get(i, 0))
+    return peak
+
+
+def _backward_peak(sv: _Saves) -> int:
+    """A whole backward: what is still saved + gradients in flight (+ a parameter's,
+    briefly)."""
+    val, r = sv.program.value, sv.r
+    held = sv.total
+    grads = sv.loss_grads()
+    makes = sv.makes()
+    peak = 0
+    for i in reversed(list(sv.saves)):
+        names, extra = sv.saves[i]
+        if i in sv.again:
+            held += sv.again[i][1]
+        held += sv.rebuilt.get(i, 0)
+        peak = max(peak, held + sum(grads.values()) + sv.scratch_at.get(i, 0))
         pgrad = 0
-        step = steps[i]
-        rec = record_of(step.kind) if isinstance(step, Compute) and i not in fused else None
+        step = sv.program.steps[i]
+        rec = record_of(step.kind) if isinstance(step, Compute) and i not in sv.fused else None
         # a gradient written over its saved arg (cross_entropy's logits) takes no new bytes
         into = r(step.args[0]) if rec is not None and rec.grad_in_place and \
-            step.args[0] in overwritable else None
-        for a in reads(i):
-            if a in params:
+            step.args[0] in sv.overwritable else None
+        for a in sv.reads(i):
+            if a in sv.params:
                 pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
             elif val(a).is_float and r(a) not in grads:
                 grads[r(a)] = 0 if r(a) == into else val(a).nbytes
-        work = rec.backward_scratch(step, program) if rec is not None else 0
+        work = rec.backward_scratch(step, sv.program) if rec is not None else 0
         peak = max(peak, held + sum(grads.values()) + pgrad + work)
-        held -= sum(val(n).nbytes for n in names if first_saver[n] == i) + extra
+        held -= sum(val(n).nbytes for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient
             grads[into] = val(into).nbytes
-        held -= release.get(i, 0)
+        held -= sv.release.get(i, 0)
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
-    return saved_total, max(0, forward - saved_total), max(0, peak - saved_total)
+    return peak
+
+
+def _split_peaks(sv: _Saves) -> tuple[int, int, int]:
+    """(B's peak, W's peak, the gradients B keeps for W) of a split backward
+    (shard/runtime/split_backward.py). B runs the *path*, the steps a float input of the
+    program (a received boundary) reaches, keeping every saved tensor (it retains the graph
+    for W) and, at each *joint* (a path step that reads a parameter or a value computed from
+    one off the path), the gradient arriving at its output. W runs the joints again for
+    their weight outputs only, and the steps off the path whole, with the kept gradients
+    held throughout; a saved tensor goes at its earliest saver's W when every saver runs in
+    W (a path step's stay until the graph goes). No recompute: refused with a split
+    backward (schedule_rules.py)."""
+    program, val, r = sv.program, sv.program.value, sv.r
+    steps = program.steps
+    path, kind = _split_path(program, sv.fused, list(sv.saves), r)
+    makes = sv.makes()
+    # B: the path backwards, nothing saved let go; `free`: the gradients not kept
+    held, grads, kept = sv.total, {k: v for k, v in sv.loss_grads().items() if k in path}, {}
+    free = sum(grads.values())
+    b_peak = held + free
+    for i in reversed(list(sv.saves)):
+        on, joint = kind[i]
+        if not on:
+            continue
+        held += sv.rebuilt.get(i, 0)
+        out = r(steps[i].out)
+        if joint and out not in kept:
+            kept[out] = val(steps[i].out).nbytes
+            free -= grads.get(out, 0)
+        for a in sv.reads(i):
+            if r(a) in path and r(a) not in grads:
+                grads[r(a)] = val(a).nbytes
+                free += 0 if r(a) in kept else val(a).nbytes
+        b_peak = max(b_peak, held + free + sum(kept.values()))
+        held -= sv.release.get(i, 0)
+        if makes.get(i) is not None and makes[i] not in kept:
+            free -= grads.pop(makes[i], 0)
+    # W: the joints' weight outputs and the steps off the path, beside the kept gradients
+    runs = {i for i, (on, joint) in kind.items() if joint or not on}
+    stays = {n for i in sv.saves if i not in runs for n in sv.saves[i][0]}
+    held = sv.total + sum(kept.values())
+    grads = {k: v for k, v in sv.loss_grads().items() if k not in path}
+    w_peak = held + sum(grads.values())
+    for i in sorted(runs, reverse=True):
+        names, extra = sv.saves[i]
+        pgrad = 0
+        for a in sv.reads(i):
+            if a in sv.params:
+                pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
+            elif val(a).is_float and r(a) not in path and r(a) not in grads:
+                grads[r(a)] = val(a).nbytes
+        w_peak = max(w_peak, held + sum(grads.values()) + pgrad)
+        held -= sum(val(n).nbytes for n in names
+                    if sv.first_saver[n] == i and n not in stays) + extra
+        if not kind[i][0] and makes.get(i) is not None:
+            grads.pop(makes[i], None)
+    return b_peak, w_peak, sum(kept.values())
 
 
 def _rebuild_chains(program: Program, kept: set[str], params: set[str]
@@ -279,20 +439,13 @@ def recompute_flops(program: Program) -> float:
 
 
 def weight_grad_bytes(program: Program) -> int:
-    """The gradients a split backward's B keeps for its W (shard/split_backward.py: the
-    joints' incoming gradients), one microbatch: for each step whose backward gives a
-    parameter its gradient from the one arriving at its output (x . W, a fused linear, a
-    norm's or a bias's weights), that output's size. An embedding's table is not counted: its
-    lookup is off B's path (integer ids), so its W starts above it."""
+    """The gradients a split backward's B keeps for its W, one microbatch (`Phases.kept`:
+    the joints' outputs), without the walks."""
     fused = find_fusions(program)
     covered = {i for f in fused.values() for i in f.covered}
-    params = {p.name for p in program.params}
-    total = 0
-    for i, s in enumerate(program.steps):
-        if i in covered or not isinstance(s, Compute) or s.kind == "embedding":
-            continue
-        f = fused.get(i)
-        reads = (f.w, f.bias) if isinstance(f, FusedLinear) else s.args
-        if any(a in params for a in reads) and program.value(s.out).is_float:
-            total += program.value(s.out).nbytes
-    return total
+    root = _roots(program, covered)
+    order = [i for i in range(len(program.steps)) if i not in covered]
+    _, kind = _split_path(program, fused, order, lambda n: root.get(n, n))
+    joints = {root.get(s.out, s.out): program.value(s.out).nbytes
+              for i, s in enumerate(program.steps) if kind.get(i, (0, 0))[1]}
+    return sum(joints.values())

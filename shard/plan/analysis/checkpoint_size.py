@@ -91,7 +91,7 @@ def _stage_rows(stage, optimizer: str, bucket_mb: float, shared: tuple[str, ...]
     order = {p.name: i for i, p in enumerate(program.params)}
     deferred = tuple(n for n in shared if n in specs)
     rows = []
-    for b in plan_buckets(program, program.zero, program.data_axes, deferred, bucket_mb):
+    for b in plan_buckets(program, program.zero, program.zero_axes, deferred, bucket_mb):
         n = math.prod(sizes[a] for a in b.dp)
         sharded = ZeroStage.of(program.zero).on(n).shards_optimizer
         shard = -(-b.numel // n) if sharded else 0

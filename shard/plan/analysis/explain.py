@@ -55,14 +55,14 @@ figures add up its virtual stages:
   (microbatches past F, before their backward's last part) x s's saved bytes + (those
   before B) x the bytes s sends forward (its outputs, stored for its B; a received input is
   read by the stage's first op, which saves it). For 1F1B that is p - s microbatches on pipe
-  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; zb1p keeps the
-  saved bytes until W, and from B to W the gradients B keeps for it (activations.py's
-  weight_grad_bytes). The peak is per action (in_flight.py): what is held at that action
-  plus that action's own working set (its stage's forward's at an F, backward's at a B or
-  W), the largest over the actions; activations is what is held there, transient that
-  action's working set, plus the one message received ahead of the compute reading it;
-  sends add nothing, each let go as it completes (shard/runtime/pipe_p2p.py). Flat in m
-  but for GPipe.
+  rank s (at most m); GPipe keeps all m; interleaved keeps its warm-up depth; a split
+  backward keeps the saved bytes until W, and from B to W the gradients B keeps for it
+  (activations.py's Phases). The peak is per action (in_flight.py): what is held at that
+  action plus its own working set (its stage's forward's at an F, backward's at a B; a
+  split backward's B's and W's), the largest over the actions; activations is what is held
+  there, transient that action's working set, plus the one message received ahead of the
+  compute reading it; sends add nothing, each let go as it completes
+  (shard/runtime/pipe_p2p.py). Flat in m but for GPipe.
 - communication: a stage's forward and backward collectives run once per microbatch (x m);
   gradient sync once per step (every microbatch but the last runs in no_sync; ZeRO >= 2
   reduce-scatters every microbatch, x m); the grad-norm pieces per stage, then one float64
@@ -145,9 +145,9 @@ class Estimate:
     pipe_ranks: list[dict] = attrs.field(factory=list)  # pipelines: every pipe rank's figures
     edges: list[dict] = attrs.field(factory=list)  # pipelines: p2p bytes per step per edge
     transient_bytes: int = 0  # the working set above the saved activations at the peak
-    # (forward's, backward's) working sets, of which transient_bytes is the larger; a
-    # pipeline adds each at its own actions (in_flight.py). None: both transient_bytes
-    phase_transients: tuple[int, int] | None = attrs.field(default=None, repr=False)
+    # the working sets of activations.py's Phases, added at each action (in_flight.py);
+    # transient_bytes the larger of forward's and backward's. None: all transient_bytes
+    phase_transients: tuple[int, ...] | None = attrs.field(default=None, repr=False)
     # `recompute`: (saved, working set) without it, and the matmul FLOPs backward runs again
     # (one microbatch)
     without_recompute: tuple[int, int] | None = None
@@ -197,7 +197,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     same of the program without recompute (one that has it)."""
     mesh = dict(program.mesh)
     z = ZeroStage.of(zero)
-    dp_axes = program.data_axes if z.shards_optimizer else ()
+    dp_axes = program.zero_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
     rows: dict[tuple[str, str, str], Traffic] = {}
 
@@ -214,10 +214,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     float_params = [p for p in program.params if p.dtype in FLOAT_BYTES]
     elems = sum(math.prod(p.local_shape) for p in float_params)
     param_bytes = sum(program.value(p.name).nbytes for p in program.params)
-    phases = None
-    if activations is None:
-        activations, *phases = phase_figures(program)
-    activations, transient = activations if phases is None else (activations, max(phases))
+    phases = phase_figures(program) if activations is None else None
+    activations, transient = activations or (phases.saved, max(phases.forward, phases.backward))
     again = {i for a, b in program.recompute for i in range(a, b)}
     for i, step in enumerate(program.steps):
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
@@ -264,7 +262,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     # already (through an activation's copy_to: a position table) has no data-axis sync,
     # so ZeRO leaves it, its gradient and its optimizer state whole
     whole = 0
-    for plan in plan_buckets(program, zero, program.data_axes, deferred):
+    for plan in plan_buckets(program, zero, program.zero_axes, deferred):
         n_dp = math.prod(mesh[a] for a in plan.dp)
         if n_dp == 1:
             whole += plan.numel
@@ -323,12 +321,12 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
                     transient_bytes=transient + beside,
                     phase_transients=None if phases is None else
-                    tuple(w + beside for w in phases),
+                    tuple(w + beside for w in phases.working),
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
-                    weight_grad_bytes=weight_grad_bytes(program),
+                    weight_grad_bytes=phases.kept if phases else weight_grad_bytes(program),
                     experts=expert_figures(program), master_bytes=masters,
                     compute_dtype=float_params[0].dtype if float_params else None)
 
@@ -407,7 +405,6 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     # never built: in_flight's closed forms and short walks, and the bubble's formula
     sched = ScheduleShape(graph.schedule, pipe, m, graph.chunks)
     act = {i: e.activation_bytes for i, e in per_stage.items()}
-    work = {i: e.phase_transients or (e.transient_bytes,) * 2 for i, e in per_stage.items()}
     of_rank: dict[int, list[StageFigures]] = {}
     sends: dict[int, list[EdgeFigures]] = {}  # edges by sending rank
     backs: dict[int, list[EdgeFigures]] = {}  # edges by receiving rank (it sends gradients)
@@ -425,6 +422,9 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         # gradients instead (split_backward.py: the roots off B's path)
         if not any(x.dst == e.src and x.float_tensors for x in edges):
             kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
+    # the planner's stages have one working set: a split B's ends with what it keeps
+    work = {i: e.phase_transients or (*(e.transient_bytes,) * 2, e.transient_bytes + kept[i],
+                                      e.transient_bytes) for i, e in per_stage.items()}
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])

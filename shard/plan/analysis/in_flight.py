@@ -7,8 +7,9 @@ The peak is taken per action, never as the most held plus the largest working se
 working set (the last stage's logits and their gradient) may come when little is held. At an
 F, what is held after it (its microbatch's saves are all made by its end) and the forward's
 working set; at a B, what is held before it (its microbatch's saves are read to its end)
-and the backward's; where the backward is split, also what is held after B (its microbatch
-keeps the gradients W needs), and at a W, what is held before it, with the backward's.
+and the backward's. Where the backward is split, B's and W's own (activations.py's Phases):
+at a B, what is held before it and B's, which ends with the gradients it keeps for W; at a
+W, what is held before it (its microbatch's saved bytes and kept gradients) and W's.
 
 A schedule of a hypothetical layout is never built whole: one stage per rank has a closed
 form (its ScheduleKind's `held`), the others walk a schedule of as few microbatches as keep
@@ -22,7 +23,9 @@ from typing import NamedTuple
 
 from soapstone.shard.plan import schedules
 
-FORWARD, BACKWARD = 0, 1  # an action's phase: whose working set it runs with
+# an action's phase: whose working set it runs with (a whole backward, or a split one's B
+# or W), the index into a stage's working sets
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3
 
 
 class ScheduleShape(NamedTuple):
@@ -45,13 +48,13 @@ class Peak(NamedTuple):
 
 def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | None = None,
               kept: dict[int, int] | None = None,
-              work: dict[int, tuple[int, int]] | None = None) -> Peak:
+              work: dict[int, tuple[int, ...]] | None = None) -> Peak:
     """The peak of pipe rank `rank` under `schedule` (a built Schedule or a ScheduleShape),
     as the executor keeps its microbatches, per virtual stage s: from a microbatch's F to its
     B, act[s] (saved for backward) and sent[s] (the outputs s sends forward, stored for its
     B); where the backward is split, from B to W, act[s] and kept[s] (the gradients B keeps
-    for W). work[s]: s's (forward, backward) working sets (none: 0), added at each action of
-    s to what is held then (module doc)."""
+    for W). work[s]: s's (forward, backward[, B, W]) working sets (none: 0; no B and W:
+    the backward's), added at each action of s to what is held then (module doc)."""
     sent, kept, work = sent or {}, kept or {}, work or {}
     snapshots, peak_live = live_in_flight(schedule.kind, schedule.pipe,
                                           schedule.microbatches, schedule.chunks, rank)
@@ -59,7 +62,8 @@ def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | N
     for phase, stage, snap in snapshots:
         held = sum(n * (act.get(s, 0) + sent.get(s, 0)) + w * (act.get(s, 0) + kept.get(s, 0))
                    for s, n, w in snap)
-        ws = work.get(stage, (0, 0))[phase]
+        ws = work.get(stage, (0, 0))
+        ws = ws[phase] if phase < len(ws) else ws[BACKWARD]
         best = max(best, (held + ws, held))
     return Peak(best[1], best[0] - best[1], dict(peak_live))
 
@@ -101,13 +105,12 @@ def walk_in_flight(kind: str, pipe: int, m: int, chunks: int, rank: int):
             before_b[s] = before_b.get(s, 0) + 1
             snap(FORWARD, s)
         elif a.kind is B:
-            snap(BACKWARD, s)
+            snap(INPUT_GRAD if sched.split else BACKWARD, s)
             before_b[s] -= 1
             if sched.split:  # its saved values stay until W, beside the gradients it keeps
                 before_w[s] = before_w.get(s, 0) + 1
-                snap(BACKWARD, s)
         else:
-            snap(BACKWARD, s)
+            snap(WEIGHT_GRAD, s)
             before_w[s] -= 1
         peak_live[s] = max(peak_live.get(s, 0), before_b.get(s, 0) + before_w.get(s, 0))
     return undominated(snaps), tuple(peak_live.items())

@@ -71,7 +71,7 @@ class StageCalls:
         self.locate = locate or (lambda name: "")
         self.zero = ZeroStage.of(p.zero)
         shared = {n for n, _ in graph.shared}
-        self.buckets = plan_buckets(p, p.zero, p.data_axes,
+        self.buckets = plan_buckets(p, p.zero, p.zero_axes,
                                     tuple(n for n in shared if n in {x.name for x in p.params}))
         self.sources = _consumers(p)
         fused = find_fusions(p)

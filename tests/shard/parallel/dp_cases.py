@@ -233,6 +233,26 @@ def case_gpt_dp2sp2_zero3():
     compare("gpt", "dp2sp2", 3)
 
 
+@ranks(2)
+def case_gpt_cp2_zero3():
+    """Context parallel 2 under ZeRO-3: its ranks hold the parameters whole and sum their
+    gradients, so ZeRO shards over the cp axis as over a data axis (FSDP's data x cp mesh).
+    It trains as the single rank does (the cp cases' reference: losses at rtol 1e-5), bitwise
+    as cp2 without ZeRO, and holds ZeRO-3's 16/2 bytes a parameter."""
+    single = reference("gpt", torch.float32)[0]
+    want_l, _, want_p, _ = train("gpt", "cp2", 0, torch.float32)
+    got_l, _, got_p, (m, opt) = train("gpt", "cp2", 3, torch.float32)
+    for i, (g, w) in enumerate(zip(got_l, single, strict=True)):
+        assert abs(g - w) <= RTOL * abs(w), f"cp2 zero 3: step {i} loss {g!r} vs {w!r}"
+    assert got_l == want_l, f"cp2 zero 3 losses {got_l} vs zero 0 {want_l}"
+    for k, w in want_p.items():
+        assert torch.equal(got_p[k], w), f"cp2 zero 3: {k} differs from zero 0"
+    assert all(b.dp == ("cp",) and b.sharded for b in opt.reducer.buckets)
+    numel = sum(math.prod(p.shape) for p in m.program.params)
+    got = memory_report(m, opt)["total"] / numel
+    assert abs(got - 8) <= 0.03 * 8, f"cp2 zero 3: {got:.3f} B/param, not 16/2"
+
+
 @ranks(2, 4)
 def case_bf16_trains_close_to_fp32():
     """bf16 compute with fp32 master weights: the loss falls and tracks the fp32 run."""

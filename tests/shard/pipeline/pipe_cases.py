@@ -213,7 +213,8 @@ def case_pp2_memory_flat_in_microbatches_under_1f1b():
     p - s microbatches: their stored values go at B, sends as they complete), linear under
     GPipe at m = 4, 8, 16 (all m held until the backwards), and explain's figure within 6%
     of it on both; flat too, and explained as closely, under zb1p and interleaved (2 chunks)
-    at m = 4, 8.
+    at m = 4, 8; explained as closely under the V schedules zbv and dualpipev at m = 4 (a
+    split backward's B and W each with its own working set: activations.py's Phases).
 
     The measure is shard/runtime/memory.py's LiveBytes (bench/bench_pipe_memory.py's `measure`): the
     bytes of tensor storage the step allocates and still holds, at their high-water mark.
@@ -227,7 +228,7 @@ def case_pp2_memory_flat_in_microbatches_under_1f1b():
 
     peaks: dict[str, list[int]] = {}
     for kind, ms in (("1f1b", (4, 16, 64)), ("gpipe", (4, 8, 16)), ("zb1p", (4, 8)),
-                     ("interleaved", (4, 8))):
+                     ("interleaved", (4, 8)), ("zbv", (4,)), ("dualpipev", (4,))):
         for m in ms:
             row = measure(W, kind, m, {"seq": 16}, chunks=2 if kind == "interleaved" else 1)
             peaks.setdefault(kind, []).append(row["peak_bytes"])

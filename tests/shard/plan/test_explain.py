@@ -103,7 +103,7 @@ def test_in_flight_walks_the_schedules_action_lists():
     """in_flight by hand: zb1p keeps the saved bytes (100) until W, the stored outputs (10)
     until B and the gradients B keeps for W (50) from B to W; pipe 3, rank 1 runs F0 F1 B0
     F2 B1 W0 F3 B2 W1 B3 W2 W3: after F2 two microbatches await B and one W (2 x 110 + 150),
-    after B1 one awaits B and two W (110 + 2 x 150, the peak; without the kept gradients
+    at W0 one awaits B and two W (110 + 2 x 150, the peak; without the kept gradients
     it is after F2: 3 x 100 + 2 x 10). Interleaved pipe 2, 2 chunks,
     m 4, rank 0: its warm-up runs F0 F1 of stage 0 and F0 F1 of stage 2, then F2 of stage 0
     before the first B: 3 x stage 0 + 2 x stage 2 is its peak; stage 0 alone reaches 4 after
@@ -132,9 +132,9 @@ def test_in_flight_adds_each_actions_own_working_set():
     held, 3 x 110 = 330 after F2@1, comes with stage 1's working set (+ 5; before B0@1,
     + 20 = 350). The old bound, the most held plus the largest working set, was
     330 + 400 = 730. A split backward (zb1p, pipe 3, m 4, rank 1: F0 F1 B0 F2 B1 W0 F3 B2 W1
-    B3 W2 W3, keeping 50 from B to W): after B1 one microbatch awaits B and two W,
-    110 + 2 x 150 = 410, with B's working set 30; after F2 (2 x 110 + 150 = 370) forward's 0
-    adds nothing."""
+    B3 W2 W3, keeping 50 from B to W): at W0 one microbatch awaits B and two W,
+    110 + 2 x 150 = 410, with W's working set (the backward's 30, none of its own given);
+    after F2 (2 x 110 + 150 = 370) forward's 0 adds nothing."""
     from soapstone.shard.plan.analysis.in_flight import Peak, in_flight
 
     inter = build("interleaved", 2, 4, 2)
@@ -149,3 +149,97 @@ def test_in_flight_adds_each_actions_own_working_set():
         == Peak(3 * 110, 1000, {1: 3, 3: 1})
     zb = build("zb1p", 3, 4)
     assert in_flight(zb, 1, {1: 100}, {1: 10}, {1: 50}, {1: (0, 30)}) == Peak(410, 30, {1: 3})
+
+
+SPLIT_TINY = """
+model tiny {
+  dim batch = 2, hidden = 8, ffn = 16, classes = 4, vocab = 16
+  input tokens : i64[batch]
+  input targets : i64[batch]
+  x = embedding(tokens, vocab -> hidden)
+  repeat 2 as layer {
+    x = x + linear(gelu(linear(x, hidden -> ffn)), ffn -> hidden)
+  }
+  logits = linear(x, hidden -> classes)
+  output loss = cross_entropy(logits, targets)
+}
+parallel pp2 for tiny on mesh(pipe = 2) {
+  operator layer[0] -> pipe 0, layer[1] -> pipe 1
+  schedule zb1p, microbatches = 2
+}
+"""
+
+
+def test_split_backward_working_sets_by_hand():
+    """A split backward's B and W, each with what it keeps alive, by hand (bytes, fp32, one
+    row a microbatch). Stage 1 of SPLIT_TINY: x [8] received, L0 = x.W0+b0 [16], g = gelu(L0)
+    [16], L1 = g.W1+b1 [8], x1 = x + L1, logits = x1.Wh+bh [4], loss. Saved: x 32, L0 64
+    (gelu's input), g 64, x1 32, logits 16 = 208. B (nothing saved let go) runs all of it
+    from the input; the three linears are its joints, whose output gradients it keeps for W:
+    L0 64 + L1 32 + logits 16 = 112. B's peak is at gelu: gradients x 32 + g 64 + L0 64
+    beside the kept L1 and logits 48, 208 above the saved. W runs the three linears' weight
+    halves beside saved + kept (320): at L1's, its weight gradient 512 (the head's 128 came
+    with x1 still saved: 320 + 128; then x1 goes, 288 + 512 = 800), 480 above both. A whole
+    backward's peak is the same 800 at L1 (saved 160 left + gradients x, L1, g 128 + 512),
+    592 above the saved: the figure B and W were both charged before.
+
+    Forward's working set, 24, is the loss's: one chunk of log-probabilities 16 and a float
+    per token 4 (cross_entropy_scratch) beside the loss 4.
+
+    zb1p, pipe 2, m 2, rank 1 runs F0 B0 F1 B1 W0 W1: F0 208 + forward's 24; B0 208 + 208;
+    F1 320 (microbatch 0: saved + kept) + 208 + 24; B1 528 + 208 = 736; W0 2 x 320 + 480 =
+    1120, the peak (whole-backward working sets: 640 + 592 = 1232)."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_pipeline
+    from soapstone.shard.plan.analysis.activations import Phases, phase_figures
+    from soapstone.shard.plan.analysis.explain import estimate_pipeline
+    from soapstone.shard.plan.analysis.in_flight import Peak, in_flight
+
+    spec = dsl.load(SPLIT_TINY)
+    graph = lower_pipeline(spec.model(), spec.parallel("pp2"))
+    ph = phase_figures(graph.stages[1].program)
+    assert ph == Phases(saved=208, forward=24, backward=592, input_grad=208, weight_grad=480,
+                        kept=112), ph
+    sched = build("zb1p", 2, 2)
+    assert [str(a) for a in sched.ranks[1]] == ["F0@1", "B0@1", "F1@1", "B1@1", "W0@1",
+                                                "W1@1"]
+    assert in_flight(sched, 1, {1: 208}, {}, {1: 112}, {1: ph.working}) == \
+        Peak(640, 480, {1: 2})
+    assert in_flight(sched, 1, {1: 208}, {}, {1: 112}, {1: (20, 592)}) == \
+        Peak(640, 592, {1: 2})
+    # explain's rank 1: the same, + the one 32-byte message received ahead
+    row = estimate_pipeline(graph).pipe_ranks[1]
+    assert (row["activation_bytes"], row["transient_bytes"]) == (640, 480 + 32), row
+
+
+def test_zero3_over_context_parallel_halves_the_state_by_hand():
+    """gpt.par's cp2 under ZeRO-3: the cp ranks hold the parameters whole, so ZeRO shards them
+    (and gradients, optimizer state) over cp. With E float elements (4 bytes each, Adam's two
+    moments): 4E parameter, 4E gradient and 8E state bytes at ZeRO 0 become 2E, 2E and 4E; the
+    gradient allreduce over cp (2 (n-1)/n 4E = 4E bus bytes) becomes a reduce-scatter (2E) and
+    allgathers in forward and backward (2E each), beside the attention's own gathers."""
+    import math
+
+    from soapstone import dsl
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.plan.analysis.explain import estimate
+
+    spec = dsl.load("tests/specs/zero_layouts.par")
+    model = spec.model()
+    dims = dict(model.dims)
+    e = sum(math.prod(dims[d] for d in p.type.dims) for p in model.params)
+    prog = lower(model, spec.parallel("cp2z3"))
+
+    def rows(est):
+        return {(t.phase, t.kind, t.axis): t.bytes for t in est.traffic}
+
+    plain, sharded = estimate(prog, 0), estimate(prog, 3)
+    assert (plain.param_bytes, plain.grad_bytes, plain.optimizer_bytes) == (4 * e, 4 * e, 8 * e)
+    assert (sharded.param_bytes, sharded.grad_bytes, sharded.optimizer_bytes) == \
+        (2 * e, 2 * e, 4 * e)
+    before, after = rows(plain), rows(sharded)
+    assert before[("grad sync", "allreduce", "cp")] == 4 * e
+    assert ("grad sync", "allreduce", "cp") not in after
+    assert after[("grad sync", "reduce_scatter", "cp")] == 2 * e
+    assert after[("backward", "allgather", "cp")] == 2 * e
+    assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")] + 2 * e
