@@ -38,6 +38,7 @@ from soapstone.shard.plan.layout import (
     R,
     RedistributeKind,
     Split,
+    nbytes,
     token,
     transition,
 )
@@ -67,6 +68,13 @@ class LoweringError(SpecError):
         except (OSError, IndexError):
             source = None
         return cls([Diagnostic(loc.file, loc.line, loc.col, message, hint, source, loc.end_col)])
+
+
+class _Reader:
+    """A step's block is its reader's: the block of the op being lowered."""
+
+
+_READER = _Reader()
 
 
 @attrs.frozen
@@ -348,8 +356,11 @@ class _Lowering:
 
     def _choose(self, op, axis, args, iter_dims, roles, used) -> _Candidate:
         best, best_cost = None, float("inf")
+        # Candidates come splits first, so equal traffic keeps the smaller result.
         for cand in self._candidates(op, axis, args, iter_dims, roles, used):
             cost = sum(self._cost(v, axis, want) for v, want in zip(args, cand.args, strict=True))
+            if cand.out == P and cand.dim is None:
+                cost += self._deferred(op, axis, args, used)
             if cost < best_cost:
                 best, best_cost = cand, cost
         if best is None:
@@ -362,6 +373,21 @@ class _Lowering:
                 "to the same axis, or leave them replicated",
             )
         return best
+
+    def _deferred(self, op: ir.Op, axis: str, args: list[Value], used: set[str]) -> float:
+        """The reduction a partial sum passed through `op` still owes: its output's cheapest,
+        a reduce_scatter where a dim of it may split over the axis (sequence parallelism),
+        else an allreduce. Passing a partial is then no cheaper than reducing the operands
+        now, and where the reduction scatters, reducing now leaves the result (a bias-free
+        residual stream) on shards, as Megatron's sequence parallelism keeps it."""
+        split = {d: a for v in args for a, p in v.layout.placements
+                 if a != axis and isinstance(p, Split) for d in [p.dim]}
+        shape = tuple(self.sizes[d] // self.mesh[split[d]] if d in split else self.sizes[d]
+                      for d in op.type.dims)
+        scatter = any(d not in used and d not in split and d in self.allowed[axis]
+                      and not self.sizes[d] % self.mesh[axis] for d in op.type.dims)
+        kind = RedistributeKind.REDUCE_SCATTER if scatter else RedistributeKind.ALLREDUCE
+        return transition_cost(kind, nbytes(op.type.dtype, shape), self.mesh[axis])
 
     def _cost(self, v: Value, axis: str, want: Placement) -> float:
         cur = v.layout.get(axis)
@@ -396,15 +422,25 @@ class _Lowering:
                     frm=cur, to=want,
                     nbytes=0 if kind in (RedistributeKind.SLICE, RedistributeKind.ZERO_FILL)
                     else v.nbytes,
-                ))
+                ), self._shrink_block(v.name, kind))
                 self.cache[key] = new.name
             v = self.values[self.cache[key]]
         return v.name
 
-    def _emit(self, step: Step) -> None:
+    def _shrink_block(self, src: str, kind: RedistributeKind) -> str | None | _Reader:
+        """The block a redistribution belongs to: its reader's, except a reduce_scatter right
+        at the end of its source's block, which joins that block, so the boundary (what a
+        recompute range keeps) holds the shard, not the partial sum (the embedding's)."""
+        prod = self.producer.get(src)
+        if (kind is RedistributeKind.REDUCE_SCATTER and prod is not None
+                and self.step_block[-1] == self.step_block[prod]):
+            return self.step_block[prod]
+        return _READER
+
+    def _emit(self, step: Step, block: str | None | _Reader = _READER) -> None:
         self.producer[step.out] = len(self.steps)
         self.steps.append(step)
-        self.step_block.append(self.block)
+        self.step_block.append(self.block if isinstance(block, _Reader) else block)
 
     # --- backward --------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@
   (whose buckets the second run of a range gathers again), the bytes each
   communicator's `stats` record over one step equal explain's figures, its "recompute" rows
   (the forward's collectives that backward runs again) included, and each flight recorder holds
-  the calls of the plan (shard/plan/verify/sequence.py) in its order.
+  the calls of the plan (shard/plan/verify/sequence.py) in its order;
+- a bias-free model (llama.par) under sequence parallel keeps its residual as sequence
+  shards: golden, and explain against the tensors a bf16 step holds.
 """
 
 from __future__ import annotations
@@ -100,3 +102,21 @@ def case_recompute_under_zero3_gathers_no_more():
         ex.train_step(task.batch(1), step=1)
         counts.append(provider.gathers - before)
     assert counts[1] == counts[0] > 0, counts
+
+
+@ranks(2)
+def case_a_bias_free_residual_is_kept_as_sequence_shards():
+    """llama.par (no biases) under sequence parallel and `recompute layer` (tests/specs/
+    sp_residual.par: each block keeps its input as sequence shards) reproduces the
+    single-rank record, and a bf16 step's tensors alive (bench/bench_memory.py) are explain's
+    within 15%, as under `recompute layer` at one rank (test_recompute.py)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench_memory import measure as memory
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    spec = str(ROOT / "tests/specs/sp_residual.par")
+    assert_matches_golden(spec, "sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
+    dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
+    row = memory(spec, dims, "sp2_rc", W, "bf16")
+    assert abs(row["live_error"]) < 0.15, row

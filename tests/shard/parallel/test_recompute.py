@@ -65,6 +65,38 @@ def test_compiler_marks_each_block_of_the_repeat():
     assert saved == estimate(plain).activation_bytes
 
 
+def test_a_bias_free_block_keeps_its_input_split_by_the_sequence():
+    """llama.par's blocks end in partial sums (no biases): under sequence parallelism the
+    compiler reduce-scatters each branch's output before the residual add, so `recompute
+    layer` keeps 2sbh/t bytes per block in bf16 (explain: 2 blocks less 1); under plain tensor
+    parallelism it keeps the partial residual whole, 2sbh. Per block, one reduce_scatter and
+    one allgather per norm either way."""
+    from pathlib import Path
+
+    from soapstone.dsl.compile.layout_proof import prove_layout
+    from soapstone.shard.plan.analysis.activations import activation_figures
+    from soapstone.shard.plan.analysis.precision import program_as_run
+    from soapstone.shard.plan.layout import RedistributeKind as K
+    from soapstone.shard.plan.program import Redistribute
+
+    model = Path("examples/llama.par").read_text().split("parallel single")[0]
+    layouts = Path("tests/specs/sp_residual.par").read_text().split(".par\"\n")[1]
+    s, b, h, t = 16, 8, 32, 2
+    for layout, want in (("sp2_rc", 2 * s * b * h // t), ("tp2_rc", 2 * s * b * h)):
+        kept, kinds = [], []
+        for blocks in (1, 2):
+            spec = dsl.load(model.replace("repeat 2", f"repeat {blocks}") + layouts)
+            graph = lower_graph(spec.model("llama"), spec.parallel(layout))
+            prove_layout(spec.model("llama"), graph)
+            p = graph.program
+            kept.append(activation_figures(program_as_run(p, "bf16"))[0])
+            kinds.append([s.kind for s in p.steps if isinstance(s, Redistribute)])
+        assert kept[1] - kept[0] == want, layout
+        more = {k: kinds[1].count(k) - kinds[0].count(k) for k in K}
+        assert more[K.REDUCE_SCATTER if layout == "sp2_rc" else K.ALLREDUCE] == 2, more
+        assert more[K.ALLGATHER] == (2 if layout == "sp2_rc" else 0), more
+
+
 def test_explain_peak_matches_a_measured_step(tmp_path):
     """bench/bench_memory.py's measured peak (resident memory over one step) is within 15% of
     explain's activations + working set, with recompute and without; recompute lowers it."""
