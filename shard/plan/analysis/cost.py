@@ -77,7 +77,8 @@ HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
 # the query (and key) tile of a flash-style attention kernel: FlashAttention-2's kBlockM for
 # head dims up to 128 on A100/H100 (the key tile, 64 or 128, divides it), which decides what
-# a causal mask lets it skip
+# a causal mask lets it skip (torch's CPU flash kernel bounds its key loop alike, with query
+# blocks of 32-256: there the figure is approximate)
 FLASH_TILE = 128
 
 
