@@ -55,8 +55,8 @@ TITAN = ROOT / "bench/data/torchtitan_llama3_h100.json"
 TITAN_PROFILE = "h100-96gb"
 TITAN_CALIBRATION_ROWS = (1, 9)  # the file's rows (bf16, FSDP 8 eager and FSDP 128 compiled)
 TITAN_EFFICIENCY = (0.20, 0.95)  # a 500 W H100: its grid reaches lower
-# op_overhead_us held at the a100 fit's: the scored rows are one model at one batch per GPU,
-# so they cannot tell a kernel's fixed cost from the matmul rate
+# op_overhead_us held at 1 us, the grid's floor: the scored rows are one model at one batch
+# per GPU, so they cannot tell a kernel's fixed cost from the matmul rate
 TITAN_OVERHEAD_US = (1, 1)
 EFFICIENCY = (0.50, 0.95)  # the grid's bounds: matmul_efficiency
 # and op_overhead_us: at least 1 us, the gap a GPU leaves between two dependent kernels even

@@ -25,12 +25,12 @@ def result(c: Candidate, seconds: float, gib: float) -> Result:
 
 
 def test_within_the_error_the_simplest_layout_that_leaves_headroom_wins():
-    """a100-80gb: error 11.7%, usable 73.6 GiB. Within the error of the fastest (t4 p2, 10 s):
+    """a100-80gb: error 12.3%, usable 73.6 GiB. Within the error of the fastest (t4 p2, 10 s):
     t8 p1 (11 s, +10%), t2 p1 (11.1 s, above the fit's headroom), t2 p1 under ZeRO-1 (10.5 s);
     t1 p1 (11.6 s, +16%) is not. Simplest first: no ZeRO, then the least t x p (8 for both
     t4 p2 and t8 p1), then tensor before pipeline: t8 p1 wins."""
     prof = load_profile("a100-80gb")
-    assert prof.step_error == pytest.approx(0.117)
+    assert prof.step_error == pytest.approx(0.123)
     cap = prof.usable_bytes * prof.fit["memory_fraction"] / GIB
     ranked = [result(Candidate(8, 4, 2), 10.0, 30),
               result(Candidate(32, 2, 1, zero=1), 10.5, 20),
@@ -95,7 +95,7 @@ def test_versus_published_states_the_gain_the_error_and_the_reason():
     plan = Plan(model, layout_dims(model), prof, 128, ranked, [], [], 3, True)
     assert versus_published(plan, 8, 1) == "the winner"
     text = versus_published(plan, 4, 2)
-    assert "gain -9.1%" in text and "error ±11.7%" in text
+    assert "gain -9.1%" in text and "error ±12.3%" in text
     assert "tensor before pipeline (p 1 < 2)" in text
     assert "faster by more than the model's error" in versus_published(plan, 2, 1)
     assert versus_published(plan, 1, 1) == "t1 p1 is not in the space"

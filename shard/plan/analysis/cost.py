@@ -19,7 +19,16 @@ time, on a `hardware.Profile`:
   (shard/runtime/fusion_plan.py: attention's scores, mask, softmax and p.v in one call; a
   matmul and its bias) is one kernel: it reads what it takes from outside and writes its
   output once, its inner values never reach memory. Backward costs twice the forward (a
-  matmul's two gradients; an elementwise op reads and writes its gradients). Each op (a
+  matmul's two gradients; an elementwise op reads and writes its gradients), except that a
+  fused attention's backward also runs its scores q.k^T again (flash-style kernels, on GPU
+  and CPU, keep only the log-sum-exp: activations.lse_bytes), 5 matmuls of the chain's size
+  against forward's 2: 2.5x (`rescore_flops`). Under a causal mask the fused kernel skips
+  the key tiles wholly after a query tile (`causal_work`: FlashAttention's and torch's CPU
+  flash kernel's loop bound), where the runtime calls it with `is_causal`: the mask is plain
+  key <= query and the chain's query and key dims are whole on the rank (fusion.py; a split
+  sequence, context parallel's, passes an explicit mask, which no kernel skips on). The
+  skipped FLOPs stay in `matmul_flops` (MFU's model FLOPs count the full square, as
+  Megatron's and torchtitan's do) and are taken off its time (`skipped_flops`). Each op (a
   fused chain is one, a redistribution is one) also costs the profile's fixed
   `op_overhead_us`, forward and backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
@@ -62,10 +71,15 @@ from soapstone.shard.plan.analysis.hardware import Link, Profile
 from soapstone.shard.plan.analysis.precision import matmul_peaks
 from soapstone.shard.plan.dtypes import DTYPE_BYTES
 from soapstone.shard.plan.program import Compute, Program
-from soapstone.shard.runtime.fusion_plan import find_fusions
+from soapstone.shard.runtime.fusion_plan import FusedAttention, find_fusions
 
 HOPS = {"allreduce": lambda n: 2 * (n - 1), "send": lambda n: 1}  # else n - 1
 BACKWARD_FACTOR = 2.0  # backward work / forward work
+# the query (and key) tile of a flash-style attention kernel: FlashAttention-2's kBlockM for
+# head dims up to 128 on A100/H100 (the key tile, 64 or 128, divides it), which decides what
+# a causal mask lets it skip (torch's CPU flash kernel bounds its key loop alike, with query
+# blocks of 32-256: there the figure is approximate)
+FLASH_TILE = 128
 
 
 @attrs.frozen
@@ -87,14 +101,15 @@ class Work:
     f8_flops: float = 0.0
     f8_forward_bytes: float = 0.0
     f8_backward_bytes: float = 0.0
+    # fused attention (module doc): the FLOPs a causal kernel skips (of act_flops), and the
+    # scores FLOPs its backward runs again (beyond BACKWARD_FACTOR x the forward)
+    skipped_flops: float = 0.0
+    rescore_flops: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
-        return Work(self.matmul_flops + other.matmul_flops, self.other_bytes + other.other_bytes,
-                    self.ops + other.ops, again, self.act_flops + other.act_flops,
-                    self.act_bytes + other.act_bytes, self.f8_flops + other.f8_flops,
-                    self.f8_forward_bytes + other.f8_forward_bytes,
-                    self.f8_backward_bytes + other.f8_backward_bytes)
+        return Work(**{a.name: getattr(self, a.name) + getattr(other, a.name)
+                       for a in attrs.fields(Work) if a.name != "again"}, again=again)
 
     def matmul_seconds(self, profile: Profile, precision: str) -> float:
         """The matmuls' forward time: weight matmuls at the achievable rate (under float8,
@@ -102,7 +117,8 @@ class Work:
         slower of their FLOPs at that rate and their bytes at the memory bandwidth."""
         weight_peak, act_peak = matmul_peaks(precision)
         rate = profile.matmul_flops(act_peak)
-        act = max(self.act_flops / rate, self.act_bytes / profile.memory_bandwidth)
+        act = max((self.act_flops - self.skipped_flops) / rate,
+                  self.act_bytes / profile.memory_bandwidth)
         f8 = self.f8_flops if weight_peak != act_peak else 0.0
         f8_s = f8 / profile.matmul_flops(weight_peak) if f8 else 0.0
         return (self.matmul_flops - self.act_flops - f8) / rate + f8_s + act
@@ -122,14 +138,29 @@ class Work:
             self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s + \
             self.cast_seconds(profile, precision)[0]
 
+    def rescore_seconds(self, profile: Profile, precision: str) -> float:
+        """What a fused attention's backward adds to BACKWARD_FACTOR x its forward: its
+        scores matmul again, at the activation matmuls' rate (its tiles stay on chip)."""
+        return self.rescore_flops / profile.matmul_flops(matmul_peaks(precision)[1])
+
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, the float8
-        casts, and the forward that recompute runs again."""
+        casts, the forward that recompute runs again and attention's scores recomputed."""
         fwd = self.matmul_seconds(profile, precision) + \
             self.other_bytes / profile.memory_bandwidth
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
         return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again + \
-            sum(self.cast_seconds(profile, precision))
+            sum(self.cast_seconds(profile, precision)) + self.rescore_seconds(profile, precision)
+
+
+def causal_work(queries: int, keys: int, tile: int = FLASH_TILE) -> float:
+    """The fraction of a causal (key <= query) queries x keys score square a flash-style
+    kernel computes: each tile of `tile` queries runs the key tiles up to its last query's
+    position (`keys` at most) and skips the rest, so the diagonal tiles run whole: for n
+    tiles of a square, (n + 1) / 2n."""
+    done = sum(min(tile, queries - start) * min(keys, start + tile)
+               for start in range(0, queries, tile))
+    return done / (queries * keys)
 
 
 def float8_casts(x: float, w: float, y: float, nbytes: float,
@@ -194,6 +225,7 @@ def _work(program: Program, indices) -> Work:
         elif not weights & set(step.args):
             act_flops += f
             act_bytes += nbytes
+    skipped = rescore = 0.0
     for at, f in chains.items():
         steps = [program.steps[i] for i in (*fusions[at].covered, at)]
         inner = {s.out for s in steps}
@@ -201,7 +233,26 @@ def _work(program: Program, indices) -> Work:
         if not weights & outside:  # attention: bound by its q, k, v and output as much
             act_flops += f
             act_bytes += _float_bytes(program, (*outside, program.steps[at].out))
-    return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd)
+        if isinstance(fusions[at], FusedAttention):
+            done = _attention_done(program, fusions[at])
+            skipped += f * (1 - done)
+            scores = program.steps[fusions[at].covered[0]]
+            rescore += record_of(scores.kind).flops(scores, program) * done
+    return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd,
+                skipped, rescore)
+
+
+def _attention_done(program: Program, f: FusedAttention) -> float:
+    """The fraction of its score square the fused kernel computes: `causal_work` where the
+    runtime calls it with is_causal (fusion.run_attention), else all of it."""
+    if not f.causal or not record_of(f.mask_kind).mask.causal(dict(f.mask_attrs)):
+        return 1.0
+    v, sizes = program.value(f.scores), dict(program.dims)
+    local = dict(zip(v.dims, v.local_shape, strict=True))
+    q, k = local[f.query], local[f.key]
+    if q != k or q != sizes[f.query] or k != sizes[f.key]:
+        return 1.0  # a split sequence: an explicit mask, computed whole
+    return causal_work(q, k)
 
 
 def _float_bytes(program: Program, names) -> float:
@@ -339,7 +390,8 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
             buckets = max(buckets, t.calls)
         else:  # ZeRO-1/2 gathers after the update, grad norm, loss, tied sums
             out["after"] += s
-    forward = compute / (1 + BACKWARD_FACTOR)
+    # the windows overlap hides in (attention's recomputed scores are backward's)
+    forward = (compute - work.rescore_seconds(profile, precision) * m) / (1 + BACKWARD_FACTOR)
     backward = compute - forward
     window = backward if ZeroStage.of(est.zero).shards_grads else backward / m
     per_link = [exposed_on_link(x, forward, backward, window, buckets) for x in links.values()]

@@ -138,3 +138,59 @@ def test_a_fused_attention_moves_its_q_k_v_and_output_once():
     layer = 2 * layernorm + 2 * 3 * x + 2 * (8 * 16 * 64 * 4)
     top = (64 * 32 * 4 + x) + layernorm + (8 * 16 * 64 * 4 + 4)
     assert w.other_bytes == 4 * layer + top
+
+
+# ---- fused attention: its backward's recomputed scores, and the causal tiles it skips ------
+
+def test_a_fused_attentions_backward_is_five_matmuls_to_forwards_two():
+    """Profile: 1 TFLOP/s matmuls. An attention of 2 TFLOPs forward (scores 1, p.v 1),
+    FLOP-bound: forward 2 s; backward the scores again (1 s) then dV, dP, dQ, dK (4 s): 5 s,
+    2.5 x the forward, not 2 x; a kernel that skips 0.5 TFLOPs of masked tiles runs 1.5 s
+    forward and 3.75 s backward."""
+    prof = profile()
+    w = Work(matmul_flops=2e12, act_flops=2e12, act_bytes=1e9, rescore_flops=1e12)
+    assert w.matmul_seconds(prof, "fp32") == pytest.approx(2.0)
+    assert w.seconds(prof, "fp32") == pytest.approx(2.0 + 5.0)
+    masked = Work(matmul_flops=2e12, act_flops=2e12, act_bytes=1e9, skipped_flops=0.5e12,
+                  rescore_flops=0.75e12)
+    assert masked.seconds(prof, "fp32") == pytest.approx(1.5 + 3.75)
+    assert (w + masked).rescore_flops == 1.75e12 and (w + masked).skipped_flops == 0.5e12
+
+
+def test_a_causal_kernel_runs_the_key_tiles_up_to_each_query_tile():
+    """Tiles of 128: 256 positions are 2 x 2 tiles, 3 run (3/4); 1024 are 8 x 8, 36 run
+    (9/16); 200 run 128 x 128 + 72 x 200 of 200 x 200; 16 fit one tile: all of it."""
+    from soapstone.shard.plan.analysis.cost import causal_work
+
+    assert causal_work(256, 256) == pytest.approx(3 / 4)
+    assert causal_work(1024, 1024) == pytest.approx(9 / 16)
+    assert causal_work(200, 200) == pytest.approx((128 * 128 + 72 * 200) / (200 * 200))
+    assert causal_work(16, 16) == 1.0
+
+
+@pytest.mark.parametrize("layout", [None, "cp2"])
+def test_causal_attention_work_by_hand(layout):
+    """examples/gpt.par at seq 256 (4 layers, batch 8, 4 heads of 8): each attention's scores
+    einsum is E = 2 x 8 x 4 x 256 x 256 x 8 FLOPs, and p.v as many. On one rank the kernel
+    runs is_causal: 3/4 of the tiles (skips 2E/4 a layer) and recomputes the scores' 3E/4 in
+    backward. Under cp2 the rank's 128 queries meet all 256 keys through an explicit mask,
+    computed whole: nothing skipped, its half-size scores (E/2) recomputed. The model FLOPs
+    (matmul_flops, MFU's) count the full square either way."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work
+
+    spec = load("examples/gpt.par", dims={"seq": 256})
+    program = lower_graph(spec.model(), spec.parallel(layout) if layout else None).program
+    w = program_work(program)
+    e = 2 * 8 * 4 * 256 * 256 * 8
+    if layout is None:
+        assert w.act_flops == 4 * 2 * e
+        assert w.skipped_flops == pytest.approx(4 * 2 * e / 4)
+        assert w.rescore_flops == pytest.approx(4 * 3 * e / 4)
+    else:
+        assert w.act_flops == 4 * 2 * (e // 2)
+        assert w.skipped_flops == 0.0
+        assert w.rescore_flops == 4 * e // 2
+    # backward's extra: half the forward's computed attention FLOPs (2.5x, not 2x)
+    assert w.rescore_flops == pytest.approx((w.act_flops - w.skipped_flops) / 2)

@@ -89,10 +89,10 @@ def test_a_profiles_fit_is_optional_and_checked(tmp_path):
     from soapstone.shard.plan.analysis.hardware import ProfileError, save_profile
 
     data = load_profile("a100-80gb").to_data()
-    assert data["fit"]["error"] == pytest.approx(0.117)
+    assert data["fit"]["error"] == pytest.approx(0.123)
     path = tmp_path / "mine.json"
     save_profile(load_profile("a100-80gb"), str(path))
-    assert load_profile(str(path)).step_error == pytest.approx(0.117)
+    assert load_profile(str(path)).step_error == pytest.approx(0.123)
     for bad, field in (("x", "'fit'"), ({"error": -1}, "'fit.error'")):
         path.write_text(json.dumps(data | {"fit": bad}))
         with pytest.raises(ProfileError, match=field):
