@@ -8,15 +8,15 @@ reduction group); under ZeRO-3 it also never spans two blocks. Each bucket owns 
 buffer of its parameters (the parameters are views into it) and one flat fp32 gradient buffer.
 
 A post-accumulate-grad hook on every parameter copies the fresh gradient into its bucket's
-slot (unless the op's backward wrote it there already: `GradReducer.sink`); when a bucket is
-complete its collective starts asynchronously, and buckets are launched strictly in index
-order (a bucket completed early waits for its predecessors), so every rank issues the same
-collectives in the same order. Under ZeRO-2/3 the launch of a bucket waits the reduce-scatter
-launched REDUCTIONS_IN_FLIGHT buckets before it (bucket_plan.py), whose full gradient buffer is
-then freed, so backward holds a few full buffers rather than every one (FSDP2 frees each
-layer's likewise); every rank waits at the same launches, in order, and waits the last ones at
-the end of backward. `finish()` (called by the optimizer's step) waits for the rest. Per ZeRO
-stage, over the data axes (the other grad_sync axes, e.g. "model" for
+slot; when a bucket is complete its collective starts asynchronously, and buckets are
+launched strictly in index order (a bucket completed early waits for its predecessors), so
+every rank issues the same collectives in the same order. Under ZeRO-2/3 the launch of a
+bucket waits the reduce-scatter launched REDUCTIONS_IN_FLIGHT buckets before it
+(bucket_plan.py), whose full gradient buffer is then freed, so backward holds a few full
+buffers rather than every one (FSDP2 frees each layer's likewise); every rank waits at the same
+launches, in order, and waits the last ones at the end of backward. `finish()` (called by the
+optimizer's step) waits for the rest. Per ZeRO stage, over the data axes (the other grad_sync
+axes, e.g. "model" for
 sequence-parallel layernorm weights, are a plain allreduce):
 
   stage 0  allreduce the full gradient buffer.
@@ -105,7 +105,6 @@ class Bucket:
         # its piece, and `settle` zeroes the pieces no gradient reached before a launch
         self.stale = False
         self.written: set[int] = set()  # offsets of the slots written since it went stale
-        self.claimed: set[int] = set()  # offsets handed out by `GradReducer.sink` since then
         self.full_grad: torch.Tensor | None = None  # stage 0/1: persistent; 2/3: transient
         self.grad_shard: torch.Tensor | None = None
         self.acc: torch.Tensor | None = None  # stage 0: the reduced gradient
@@ -139,9 +138,8 @@ class Bucket:
     # Every launch reduces the contributions added since the previous launch; results fold
     # into the segment's gradient (`acc` for stage 0, `grad_shard` for 1-3), so gradient
     # accumulation is right with or without no_sync.
-    def add_grad(self, slot: Slot, g: torch.Tensor) -> bool:
-        """Add parameter gradient g into the bucket's full gradient buffer at slot; whether g
-        was that piece already (written in place by the backward)."""
+    def add_grad(self, slot: Slot, g: torch.Tensor) -> None:
+        """Add parameter gradient g into the bucket's full gradient buffer at slot."""
         if self.handle is not None:
             self.complete()  # a previous microbatch's reduction of this bucket
         if self.full_grad is None:
@@ -149,14 +147,10 @@ class Bucket:
         piece = self.full_grad[slot.offset:slot.offset + slot.numel]
         if self.stale and slot.offset not in self.written:
             self.written.add(slot.offset)
-            self.dirty = True
-            if g.data_ptr() == piece.data_ptr():  # the backward wrote it in place
-                return True
             piece.copy_(g.reshape(-1))
         else:
             piece.add_(g.reshape(-1))
         self.dirty = True
-        return False
 
     def settle(self) -> None:
         """Zero the pieces of a stale full_grad that no gradient overwrote (parameters this
@@ -167,7 +161,6 @@ class Bucket:
                     self.full_grad[s.offset:s.offset + s.numel].zero_()
             self.stale = False
             self.written.clear()
-            self.claimed.clear()
 
     def launch(self) -> None:
         """Start this bucket's reduction (async)."""
@@ -240,7 +233,6 @@ class GradReducer:
         self._callback_queued = False
         self._grads_exposed = False
         self.launched_in_backward = 0  # buckets launched from gradient hooks (overlap)
-        self.in_place = 0  # gradients a backward wrote straight into their bucket (sink)
         # ZeRO-2/3 buckets whose reduce-scatter (holding the full buffer) may still run, at
         # most `reductions_in_flight` (None: all, waited at the step; bench_dp's baseline)
         self.in_flight: collections.deque[Bucket] = collections.deque()
@@ -253,7 +245,6 @@ class GradReducer:
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._on_grad)
-        model.grad_sinks = self  # its fused linears may write weight gradients in place
 
     # --- construction ---------------------------------------------------------------------
     def _make_buckets(self, bucket_mb: float) -> list[Bucket]:
@@ -314,23 +305,6 @@ class GradReducer:
         finally:
             self._end_backward()
 
-    def sink(self, p: torch.Tensor) -> torch.Tensor | None:
-        """Where a backward may write this step's gradient of parameter p itself (shaped like
-        p), so that no copy into its bucket is needed; None where it must hand it over as
-        usual. Offered once per step, and only where the gradient's first write overwrites its
-        piece (stage 0's stale buffer, no reduction pending, same dtype): an accumulation or a
-        second use of p in the same backward adds, as autograd does."""
-        hit = self.slot_of.get(id(p))
-        if hit is None:
-            return None
-        b, s = hit
-        if not b.stale or b.sharded or b.handle is not None or b.full_grad is None \
-                or b.full_grad.dtype != p.dtype or s.offset in b.written \
-                or s.offset in b.claimed or self._grads_exposed or p.grad is not None:
-            return None
-        b.claimed.add(s.offset)
-        return b.full_grad[s.offset:s.offset + s.numel].view(s.shape)
-
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         b, s = self.slot_of[id(p)]
         if not self._callback_queued:
@@ -338,7 +312,7 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._grads_exposed:
             self._hide_grads()
-        self.in_place += b.add_grad(s, p.grad)
+        b.add_grad(s, p.grad)
         p.grad = None
         b.filled += 1
         if self.provider is not None:
@@ -500,7 +474,6 @@ class GradReducer:
                 if b.full_grad is not None:
                     b.stale = True
                     b.written.clear()
-                    b.claimed.clear()
             elif b.keeps_full_grad:
                 b.full_grad.zero_()
                 b.grad_shard = None

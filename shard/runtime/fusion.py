@@ -7,10 +7,7 @@ between (no collective, no other consumer, no split statistic), the runtime runs
 - attention: scores einsum -> causal_mask -> softmax -> einsum with v, as
   `scaled_dot_product_attention` (nothing stored for backward but q, k and v);
 - linear: x . W over x's trailing dims, then + bias, as one `addmm` (nn.Linear's kernel;
-  one fewer full-size temporary). Under data parallel its backward writes the weight's
-  gradient straight into the gradient bucket where the reducer offers the piece
-  (`sinks`: GradReducer.sink), the arithmetic of torch's own addmm backward, so the copy of the
-  gradient into its bucket is saved.
+  one fewer full-size temporary).
 This is a choice of kernel for local work only; layouts and collectives are untouched, so
 what `soapstone show` prints is exactly what runs. Each fusion runs when the last step it
 covers is reached (by then every input is there: a gathered `v` may arrive after the
@@ -37,64 +34,23 @@ from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the p
 
 
 def run_fused(f: FusedAttention | FusedLinear, env: dict[str, torch.Tensor], program: Program,
-              offset, float8: dict | None = None, sinks=None) -> torch.Tensor:
+              offset, float8: dict | None = None) -> torch.Tensor:
     """The output of fused chain `f` from its inputs in `env`; `float8`: the float8 matmuls
-    by step output (Shards.float8); sinks: where weight gradients may be written directly
-    (GradReducer.sink), or None."""
+    by step output (Shards.float8)."""
     if isinstance(f, FusedLinear):
-        return run_linear(f, env, (float8 or {}).get(program.steps[f.covered[0]].out), sinks)
+        return run_linear(f, env, (float8 or {}).get(program.steps[f.covered[0]].out))
     return run_attention(f, env, program, offset)
 
 
-def run_linear(f: FusedLinear, env: dict[str, torch.Tensor], float8=None,
-               sinks=None) -> torch.Tensor:
+def run_linear(f: FusedLinear, env: dict[str, torch.Tensor], float8=None) -> torch.Tensor:
     """One addmm over the flattened leading dims (under float8: its matmul, then the bias)."""
     x, w, b = env[f.x], env[f.w], env[f.bias]
     if float8 is not None:
         return matmul_2d(x, w, f.k, float8) + b
     lead, k = x.shape[:-f.k], f.k
-    x2 = x.reshape(-1, math.prod(x.shape[-k:]))
-    if sinks is not None and w.requires_grad and w.is_contiguous() and torch.is_grad_enabled():
-        y = LinearIntoBucket.apply(x2, w, b, k, sinks)
-    else:
-        y = torch.addmm(b.reshape(-1), x2, w.reshape(math.prod(w.shape[:k]), -1))
+    y = torch.addmm(b.reshape(-1), x.reshape(-1, math.prod(x.shape[-k:])),
+                    w.reshape(math.prod(w.shape[:k]), -1))
     return y.reshape(*lead, *w.shape[k:])
-
-
-class LinearIntoBucket(torch.autograd.Function):
-    """addmm(b, x2, w as a matrix) whose backward computes what torch's AddmmBackward does,
-    call for call (mm_mat1_backward / mm_mat2_backward's general case, sum_to for the bias), but
-    puts the weight's gradient straight into its bucket piece where the reducer offers one."""
-
-    @staticmethod
-    def forward(ctx, x2, w, b, k, sinks):
-        w2 = w.reshape(math.prod(w.shape[:k]), -1)
-        ctx.save_for_backward(x2, w)
-        ctx.k, ctx.sinks, ctx.bias_shape = k, sinks, b.shape
-        return torch.addmm(b.reshape(-1), x2, w2)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy):
-        x2, w = ctx.saved_tensors
-        w2 = w.reshape(math.prod(w.shape[:ctx.k]), -1)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            if x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]:  # torch's column-major case
-                gx = w2.mm(gy.t()).t()
-            else:
-                gx = gy.mm(w2.t())
-        if ctx.needs_input_grad[1]:
-            if w2.stride(0) == 1 and w2.stride(1) == w2.shape[0]:  # column-major: torch's other
-                gw = gy.t().mm(x2).t().reshape(w.shape)  # branch (degenerate shapes only)
-            elif (piece := ctx.sinks.sink(w)) is not None:
-                torch.mm(x2.t(), gy, out=piece.view(w2.shape))
-                gw = piece
-            else:
-                gw = x2.t().mm(gy).view(w.shape)
-        if ctx.needs_input_grad[2]:
-            gb = gy.sum_to_size(gy.shape[-1]).view(ctx.bias_shape)
-        return gx, gw, gb, None, None
 
 
 def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Program,

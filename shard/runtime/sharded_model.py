@@ -78,9 +78,6 @@ class ShardedModel:
         self.drop_plan = DropPlan(program, self.run_index) \
             if program.dropped or program.regathered else None
         self._dropping = None
-        # set by data parallel's GradReducer: it offers bucket pieces that a fused linear's
-        # backward writes weight gradients into (shard/runtime/fusion.py); None: no reducer
-        self.grad_sinks = None
         # dtype: the parameters' and activations' float dtype instead of the spec's (float64
         # for checks). compute_dtype: the activations' only (bf16 under mixed precision,
         # where the parameters start in fp32 and the optimizer keeps them as fp32 masters).
@@ -201,8 +198,7 @@ class ShardedModel:
             drops.before_step(i, env)
         if i in self.fused:
             f = self.fused[i]
-            out = run_fused(f, env, self.program, self.ctx.offset, self.ctx.float8,
-                            self.grad_sinks)
+            out = run_fused(f, env, self.program, self.ctx.offset, self.ctx.float8)
             env[f.out] = self._checked(step, out, f.out)
         elif i not in self.covered:
             env[step.out] = self._run(step, env)
