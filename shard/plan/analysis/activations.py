@@ -40,8 +40,8 @@ import math
 import attrs
 
 from soapstone.shard.ops.record import Bound
-from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime import overwrite_plan

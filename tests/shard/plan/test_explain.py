@@ -243,3 +243,30 @@ def test_zero3_over_context_parallel_halves_the_state_by_hand():
     assert after[("grad sync", "reduce_scatter", "cp")] == 2 * e
     assert after[("backward", "allgather", "cp")] == 2 * e
     assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")] + 2 * e
+
+
+def test_an_alltoalls_and_a_slices_copies_by_hand():
+    """collective_scratch.py against the runtime's code paths, by hand (fp32). head_dim
+    cp2: attention's probs [batch 4, heads 4, seq 16/2, seq_k 16] go from seq shards to
+    seq_k shards by an alltoall; neither dim leads, so it copies the input chunk-major
+    (8 KiB) and receives into a buffer it then concatenates (8 KiB): 16 KiB, and the same
+    for the inverse alltoall in backward. mlp rowfirst: x [8, 32] sliced along features is
+    free forward; backward gathers its gradient along features (batch before it) through
+    an [n, *shard] buffer, 8 x 32 x 4 = 1 KiB."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
+    from soapstone.shard.plan.layout import RedistributeKind as K
+    from soapstone.shard.plan.program import Redistribute
+
+    def first(spec: str, layout: str, kind: K):
+        loaded = dsl.load(spec)
+        p = lower_graph(loaded.model(), loaded.parallel(layout)).program
+        return next(s for s in p.steps if isinstance(s, Redistribute) and s.kind is kind and
+                    p.value(s.src).is_float), p
+
+    step, p = first("tests/specs/head_dim_layouts.par", "cp2", K.ALLTOALL)
+    assert p.value(step.src).local_shape == (4, 4, 8, 16)
+    assert collective_scratch(step, p) == (2 * 4 * 4 * 8 * 16 * 4,) * 2
+    step, p = first("tests/specs/mlp_layouts.par", "rowfirst", K.SLICE)
+    assert collective_scratch(step, p) == (0, 8 * 32 * 4)
