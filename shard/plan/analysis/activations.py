@@ -12,7 +12,8 @@ On top of the saved bytes, a step also needs a working set: in forward the value
 but still to be read, in backward the gradients in flight (each value's from its first
 consumer's backward until its producer's) and one parameter's gradient before it lands in its
 bucket, and the temporaries an op's backward makes beside them (its record's
-`backward_scratch`: cross_entropy's chunk); a gradient its op writes over its saved arg takes
+`backward_scratch`: cross_entropy's chunk; a collective's copies, collective_scratch.py, which
+forward has too); a gradient its op writes over its saved arg takes
 no new bytes (`grad_in_place`, shard/runtime/overwrite_plan.py). `activation_figures` walks the
 Program forward then backward, freeing each value after its last use (the runtime does) and
 each saved tensor after the backward of the step that saved it, and returns the saved bytes
@@ -20,7 +21,11 @@ and the peak above them (`transient`).
 tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
-backward its own saves come back for as long as backward runs through it. `recompute_flops`
+backward its own saves come back for as long as backward runs through it: from where backward
+first unpacks one (the backward of the range's last step that keeps a tensor: torch's
+non-reentrant checkpoint runs the range again there, the gradients of the steps after it in
+flight), its second run peaking like a forward of the range (values still to read, its
+outputs, each step's temporaries, a collective's too: collective_scratch.py). `recompute_flops`
 is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
 is kept by no one after forward, and in backward lives from its last saver's backward (where
 it is rebuilt) to its first saver's. So does a gathered linear input under sequence
