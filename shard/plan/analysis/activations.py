@@ -353,41 +353,54 @@ def _forward_peak(sv: _Saves) -> int:
 
 def _backward_peak(sv: _Saves) -> int:
     """A whole backward: what is still saved + gradients in flight (+ a parameter's,
-    briefly)."""
+    briefly). Gradients are counted by storage: an add's backward hands its output's
+    gradient to its same-sized args as one tensor (`grad_passes`), as does an allreduce's
+    (identity backward)."""
     val, r = sv.program.value, sv.r
     held = sv.total
-    grads = sv.loss_grads()
+    grads = {k: (k, b) for k, b in sv.loss_grads().items()}  # value -> (storage, bytes)
     makes = sv.makes()
     peak = 0
     for i in reversed(list(sv.saves)):
         names, extra = sv.saves[i]
         if i in sv.again:  # the range runs again, then its saves are held
-            peak = max(peak, held + sum(grads.values()) + sv.rerun[i])
+            peak = max(peak, held + _in_flight(grads) + sv.rerun[i])
             held += sv.again[i][1]
         held += sv.rebuilt.get(i, 0)
-        peak = max(peak, held + sum(grads.values()) + sv.scratch_at.get(i, 0))
+        peak = max(peak, held + _in_flight(grads) + sv.scratch_at.get(i, 0))
         pgrad = 0
         step = sv.program.steps[i]
         rec = record_of(step.kind) if isinstance(step, Compute) and i not in sv.fused else None
         # a gradient written over its saved arg (cross_entropy's logits) takes no new bytes
         into = r(step.args[0]) if rec is not None and rec.grad_in_place and \
             step.args[0] in sv.overwritable else None
+        passes = rec.grad_passes if rec is not None else \
+            getattr(step, "kind", None) is RedistributeKind.ALLREDUCE
+        passed = grads.get(r(step.out)) if passes else None
         for a in sv.reads(i):
             if a in sv.params:
                 pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
             elif val(a).is_float and r(a) not in grads:
-                grads[r(a)] = 0 if r(a) == into else val(a).nbytes
+                if passed is not None and val(a).nbytes == passed[1]:
+                    grads[r(a)] = passed
+                else:
+                    grads[r(a)] = (r(a), 0 if r(a) == into else val(a).nbytes)
         work = rec.backward_scratch(step, sv.program) if rec is not None else \
             collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else 0
-        peak = max(peak, held + sum(grads.values()) + pgrad + work)
+        peak = max(peak, held + _in_flight(grads) + pgrad + work)
         held -= sum(val(n).nbytes for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient
-            grads[into] = val(into).nbytes
+            grads[into] = (into, val(into).nbytes)
         held -= sv.release.get(i, 0)
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
     return peak
+
+
+def _in_flight(grads: dict[str, tuple[str, int]]) -> int:
+    """The bytes of the gradients' storages, each once."""
+    return sum(dict(grads.values()).values())
 
 
 def _split_peaks(sv: _Saves) -> tuple[int, int, int]:
