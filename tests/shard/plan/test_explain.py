@@ -180,15 +180,15 @@ def test_split_backward_working_sets_by_hand():
     beside the kept L1 and logits 48, 208 above the saved. W runs the three linears' weight
     halves beside saved + kept (320): at L1's, its weight gradient 512 (the head's 128 came
     with x1 still saved: 320 + 128; then x1 goes, 288 + 512 = 800), 480 above both. A whole
-    backward's peak is the same 800 at L1 (saved 160 left + gradients x, L1, g 128 + 512),
-    592 above the saved: the figure B and W were both charged before.
+    backward's peak is at L1: saved 160 left + gradients 96 (the add hands x1's gradient to
+    x and L1 as one tensor, 32, + g 64) + 512 = 768, 560 above the saved.
 
     Forward's working set, 24, is the loss's: one chunk of log-probabilities 16 and a float
     per token 4 (cross_entropy_scratch) beside the loss 4.
 
     zb1p, pipe 2, m 2, rank 1 runs F0 B0 F1 B1 W0 W1: F0 208 + forward's 24; B0 208 + 208;
     F1 320 (microbatch 0: saved + kept) + 208 + 24; B1 528 + 208 = 736; W0 2 x 320 + 480 =
-    1120, the peak (whole-backward working sets: 640 + 592 = 1232)."""
+    1120, the peak (whole-backward working sets: 640 + 560 = 1200)."""
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_pipeline
     from soapstone.shard.plan.analysis.activations import Phases, phase_figures
@@ -198,7 +198,7 @@ def test_split_backward_working_sets_by_hand():
     spec = dsl.load(SPLIT_TINY)
     graph = lower_pipeline(spec.model(), spec.parallel("pp2"))
     ph = phase_figures(graph.stages[1].program)
-    assert ph == Phases(saved=208, forward=24, backward=592, input_grad=208, weight_grad=480,
+    assert ph == Phases(saved=208, forward=24, backward=560, input_grad=208, weight_grad=480,
                         kept=112), ph
     sched = build("zb1p", 2, 2)
     assert [str(a) for a in sched.ranks[1]] == ["F0@1", "B0@1", "F1@1", "B1@1", "W0@1",
