@@ -123,7 +123,7 @@ def dropout_saves(step, program, floats: list[str]) -> tuple[list[str], int]:
 
 RECORDS = (
     OpRecord("add", "args (a, b), broadcast by dim name; output dims = type.dims",
-             kernel=add, partial_pass=Partial.ALL, flops=per_element(1),
+             kernel=add, partial_pass=Partial.ALL, flops=per_element(1), grad_passes=True,
              fuses={Slot.BIAS: frozenset()}),
     OpRecord("mul", "args (a, b), broadcast by dim name", kernel=mul,
              partial_pass=Partial.ONE, flops=per_element(1), saves=saves_inputs,

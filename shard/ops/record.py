@@ -12,7 +12,9 @@ of its family (einsum.py, norms.py, masks.py, ...), listed by registry.py. The r
 - `saves`: what its kernel keeps for backward (`scratch`: a temporary it makes in forward
   beside its output; `backward_scratch`: one its backward makes beside the gradients;
   `grad_in_place`: its backward writes its first arg's gradient into that arg's saved storage
-  where the runtime lets it, shard/runtime/overwrite_plan.py), `keeps`: the args among them
+  where the runtime lets it, shard/runtime/overwrite_plan.py; `grad_passes`: its backward
+  hands the output's gradient as it is to each arg of the output's size, one tensor for all:
+  add), `keeps`: the args among them
   a ZeRO-3 unpack meets, `calls`: the collectives its kernel runs itself (expert routing);
 - `fuses`: the slots of the fused chains (shard/runtime/fusion_plan.py) it may fill and, per
   slot, the attrs the fused kernel honours: a step with any other attr is not fused, so a
@@ -209,6 +211,7 @@ class OpRecord:
     scratch: Callable = attrs.field(default=no_scratch, eq=False)  # forward temporary bytes
     backward_scratch: Callable = attrs.field(default=no_scratch, eq=False)
     grad_in_place: bool = False
+    grad_passes: bool = False
     keeps: Callable = attrs.field(default=keeps_none, eq=False)
     calls: Callable = attrs.field(default=no_calls, eq=False)
     fuses: Mapping[Slot, frozenset[str]] = attrs.field(factory=dict, eq=False)

@@ -12,7 +12,8 @@ On top of the saved bytes, a step also needs a working set: in forward the value
 but still to be read, in backward the gradients in flight (each value's from its first
 consumer's backward until its producer's) and one parameter's gradient before it lands in its
 bucket, and the temporaries an op's backward makes beside them (its record's
-`backward_scratch`: cross_entropy's chunk); a gradient its op writes over its saved arg takes
+`backward_scratch`: cross_entropy's chunk; a collective's copies, collective_scratch.py, which
+forward has too); a gradient its op writes over its saved arg takes
 no new bytes (`grad_in_place`, shard/runtime/overwrite_plan.py). `activation_figures` walks the
 Program forward then backward, freeing each value after its last use (the runtime does) and
 each saved tensor after the backward of the step that saved it, and returns the saved bytes
@@ -20,7 +21,11 @@ and the peak above them (`transient`).
 tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
-backward its own saves come back for as long as backward runs through it. `recompute_flops`
+backward its own saves come back for as long as backward runs through it: from where backward
+first unpacks one (the backward of the range's last step that keeps a tensor: torch's
+non-reentrant checkpoint runs the range again there, the gradients of the steps after it in
+flight), its second run peaking like a forward of the range (values still to read, its
+outputs, each step's temporaries, a collective's too: collective_scratch.py). `recompute_flops`
 is the forward work run again. Under `recompute selective` (Program.dropped) a dropped value
 is kept by no one after forward, and in backward lives from its last saver's backward (where
 it is rebuilt) to its first saver's. So does a gathered linear input under sequence
@@ -41,6 +46,7 @@ import attrs
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime import overwrite_plan
@@ -124,7 +130,8 @@ class _Saves:
     params: set[str]
     fused: dict
     saves: dict[int, tuple[set[str], int]]
-    again: dict[int, tuple[int, int]]  # a recompute range's last step -> (its first, bytes)
+    again: dict[int, tuple[int, int]]  # where a recompute range runs again -> (its first, bytes)
+    rerun: dict[int, int]  # where a recompute range runs again -> that run's peak
     release: dict[int, int]  # step -> recomputed bytes its backward frees
     rebuilt: dict[int, int]  # step -> dropped bytes rebuilt before its backward
     scratch_at: dict[int, int]  # step -> the largest rebuild's intermediates there
@@ -202,6 +209,7 @@ def _saves_of(program: Program) -> _Saves:
     # recompute: a range keeps its float inputs (saved by its first step) instead of what its
     # steps keep; backward holds the range's own saves again while it runs through it
     again: dict[int, tuple[int, int]] = {}
+    rerun: dict[int, int] = {}
     release: dict[int, int] = {}
     for a, b in program.recompute:
         mine = [i for i in range(a, b) if i in saves]
@@ -209,8 +217,13 @@ def _saves_of(program: Program) -> _Saves:
         inputs = {r(x) for i in range(a, b) for x in (steps[i].args if isinstance(
             steps[i], Compute) else (steps[i].src,)) if x not in params and val(x).is_float}
         kept = set().union(*(saves[i][0] for i in mine)) - (inputs - made)
-        again[mine[-1]] = (mine[0], sum(val(n).nbytes for n in kept) +
-                           sum(saves[i][1] for i in mine))
+        # the second run starts when backward first unpacks one of the range's saves: at
+        # the last step that keeps any, the gradients of the steps after it already in flight
+        keeps = [i for i in mine if saves[i][0] or saves[i][1]]
+        at = keeps[-1] if keeps else mine[-1]
+        again[at] = (mine[0], sum(val(n).nbytes for n in kept) +
+                     sum(saves[i][1] for i in mine))
+        rerun[at] = _rerun_peak(program, fused, mine, saves, kept, r)
         seen: set[str] = set()
         for i in mine:  # each recomputed save is freed at its first saver's backward
             new = (saves[i][0] & kept) - seen
@@ -254,8 +267,37 @@ def _saves_of(program: Program) -> _Saves:
     for i, (names, _) in saves.items():
         for n in names:
             first_saver[n] = min(first_saver.get(n, i), i)
-    return _Saves(program, root, params, fused, saves, again, release, rebuilt, scratch_at,
+    return _Saves(program, root, params, fused, saves, again, rerun, release, rebuilt, scratch_at,
                   first_saver, overwrite_plan.overwritable(program, fused))
+
+
+def _rerun_peak(program: Program, fused: dict, mine: list[int], saves: dict,
+                kept: set[str], r) -> int:
+    """A recompute range's second run, in backward before its own backward: the peak of the
+    saves it makes again (`kept`, as they are made), the values it makes that are still to
+    be read (its outputs until the run ends: the runtime returns them) and each step's
+    temporaries (a collective's too)."""
+    val, steps = program.value, program.steps
+    stop = mine[-1] + 1
+    last = {r(a): i for i in mine for a in _reads(program, fused, i)}
+    later = {r(a) for i in saves if i >= stop for a in _reads(program, fused, i)}
+    later |= {r(o.value) for o in program.outputs}
+    held = peak = 0
+    alive: dict[str, int] = {}
+    for i in mine:
+        out = r(steps[i].out)
+        if out == steps[i].out and val(out).is_float and out not in kept:
+            alive[out] = val(out).nbytes
+        elif out in kept and out not in alive:
+            held += val(out).nbytes
+            alive[out] = 0
+        held += saves[i][1]
+        peak = max(peak, held + sum(alive.values()) + _scratch(program, fused, i))
+        for a in _reads(program, fused, i):
+            a = r(a)
+            if last.get(a) == i and a not in later and a not in kept:
+                alive.pop(a, None)
+    return peak
 
 
 def phase_figures(program: Program) -> Phases:
@@ -266,6 +308,16 @@ def phase_figures(program: Program) -> Phases:
     b, w, kept = _split_peaks(sv)
     return Phases(saved, max(0, _forward_peak(sv) - saved), max(0, _backward_peak(sv) - saved),
                   max(0, b - saved), max(0, w - saved - kept), kept)
+
+
+def _scratch(program: Program, fused: dict, i: int) -> int:
+    """Step i's forward temporaries: a kernel's (an einsum's scaled copy), a collective's
+    (collective_scratch.py)."""
+    step = program.steps[i]
+    if isinstance(step, Redistribute):
+        return collective_scratch(step, program)[0]
+    return record_of(step.kind).scratch(step, program) \
+        if isinstance(step, Compute) and i not in fused else 0
 
 
 def _forward_peak(sv: _Saves) -> int:
@@ -290,10 +342,7 @@ def _forward_peak(sv: _Saves) -> int:
             alive.add(out)
             live += val(out).nbytes
         held += extra
-        step = program.steps[i]
-        scratch = record_of(step.kind).scratch(step, program) \
-            if isinstance(step, Compute) and i not in sv.fused else 0
-        peak = max(peak, held + live + scratch)
+        peak = max(peak, held + live + _scratch(program, sv.fused, i))
         for a in sv.reads(i):
             a = r(a)
             if a in alive and last_use.get(a) == i and a not in keep:
@@ -304,39 +353,54 @@ def _forward_peak(sv: _Saves) -> int:
 
 def _backward_peak(sv: _Saves) -> int:
     """A whole backward: what is still saved + gradients in flight (+ a parameter's,
-    briefly)."""
+    briefly). Gradients are counted by storage: an add's backward hands its output's
+    gradient to its same-sized args as one tensor (`grad_passes`), as does an allreduce's
+    (identity backward)."""
     val, r = sv.program.value, sv.r
     held = sv.total
-    grads = sv.loss_grads()
+    grads = {k: (k, b) for k, b in sv.loss_grads().items()}  # value -> (storage, bytes)
     makes = sv.makes()
     peak = 0
     for i in reversed(list(sv.saves)):
         names, extra = sv.saves[i]
-        if i in sv.again:
+        if i in sv.again:  # the range runs again, then its saves are held
+            peak = max(peak, held + _in_flight(grads) + sv.rerun[i])
             held += sv.again[i][1]
         held += sv.rebuilt.get(i, 0)
-        peak = max(peak, held + sum(grads.values()) + sv.scratch_at.get(i, 0))
+        peak = max(peak, held + _in_flight(grads) + sv.scratch_at.get(i, 0))
         pgrad = 0
         step = sv.program.steps[i]
         rec = record_of(step.kind) if isinstance(step, Compute) and i not in sv.fused else None
         # a gradient written over its saved arg (cross_entropy's logits) takes no new bytes
         into = r(step.args[0]) if rec is not None and rec.grad_in_place and \
             step.args[0] in sv.overwritable else None
+        passes = rec.grad_passes if rec is not None else \
+            getattr(step, "kind", None) is RedistributeKind.ALLREDUCE
+        passed = grads.get(r(step.out)) if passes else None
         for a in sv.reads(i):
             if a in sv.params:
                 pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
             elif val(a).is_float and r(a) not in grads:
-                grads[r(a)] = 0 if r(a) == into else val(a).nbytes
-        work = rec.backward_scratch(step, sv.program) if rec is not None else 0
-        peak = max(peak, held + sum(grads.values()) + pgrad + work)
+                if passed is not None and val(a).nbytes == passed[1]:
+                    grads[r(a)] = passed
+                else:
+                    grads[r(a)] = (r(a), 0 if r(a) == into else val(a).nbytes)
+        work = rec.backward_scratch(step, sv.program) if rec is not None else \
+            collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else 0
+        peak = max(peak, held + _in_flight(grads) + pgrad + work)
         held -= sum(val(n).nbytes for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient
-            grads[into] = val(into).nbytes
+            grads[into] = (into, val(into).nbytes)
         held -= sv.release.get(i, 0)
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
     return peak
+
+
+def _in_flight(grads: dict[str, tuple[str, int]]) -> int:
+    """The bytes of the gradients' storages, each once."""
+    return sum(dict(grads.values()).values())
 
 
 def _split_peaks(sv: _Saves) -> tuple[int, int, int]:

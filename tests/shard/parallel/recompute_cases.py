@@ -109,7 +109,8 @@ def case_a_bias_free_residual_is_kept_as_sequence_shards():
     """llama.par (no biases) under sequence parallel and `recompute layer` (tests/specs/
     sp_residual.par: each block keeps its input as sequence shards) reproduces the
     single-rank record, and a bf16 step's tensors alive (bench/bench_memory.py) are explain's
-    within 15%, as under `recompute layer` at one rank (test_recompute.py)."""
+    within 6%: its peak is backward's second run of the last block, at the mlp's
+    reduce_scatter along seq, whose chunk-major copy explain counts (collective_scratch.py)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from bench_memory import measure as memory
@@ -119,4 +120,4 @@ def case_a_bias_free_residual_is_kept_as_sequence_shards():
     assert_matches_golden(spec, "sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
     dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
     row = memory(spec, dims, "sp2_rc", W, "bf16")
-    assert abs(row["live_error"]) < 0.15, row
+    assert abs(row["live_error"]) < 0.06, row

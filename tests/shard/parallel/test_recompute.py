@@ -97,6 +97,46 @@ def test_a_bias_free_block_keeps_its_input_split_by_the_sequence():
         assert more[K.ALLGATHER] == (2 if layout == "sp2_rc" else 0), more
 
 
+def test_a_collectives_temporaries_and_the_second_run_by_hand():
+    """llama.par under sp2_rc, bf16, s b h = 16 8 32 (2sbh = 8 KiB), t = 2. The runtime's
+    reduce_scatter along seq (not the leading dim: batch is before it) copies its whole
+    input chunk-major first; its backward's allgather receives into an [n, *shard] buffer
+    before concatenating: 2sbh each way; so does a norm's allgather (backward: reduce_scatter
+    of its partial gradient). Token ids gather flat, no gradient: 0. With batch 1 the chunks
+    are already contiguous: no temporary (collective_scratch.py).
+
+    `recompute layer`'s second run starts at the block's last step that keeps a tensor (the
+    mlp's down projection: the add and the reduce_scatter after it keep none), so the mlp's
+    gradient 2sbh and the residual's 2sbh/t are in flight; the run's peak is at the mlp's
+    reduce_scatter, above the block's saves: the partial 2sbh, its copy 2sbh, the shard
+    2sbh/t (batch 1: no copy)."""
+    from pathlib import Path
+
+    from soapstone.shard.plan.analysis import activations
+    from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
+    from soapstone.shard.plan.analysis.precision import program_as_run
+    from soapstone.shard.plan.layout import RedistributeKind as K
+    from soapstone.shard.plan.program import Redistribute
+
+    model = Path("examples/llama.par").read_text().split("parallel single")[0]
+    layouts = Path("tests/specs/sp_residual.par").read_text().split(".par\"\n")[1]
+    s, h, t = 16, 32, 2
+    for b in (8, 1):
+        spec = dsl.load(model + layouts, dims={"batch": b})
+        p = program_as_run(lower_graph(spec.model("llama"), spec.parallel("sp2_rc")).program,
+                           "bf16")
+        full = 2 * s * b * h if b > 1 else 0
+        for step in p.steps:
+            if isinstance(step, Redistribute):
+                want = (0, 0) if not p.value(step.src).is_float else {
+                    K.REDUCE_SCATTER: (full, full), K.ALLGATHER: (full, full)}[step.kind]
+                assert collective_scratch(step, p) == want, (step.out, b)
+        sv = activations._saves_of(p)
+        at = max(sv.again)
+        assert p.steps[at].out == "layer.1.mlp0", p.steps[at]
+        assert sv.rerun[at] - sv.again[at][1] == 2 * s * b * h + full + 2 * s * b * h // t
+
+
 def test_explain_peak_matches_a_measured_step(tmp_path):
     """bench/bench_memory.py's measured peak (resident memory over one step) is within 15% of
     explain's activations + working set, with recompute and without; recompute lowers it."""

@@ -183,15 +183,15 @@ def test_split_backward_working_sets_by_hand():
     beside the kept L1 and logits 48, 208 above the saved. W runs the three linears' weight
     halves beside saved + kept (320): at L1's, its weight gradient 512 (the head's 128 came
     with x1 still saved: 320 + 128; then x1 goes, 288 + 512 = 800), 480 above both. A whole
-    backward's peak is the same 800 at L1 (saved 160 left + gradients x, L1, g 128 + 512),
-    592 above the saved: the figure B and W were both charged before.
+    backward's peak is at L1: saved 160 left + gradients 96 (the add hands x1's gradient to
+    x and L1 as one tensor, 32, + g 64) + 512 = 768, 560 above the saved.
 
     Forward's working set, 24, is the loss's: one chunk of log-probabilities 16 and a float
     per token 4 (cross_entropy_scratch) beside the loss 4.
 
     zb1p, pipe 2, m 2, rank 1 runs F0 B0 F1 B1 W0 W1: F0 208 + forward's 24; B0 208 + 208;
     F1 320 (microbatch 0: saved + kept) + 208 + 24; B1 528 + 208 = 736; W0 2 x 320 + 480 =
-    1120, the peak (whole-backward working sets: 640 + 592 = 1232)."""
+    1120, the peak (whole-backward working sets: 640 + 560 = 1200)."""
     from soapstone import dsl
     from soapstone.dsl.compile.stages import lower_pipeline
     from soapstone.shard.plan.analysis.activations import Phases, phase_figures
@@ -201,7 +201,7 @@ def test_split_backward_working_sets_by_hand():
     spec = dsl.load(SPLIT_TINY)
     graph = lower_pipeline(spec.model(), spec.parallel("pp2"))
     ph = phase_figures(graph.stages[1].program)
-    assert ph == Phases(saved=208, forward=24, backward=592, input_grad=208, weight_grad=480,
+    assert ph == Phases(saved=208, forward=24, backward=560, input_grad=208, weight_grad=480,
                         kept=112), ph
     sched = build("zb1p", 2, 2)
     assert [str(a) for a in sched.ranks[1]] == ["F0@1", "B0@1", "F1@1", "B1@1", "W0@1",
@@ -290,8 +290,36 @@ def test_zero3_working_set_counts_the_buckets_in_flight_by_hand():
     layer = sum(4 * math.prod(p.local_shape) for p in program.params if p.block == "layer.0")
     f = -(-layer // 8) * 8  # padded to an even element count
     o = f // 2
-    saved, fwd, bwd = phase_figures(program)
+    ph = phase_figures(program)
+    saved, fwd, bwd = ph.saved, ph.forward, ph.backward
     est = estimate(program, 3)
     assert est.activation_bytes == saved
     assert est.transient_bytes == max(bwd + max(2 * f + (f + o + f), f + 2 * (f + o)),
                                       fwd + 2 * f)
+
+
+def test_an_alltoalls_and_a_slices_copies_by_hand():
+    """collective_scratch.py against the runtime's code paths, by hand (fp32). head_dim
+    cp2: attention's probs [batch 4, heads 4, seq 16/2, seq_k 16] go from seq shards to
+    seq_k shards by an alltoall; neither dim leads, so it copies the input chunk-major
+    (8 KiB) and receives into a buffer it then concatenates (8 KiB): 16 KiB, and the same
+    for the inverse alltoall in backward. mlp rowfirst: x [8, 32] sliced along features is
+    free forward; backward gathers its gradient along features (batch before it) through
+    an [n, *shard] buffer, 8 x 32 x 4 = 1 KiB."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
+    from soapstone.shard.plan.layout import RedistributeKind as K
+    from soapstone.shard.plan.program import Redistribute
+
+    def first(spec: str, layout: str, kind: K):
+        loaded = dsl.load(spec)
+        p = lower_graph(loaded.model(), loaded.parallel(layout)).program
+        return next(s for s in p.steps if isinstance(s, Redistribute) and s.kind is kind and
+                    p.value(s.src).is_float), p
+
+    step, p = first("tests/specs/head_dim_layouts.par", "cp2", K.ALLTOALL)
+    assert p.value(step.src).local_shape == (4, 4, 8, 16)
+    assert collective_scratch(step, p) == (2 * 4 * 4 * 8 * 16 * 4,) * 2
+    step, p = first("tests/specs/mlp_layouts.par", "rowfirst", K.SLICE)
+    assert collective_scratch(step, p) == (0, 8 * 32 * 4)
