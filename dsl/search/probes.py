@@ -314,8 +314,8 @@ class Probes:
         as `working_set`'s peak is."""
         key = ("phases", kind, n, b)
         if key not in self.peaks:
-            self.peaks[key] = tuple(phase_figures(_with_batch(self.program(kind, n, 1),
-                                                              self.batch, b))[1:])
+            ph = phase_figures(_with_batch(self.program(kind, n, 1), self.batch, b))
+            self.peaks[key] = (ph.forward, ph.backward)
         return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:
