@@ -317,7 +317,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
-                    transient_bytes=max(work or (transient + beside.backward, end)),
+                    transient_bytes=max(work[:2] if work else (transient + beside.backward, end)),
                     phase_transients=work or None,
                     without_recompute=(plain or activation_figures(
                         without_recompute(program, selective=True)))
