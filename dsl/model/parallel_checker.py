@@ -341,7 +341,7 @@ def _recompute(ctx: Ctx, facts: Facts, s: ast.Recompute) -> Diags:
         hint = did_you_mean(s.repeat, [*repeats, SELECTIVE, OPS]) or (
             f"repeats: {', '.join(repeats)}; or `recompute {SELECTIVE}` or `recompute {OPS}`"
             if repeats else "wrap the layers to recompute in `repeat N as NAME { ... }`, or "
-            f"write `recompute {SELECTIVE}`")
+            f"write `recompute {SELECTIVE}` or `recompute {OPS}`")
         return [ctx.diag(s.loc, f"recompute {s.repeat}: model {ctx.model.name} has no repeat "
                          f"'{s.repeat}'", hint)]
     facts.recompute = s.repeat

@@ -94,7 +94,8 @@ class SplitLoss(torch.autograd.Function):
         inside = (t >= lo) & (t < lo + n)
         local = torch.where(inside, t - lo, torch.zeros_like(t))
         at = torch.arange(x.shape[0], device=x.device)
-        picked = stats.reduce((_masked(x, pad, at, local) * inside.to(x.dtype)).view(lead),
+        # where, not a product: a rank holding only padded classes picks -inf, and -inf x 0 is nan
+        picked = stats.reduce(torch.where(inside, _masked(x, pad, at, local), 0.0).view(lead),
                               Reduce.SUM).reshape(tokens)
         ctx.save_for_backward(x, m, se, local, inside)
         ctx.pad, ctx.rows, ctx.in_place = pad, rows, in_place

@@ -43,7 +43,6 @@ from soapstone.shard.ops.einsum import (
 E4M3 = torch.float8_e4m3fn  # forward operands: x and w
 E5M2 = torch.float8_e5m2  # gradients
 EPS = 1e-12  # amax floor: an all-zero tensor casts to zeros at a finite scale (torchao's)
-MULTIPLE = FLOAT8_MULTIPLE  # _scaled_mm's width rule on CUDA
 
 
 class Float8Shape(UserError, ValueError):
@@ -111,8 +110,9 @@ class LastCast:
         self.source = self.cast = None
 
     def of(self, source: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x's e4m3 cast (x: `source` as [M, K]), made once while `source` is the input."""
-        if self.source is not source or self.cast is None:
+        """x's e4m3 cast (x: `source` as [M, K]), made once while `source` is the input
+        (and x's shape the same: matmuls contracting other dims cast afresh)."""
+        if self.source is not source or self.cast is None or self.cast[0].shape != x.shape:
             self.source, self.cast = source, to_float8(x.detach(), E4M3)
         return self.cast
 
@@ -133,7 +133,7 @@ def check_widths(m: int, k: int, n: int, where: str) -> None:
     bad = float8_misfit((m, k, n))
     if bad:
         raise Float8Shape(f"{where}: torch._scaled_mm needs widths that are multiples of "
-                          f"{MULTIPLE}; it has {bad} on this rank")
+                          f"{FLOAT8_MULTIPLE}; it has {bad} on this rank")
 
 
 def check_shapes(program) -> None:

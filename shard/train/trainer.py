@@ -133,7 +133,7 @@ class Trainer:
             graph, mesh, seed=seed, custom=custom,
             dtype=want if base == "fp64" else None,
             compute_dtype=want if base == "bf16" else None, trace=trace,
-            device=device, draw=draw, float8=precision in MIXED_PRECISIONS)
+            device=device, draw=draw, float8=precision == "float8")
         self.executor.use_optimizer(name=optimizer, lr=lr, weight_decay=weight_decay,
                                     grad_clip=grad_clip)
         if accumulate < 1:

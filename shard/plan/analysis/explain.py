@@ -6,7 +6,7 @@ figures are every rank's.
 Memory (bytes per rank):
 - params: the local shards in the dtype the model computes in (the spec's, or --precision's:
   precision.py), plus the fp32 masters kept apart from a narrower copy (ZeRO >= 1: 1/D of them);
-  ZeRO-3: only the master shard, 1/D (D the data-parallel size).
+  ZeRO-3: only the master shard, 1/D (D the ranks ZeRO shards over: data x context).
 - grads: the optimizer's fp32 gradient buffers, one element per local parameter element
   (ZeRO-2/3: 1/D).
 - optimizer: fp32 state per local parameter element: AdamW 2 x 4 bytes (exp_avg, exp_avg_sq),
