@@ -336,7 +336,10 @@ class GradReducer:
             return  # reduce the accumulated sum later
         if b.dirty:
             b.launch()
-            if b.sharded and not b.keeps_full_grad and self.reductions_in_flight is not None:
+            # a bucket that also allreduces over other axes (sequence-parallel norm weights,
+            # experts' replicas) is waited at the step, where the call plan puts that allreduce
+            if b.sharded and not b.keeps_full_grad and b.comm_rest is None and \
+                    self.reductions_in_flight is not None:
                 self.in_flight.append(b)
                 while len(self.in_flight) > self.reductions_in_flight:
                     self.in_flight.popleft().complete()  # frees its full buffer

@@ -36,7 +36,11 @@ def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) 
     floats = [p for p in program.params if DTYPES[p.dtype].is_float]
     master = max(4, DTYPES[floats[0].dtype].nbytes) if floats else 4  # fp64 models: 8
     dtype = {p.name: p.dtype for p in floats}
-    plans = plan_buckets(program, z, program.zero_axes, deferred)
+    # a bucket that also allreduces over other axes is waited at the step (data_parallel.py):
+    # its full buffer lives from its first gradient to the step, as a deferred bucket's
+    plans = [attrs.evolve(p, deferred=True) if set(p.sync) - set(p.dp) and
+             z.on(math.prod(mesh[a] for a in p.dp)).shards_grads else p
+             for p in plan_buckets(program, z, program.zero_axes, deferred)]
     full, out, transient, gathers = [], [], [], []
     cached = 0
     for plan in plans:
