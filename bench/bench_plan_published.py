@@ -184,11 +184,6 @@ def titan_precision(row: dict) -> str:
     return "float8" if "float8" in row["techniques"] else "bf16"
 
 
-def titan_scored(row: dict) -> str:
-    """'' where the cost model can score the row, else why not (every row now)."""
-    return ""
-
-
 def titan_candidate(row: dict):
     """The row's layout as a plan Candidate: FSDP as ZeRO-3 over data x cp (torchtitan
     reshards after forward), TP with sequence parallelism (torchtitan's TP plan shards the
@@ -217,12 +212,9 @@ class TitanRows(Rows):
 
         self.table = table
         self.profile = profile or load_profile(TITAN_PROFILE)
-        self.items, self.skipped = [], []
+        self.items = []
         geom = table["geometry"]
-        for n, row in enumerate(table["rows"], 1):
-            if titan_scored(row):
-                self.skipped.append((n, row))
-                continue
+        for row in table["rows"]:
             dp = row["fsdp"]
             text = llama_text(geom[row["model"]], row["local_batch"] * dp, row["seq"],
                               geom["vocab"], geom["rope"])
@@ -230,7 +222,7 @@ class TitanRows(Rows):
             planner = Planner(load(text).model(), self.profile, precision=titan_precision(row),
                               recompute=(c.recompute,), always_recompute=True)
             self.items.append((row, planner, c))
-        self.numbers = [n for n, r in enumerate(table["rows"], 1) if not titan_scored(r)]
+        self.numbers = list(range(1, len(table["rows"]) + 1))  # every row is scored
         # the calibration rows' places among the scored ones
         self.calibration = tuple(self.numbers.index(n) for n in TITAN_CALIBRATION_ROWS)
 
@@ -261,8 +253,8 @@ def titan_rows_scored(rows: TitanRows) -> list[dict]:
     return out
 
 
-def titan_text(scored: list[dict], skipped: list) -> str:
-    """The torchtitan rows as a markdown table, and the rows not scored."""
+def titan_text(scored: list[dict]) -> str:
+    """The torchtitan rows as a markdown table."""
     out = ["| row | model | techniques | layout | GPUs | published TPS/GPU | predicted | "
            "pred / pub | step s pub / pred | MFU | memory GiB pub / pred |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -275,8 +267,6 @@ def titan_text(scored: list[dict], skipped: list) -> str:
                    f"{r['published_memory_gib']} / {r['memory_gib']:.1f}"
                    f"{'' if r['fits'] else ' (no fit)'} |")
     out.append("")
-    out += [f"not scored: row {n} ({row['model']}, {row['techniques']}, {row['gpus']} GPUs): "
-            f"{titan_scored(row)}" for n, row in skipped]
     return "\n".join(out) + "\n"
 
 
@@ -407,12 +397,10 @@ def titan_report(fit_again: bool) -> tuple[str, dict]:
     text = (f"{table['source']}; {prof.name} (matmul_efficiency {prof.matmul_efficiency}, "
             f"op_overhead_us {prof.op_overhead_s * 1e6:g}), bf16 or float8 as the row ran "
             f"(float8's MFU over the bf16 peak), seq and layouts as the data file states\n\n" +
-            titan_text(scored, rows.skipped) +
+            titan_text(scored) +
             f"\npredicted / published TPS per GPU: calibration rows {min(cal):.3f}.."
             f"{max(cal):.3f}, held-out rows {min(held):.3f}..{max(held):.3f}\n")
-    data: dict = {"rows": scored, "not_scored": [
-        {"row": n, "techniques": r["techniques"], "why": titan_scored(r)}
-        for n, r in rows.skipped]}
+    data: dict = {"rows": scored}
     if fit_again:
         got = fit(rows, rows.calibration, TITAN_EFFICIENCY, TITAN_OVERHEAD_US)
         text += (f"\nfit on rows {', '.join(str(rows.numbers[i]) for i in rows.calibration)}"
