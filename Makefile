@@ -74,16 +74,20 @@ gpu-wheels:
 	$(GPU_BUILD) -m pip wheel --no-deps -w $(WHEELS) .
 	$(GPU_BUILD) -m pip download -d $(WHEELS) --only-binary=:all: $(GPU_PLATFORMS) \
 		--python-version $(GPU_PYVER) --implementation cp "numpy" "mpi4py>=4" attrs lark tqdm \
-		safetensors mpich pytest hypothesis "setuptools>=69" wheel \
+		safetensors isal mpich pytest hypothesis "setuptools>=69" wheel \
 		cupy-cuda$(GPU_CUDA)x nvidia-nccl-cu$(GPU_CUDA)
 
 gpu-check:
 	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || \
 		{ echo "make gpu-check: no CUDA GPU here (torch in $(GPU_PY) sees none); run it on a GPU machine" >&2; exit 2; }
 	@test -d $(WHEELS) || { echo "make gpu-check: no $(WHEELS)/ here; run \`make gpu-wheels\` where the package registries are and copy the folder beside this Makefile" >&2; exit 2; }
-	test -x $(GPU_VENV)/bin/python || $(GPU_PY) -m venv --system-site-packages $(GPU_VENV)
+	# the image's Python is itself a venv (/opt/torch/.venv), whose packages a venv made from it
+	# does not inherit: a .pth names them, after the new venv's own
+	test -x $(GPU_VENV)/bin/python || { $(GPU_PY) -m venv --system-site-packages $(GPU_VENV) && \
+		$(GPU_PY) -c "import site; print('\\n'.join(site.getsitepackages()))" > \
+			"$$($(GPU_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu_image.pth"; }
 	extra=$$($(GPU_PY) -c "import torch; print('gpu13' if (torch.version.cuda or '').startswith('13') else 'gpu')"); \
-	$(GPU_VENV)/bin/pip install --no-index --find-links $(WHEELS) --force-reinstall --no-deps soapstone && \
+	$(GPU_VENV)/bin/pip install --no-index --find-links $(WHEELS) --force-reinstall --no-deps soapstone mpi4py mpich && \
 	$(GPU_VENV)/bin/pip install --no-index --find-links $(WHEELS) "soapstone[mpi,$$extra]" pytest hypothesis
 	$(GPU_VENV)/bin/soapstone gpu-check --report $(GPU_REPORT)
 

@@ -4,7 +4,8 @@ eight minutes, written to a JSON report (README, "On a GPU: make gpu-check").
 In order, each a check of the report (name, ok, detail, seconds):
 1. the CUDA tests of the suite, which skip on a machine without CUDA: tests/comm/test_gpu.py,
    tests/comm/test_comm_nccl.py, tests/comm/test_device.py (pytest, in a child process);
-2. `golden check` of every example with a record in tests/golden/runs, on cuda, one rank;
+2. `golden check` of every example with a record in tests/golden/runs, on cuda, one rank; then
+   of tp2, pp2, dp2 ZeRO-3 and a MoE layout with two ranks sharing the GPU (`--comm mpi`);
 3. bf16 training: `run examples/gpt.par --precision bf16 --device cuda`, the loss falls, and
    the progress figures (tokens/s, TFLOP/s, MFU) come out;
 4. the NCCL communicator over cupy at one rank (dsl/app/gpu_probe.py): every collective,
@@ -34,6 +35,8 @@ from soapstone.dsl.lang.errors import BadInput
 
 CUDA_TESTS = ("tests/comm/test_gpu.py", "tests/comm/test_comm_nccl.py", "tests/comm/test_device.py")
 PLUGINS = {"swiglu": ("--plugin", "examples/custom_layer.py")}  # examples that need one
+# two ranks on the one GPU (`--comm mpi`): tensor parallel, pipeline's grouped p2p, ZeRO-3, experts
+SHARED_LAYOUTS = (("gpt2", "tp2"), ("gpt2", "pp2"), ("gpt2", "dp2"), ("moe", "ep2"))
 
 
 def cuda_missing() -> str | None:
@@ -127,6 +130,18 @@ def golden_checks(root: Path, timeout: float) -> list[Outcome]:
     return out
 
 
+def shared_gpu_checks(root: Path, timeout: float) -> list[Outcome]:
+    """`golden check` of SHARED_LAYOUTS, two ranks sharing this GPU over MPI through host memory."""
+    out = []
+    for example, layout in SHARED_LAYOUTS:
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "soapstone.dsl.cli", "golden", "check",
+               f"examples/{example}.par", f"tests/golden/runs/{example}.npz", "--parallel",
+               layout, "--device", "cuda", "--comm", "mpi", "--quiet"]
+        name = f"golden check {example}.par --parallel {layout} --device cuda --comm mpi (2 ranks)"
+        out.append(_child(name, cmd, root, timeout)[0])
+    return out
+
+
 def bf16_training(root: Path, tmp: Path, timeout: float) -> Outcome:
     """40 bf16 steps of examples/gpt.par on cuda: the loss falls and the figures come out."""
     metrics = tmp / "bf16.jsonl"
@@ -200,6 +215,7 @@ def gpu_check(root: Path, report: Path, steps: int, skip_tests: bool = False,
         if not skip_tests:
             add([cuda_tests(root, timeout=300)])
         add(golden_checks(root, timeout=120))
+        add(shared_gpu_checks(root, timeout=120))
         add([bf16_training(root, Path(tmp), timeout=180)])
         outcomes, figures = in_process(root, Path(tmp), steps)
         add(outcomes)

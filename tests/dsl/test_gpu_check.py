@@ -69,3 +69,16 @@ def test_step_time_comparison_runs_on_the_cpu_at_small_dims(tmp_path):
         assert r["steps"] == 30 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
     assert fig["ratio"]["verdict"] in ("faster", "slower", "tie")
     assert "examples/gpt.par x6 blocks" in fig["model"], fig["model"]
+
+
+def test_the_shared_gpu_layouts_name_real_layouts_and_records():
+    """gpu-check's two-ranks-on-one-GPU layouts exist in their examples, with a golden record."""
+    from soapstone.dsl.app.gpu_check import SHARED_LAYOUTS
+
+    kinds = set()
+    for example, layout in SHARED_LAYOUTS:
+        spec = (ROOT / f"examples/{example}.par").read_text()
+        assert f"parallel {layout} for " in spec
+        assert (ROOT / f"tests/golden/runs/{example}.npz").exists()
+        kinds.add(layout[:2])
+    assert kinds == {"tp", "pp", "dp", "ep"}
