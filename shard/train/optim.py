@@ -44,7 +44,7 @@ class FlatAdamW:
     def init_state(self, p: torch.Tensor) -> dict:
         """Zeroed moments and a step counter for master slice `p`."""
         return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                "step": torch.zeros((), dtype=torch.float32)}
+                "step": torch.zeros((), dtype=torch.float32, device=p.device)}
 
     def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, step: int) -> None:
         """One step on master slice `p` (fp32/fp64, always: the fused kernel's dtypes) with
