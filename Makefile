@@ -59,7 +59,7 @@ lint: $(STAMP)
 # x86_64, CPython $(GPU_PYVER), CUDA $(GPU_CUDA) (cupy-cuda13x or -cuda12x, and NCCL), torch left
 # out: the GPU image has its own. Copy the checkout with $(WHEELS)/ to the GPU machine and run
 # `make gpu-check` there, offline: a venv over the image's Python and torch, soapstone from the
-# wheels, then `soapstone gpu-check` (about 8 minutes; the report in $(GPU_REPORT)).
+# wheels, then `soapstone gpu-check` (about 4 minutes on an H100; the report in $(GPU_REPORT)).
 WHEELS     ?= gpu-wheels
 GPU_PYVER  ?= 3.12
 GPU_CUDA   ?= 13

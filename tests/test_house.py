@@ -1,6 +1,6 @@
 """House rules that the source itself can be checked for, read statically (ast, no imports):
 no import circles between soapstone's modules, no private name used outside its own file, no
-module over 600 lines."""
+module over 600 lines, every package in the wheel."""
 
 from __future__ import annotations
 
@@ -152,3 +152,15 @@ def test_no_module_over_600_lines():
     long = {str(f.relative_to(ROOT)): n for f, _ in MODULES.values()
             if (n := len(f.read_text().splitlines())) > MAX_LINES}
     assert set(long) <= TOO_LONG_FOR_NOW, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject's package list is every folder of a room that holds an __init__.py: a package
+    left out is missing from the wheel (the H100's gpu-check found shard.plan.schedules so)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    packages = {name for name, (_, init) in MODULES.items() if init}
+    assert listed == packages, (f"missing from pyproject: {sorted(packages - listed)}; "
+                                f"listed but no package: {sorted(listed - packages)}")

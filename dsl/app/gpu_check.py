@@ -1,5 +1,5 @@
-"""`soapstone gpu-check`: what one GPU can prove about the CUDA path, in one command of about
-eight minutes, written to a JSON report (README, "On a GPU: make gpu-check").
+"""`soapstone gpu-check`: what one GPU can prove about the CUDA path, in one command (about
+four minutes on an H100), written to a JSON report (README, "On a GPU: make gpu-check").
 
 In order, each a check of the report (name, ok, detail, seconds):
 1. the CUDA tests of the suite, which skip on a machine without CUDA: tests/comm/test_gpu.py,

@@ -13,9 +13,11 @@ def cross_entropy_roles(op, arg_dim_lists) -> dict[str, Role]:
     return {d: (Role.STAT if d == over else Role.SUM) for d in arg_dim_lists[0]}
 
 
-#: tokens x classes of one chunk (elements): 16 Mi, a 128K vocab's 130 tokens, so a chunk's
-#: fp32 temporaries are 64 MiB each whatever the batch. `cross_entropy(..., chunk = N)` sets it.
-CHUNK_ELEMENTS = 1 << 24
+#: tokens x classes of one chunk (elements): 64 Mi, a 128K vocab's 523 tokens, so a chunk's
+#: fp32 temporaries are 256 MiB each whatever the batch. A quarter of that left an H100
+#: waiting on the CPU: 50 chunks at GPT-2's vocab and 16K tokens cost ~8 ms of kernel launches
+#: a step (BENCHMARKS.md, "On a GPU"). `cross_entropy(..., chunk = N)` sets it.
+CHUNK_ELEMENTS = 1 << 26
 
 
 def chunk_rows(step, program) -> int:
