@@ -419,9 +419,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         # gradients instead (split_backward.py: the roots off B's path)
         if not any(x.dst == e.src and x.float_tensors for x in edges):
             kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
-    # the planner's stages have one working set: a split B's ends with what it keeps
-    work = {i: e.phase_transients or (*(e.transient_bytes,) * 2, e.transient_bytes + kept[i],
-                                      e.transient_bytes) for i, e in per_stage.items()}
+    # each stage's working set per phase (explain's and the planner's probes' alike)
+    work = {i: e.phase_transients for i, e in per_stage.items()}
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
