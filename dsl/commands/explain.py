@@ -135,9 +135,7 @@ def predict(args, model, graph, est):
     prof = load_profile(args.profile)
     if args.devices_per_node is not None:
         prof = attrs.evolve(prof, devices_per_node=args.devices_per_node)
-    first = graph.stages[0].program
-    t = step_time(est, graph_work(graph), prof, args.precision, first.data_axes,
-                  tuple(a for a in first.zero_axes if a not in first.data_axes))
+    t = step_time(est, graph_work(graph), prof, args.precision)
     return score(t, lower(model, None), graph.world_size, prof, args.precision), t
 
 

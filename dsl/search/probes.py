@@ -59,7 +59,8 @@ def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
         for what, v in (("calls", t.calls), ("bytes", t.bytes)):
-            f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
+            key = (what, t.phase, t.kind, axis, t.prefetched)
+            f[key] = f.get(key, 0) + v
     return f
 
 
@@ -98,7 +99,7 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
     end = g[("beside_end",)] - g[("activation_bytes",)]
     work = (g[("working_fwd",)] + g[("beside_fwd",)],
             *(max(g[key] + g[("beside",)], end) for key in WORKING[1:]))
-    traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
+    traffic = [Traffic(*k[1:4], g[k], g[("bytes", *k[1:])], prefetched=k[4])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
     rc = ("again_matmul_flops",) in f
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,

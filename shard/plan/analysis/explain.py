@@ -121,6 +121,10 @@ class Traffic:
     axis: str  # mesh axis, or "a,b" for a communicator over several
     calls: int = 0
     bytes: int = 0
+    # ZeRO-3's parameter gathers, which the runtime prefetches (shard/parallel/zero.py): the
+    # cost model hides them behind compute, whatever axes they span (a row of its own, as
+    # context parallelism's gathers may share their phase, kind and axis)
+    prefetched: bool = False
 
 
 @attrs.define
@@ -201,15 +205,16 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     z = ZeroStage.of(zero)
     dp_axes = program.zero_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
-    rows: dict[tuple[str, str, str], Traffic] = {}
+    rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1):
+    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1,
+            prefetched: bool = False):
         axes = (axes,) if isinstance(axes, str) else tuple(a for a in mesh if a in axes)
         n = math.prod(mesh[a] for a in axes)
         if n <= 1:
             return
-        key = (phase, kind, ",".join(axes))
-        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes)))
+        key = (phase, kind, ",".join(axes), prefetched)
+        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes), prefetched=prefetched))
         row.calls += calls
         row.bytes += bus_bytes(kind, nbytes, n) * calls
 
@@ -280,8 +285,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         if z.publishes_params:  # the updated shards, gathered after the optimizer step
             add("grad sync", "allgather", plan.dp, padded * item)
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
-            add("forward", "allgather", plan.dp, padded * item)
-            add("backward", "allgather", plan.dp, padded * item)
+            add("forward", "allgather", plan.dp, padded * item, prefetched=True)
+            add("backward", "allgather", plan.dp, padded * item, prefetched=True)
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -316,7 +321,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                        *(max(w + beside.backward, end) for w in phases.working[1:]))
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
-                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
                     transient_bytes=max(work[:2] if work else (transient + beside.backward, end)),
                     phase_transients=work or None,
                     without_recompute=(plain or activation_figures(
@@ -425,10 +430,11 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     for r in range(pipe):
         mine = of_rank.get(r, [])
         peak = in_flight(sched, r, act, sent, kept, work)
-        rows: dict[tuple[str, str, str], Traffic] = {}
+        rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-        def add(phase, kind, ax, calls, nbytes, rows=rows):
-            row = rows.setdefault((phase, kind, ax), Traffic(phase, kind, ax))
+        def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
+            row = rows.setdefault((phase, kind, ax, prefetched),
+                                  Traffic(phase, kind, ax, prefetched=prefetched))
             row.calls += calls
             row.bytes += nbytes
 
@@ -436,7 +442,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             for t in per_stage[st.index].traffic:
                 times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
                     z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
-                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
+                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
+                    prefetched=t.prefetched)
         if pipe > 1:
             for e in sends.get(r, ()):
                 add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
@@ -461,7 +468,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                                 for st in mine},
             "microbatches_in_flight": {st.index: peak.live.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
-            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
         })
     for row in ranks:
         row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
@@ -521,7 +528,12 @@ def format_traffic(traffic: list[Traffic]) -> list[str]:
     a total per axis."""
     lines = [] if traffic else ["  none"]
     per_axis: dict[str, int] = {}
+    shown: dict[tuple[str, str, str], Traffic] = {}  # prefetched gathers beside the others
     for t in traffic:
+        row = shown.setdefault((t.phase, t.kind, t.axis), Traffic(t.phase, t.kind, t.axis))
+        row.calls += t.calls
+        row.bytes += t.bytes
+    for t in shown.values():
         lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
                      f"{format_bytes(t.bytes):>12}")
         per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
