@@ -41,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
-    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline
+    from soapstone.shard.plan.analysis.explain_text import format_estimate
     from soapstone.shard.plan.analysis.precision import graph_as_run
 
     try:
