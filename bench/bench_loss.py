@@ -40,6 +40,7 @@ def folded(rows: int):
     class Folded(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, t):
+            """The mean loss; x becomes its gradient for an incoming 1, chunk by chunk."""
             n = x.shape[0]
             picked = torch.empty(n, dtype=x.dtype)
             for a in range(0, n, rows):
@@ -55,6 +56,7 @@ def folded(rows: int):
 
         @staticmethod
         def backward(ctx, g):
+            """The gradient written in forward, rescaled by g unless g is 1."""
             (x,) = ctx.saved_tensors
             return (x if float(g) == 1.0 else x.mul_(g)), None
 
@@ -101,6 +103,7 @@ def peak_bytes(step) -> int:
 
 
 def main() -> int:
+    """The command line: each loss's (`steps`) peak and step time, printed as a table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32768)

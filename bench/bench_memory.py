@@ -21,6 +21,8 @@ is measured on every rank after a first step has allocated gradients and optimiz
   MPI's and Python's own allocations included, wherever malloc puts them; the same every run.
 
     .venv/bin/python bench/bench_memory.py [--json F] [--precision bf16 [--precision fp32]]
+    .venv/bin/python bench/bench_memory.py --spec examples/llama.par --precision float8 \\
+        --dim seq=128 --dim hidden=128 --dim ffn=512 --dim vocab=256
     mpiexec -n 2 .venv/bin/python bench/bench_memory.py --spec examples/gpt.par \\
         --parallel tp2 --dim seq=256 --dim hidden=256
 """
@@ -119,9 +121,11 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     pipe_rank = mesh.coord(graph.axis) if mesh and graph.axis else None
     est = estimate_pipeline(graph_as_run(graph, precision), par.zero if par else 0, "adamw",
                             rank=pipe_rank)
-    # bf16: bf16 compute over fp32 masters, as the Trainer builds it for run --precision bf16
+    # bf16: bf16 compute over fp32 masters, as the Trainer builds it for run --precision bf16;
+    # float8: bf16's, with the weight matmuls in float8
     ex = Executor(graph, mesh, seed=0,
-                  compute_dtype=torch.bfloat16 if precision == "bf16" else None)
+                  compute_dtype=torch.bfloat16 if precision != "fp32" else None,
+                  float8=precision == "float8")
     ex.use_optimizer(name="adamw", lr=1e-3, zero=par.zero if par else 0)
     task = make_task(lower_graph(model, None).program, 0)
     ex.train_step(task.batch(0), step=0)  # gradients and optimizer state now exist
@@ -151,8 +155,8 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
     ex.step()
     malloc = _malloc_peak(lambda: ex.forward_backward(task.batch(4), step=4))
     ex.step()
-    # the batch exists before the step; under bf16 its float inputs are cast to a new bf16
-    # copy inside the step, which explain counts as the input value: only the rest is old
+    # the batch exists before the step; under bf16 and float8 its float inputs are cast to a
+    # new bf16 copy inside the step, which explain counts as the input value: the rest is old
     inputs = sum(t.untyped_storage().nbytes() for t in batch.values()
                  if precision == "fp32" or not t.is_floating_point())
     est_peak = est.activation_bytes + est.transient_bytes - inputs
@@ -191,7 +195,7 @@ def main() -> int:
     ap.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--small", action="store_true", help="the quick cases (tests)")
     ap.add_argument("--json", metavar="F", help="also write the rows as JSON (rank 0)")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), action="append",
+    ap.add_argument("--precision", choices=("fp32", "bf16", "float8"), action="append",
                     help="the step's, as run's --precision (default fp32; repeat it for "
                          "each in turn)")
     args = ap.parse_args()

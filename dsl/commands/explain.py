@@ -41,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the estimate for the flags' layout."""
-    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline, format_estimate
+    from soapstone.shard.plan.analysis.explain import estimate, estimate_pipeline
+    from soapstone.shard.plan.analysis.explain_text import format_estimate
     from soapstone.shard.plan.analysis.precision import graph_as_run
 
     try:
@@ -135,9 +136,7 @@ def predict(args, model, graph, est):
     prof = load_profile(args.profile)
     if args.devices_per_node is not None:
         prof = attrs.evolve(prof, devices_per_node=args.devices_per_node)
-    first = graph.stages[0].program
-    t = step_time(est, graph_work(graph), prof, args.precision, first.data_axes,
-                  tuple(a for a in first.zero_axes if a not in first.data_axes))
+    t = step_time(est, graph_work(graph), prof, args.precision)
     return score(t, lower(model, None), graph.world_size, prof, args.precision), t
 
 

@@ -36,6 +36,7 @@ def _gelu(ctx, x, approximate):
 
 
 def gelu_attrs(approximate: str) -> dict | None:
+    """The gelu op record's attrs for `approximate` (none: no attrs, the exact erf form)."""
     return {"approximate": approximate} if approximate != "none" else None
 
 

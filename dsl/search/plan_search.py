@@ -152,8 +152,7 @@ class Planner:
         """The candidate's estimate, step time and fit."""
         exact = self.exact if exact is None else exact
         est, work = self._exact(c) if exact else self._probed(c)
-        t = step_time(est, work, self.profile, self.precision,
-                      ("data",) if c.data > 1 else (), ("cp",) if c.context > 1 else ())
+        t = step_time(est, work, self.profile, self.precision)
         devices = c.data * c.tensor * c.pipe * c.context
         scored = Score(t.total, self._flops, self._tokens, devices,
                        peak_of(self.profile, self.precision), self.profile.name, self.precision)

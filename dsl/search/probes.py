@@ -14,7 +14,7 @@ are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage d
 compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
 re-estimated on the candidate's (with a mixture's experts over the data axis the shards do
 depend on it: those probes are compiled on the candidate's data degree); recompute does, so
-the probes are per recompute form. tests/dsl/test_plan.py checks the extrapolation against a
+the probes are per recompute form. tests/dsl/test_plan_probes.py checks the extrapolation against a
 full compile. Other models (branching, several repeats, fewer than 6 blocks) compile each
 layout.
 """
@@ -41,17 +41,16 @@ PROBE_BLOCKS = 6  # a uniform model with at least this many blocks is probed, no
 Figs = dict[tuple, float]
 
 
-def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> Figs:
+def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
     """An estimate's additive figures as one flat dict (for extrapolation); a communicator's
     axes of size 1 are left out of its name (as a mesh without them would name it).
-    `working_set` (the activation walk's peak above the saved bytes) stands for the transient:
-    ZeRO's buffers beside it are no sum over blocks, so `figures` adds the stage's own
-    (zero_memory.py); under recompute, what the step would hold without it and the forward
-    work run again come too."""
+    The working sets are peaks, not sums: `figures` sets them (WORKING) and ZeRO's buffers
+    beside them (zero_memory.py); under recompute, what the step would hold without it and
+    the forward work run again come too."""
     f: Figs = {("param_bytes",): est.param_bytes, ("grad_bytes",): est.grad_bytes,
                ("optimizer_bytes",): est.optimizer_bytes,
                ("activation_bytes",): est.activation_bytes,
-               ("working_set",): working_set, ("weight_grad_bytes",): est.weight_grad_bytes,
+               ("weight_grad_bytes",): est.weight_grad_bytes,
                ("param_elements",): param_elements} | _work_figs(work, "")
     if est.without_recompute is not None:
         f |= {("plain_saved",): est.without_recompute[0],
@@ -60,7 +59,8 @@ def _figs(est: Estimate, work: Work, param_elements: int, working_set: int) -> F
     for t in est.traffic:
         axis = ",".join(a for a in t.axis.split(",") if est.mesh.get(a, 1) > 1)
         for what, v in (("calls", t.calls), ("bytes", t.bytes)):
-            f[(what, t.phase, t.kind, axis)] = f.get((what, t.phase, t.kind, axis), 0) + v
+            key = (what, t.phase, t.kind, axis, t.prefetched)
+            f[key] = f.get(key, 0) + v
     return f
 
 
@@ -77,8 +77,10 @@ def _work_of(f: Figs, prefix: str, again: Work | None = None) -> Work:
 
 
 # Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set
-# replaces their extrapolation
-PEAKS = (("working_set",), ("plain_working_set",))
+# and Probes.phases replace their extrapolation. WORKING: the working set of each phase,
+# in in_flight.py's order (activations.py's Phases.working)
+PLAIN_PEAK = ("plain_working_set",)
+WORKING = (("working_fwd",), ("working_bwd",), ("working_b",), ("working_w",))
 
 
 def _lin(*terms: tuple[float, Figs]) -> Figs:
@@ -92,17 +94,18 @@ def _lin(*terms: tuple[float, Figs]) -> Figs:
 def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
                optimizer: str) -> tuple[Estimate, Work, int]:
     g = {k: max(0, round(v)) for k, v in f.items()}
-    # each phase's working set and ZeRO's buffers beside it, as explain adds them
+    # each phase's working set (in_flight.py's order: forward, backward, a split one's B
+    # and W) and ZeRO's buffers beside it, as explain adds them
+    end = g[("beside_end",)] - g[("activation_bytes",)]
     work = (g[("working_fwd",)] + g[("beside_fwd",)],
-            max(g[("working_bwd",)] + g[("beside",)],
-                g[("beside_end",)] - g[("activation_bytes",)]))
-    traffic = [Traffic(k[1], k[2], k[3], g[k], g[("bytes", *k[1:])])
+            *(max(g[key] + g[("beside",)], end) for key in WORKING[1:]))
+    traffic = [Traffic(*k[1:4], g[k], g[("bytes", *k[1:])], prefetched=k[4])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
     rc = ("again_matmul_flops",) in f
     est = Estimate(model, None, math.prod(mesh.values()), mesh, zero, optimizer,
                    g[("param_bytes",)], g[("grad_bytes",)], g[("optimizer_bytes",)],
                    g[("activation_bytes",)], traffic,
-                   transient_bytes=max(work), phase_transients=work,
+                   transient_bytes=max(work[:2]), phase_transients=work,
                    without_recompute=(g[("plain_saved",)], g[("plain_working_set",)])
                    if rc else None, recompute_flops=f[("again_matmul_flops",)] if rc else 0.0,
                    weight_grad_bytes=g[("weight_grad_bytes",)])
@@ -202,7 +205,7 @@ class Probes:
         self.acts: dict[tuple[str, int, int], tuple] = {}
         self.cache: dict[tuple, object] = {}  # stage estimates; ("beside", ...) -> Beside
         self.batch = dims.batch
-        self.peaks: dict[tuple, tuple[int, ...]] = {}  # (kind, n, b) and ("phases", ...)
+        self.peaks: dict[tuple, object] = {}  # (kind, n, b) and ("phases", ...)
         self._model, self._dims = model, dims
         self._recompute = recompute
         self._compiled = {} if compiled is None else compiled
@@ -255,25 +258,28 @@ class Probes:
             acts, plain, work = self.acts[kind, n, b]
             est = estimate(_remesh(prog, data), zero, self.optimizer, activations=acts,
                            plain=plain)
-            self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params),
-                                    acts[1])
+            self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params))
         return self.stage[key]
 
     def figures(self, kind: str, n: int, b: int, data: int, zero: int) -> Figs:
         """A stage of `kind` (only | first | middle | last) with n blocks and b samples per
         microbatch per data rank, on `data` ranks under ZeRO `zero`: bilinear in (n, b); the
         b-slope (activations, tensor-parallel traffic, work) is the same for every data
-        degree and ZeRO stage, so it is read at the probes' data degree, ZeRO 0. The PEAKS are
-        not sums over blocks and not linear in b: they come from `working_set`."""
+        degree and ZeRO stage, so it is read at the probes' data degree, ZeRO 0. The working
+        sets are not sums over blocks and not linear in b: they come from `phases` (and,
+        under recompute, `working_set`)."""
         f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
         d = self.data
         s1 = _lin((1, self._at(kind, 1, 2, d, 0)), (-1, self._at(kind, 1, 1, d, 0)))
         s2 = _lin((1, self._at(kind, 2, 2, d, 0)), (-1, self._at(kind, 2, 1, d, 0)))
         out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
                    ((b - 1) * (1 - n), s1))
-        for key, v in zip(PEAKS, self.working_set(kind, min(n, 2), b), strict=False):
-            out[key] = v
-        out[("working_fwd",)], out[("working_bwd",)] = self.phases(kind, min(n, 2), b)
+        if self.program(kind, min(n, 2), 1).recompute:
+            out[PLAIN_PEAK] = self.working_set(kind, min(n, 2), b)
+        out |= dict(zip(WORKING, self.phases(kind, min(n, 2), b), strict=True))
+        # B's peak is where it has walked back to the stage's first block, holding the
+        # gradients it keeps for W of every block: those grow with the blocks
+        out[WORKING[2]] += out[("weight_grad_bytes",)]
         beside = self.beside(kind, n, data, zero)
         out[("beside_fwd",)], out[("beside",)] = beside.forward, beside.backward
         out[("beside_end",)] = beside.end
@@ -298,24 +304,25 @@ class Probes:
                                          self.optimizer)
         return self.cache[key]
 
-    def working_set(self, kind: str, n: int, b: int) -> tuple[int, ...]:
-        """The PEAKS of a stage of n <= 2 blocks and b samples: the walk of the b = 1 probe
-        with its batch dim scaled to b (a peak is a max over the step: not linear in b);
-        under recompute, without it too."""
+    def working_set(self, kind: str, n: int, b: int) -> int:
+        """The working set a recomputing stage of n <= 2 blocks and b samples would have
+        without its recompute: the walk of the b = 1 probe with its batch dim scaled to b (a
+        peak is a max over the step: not linear in b)."""
         key = (kind, n, b)
         if key not in self.peaks:
             prog = _with_batch(self.program(kind, n, 1), self.batch, b)
-            walks = (prog, _plain(prog)) if prog.recompute else (prog,)
-            self.peaks[key] = tuple(activation_figures(p)[1] for p in walks)
+            self.peaks[key] = activation_figures(_plain(prog))[1]
         return self.peaks[key]
 
-    def phases(self, kind: str, n: int, b: int) -> tuple[int, int]:
-        """(forward's, backward's) working sets of a stage of n <= 2 blocks and b samples, walked
-        as `working_set`'s peak is."""
+    def phases(self, kind: str, n: int, b: int) -> tuple[int, int, int, int]:
+        """The working sets of a stage of n <= 2 blocks and b samples per phase (forward, a
+        whole backward, a split one's B less the gradients it keeps for W, and W:
+        activations.py's Phases.working), walked as `working_set` is."""
         key = ("phases", kind, n, b)
         if key not in self.peaks:
             ph = phase_figures(_with_batch(self.program(kind, n, 1), self.batch, b))
-            self.peaks[key] = (ph.forward, ph.backward)
+            self.peaks[key] = (ph.forward, ph.backward, ph.input_grad - ph.kept,
+                               ph.weight_grad)
         return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:

@@ -46,13 +46,42 @@ def einsum_roles(op, arg_dim_lists) -> dict[str, Role]:
 def scaled_copy(step, program) -> int:
     """A scaled einsum multiplies a copy of its product (the kernel's `y * scale`); a float8
     one (float8 = true: what precision.program_as_run marks under --precision float8) holds
-    the float8 copies of x and w and w's column-major copy, one byte an element
-    (shard/runtime/float8.py), while it runs."""
+    its casts (`float8_scratch`)."""
     scaled = program.value(step.out).nbytes if step.attr("scale") is not None else 0
     if step.attr("float8") is not True:
         return scaled
+    return scaled + float8_scratch(step, program)[0]
+
+
+def float8_backward(step, program) -> int:
+    """A float8 einsum's backward casts (`float8_scratch`); none for any other einsum."""
+    return float8_scratch(step, program)[1] if step.attr("float8") is True else 0
+
+
+# a cast to float8 (shard/runtime/float8.py `to_float8`) holds two fp32 copies of its tensor at
+# once (the upcast and the scaled, then the scaled and the clamped): 8 bytes an element
+CAST_BYTES = 8
+
+
+def float8_scratch(step, program, biased: bool = False) -> tuple[int, int]:
+    """(forward, backward) bytes a float8 matmul y = x . w (shard/runtime/float8.py) holds
+    beside what the activation walk counts at its step (its output; in backward the output's
+    gradient and both operands' at once), at the worst moment of each, in elements X, W, Y
+    (float8 copies 1 byte each). Forward: casting x (8X), then w beside x's copy, then the
+    matmul with x's, w's and w's column-major copy; `biased` (a fused linear, whose bias add
+    follows): the product beside the sum and x's copy (kept for the next matmul: LastCast).
+    Backward: casting the gradient g (8Y, before either operand's gradient exists), then w
+    beside g's copy, then x beside both (x's gradient made), then the weight gradient's
+    matmul with g's and x's copies and each one's transposed copy."""
     x, w = (program.value(n) for n in step.args)
-    return scaled + math.prod(x.local_shape) + 2 * math.prod(w.local_shape)
+    y = program.value(step.out)
+    nx, nw, ny = (math.prod(v.local_shape) for v in (x, w, y))
+    gx, gw = x.nbytes, w.nbytes
+    fwd = max(CAST_BYTES * nx - y.nbytes, nx + CAST_BYTES * nw - y.nbytes, nx + 2 * nw,
+              nx + y.nbytes if biased else 0)
+    bwd = max(CAST_BYTES * ny - gx - gw, ny + CAST_BYTES * nw - gx - gw,
+              ny + nw + CAST_BYTES * nx - gw, 2 * ny + nw + 2 * nx)
+    return max(0, fwd), max(0, bwd)
 
 
 @functools.cache
@@ -148,6 +177,7 @@ RECORDS = (
         "keeps it in bf16)",
         kernel=einsum, roles=einsum_roles, partial_pass=Partial.ONE, bound=Bound.MATMUL,
         flops=einsum_flops, saves=saves_inputs, scratch=scaled_copy, keeps=keeps_args,
+        backward_scratch=float8_backward,
         # attention's scores carry the 1/sqrt(d) scale into the fused call; its context
         # product and a fused linear's matmul honour none
         fuses={Slot.SCORES: frozenset({"scale"}), Slot.CONTEXT: frozenset(),

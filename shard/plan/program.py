@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import typing
+from typing import Literal
 
 import attrs
 
@@ -134,6 +136,11 @@ class Output:
     is_loss: bool
 
 
+# the rules that choose a Program's `dropped` values: `recompute selective` and `recompute ops`
+DropRule = Literal["selective", "ops"]
+DROP_RULES: tuple[DropRule, ...] = typing.get_args(DropRule)
+
+
 @attrs.frozen(slots=False)  # not slotted, so cached_property can memoise lookups
 class Program:
     """Everything a rank needs to run one layout of one model."""
@@ -165,7 +172,8 @@ class Program:
     # `recompute ops`: values no kernel keeps that backward's rebuilds read, held until then
     # (shard/parallel/op_policy_plan.py); and which rule chose `dropped` (selective, ops)
     held: tuple[str, ...] = ()
-    drop_rule: str | None = None
+    drop_rule: DropRule | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(DROP_RULES)))
     # sequence parallelism: gathered linear inputs forward frees after their last use, keeping
     # the shard, and backward gathers again (shard/parallel/regather_plan.py decides which)
     regathered: tuple[str, ...] = ()

@@ -17,7 +17,8 @@ import attrs
 
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
 from soapstone.shard.parallel.selective_plan import rebuild_steps
-from soapstone.shard.plan.analysis.explain import Traffic, estimate, format_traffic
+from soapstone.shard.plan.analysis.explain import Traffic, estimate
+from soapstone.shard.plan.analysis.explain_text import format_traffic
 from soapstone.shard.plan.collectives import backward_op
 from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step

@@ -1,5 +1,6 @@
 """`soapstone plan` and what it stands on: the cost model (shard/plan/analysis/cost.py), the search
-(dsl/search/plan_search.py) and the command (the profiles: tests/shard/plan/test_profiles.py)."""
+(dsl/search/plan_search.py) and the command (the probes: tests/dsl/test_plan_probes.py; the
+profiles: tests/shard/plan/test_profiles.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from plan_models import gpt
 
 from soapstone.dsl import load
 from soapstone.shard.plan.analysis.hardware import load_profile
@@ -90,12 +92,6 @@ def test_recompute_costs_the_blocks_forward_once_more():
 
 # ---- the search --------------------------------------------------------------------------
 
-def gpt(layers: int) -> str:
-    """examples/gpt.par's model with `layers` blocks (no parallel blocks)."""
-    text = Path("examples/gpt.par").read_text().split("parallel single")[0]
-    return text.replace("repeat 4 as layer", f"repeat {layers} as layer")
-
-
 def test_layout_dims_are_megatrons_split():
     from soapstone.dsl.search.space import layout_dims
 
@@ -104,89 +100,6 @@ def test_layout_dims_are_megatrons_split():
                                                         ("seq",))
     dims = layout_dims(load("examples/mlp.par").model())
     assert dims.tensor == ("ffn",)  # classes would split the second weight too
-
-
-def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
-    """The probes (1 and 2 blocks, 1 and 2 samples, re-estimated per data degree and ZeRO
-    stage) give the same explain figures and step time as compiling the whole model, for every
-    candidate layout of a 12-block GPT on 8 devices."""
-    from soapstone.dsl.search.plan_search import Planner
-    from soapstone.dsl.search.space import candidates
-
-    model = load(gpt(12)).model()
-    planner = Planner(model, load_profile("a100-40gb"))
-    assert not planner.exact  # 12 alike blocks: probed
-    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
-    assert {c.schedule for c in cands} == {"1f1b", "interleaved"} and any(c.sequence
-                                                                          for c in cands)
-    for c in cands[::2]:
-        _assert_probed_is_full(planner, c)
-
-
-def test_probes_under_bf16_are_the_bf16_compiles():
-    """Under --precision bf16 the probes are retyped as the full compiles are: the same
-    figures (bf16 activations and traffic, fp32 masters) and step time, on a sample of the
-    candidates; and the bf16 step keeps and moves about half the bytes in its ops."""
-    from soapstone.dsl.search.plan_search import Planner
-    from soapstone.dsl.search.space import candidates
-
-    model = load(gpt(12)).model()
-    planner = Planner(model, load_profile("a100-40gb"), precision="bf16")
-    fp32 = Planner(model, load_profile("a100-40gb"))
-    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
-    for c in cands[::7]:
-        r = _assert_probed_is_full(planner, c)
-        f = fp32.cost(c)
-        # float saves halve; integer ones (the targets a loss keeps), bool masks and the
-        # fused attention's fp32 statistics do not: a larger share once sequence parallelism
-        # keeps its linears' inputs as shards
-        assert r.estimate.activation_bytes * 2 == \
-            pytest.approx(f.estimate.activation_bytes, rel=0.02), c.label
-        assert sum(w.other_bytes for w in r.work) * 2 == \
-            pytest.approx(sum(w.other_bytes for w in f.work)), c.label
-
-
-def _assert_probed_is_full(planner, c):
-    probed, full = planner.cost(c, exact=False), planner.cost(c, exact=True)
-    a, b = probed.estimate.to_data(), full.estimate.to_data()
-    # the working set (transient) is a peak: the 2-block probe's, walked at the candidate's
-    # samples per microbatch, plus ZeRO's buffers, which grow with the blocks
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                "transient_bytes", "bubble", "comm_bytes_per_axis", "without_recompute",
-                "recompute_flops"):
-        assert a.get(key) == b.get(key), (c.label, key, a.get(key), b.get(key))
-    assert sorted(map(str, probed.estimate.traffic)) == \
-        sorted(map(str, full.estimate.traffic)), c.label
-    assert probed.time.total == pytest.approx(full.time.total, rel=1e-6), c.label
-    return probed
-
-
-def test_the_working_set_under_recompute_is_the_full_compiles():
-    """Under recompute the step's peak is the saved block inputs (which grow with the
-    blocks) plus the working set of one block run again (which does not): the probes give
-    explain's figures exactly, with and without recompute, on single-stage, accumulated,
-    pipelined and ZeRO-2/3 layouts of a 12-block GPT on 8 devices (d4 t2 z2 rc: the case a
-    linear extrapolation of the peak got 21% low)."""
-    import attrs
-
-    from soapstone.dsl.search.plan_search import Planner
-    from soapstone.dsl.search.space import Candidate, candidates
-
-    model = load(gpt(12)).model()
-    planner = Planner(model, load_profile("a100-40gb"))
-    assert planner.recompute == ("layer",)
-    cands = list(candidates(model, planner.dims, 8, planner.profile, []))
-    picked = [Candidate(4, 2, 1, False, 2)] + cands[1::13]
-    assert {c.pipe for c in picked} >= {1, 2} and {c.zero for c in picked} >= {0, 2, 3}
-    for c in picked:
-        r = _assert_probed_is_full(planner, attrs.evolve(c, recompute="layer"))
-        plain = planner.cost(c)
-        saved, _ = r.estimate.without_recompute  # on the fullest pipe rank with recompute
-        assert r.estimate.activation_bytes < saved, c.label
-        if c.pipe == 1:
-            assert saved == plain.estimate.activation_bytes, c.label
-        assert r.time.total > plain.time.total, c.label  # the forward again
-        assert r.recompute_summary.startswith("activations "), c.label
 
 
 def test_the_winner_is_a_block_check_explain_and_run_accept(tmp_path, capsys):
@@ -504,25 +417,6 @@ def test_a_mixture_of_experts_plans_expert_parallel_and_never_splits_the_router(
     assert not any("no layout with tensor > 1" in line for line in decisions(plan, planner))
     # the experts over the data axis (DeepSpeed-MoE) are searched and rated too
     assert any(r.candidate.experts_on_data for r in plan.ranked)
-
-
-def test_probes_extrapolate_the_experts_over_data_exactly():
-    """With a mixture's experts over the data axis their shards depend on its size: those
-    probes are compiled on the candidate's data degree, and give what a full compile does."""
-    from soapstone.dsl.search.plan_search import Planner
-    from soapstone.dsl.search.space import candidates, to_parallel
-
-    text = Path("tests/specs/moe_plan.par").read_text().split("parallel single")[0]
-    model = load(text, dims={"batch": 16, "seq": 16, "hidden": 32, "heads": 4, "kv_heads": 2,
-                             "experts": 4, "ffn": 64, "vocab": 64}).model()
-    planner = Planner(model, load_profile("a100-40gb"))
-    assert not planner.exact  # 8 alike blocks: probed
-    cands = [c for c in candidates(model, planner.dims, 8, planner.profile, [])
-             if c.experts_on_data]
-    assert {c.data for c in cands} == {2, 4}  # 4 experts: not over 8 data ranks
-    assert ("experts", "data") in to_parallel(model, planner.dims, cands[0]).parameter
-    for c in cands[::8]:
-        _assert_probed_is_full(planner, c)
 
 
 def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):

@@ -44,6 +44,7 @@ import math
 
 import attrs
 
+from soapstone.shard.ops.einsum import float8_scratch
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
@@ -311,13 +312,22 @@ def phase_figures(program: Program) -> Phases:
 
 
 def _scratch(program: Program, fused: dict, i: int) -> int:
-    """Step i's forward temporaries: a kernel's (an einsum's scaled copy), a collective's
-    (collective_scratch.py)."""
+    """Step i's forward temporaries: a kernel's (an einsum's scaled copy, a float8 matmul's
+    casts, a fused one's too), a collective's (collective_scratch.py)."""
     step = program.steps[i]
     if isinstance(step, Redistribute):
         return collective_scratch(step, program)[0]
-    return record_of(step.kind).scratch(step, program) \
-        if isinstance(step, Compute) and i not in fused else 0
+    if i in fused:
+        return _fused_float8(program, fused[i])[0]
+    return record_of(step.kind).scratch(step, program) if isinstance(step, Compute) else 0
+
+
+def _fused_float8(program: Program, f) -> tuple[int, int]:
+    """A fused linear's float8 matmul's (forward, backward) casts (einsum.float8_scratch):
+    under float8 its bias is added apart (shard/runtime/fusion.py). (0, 0) for the rest."""
+    if not isinstance(f, FusedLinear) or program.steps[f.covered[0]].attr("float8") is not True:
+        return 0, 0
+    return float8_scratch(program.steps[f.covered[0]], program, biased=True)
 
 
 def _forward_peak(sv: _Saves) -> int:
@@ -386,7 +396,8 @@ def _backward_peak(sv: _Saves) -> int:
                 else:
                     grads[r(a)] = (r(a), 0 if r(a) == into else val(a).nbytes)
         work = rec.backward_scratch(step, sv.program) if rec is not None else \
-            collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else 0
+            collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else \
+            _fused_float8(sv.program, sv.fused[i])[1] if i in sv.fused else 0
         peak = max(peak, held + _in_flight(grads) + pgrad + work)
         held -= sum(val(n).nbytes for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient

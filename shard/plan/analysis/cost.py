@@ -359,8 +359,8 @@ def exposed_on_link(load: LinkLoad, forward: float, backward: float, reduce_wind
     return gathers, reduce
 
 
-def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tuple[str, ...],
-               profile: Profile, precision: str, context_axes: tuple[str, ...] = ()) -> dict:
+def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profile,
+               precision: str) -> dict:
     mesh = est.mesh
     m = est.microbatches
     compute = work.seconds(profile, precision) * m
@@ -371,12 +371,11 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, data_axes: tup
     for t in traffic:
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
-        # ZeRO-3's gathers: over the data axes, with the context axes ZeRO also shards over;
-        # a gather over context axes alone is the attention's (compute waits for it)
-        axes = set(t.axis.split(","))
-        on_data = axes <= set(data_axes) | set(context_axes) and bool(axes & set(data_axes))
+        # ZeRO-3's gathers, prefetched over whatever axes ZeRO shards (data, context or both:
+        # zero.py gathers each bucket a step ahead alike); context parallelism's own gathers
+        # on those axes are other rows, and compute waits for them
         load = links.setdefault(link_class(t.axis, mesh, profile), LinkLoad())
-        if t.phase in ("forward", "backward") and t.kind == "allgather" and on_data:
+        if t.phase in ("forward", "backward") and t.prefetched:
             if t.phase == "forward":
                 load.gathers_forward += s
             else:
@@ -412,13 +411,11 @@ def optimizer_seconds(est: Estimate, profile: Profile) -> float:
     return 2 * elems * (4 + 4 + per) / profile.memory_bandwidth
 
 
-def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str = "fp32",
-              data_axes: tuple[str, ...] = ("data",),
-              context_axes: tuple[str, ...] = ()) -> StepTime:
+def step_time(est: Estimate, work: list[Work], profile: Profile,
+              precision: str = "fp32") -> StepTime:
     """The modelled time of one step of a layout whose explain estimate is `est` (a pipeline
     or accumulation estimate carries every pipe rank's traffic; a plain one is one rank) and
-    whose pipe rank r does `work[r]` forward per microbatch (module doc). data_axes: the
-    sample axes; context_axes: the context-parallel axes ZeRO shards over beside them."""
+    whose pipe rank r does `work[r]` forward per microbatch (module doc)."""
     ranks = est.rank_traffic or [est.traffic]
     if len(work) != len(ranks):
         # not user input: the planner and explain pass one figure per pipe rank
@@ -426,9 +423,9 @@ def step_time(est: Estimate, work: list[Work], profile: Profile, precision: str 
     seen: dict[tuple, dict] = {}  # the middle ranks of a pipeline are alike
     rows = []
     for t, w in zip(ranks, work, strict=True):
-        key = (tuple((x.phase, x.kind, x.axis, x.calls, x.bytes) for x in t), w)
+        key = (tuple((x.phase, x.kind, x.axis, x.calls, x.bytes, x.prefetched) for x in t), w)
         if key not in seen:
-            seen[key] = _rank_time(t, w, est, data_axes, profile, precision, context_axes)
+            seen[key] = _rank_time(t, w, est, profile, precision)
         rows.append(seen[key])
     p = len(ranks)
     busiest = max(rows, key=lambda r: r["busy"])

@@ -106,7 +106,6 @@ from soapstone.shard.plan.collectives import backward_bytes, backward_op, forwar
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
-from soapstone.shard.plan.units import format_bytes
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
 OPTIMIZER_STATE = {"adamw": 8, "sgd": 4}
@@ -121,6 +120,10 @@ class Traffic:
     axis: str  # mesh axis, or "a,b" for a communicator over several
     calls: int = 0
     bytes: int = 0
+    # ZeRO-3's parameter gathers, which the runtime prefetches (shard/parallel/zero.py): the
+    # cost model hides them behind compute, whatever axes they span (a row of its own, as
+    # context parallelism's gathers may share their phase, kind and axis)
+    prefetched: bool = False
 
 
 @attrs.define
@@ -201,15 +204,16 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     z = ZeroStage.of(zero)
     dp_axes = program.zero_axes if z.shards_optimizer else ()
     d = math.prod(mesh[a] for a in dp_axes) if dp_axes else 1
-    rows: dict[tuple[str, str, str], Traffic] = {}
+    rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1):
+    def add(phase: str, kind: str, axes: tuple[str, ...] | str, nbytes: int, calls: int = 1,
+            prefetched: bool = False):
         axes = (axes,) if isinstance(axes, str) else tuple(a for a in mesh if a in axes)
         n = math.prod(mesh[a] for a in axes)
         if n <= 1:
             return
-        key = (phase, kind, ",".join(axes))
-        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes)))
+        key = (phase, kind, ",".join(axes), prefetched)
+        row = rows.setdefault(key, Traffic(phase, kind, ",".join(axes), prefetched=prefetched))
         row.calls += calls
         row.bytes += bus_bytes(kind, nbytes, n) * calls
 
@@ -280,8 +284,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         if z.publishes_params:  # the updated shards, gathered after the optimizer step
             add("grad sync", "allgather", plan.dp, padded * item)
         else:  # ZeRO-3: gathered before use in forward, and again for backward (zero.py)
-            add("forward", "allgather", plan.dp, padded * item)
-            add("backward", "allgather", plan.dp, padded * item)
+            add("forward", "allgather", plan.dp, padded * item, prefetched=True)
+            add("backward", "allgather", plan.dp, padded * item, prefetched=True)
         norm_keys.add(tuple(a for a in mesh if a in set(plan.split) | set(plan.dp)))
     for key in norm_keys:
         add("grad norm", "allreduce", key, 8)
@@ -316,7 +320,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                        *(max(w + beside.backward, end) for w in phases.working[1:]))
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
-                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+                    sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
                     transient_bytes=max(work[:2] if work else (transient + beside.backward, end)),
                     phase_transients=work or None,
                     without_recompute=(plain or activation_figures(
@@ -419,17 +423,17 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
         # gradients instead (split_backward.py: the roots off B's path)
         if not any(x.dst == e.src and x.float_tensors for x in edges):
             kept[e.src] = sent[e.src] + sum(x.float_bytes for x in edges if x.src == e.src)
-    # the planner's stages have one working set: a split B's ends with what it keeps
-    work = {i: e.phase_transients or (*(e.transient_bytes,) * 2, e.transient_bytes + kept[i],
-                                      e.transient_bytes) for i, e in per_stage.items()}
+    # each stage's working set per phase (explain's and the planner's probes' alike)
+    work = {i: e.phase_transients for i, e in per_stage.items()}
     ranks = []
     for r in range(pipe):
         mine = of_rank.get(r, [])
         peak = in_flight(sched, r, act, sent, kept, work)
-        rows: dict[tuple[str, str, str], Traffic] = {}
+        rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-        def add(phase, kind, ax, calls, nbytes, rows=rows):
-            row = rows.setdefault((phase, kind, ax), Traffic(phase, kind, ax))
+        def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
+            row = rows.setdefault((phase, kind, ax, prefetched),
+                                  Traffic(phase, kind, ax, prefetched=prefetched))
             row.calls += calls
             row.bytes += nbytes
 
@@ -437,7 +441,8 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
             for t in per_stage[st.index].traffic:
                 times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
                     z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
-                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times)
+                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
+                    prefetched=t.prefetched)
         if pipe > 1:
             for e in sends.get(r, ()):
                 add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
@@ -462,7 +467,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                                 for st in mine},
             "microbatches_in_flight": {st.index: peak.live.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
-            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind)),
+            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
         })
     for row in ranks:
         row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
@@ -515,82 +520,3 @@ def _recompute_figures(sched, pick: dict, per_stage: dict[int, Estimate],
                      kept, {i: (w, w) for i, (_, w) in plain.items()})
     return {"without_recompute": (peak.held, peak.working + ahead),
             "recompute_flops": sum(per_stage[i].recompute_flops for i in mine)}
-
-
-def format_traffic(traffic: list[Traffic]) -> list[str]:
-    """The communication rows of `explain` (and of `show`): one per phase, kind and axis, then
-    a total per axis."""
-    lines = [] if traffic else ["  none"]
-    per_axis: dict[str, int] = {}
-    for t in traffic:
-        lines.append(f"  {t.phase:<10} {t.kind:<15} {'[' + t.axis + ']':<12} x{t.calls:<4} "
-                     f"{format_bytes(t.bytes):>12}")
-        per_axis[t.axis] = per_axis.get(t.axis, 0) + t.bytes
-    for axis, n in sorted(per_axis.items()):
-        lines.append(f"  {'total':<26} {'[' + axis + ']':<12} {'':<5}{format_bytes(n):>12}")
-    return lines
-
-
-def format_estimate(e: Estimate) -> str:
-    """The table `soapstone explain` prints."""
-    mesh = " x ".join(f"{a}={s}" for a, s in e.mesh.items()) or "single rank"
-    who = "every rank alike" if e.pipe_rank is None else \
-        f"pipe rank {e.pipe_rank}, the largest; the ranks of one pipe rank alike"
-    lines = [f"explain {e.model}" + (f" / {e.parallel}" if e.parallel else "") +
-             f"  mesh({mesh})  {e.world_size} rank{'s' if e.world_size > 1 else ''}, "
-             f"zero {e.zero}, {e.optimizer}",
-             f"memory per rank ({who}):",
-             f"  params        {format_bytes(e.param_bytes):>12}" + (
-                 f"   ({e.compute_dtype} model copy + fp32 masters "
-                 f"{format_bytes(e.master_bytes)})" if e.master_bytes else ""),
-             f"  grads         {format_bytes(e.grad_bytes):>12}   (fp32 buffers)",
-             f"  optimizer     {format_bytes(e.optimizer_bytes):>12}   (fp32 state)",
-             f"  activations   {format_bytes(e.activation_bytes):>12}   (what backward keeps"
-             + (", x microbatches in flight)" if e.pipe_rank is not None else ")"),
-             f"  working set   {format_bytes(e.transient_bytes):>12}   (above them at the peak: "
-             "values to read, gradients in flight)",
-             f"  total         {format_bytes(e.total_bytes):>12}"]
-    if e.without_recompute is not None:
-        saved, work = e.without_recompute
-        lines.append(f"  (recompute: without it activations {format_bytes(saved)}, working set "
-                     f"{format_bytes(work)};")
-        lines.append(f"   backward runs {e.recompute_flops / 1e9:.3g} GFLOP of the forward "
-                     "again per microbatch)")
-    lines.append("communication per training step (bytes this rank sends, ring convention):")
-    lines.extend(format_traffic(e.traffic))
-    for m in e.experts:
-        lines.append(f"  {m['op']}: {m['per_rank']} of {m['experts']} experts per rank "
-                     f"({format_bytes(m['param_bytes'])} of expert params)" + (
-                         f"; alltoallv bytes are expected at the capacity bound ({m['bound']} "
-                         f"of {m['choices']} choices kept, spread evenly over the ranks)"
-                         if m["exchange"] else ""))
-    if e.pipe_rank is None:
-        lines.append(f"pipeline: {e.stages} stage{'s' if e.stages > 1 else ''}, bubble "
-                     f"{e.bubble:.3f}, stage imbalance {e.imbalance:.2f}")
-        return "\n".join(lines) + "\n"
-    p = len(e.pipe_ranks)
-    formula = schedules.get(e.schedule).formula(p, e.microbatches, e.stages // p)
-    lines.append(f"pipeline: {e.stages} virtual stages on {p} pipe ranks, {e.schedule}, "
-                 f"{e.microbatches} microbatches: bubble {e.bubble:.3f} = {formula}, stage "
-                 f"imbalance {e.imbalance:.2f} (parameter elements, largest rank / mean)")
-    if schedules.get(e.schedule).memory:
-        lines.append(f"  {e.schedule} memory: {schedules.get(e.schedule).memory}")
-    lines.append("  per pipe rank (memory, activations in flight, bytes sent per step):")
-    for r in e.pipe_ranks:
-        per_mb = r["activation_bytes_per_microbatch"]
-        flight = ", ".join(f"stage {s}: {n} x {format_bytes(per_mb[s])}"
-                           for s, n in r["microbatches_in_flight"].items())
-        lines.append(f"  rank {r['pipe_rank']}  params {format_bytes(r['param_bytes'])}  "
-                     f"grads {format_bytes(r['grad_bytes'])}  "
-                     f"optimizer {format_bytes(r['optimizer_bytes'])}  "
-                     f"activations {format_bytes(r['activation_bytes'])} ({flight} in flight)  "
-                     f"sends {format_bytes(r['comm_bytes'])}")
-    for d in e.edges:
-        if d["src_rank"] == d["dst_rank"]:  # a V's turn: two stages of one rank
-            lines.append(f"  edge {d['src']} -> {d['dst']}  on pipe rank {d['src_rank']}: "
-                         "handed over in memory, no p2p")
-            continue
-        lines.append(f"  edge {d['src']} -> {d['dst']}  p2p per step: activations "
-                     f"{format_bytes(d['activation_bytes'])}, gradients back "
-                     f"{format_bytes(d['gradient_bytes'])}")
-    return "\n".join(lines) + "\n"

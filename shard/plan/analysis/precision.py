@@ -16,8 +16,8 @@ shard/parallel/data_parallel.py, shard/parallel/zero.py, shard/runtime/pipe_p2p.
 - fp64: the whole model in float64 (parameters too), masters float64.
 - float8: what bf16 keeps and moves (the float8 casts are transient: shard/runtime/float8.py
   saves the bf16 operands for backward, as torchao does), its float8 steps marked
-  `float8 = true` so that the working set counts their float8 copies while they run
-  (einsum.scaled_copy), with the weight matmuls' FLOPs at the profile's fp8 peak and their
+  `float8 = true` so that the working set counts their casts while they run
+  (einsum.float8_scratch), with the weight matmuls' FLOPs at the profile's fp8 peak and their
   amax and cast passes as memory-bound work (cost.py).
 Integer and bool values never change.
 """

@@ -11,7 +11,8 @@ from mpirun import case_names, case_params
 
 from soapstone import dsl
 from soapstone.dsl.compile.stages import lower_graph
-from soapstone.shard.plan.analysis.explain import estimate, format_estimate
+from soapstone.shard.plan.analysis.explain import estimate
+from soapstone.shard.plan.analysis.explain_text import format_estimate
 from soapstone.shard.plan.layout import Layout
 from soapstone.shard.plan.program import Compute, Redistribute
 from soapstone.shard.plan.program_text import format_program

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import attrs
 import pytest
 from mpirun import case_names, case_params
 
@@ -52,6 +53,10 @@ def test_the_rule_drops_cheap_outputs_a_matmul_keeps():
     assert plain.dropped == () and "recompute selective" not in format_program(plain)
     assert format_program(p).count("# recompute selective:") == len(p.dropped)
     # a misspelt `selective` is a located error: tests/bad_specs/recompute_selective_misspelt.par
+    # the rule is one of the compiler's two, checked where a Program is made
+    assert p.drop_rule == "selective" and plain.drop_rule is None
+    with pytest.raises(ValueError, match="drop_rule"):
+        attrs.evolve(p, drop_rule="selectve")
 
 
 def test_a_dropped_value_is_rebuilt_through_unsaved_intermediates():

@@ -62,21 +62,26 @@ def test_nothing_exposed_is_negative():
         pytest.approx((0.0, 1.0))
 
 
-def test_a_zero3_step_on_one_link_is_bound_by_the_link():
+@pytest.mark.parametrize("axis,attention", [("data", 0), ("cp", 1)])
+def test_a_zero3_step_on_one_link_is_bound_by_the_link(axis, attention):
     """data = 16 over 8-device nodes: inter-node. Compute 12 s (4 forward, 8 backward: 4e12
     FLOPs at 1 TFLOP/s, x3); gathers 6 + 6 GB, reduce-scatter 4 GB in 4 buckets, at 1 GB/s.
     Exposed: gathers 2 s, reduction 2 s: the step is 16 s, the link's 16 s of traffic (the
     old model hid the gathers behind all 12 s of compute and the scatters behind the 8 s of
-    backward: 13 s)."""
-    rows = [Traffic("forward", "allgather", "data", 1, int(6 * GB)),
-            Traffic("backward", "allgather", "data", 1, int(6 * GB)),
-            Traffic("grad sync", "reduce_scatter", "data", 4, int(4 * GB))]
-    t = step_time(est({"data": 16}, 3, rows), [Work(matmul_flops=4e12)], profile(),
-                  data_axes=("data",))
+    backward: 13 s). ZeRO over cp alone (d1 c16 z3) the same: zero.py prefetches its
+    buckets alike; context parallelism's own allgather of keys and values on cp (1 GB: 1 s)
+    is waited for: 17 s (with its gathers costed as blocking, the reduction had the link
+    to itself: 12 + 13 + 1 = 26 s)."""
+    rows = [Traffic("forward", "allgather", axis, 1, int(6 * GB), prefetched=True),
+            Traffic("backward", "allgather", axis, 1, int(6 * GB), prefetched=True),
+            Traffic("forward", "allgather", axis, 1, int(attention * GB)),
+            Traffic("grad sync", "reduce_scatter", axis, 4, int(4 * GB))]
+    t = step_time(est({axis: 16}, 3, rows), [Work(matmul_flops=4e12)], profile())
     assert t.compute == pytest.approx(12.0)
     assert t.param_gathers == pytest.approx(2.0)
+    assert t.blocking_comm == pytest.approx(attention)
     assert t.grad_sync == pytest.approx(2.0)
-    assert t.total == pytest.approx(16.0)
+    assert t.total == pytest.approx(16.0 + attention)
 
 
 def test_links_run_side_by_side_and_blocking_traffic_is_paid_in_full():
@@ -91,7 +96,7 @@ def test_links_run_side_by_side_and_blocking_traffic_is_paid_in_full():
             Traffic("grad sync", "reduce_scatter", "data", 4, int(12 * GB)),
             Traffic("grad sync", "allreduce", "model", 4, int(10 * GB))]
     t = step_time(est({"data": 8, "model": 2}, 2, rows), [Work(matmul_flops=4e12)],
-                  profile(), data_axes=("data",))
+                  profile())
     assert t.blocking_comm == pytest.approx(2.0)
     assert t.grad_sync == pytest.approx(4.0)
     assert t.param_gathers == 0.0

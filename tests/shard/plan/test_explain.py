@@ -220,7 +220,9 @@ def test_zero3_over_context_parallel_halves_the_state_by_hand():
     (and gradients, optimizer state) over cp. With E float elements (4 bytes each, Adam's two
     moments): 4E parameter, 4E gradient and 8E state bytes at ZeRO 0 become 2E, 2E and 4E; the
     gradient allreduce over cp (2 (n-1)/n 4E = 4E bus bytes) becomes a reduce-scatter (2E) and
-    allgathers in forward and backward (2E each), beside the attention's own gathers."""
+    allgathers in forward and backward (2E each), beside the attention's own gathers: rows of
+    their own, prefetched (the cost model hides them behind compute, as zero.py runs them),
+    where the attention's are waited for."""
     import math
 
     from soapstone import dsl
@@ -233,8 +235,9 @@ def test_zero3_over_context_parallel_halves_the_state_by_hand():
     e = sum(math.prod(dims[d] for d in p.type.dims) for p in model.params)
     prog = lower(model, spec.parallel("cp2z3"))
 
-    def rows(est):
-        return {(t.phase, t.kind, t.axis): t.bytes for t in est.traffic}
+    def rows(est, prefetched=False):
+        return {(t.phase, t.kind, t.axis): t.bytes for t in est.traffic
+                if t.prefetched == prefetched}
 
     plain, sharded = estimate(prog, 0), estimate(prog, 3)
     assert (plain.param_bytes, plain.grad_bytes, plain.optimizer_bytes) == (4 * e, 4 * e, 8 * e)
@@ -244,8 +247,10 @@ def test_zero3_over_context_parallel_halves_the_state_by_hand():
     assert before[("grad sync", "allreduce", "cp")] == 4 * e
     assert ("grad sync", "allreduce", "cp") not in after
     assert after[("grad sync", "reduce_scatter", "cp")] == 2 * e
-    assert after[("backward", "allgather", "cp")] == 2 * e
-    assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")] + 2 * e
+    assert after[("forward", "allgather", "cp")] == before[("forward", "allgather", "cp")]
+    assert rows(sharded, prefetched=True) == {("forward", "allgather", "cp"): 2 * e,
+                                              ("backward", "allgather", "cp"): 2 * e}
+    assert not rows(plain, prefetched=True)
 
 
 def test_full_grad_peak_walks_the_buckets_by_hand():

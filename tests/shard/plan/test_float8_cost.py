@@ -84,16 +84,30 @@ def test_gpt_work_by_hand():
     assert w.f8_backward_bytes == sum(b for _, b in casts) == 1_865_728
 
 
-def test_a_float8_matmul_holds_its_float8_copies_while_it_runs():
-    """The working set of a float8 step: x and w in float8 and w's column-major copy, one
-    byte an element (q of gpt.par: x 128 x 32, w 32 x 32): 4096 + 2 x 1024 bytes more than
-    under bf16; what is saved for backward is bf16's."""
+def test_a_float8_matmul_holds_its_casts_while_it_runs():
+    """The working set of a float8 step beyond what the walk counts at it (its output 2Y;
+    in backward the gradients of g, x and w: 2Y, 2X, 2W), by hand in elements X, W, Y: a
+    cast holds 8 bytes an element (two fp32 copies), a float8 copy 1. q of gpt.par (x 128
+    x 32, w 32 x 32: X = Y = 4096, W = 1024): forward max(8X - 2Y, X + 8W - 2Y, X + 2W) =
+    24576 (x's cast); backward max(8Y - 2X - 2W, Y + 8W - 2X - 2W, Y + W + 8X - 2W,
+    2Y + W + 2X) = 35840 (x's cast again, g's and w's copies beside it); none under bf16.
+    A biased linear adds its bias apart: the product beside the sum and x's copy, X + 2Y (mlp's
+    first, x 64 x 16, w 16 x 64: 9216 against 3072 without); what is saved is bf16's."""
+    from soapstone.shard.ops.einsum import float8_scratch, float8_steps
     from soapstone.shard.ops.registry import record_of
     from soapstone.shard.plan.analysis.activations import activation_figures
 
     program = lower_graph(dsl.load("examples/gpt.par").model(), None).program
     bf16, f8 = program_as_run(program, "bf16"), program_as_run(program, "float8")
     i = next(k for k, s in enumerate(program.steps) if s.out == "layer.0.attention0.q")
-    scratch = record_of("einsum").scratch
-    assert scratch(f8.steps[i], f8) - scratch(bf16.steps[i], bf16) == 4096 + 2 * 1024
+    rec = record_of("einsum")
+    assert (rec.scratch(f8.steps[i], f8), rec.backward_scratch(f8.steps[i], f8)) == \
+        (24576, 35840)
+    assert rec.scratch(bf16.steps[i], bf16) == rec.backward_scratch(bf16.steps[i], bf16) == 0
+    mlp = dsl.load("examples/mlp.par", dims={"batch": 64, "features": 16, "ffn": 64,
+                                             "classes": 16}).model()
+    prog = program_as_run(lower_graph(mlp, None).program, "float8")
+    first = prog.steps[min(float8_steps(prog))]
+    assert float8_scratch(first, prog, biased=True) == (9216, 28672)
+    assert float8_scratch(first, prog)[0] == 3072
     assert activation_figures(f8)[0] == activation_figures(bf16)[0]
