@@ -411,8 +411,9 @@ class _Lowering:
         cur = v.layout.get(axis)
         if cur == want or (v.name, axis, want) in self.cache:
             return 0.0
-        if self._unnests(v.layout, axis, cur, want):
-            return float("inf")  # not expressible: the outer cut moves under an inner one
+        if v.layout.cuts_inside(self.axes, axis, cur) or v.layout.cuts_inside(
+                self.axes, axis, want):
+            return float("inf")  # not expressible: an outer cut moves under an inner one
         if v.name in self.params:
             return float("inf")  # parameters keep the layout the parallel block gave them
         kind = transition(cur, want)
@@ -422,19 +423,13 @@ class _Lowering:
                                    self.mesh[axis])
         return transition_cost(kind, v.nbytes, self.mesh[axis])
 
-    def _unnests(self, layout: Layout, axis: str, cur: Placement, want: Placement) -> bool:
-        """Whether changing `axis` from `cur` to `want` cuts or joins a dim that a later axis
-        also cuts (Layout's nesting: only a dim's innermost cut may change)."""
-        later = set(self.axes[self.axes.index(axis) + 1:])
-        return any(isinstance(p, Split) and later & set(layout.dim_axes(p.dim))
-                   for p in (cur, want))
-
     def _redistribute(self, name: str, wanted: dict[str, Placement]) -> str:
         v = self.values[name]
         # Gathers and reductions first, so a dim is free before another axis takes it; of a
         # dim split over several axes, the innermost cut is undone first (Layout's nesting).
         order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(
-            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL, self._inner(v, a)))
+            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL,
+            v.layout.cuts_inside(self.axes, a, v.layout.get(a))))
         for axis in order:
             cur, want = v.layout.get(axis), wanted[axis]
             if cur == want:
@@ -454,14 +449,6 @@ class _Lowering:
                 self.cache[key] = new.name
             v = self.values[self.cache[key]]
         return v.name
-
-    def _inner(self, v: Value, axis: str) -> int:
-        """How many later axes cut the dim `v` is split along on `axis` (0: innermost)."""
-        p = v.layout.get(axis)
-        if not isinstance(p, Split):
-            return 0
-        axes = v.layout.dim_axes(p.dim)
-        return len(axes) - 1 - axes.index(axis)
 
     def _shrink_block(self, src: str, kind: RedistributeKind) -> str | None | _Reader:
         """The block a redistribution belongs to: its reader's, except a reduce_scatter right

@@ -110,6 +110,14 @@ class Layout:
         """The axes over which the tensor is cut into pieces."""
         return tuple(a for a, p in self.placements if isinstance(p, Split))
 
+    def cuts_inside(self, mesh_axes: tuple[str, ...], axis: str, placement: Placement) -> int:
+        """How many axes after `axis` (in mesh order) also cut the dim `placement` splits (0:
+        its cut on `axis` is, or would be, the innermost; only such a cut may change)."""
+        if not isinstance(placement, Split):
+            return 0
+        later = mesh_axes[mesh_axes.index(axis) + 1:]
+        return sum(a in later for a in self.dim_axes(placement.dim))
+
     def local_sizes(self, dims: tuple[str, ...], sizes: dict[str, int],
                     mesh: dict[str, int]) -> tuple[int, ...]:
         """The per-rank shape of a tensor with these dims under this layout."""
