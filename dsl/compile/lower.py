@@ -323,7 +323,7 @@ class _Lowering:
         order = [d for d in out_dims if d in roles] + [d for d in roles if d not in out_dims]
         found = []
         for d in order:
-            if not self._may_split(d, axis, used) or (d in used and roles[d] is not rules.FREE):
+            if not self._may_split(d, axis, used):
                 continue
             splits = tuple(self._arg_split(op, axis, _split_of(dims, v.dims, d))
                            for dims, v in zip(iter_dims, args, strict=True))
