@@ -142,7 +142,14 @@ def _map_dim(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc, axis: str,
     facts.used.setdefault(axis, kind)  # even a dim that does not divide: no second error
     size, n = ctx.dims[d], facts.mesh[axis]
     # a second axis cuts each piece of the first: the dim divides over their product
-    size //= math.prod(facts.mesh[a] for k, a in facts.soap[kind] if k == d)
+    outer = [a for k, a in facts.soap[kind] if k == d]
+    if outer and size // math.prod(facts.mesh[a] for a in outer) % n:
+        facts.failed.add(kind)
+        cut = " x ".join(f"{a} = {facts.mesh[a]}" for a in (*outer, axis))
+        total = n * math.prod(facts.mesh[a] for a in outer)
+        return [ctx.diag(loc, f"{d} = {size} does not divide over {cut}",
+                         f"{nearest_divisible(size, total)} (--dim {d}=...), or map '{d}' "
+                         "to one axis")]
     if size % n:
         facts.failed.add(kind)
         return [ctx.diag(loc, f"{d} = {size} does not divide over {axis} = {n}",
