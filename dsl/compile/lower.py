@@ -17,6 +17,7 @@ pipeline stage receives, whose gradients it sends back): those follow the invari
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import attrs
@@ -159,6 +160,9 @@ class _Lowering:
         self.producer: dict[str, int] = {}
         self.cache: dict[tuple[str, str, Placement], str] = {}
         self.block: str | None = None  # the repeat block of the op being lowered
+        # the op being lowered: each dim an earlier axis split as a plain FREE dim -> its
+        # pieces so far (a later axis may cut each piece again: Layout's nesting)
+        self.nest: dict[str, int] = {}
         self.step_block: list[str | None] = []  # each step's block
 
     # --- layouts of the leaves -------------------------------------------------------------
@@ -280,6 +284,7 @@ class _Lowering:
         dist: list[str] = []
         exchange: list[str] = []
         used: set[str] = set()
+        self.nest = {}
         own = self.owner.get(op.out)
         for axis in self.active:
             if own is not None and own[0] == axis:
@@ -295,6 +300,8 @@ class _Lowering:
             out[axis] = best.out
             if best.dim:
                 used.add(best.dim)
+                if roles.get(best.dim) is rules.FREE and not best.exchange:
+                    self.nest[best.dim] = self.nest.get(best.dim, 1) * self.mesh[axis]
             if best.stat:
                 dist.append(axis)
             if best.exchange:
@@ -316,7 +323,7 @@ class _Lowering:
         order = [d for d in out_dims if d in roles] + [d for d in roles if d not in out_dims]
         found = []
         for d in order:
-            if d in used or d not in self.allowed[axis] or self.sizes[d] % self.mesh[axis]:
+            if not self._may_split(d, axis, used):
                 continue
             splits = tuple(self._arg_split(op, axis, _split_of(dims, v.dims, d))
                            for dims, v in zip(iter_dims, args, strict=True))
@@ -345,6 +352,13 @@ class _Lowering:
             found.append(_Candidate((P,) * len(args), P, None))
         found.append(_Candidate((R,) * len(args), R, None))
         return found
+
+    def _may_split(self, d: str, axis: str, used: set[str]) -> bool:
+        """Whether `axis` may split dim `d` of the op: mapped there, not split by an earlier
+        axis except as a plain FREE dim (its pieces then cut again), and dividing."""
+        if d not in self.allowed[axis] or (d in used and d not in self.nest):
+            return False
+        return not self.sizes[d] // self.nest.get(d, 1) % self.mesh[axis]
 
     def _arg_split(self, op: ir.Op, axis: str, want: Placement) -> Placement | None:
         """An arg's placement for a split of the op: None where its own dim does not divide
@@ -380,12 +394,16 @@ class _Lowering:
         else an allreduce. Passing a partial is then no cheaper than reducing the operands
         now, and where the reduction scatters, reducing now leaves the result (a bias-free
         residual stream) on shards, as Megatron's sequence parallelism keeps it."""
-        split = {d: a for v in args for a, p in v.layout.placements
-                 if a != axis and isinstance(p, Split) for d in [p.dim]}
-        shape = tuple(self.sizes[d] // self.mesh[split[d]] if d in split else self.sizes[d]
+        split: dict[str, set[str]] = {}
+        for v in args:
+            for a, p in v.layout.placements:
+                if a != axis and isinstance(p, Split):
+                    split.setdefault(p.dim, set()).add(a)
+        pieces = {d: math.prod(self.mesh[a] for a in axes) for d, axes in split.items()}
+        shape = tuple(self.sizes[d] // pieces.get(d, 1) for d in op.type.dims)
+        # a dim split on earlier axes as a plain FREE dim (self.nest) may be cut again
+        scatter = any(self._may_split(d, axis, used) and (d not in split or d in self.nest)
                       for d in op.type.dims)
-        scatter = any(d not in used and d not in split and d in self.allowed[axis]
-                      and not self.sizes[d] % self.mesh[axis] for d in op.type.dims)
         kind = RedistributeKind.REDUCE_SCATTER if scatter else RedistributeKind.ALLREDUCE
         return transition_cost(kind, nbytes(op.type.dtype, shape), self.mesh[axis])
 
@@ -393,6 +411,9 @@ class _Lowering:
         cur = v.layout.get(axis)
         if cur == want or (v.name, axis, want) in self.cache:
             return 0.0
+        if v.layout.cuts_inside(self.axes, axis, cur) or v.layout.cuts_inside(
+                self.axes, axis, want):
+            return float("inf")  # not expressible: an outer cut moves under an inner one
         if v.name in self.params:
             return float("inf")  # parameters keep the layout the parallel block gave them
         kind = transition(cur, want)
@@ -404,9 +425,11 @@ class _Lowering:
 
     def _redistribute(self, name: str, wanted: dict[str, Placement]) -> str:
         v = self.values[name]
-        # Gathers and reductions first, so a dim is free before another axis takes it.
+        # Gathers and reductions first, so a dim is free before another axis takes it; of a
+        # dim split over several axes, the innermost cut is undone first (Layout's nesting).
         order = sorted(wanted, key=lambda a: (wanted[a] != R, transition(
-            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL))
+            v.layout.get(a), wanted[a]) is RedistributeKind.ALLTOALL,
+            v.layout.cuts_inside(self.axes, a, v.layout.get(a))))
         for axis in order:
             cur, want = v.layout.get(axis), wanted[axis]
             if cur == want:

@@ -106,10 +106,29 @@ def _dim_error(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc,
         return ctx.diag(loc, f"model '{ctx.model.name}' has no dim '{d}'",
                         did_you_mean(d, ctx.dims))
     if d in facts.mapped:
-        k, ax = facts.mapped[d]
-        return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
-                        "a dim maps to at most one mesh axis")
+        return _second_axis_error(ctx, facts, kind, d, loc, axis)
     return _SOAP_RULES[kind](ctx, facts, d, loc, axis)
+
+
+def _second_axis_error(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc,
+                       axis: str) -> Diagnostic | None:
+    """Why an already mapped dim may not also go to `axis`, or None: only an activation dim
+    (`attribute`) splits over several axes, each later in the mesh than the last (its pieces
+    nest in mesh order: sequence parallel inside context parallel, `attribute seq -> cp` then
+    `attribute seq -> model` on mesh(cp, model))."""
+    k, ax = facts.mapped[d]
+    axes = [a for m, a in facts.soap["attribute"] if m == d]
+    order = list(facts.mesh)
+    if kind != "attribute" or k != "attribute" or axis not in order:
+        return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
+                        "a dim maps to at most one mesh axis, except an activation dim "
+                        "(attribute) split over several")
+    if axis in axes or order.index(axis) < max(order.index(a) for a in axes):
+        return ctx.diag(loc, f"'{d}' is split over {', '.join(axes)} already; a dim split "
+                        "over several axes nests their pieces in mesh order, so each further "
+                        "axis must come later in the mesh",
+                        f"list '{axis}' after '{axes[-1]}' in mesh(...), or map '{d}' once")
+    return None
 
 
 def _map_dim(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc, axis: str,
@@ -122,12 +141,21 @@ def _map_dim(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc, axis: str,
         return []
     facts.used.setdefault(axis, kind)  # even a dim that does not divide: no second error
     size, n = ctx.dims[d], facts.mesh[axis]
+    # a second axis cuts each piece of the first: the dim divides over their product
+    outer = [a for k, a in facts.soap[kind] if k == d]
+    if outer and size // math.prod(facts.mesh[a] for a in outer) % n:
+        facts.failed.add(kind)
+        cut = " x ".join(f"{a} = {facts.mesh[a]}" for a in (*outer, axis))
+        total = n * math.prod(facts.mesh[a] for a in outer)
+        return [ctx.diag(loc, f"{d} = {size} does not divide over {cut}",
+                         f"{nearest_divisible(size, total)} (--dim {d}=...), or map '{d}' "
+                         "to one axis")]
     if size % n:
         facts.failed.add(kind)
         return [ctx.diag(loc, f"{d} = {size} does not divide over {axis} = {n}",
                          _divide_hint(ctx, facts, kind, d, axis))]
-    facts.mapped[d] = (kind, axis)
-    facts.map_loc[d] = loc
+    facts.mapped.setdefault(d, (kind, axis))
+    facts.map_loc.setdefault(d, loc)
     facts.soap[kind].append((d, axis))
     return []
 

@@ -19,7 +19,8 @@ largest first, never two of one parameter (for a GPT: ffn, heads, vocab: Megatro
 for a mixture of experts the experts dim: expert parallelism over the tensor axis, or over
 the data axis where the candidate says so), never a
 derived dim that renames another (the router's copy of the experts dim stays whole);
-`attribute` the other input dims on the tensor axis (sequence parallelism).
+`attribute` the other input dims on the tensor axis (sequence parallelism), over cp first under
+context parallelism (then the tensor axis cuts each cp piece again).
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     tensor = tuple((d, "model") for d in dims.tensor
                    if sizes[d] % c.tensor == 0 and d not in over_data) if c.tensor > 1 else ()
     tensor += tuple((d, "data") for d in over_data)
-    seq = tuple((d, "model") for d in dims.sequence) if c.sequence else ()
-    if c.context > 1:
-        seq = tuple((d, "cp") for d in dims.sequence)
+    # context parallel cuts the sequence over cp; sequence parallelism then cuts each cp
+    # piece over the tensor axis (a dim over two axes, nested in mesh order)
+    seq = tuple((d, "cp") for d in dims.sequence) if c.context > 1 else ()
+    seq += tuple((d, "model") for d in dims.sequence) if c.sequence else ()
     operator: tuple[ir.StageAssignment, ...] = ()
     schedule = ir.Schedule()
     if c.pipe > 1:
@@ -272,7 +274,9 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                 for sched, v in (SCHEDULES if p > 1 else (("1f1b", 1),)):
                     if v > 1 and (m % p or nblocks < p * v):
                         continue
-                    for sp in ((False, True) if seq_ok and cp == 1 else (False,)):
+                    # under cp, sequence parallel cuts each cp piece of the sequence again
+                    sp_ok = seq_ok and all(sizes[d] % (t * cp) == 0 for d in dims.sequence)
+                    for sp in ((False, True) if sp_ok else (False,)):
                         for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
                             for z in (range(4) if d * cp > 1 else (0,)):  # search climbs it
                                 yield Candidate(d, t, p, sp, z, sched, m, v, cp,

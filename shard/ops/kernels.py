@@ -61,10 +61,12 @@ class Shards:
 
     def offset(self, value: Value, dim: str) -> int:
         """Global index of this rank's first element along `dim` of `value`."""
-        axis = value.layout.split_axis(dim)
-        if axis is None:
+        axes = value.layout.dim_axes(dim)
+        if not axes:
             return 0
-        return self.mesh.coord(axis) * value.local_shape[value.dims.index(dim)]
+        piece = value.layout.piece(dim, {a: self.mesh.coord(a) for a in axes},
+                                   {a: self.mesh.size(a) for a in axes})
+        return piece * value.local_shape[value.dims.index(dim)]
 
     def local_slices(self, value: Value) -> tuple[slice, ...]:
         """This rank's window into the global tensor."""

@@ -1,5 +1,10 @@
 """Named-dim layouts: for each mesh axis a tensor is split along one dim, partial, or replicated.
 
+One dim may be split over several axes (sequence parallelism inside context parallelism: the
+sequence over cp, then over the tensor axis within each cp piece). The pieces nest in mesh-axis
+order: the first axis cuts the dim, the next cuts each of those pieces, so undoing the
+innermost split (a gather over it) leaves the outer split as it was.
+
 The same algebra as OneFlow SBP, GSPMD and DTensor placements, keyed by dim *names* as in
 Mesh-TensorFlow. An axis absent from a layout is replicated. Pure Python: the compiler and
 `soapstone show` use it without torch.
@@ -91,24 +96,46 @@ class Layout:
         return Layout.of(mesh_axes, mapping)
 
     def split_axis(self, dim: str) -> str | None:
-        """The axis `dim` is split over, if any."""
+        """The (outermost) axis `dim` is split over, if any."""
         for axis, p in self.placements:
             if p == Split(dim):
                 return axis
         return None
 
+    def dim_axes(self, dim: str) -> tuple[str, ...]:
+        """Every axis `dim` is split over, outermost first (the module doc's nesting)."""
+        return tuple(a for a, p in self.placements if p == Split(dim))
+
     def split_axes(self) -> tuple[str, ...]:
         """The axes over which the tensor is cut into pieces."""
         return tuple(a for a, p in self.placements if isinstance(p, Split))
+
+    def cuts_inside(self, mesh_axes: tuple[str, ...], axis: str, placement: Placement) -> int:
+        """How many axes after `axis` (in mesh order) also cut the dim `placement` splits (0:
+        its cut on `axis` is, or would be, the innermost; only such a cut may change)."""
+        if not isinstance(placement, Split):
+            return 0
+        later = mesh_axes[mesh_axes.index(axis) + 1:]
+        return sum(a in later for a in self.dim_axes(placement.dim))
 
     def local_sizes(self, dims: tuple[str, ...], sizes: dict[str, int],
                     mesh: dict[str, int]) -> tuple[int, ...]:
         """The per-rank shape of a tensor with these dims under this layout."""
         out = []
         for d in dims:
-            axis = self.split_axis(d)
-            out.append(sizes[d] // mesh[axis] if axis else sizes[d])
+            n = sizes[d]
+            for axis in self.dim_axes(d):
+                n //= mesh[axis]
+            out.append(n)
         return tuple(out)
+
+    def piece(self, dim: str, coord: dict[str, int], mesh: dict[str, int]) -> int:
+        """Which of the dim's equal pieces the rank at `coord` holds (0 where it is whole):
+        the coordinates over its axes read as one number, outermost first."""
+        index = 0
+        for axis in self.dim_axes(dim):
+            index = index * mesh[axis] + coord[axis]
+        return index
 
     def __str__(self) -> str:
         if not self.placements:

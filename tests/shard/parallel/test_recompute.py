@@ -70,7 +70,9 @@ def test_a_bias_free_block_keeps_its_input_split_by_the_sequence():
     compiler reduce-scatters each branch's output before the residual add, so `recompute
     layer` keeps 2sbh/t bytes per block in bf16 (explain: 2 blocks less 1); under plain tensor
     parallelism it keeps the partial residual whole, 2sbh. Per block, one reduce_scatter and
-    one allgather per norm either way."""
+    one allgather per norm either way. Inside context parallel c (the sequence over cp, each
+    cp piece over model: a dim over two axes) the block keeps 2sbh/(ct), with the same
+    collectives on the model axis."""
     from pathlib import Path
 
     from soapstone.dsl.compile.layout_proof import prove_layout
@@ -81,8 +83,9 @@ def test_a_bias_free_block_keeps_its_input_split_by_the_sequence():
 
     model = Path("examples/llama.par").read_text().split("parallel single")[0]
     layouts = Path("tests/specs/sp_residual.par").read_text().split(".par\"\n")[1]
-    s, b, h, t = 16, 8, 32, 2
-    for layout, want in (("sp2_rc", 2 * s * b * h // t), ("tp2_rc", 2 * s * b * h)):
+    s, b, h, t, c = 16, 8, 32, 2, 2
+    for layout, want in (("sp2_rc", 2 * s * b * h // t), ("tp2_rc", 2 * s * b * h),
+                         ("cp2sp2_rc", 2 * s * b * h // (c * t))):
         kept, kinds = [], []
         for blocks in (1, 2):
             spec = dsl.load(model.replace("repeat 2", f"repeat {blocks}") + layouts)
@@ -90,11 +93,12 @@ def test_a_bias_free_block_keeps_its_input_split_by_the_sequence():
             prove_layout(spec.model("llama"), graph)
             p = graph.program
             kept.append(activation_figures(program_as_run(p, "bf16"))[0])
-            kinds.append([s.kind for s in p.steps if isinstance(s, Redistribute)])
+            kinds.append([s.kind for s in p.steps
+                          if isinstance(s, Redistribute) and s.axis == "model"])
         assert kept[1] - kept[0] == want, layout
         more = {k: kinds[1].count(k) - kinds[0].count(k) for k in K}
-        assert more[K.REDUCE_SCATTER if layout == "sp2_rc" else K.ALLREDUCE] == 2, more
-        assert more[K.ALLGATHER] == (2 if layout == "sp2_rc" else 0), more
+        assert more[K.ALLREDUCE if layout == "tp2_rc" else K.REDUCE_SCATTER] == 2, more
+        assert more[K.ALLGATHER] == (0 if layout == "tp2_rc" else 2), more
 
 
 def test_a_collectives_temporaries_and_the_second_run_by_hand():

@@ -115,3 +115,22 @@ def case_golden_examples():
                                   plugins=(PLUGIN,))
             ran += 1
     assert ran, f"no example layout of {W.size} ranks (@ranks)"
+
+
+@ranks(4)
+def case_sequence_inside_context_parallel_holds_what_explain_says():
+    """llama.par under cp2sp2_rc (tests/specs/sp_residual.par: the sequence over cp, each cp
+    piece over model, `recompute layer`) reproduces the single-rank record, and a bf16 step's
+    tensors alive (bench/bench_memory.py) are explain's within 6%."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench_memory import measure as memory
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    spec = str(ROOT / "tests/specs/sp_residual.par")
+    assert_matches_golden(spec, "cp2sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
+    dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
+    row = memory(spec, dims, "cp2sp2_rc", W, "bf16")
+    assert abs(row["live_error"]) < 0.06, row
