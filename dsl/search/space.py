@@ -188,8 +188,13 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                    if sizes[d] % c.tensor == 0 and d not in over_data) if c.tensor > 1 else ()
     tensor += tuple((d, "data") for d in over_data)
     seq = tuple((d, "model") for d in dims.sequence) if c.sequence else ()
+    balanced: tuple[str, ...] = ()
     if c.context > 1:
         seq = tuple((d, "cp") for d in dims.sequence)
+        # causal attention's work evened out over the cp ranks (zigzag chunks), as
+        # Megatron's and torchtitan's context parallelism
+        balanced = tuple(d for d in dims.sequence if model.causal_over(d)
+                         and sizes[d] % (2 * c.context) == 0)
     operator: tuple[ir.StageAssignment, ...] = ()
     schedule = ir.Schedule()
     if c.pipe > 1:
@@ -202,7 +207,8 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     return ir.Parallel(name, model.name, mesh,
                        sample=((dims.batch, "data"),) if c.data > 1 else (),
                        attribute=seq, parameter=tensor, operator=operator,
-                       schedule=schedule, zero=c.zero, recompute=c.recompute)
+                       schedule=schedule, zero=c.zero, recompute=c.recompute,
+                       balanced=balanced)
 
 
 # microbatch sizes (samples per microbatch) the search tries besides its counts: a bigger

@@ -109,6 +109,11 @@ def case_gpt_cp2():
     golden("gpt", "cp2")
 
 
+@ranks(2)
+def case_gpt_cp2b():
+    golden("gpt", "cp2b")  # load-balanced: zigzag chunks, key prefixes only
+
+
 @ranks(4)
 def case_gpt_tp4():
     golden("gpt", "tp4")
@@ -122,6 +127,16 @@ def case_gpt_dp2tp2():
 @ranks(4)
 def case_gpt_cp2tp2():
     golden("gpt", "cp2tp2")
+
+
+@ranks(4)
+def case_gpt_cp2tp2b():
+    golden("gpt", "cp2tp2b")
+
+
+@ranks(4)
+def case_gpt_ulysses4b():
+    golden("gpt", "ulysses4b", dims={"seq": 128})
 
 
 @ranks(4)
@@ -149,6 +164,11 @@ def case_window_sp2():
 @ranks(2)
 def case_window_cp2():
     golden("window", "cp2")
+
+
+@ranks(2)
+def case_window_cp2b():
+    golden("window", "cp2b")
 
 
 # heads x head_dim (4 x 16) wider than hidden (32): the heads split, each head whole
@@ -210,6 +230,11 @@ def case_llama_sp2():
 @ranks(2)
 def case_llama_cp2():
     golden("llama", "cp2")
+
+
+@ranks(2)
+def case_llama_cp2b():
+    golden("llama", "cp2b")
 
 
 @ranks(4)
