@@ -173,7 +173,8 @@ def _balanced_error(ctx: Ctx, facts: Facts, kind: str, d: str, axis: str,
     hold, or None (then d is recorded as balanced)."""
     if kind != "attribute":
         return ctx.diag(loc, f"'balanced' orders a sequence split; {kind} cannot use it",
-                        f"attribute {d} -> {axis} balanced")
+                        f"drop 'balanced' here; the sequence takes it: attribute SEQ -> {axis} "
+                        "balanced")
     if facts.mapped.get(d) != (kind, axis):
         return None  # the mapping itself was refused: its own error says why
     n = facts.mesh[axis]

@@ -16,7 +16,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.ops.einsum import einsum_spec, matmul_split  # noqa: F401 - ops' old names
 from soapstone.shard.ops.record import Reduce
-from soapstone.shard.plan.balanced import local_positions, unzigzag, zigzag
+from soapstone.shard.plan.balanced import local_positions, rank_runs, unzigzag, zigzag
 from soapstone.shard.plan.program import Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
@@ -84,6 +84,16 @@ class Shards:
             return None
         return local_positions(self.sizes[dim], dict(self.program.mesh)[axis],
                                self.mesh.coord(axis))
+
+    def runs(self, value: Value, dim: str) -> list[tuple[int, int, int]]:
+        """This rank's runs of consecutive positions along `dim` (balanced.rank_runs): its
+        two zigzag chunks where balanced, else its one slice."""
+        axis = value.layout.split_axis(dim)
+        n = value.local_shape[value.dims.index(dim)]
+        if axis is None:
+            return [(0, 0, n)]
+        return rank_runs(self.sizes[dim], dict(self.program.mesh)[axis], self.mesh.coord(axis),
+                         dim in self.program.balanced)
 
     def index(self, value: Value, dim: str) -> torch.Tensor:
         """The global positions of this rank's elements along `dim`, on the run's device."""

@@ -24,8 +24,10 @@ def local_positions(size: int, parts: int, rank: int) -> list[int]:
 
 
 def rank_runs(size: int, parts: int, rank: int, balanced: bool) -> list[tuple[int, int, int]]:
-    """The runs (as `runs` gives them) rank `rank` holds along a dim of `size` split over
-    `parts`: its two zigzag chunks where balanced, else one contiguous slice."""
+    """The runs of consecutive positions rank `rank` holds along a dim of `size` split over
+    `parts`, each (first index in the piece, first position, length): its two zigzag chunks
+    where balanced (kept apart even where they meet, on the middle rank, so that each attends
+    its own key prefix), else one contiguous slice."""
     if balanced:
         c = size // (2 * parts)
         return [(i * c, k * c, c) for i, k in enumerate(chunks_of(rank, parts))]
@@ -47,21 +49,9 @@ def unzigzag(size: int, parts: int) -> list[int]:
     return out
 
 
-def runs(positions: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive positions: (first index in `positions`, first position,
-    length); a balanced piece is two runs, a contiguous one one."""
-    out: list[tuple[int, int, int]] = []
-    for i, p in enumerate(positions):
-        if out and out[-1][1] + out[-1][2] == p:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, p, 1))
-    return out
-
-
 def causal_prefix_work(held: list[tuple[int, int, int]], keys: int) -> float:
     """The share of a (queries x keys) score square computed when each run of consecutive
-    query positions (`held`: runs as `runs` gives them) attends only the key prefix it can
+    query positions (`held`: runs as `rank_runs` gives them) attends only the key prefix it can
     see under a causal mask (0..its last position): sum of length x prefix over the
     queries x keys."""
     queries = sum(n for _, _, n in held)

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from soapstone.shard.ops.einsum import matmul_2d
 from soapstone.shard.ops.registry import record_of
-from soapstone.shard.plan.balanced import runs
 from soapstone.shard.plan.program import Program
 from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the plan, run here
     FusedAttention,
@@ -70,14 +69,13 @@ def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Prog
     mask, causal = None, False
     if f.causal:  # the mask op's own rule (its record), from global positions
         rule, attrs = record_of(f.mask_kind).mask, dict(f.mask_attrs)
-        qp = ctx.positions(sv, f.query) or range(ctx.offset(sv, f.query),
-                                                 ctx.offset(sv, f.query) + q.shape[-2])
+        held = ctx.runs(sv, f.query)
         keys_whole = ctx.positions(sv, f.key) is None and ctx.offset(sv, f.key) == 0 \
             and k.shape[-2] == ctx.sizes[f.key]
-        if rule.causal(attrs) and keys_whole and qp[0] == 0 and q.shape[-2] == k.shape[-2]:
+        if rule.causal(attrs) and keys_whole and held == [(0, 0, k.shape[-2])]:
             causal = True
         elif rule.causal(attrs) and keys_whole:  # context parallel: skip the unseen keys
-            y = causal_prefixes(q, k, v, list(qp), f.scale, rule, attrs)
+            y = causal_prefixes(q, k, v, held, f.scale, rule, attrs)
             return align(y, (*lead, f.query, vd), ov.dims)
         else:  # shards of the keys, or another rule: compare global positions
             mask = rule.visible(attrs, ctx.index(sv, f.query).to(q.device),
@@ -87,15 +85,15 @@ def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Prog
     return align(y, (*lead, f.query, vd), ov.dims)
 
 
-def causal_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int],
-                    scale, rule, attrs: dict) -> torch.Tensor:
-    """Causal attention of queries at global `positions` (this rank's pieces of a split
-    sequence) to every key in natural order: each run of consecutive positions attends only
+def causal_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    held: list[tuple[int, int, int]], scale, rule, attrs: dict) -> torch.Tensor:
+    """Causal attention of the queries `held` (this rank's runs of a split sequence:
+    Shards.runs) to every key in natural order: each run of consecutive positions attends only
     the key prefix it can see (0..its last position), one kernel call per run, so a
     balanced split's ranks do equal work and no rank computes fully masked key blocks. A run
     starting at 0 is the square is_causal covers; the others pass the rule's mask."""
     out = []
-    for at, first, n in runs(positions):
+    for at, first, n in held:
         stop = first + n
         qs, ks, vs = q[..., at:at + n, :], k[..., :stop, :], v[..., :stop, :]
         if first == 0:
