@@ -9,7 +9,6 @@ from soapstone.shard.ops.record import OpRecord, Partial, Role, per_element
 
 def positions(step, args, ctx):
     """0, 1, ... along `over`: the global positions of this rank's slice where it is split."""
-
     return ctx.index(ctx.out(step), step.attr("over"))
 
 
