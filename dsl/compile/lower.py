@@ -226,6 +226,8 @@ class _Lowering:
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
             offload=bool(par and par.offload),
+            balanced=tuple(r for d in (par.balanced if par else ()) for r in
+                           self.model.renames_of(d)),
         )
         if self.par and self.par.recompute == ir.SELECTIVE:  # a rule over the compiled ops
             program = attrs.evolve(program, dropped=selective_drops(program),

@@ -129,6 +129,7 @@ class Soap:
     kind: str  # sample | attribute | parameter
     groups: list  # [([(dim, loc)], axis, axis_loc)]
     loc: Loc
+    balanced: list = field(default_factory=list)  # [([(dim, loc)], axis, keyword loc)]
 
 
 @dataclass(slots=True)

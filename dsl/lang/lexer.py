@@ -24,7 +24,7 @@ from pygments.token import (
 from soapstone.shard.plan.dtypes import DTYPES as SPEC_DTYPES
 
 KEYWORDS = ("include", "model", "dim", "input", "repeat", "as", "output", "tie", "parallel",
-            "for", "on", "mesh", "operator", "schedule", "zero")
+            "for", "on", "mesh", "operator", "schedule", "zero", "balanced")
 SOAP = ("sample", "attribute", "parameter")
 DTYPES = tuple(SPEC_DTYPES)  # the names a spec can use (the one dtype table)
 

@@ -169,14 +169,17 @@ class _Build(Transformer):
         return (str(c[0]), int(c[1]), self._l(c[0]))
 
     def soap(self, meta, c):
-        return ast.Soap(c[0][0], list(c[1:]), c[0][1])
+        groups = [g[:3] for g in c[1:]]
+        balanced = [(g[0], g[1], g[3]) for g in c[1:] if g[3] is not None]
+        return ast.Soap(c[0][0], groups, c[0][1], balanced)
 
     def soap_kind(self, meta, c):
         return (str(c[0]), self._l(c[0]))
 
     def dim_group(self, meta, c):
-        dims = [(str(t), self._l(t)) for t in c[:-1]]
-        return (dims, str(c[-1]), self._l(c[-1]))
+        *names, axis, balanced = c
+        dims = [(str(t), self._l(t)) for t in names]
+        return (dims, str(axis), self._l(axis), None if balanced is None else self._l(balanced))
 
     def operator(self, meta, c):
         return ast.Operator(list(c), _meta_loc(self.file, meta))

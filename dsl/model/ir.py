@@ -106,6 +106,15 @@ class Model:
         """The size of a named dim."""
         return dict(self.dims)[dim]
 
+    def renames_of(self, dim: str) -> tuple[str, ...]:
+        """`dim` and the derived dims that rename it (seq, seq_k): one sequence."""
+        return (dim, *(d for d, base in self.dim_alias if base == dim))
+
+    def causal_over(self, dim: str) -> bool:
+        """Whether a causal mask's query dim is `dim` or a rename of it."""
+        names = self.renames_of(dim)
+        return any(op.kind == "causal_mask" and op.attr("query") in names for op in self.ops)
+
 
 @attrs.frozen
 class StageAssignment:
@@ -169,6 +178,8 @@ class Parallel:
     recompute: str | None = None
     # `offload optimizer`: master weights and optimizer state in host memory
     offload: str | None = None
+    # `attribute seq -> cp balanced`: the dims split in zigzag order (load-balanced causal CP)
+    balanced: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -73,7 +73,8 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
     for kind in ("sample", "attribute", "parameter"):
         pairs = getattr(par, kind)
         if pairs:
-            lines.append(f"  {kind:<9} " + ", ".join(f"{d} -> {a}" for d, a in pairs))
+            lines.append(f"  {kind:<9} " + ", ".join(
+                f"{d} -> {a}" + (" balanced" if d in par.balanced else "") for d, a in pairs))
     placed = []
     for st in par.operator:
         if source:

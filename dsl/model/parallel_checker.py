@@ -123,6 +123,8 @@ def _second_axis_error(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc,
         return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
                         "a dim maps to at most one mesh axis, except an activation dim "
                         "(attribute) split over several")
+    if d in facts.balanced:
+        return _balanced_nested(ctx, d, ax, loc)
     if axis in axes or order.index(axis) < max(order.index(a) for a in axes):
         return ctx.diag(loc, f"'{d}' is split over {', '.join(axes)} already; a dim split "
                         "over several axes nests their pieces in mesh order, so each further "
@@ -190,7 +192,44 @@ def _soap(ctx: Ctx, facts: Facts, s: ast.Soap) -> Diags:
         diags += [bad_axis] if bad_axis else []
         for d, loc in dims:
             diags += _map_dim(ctx, facts, s.kind, d, loc, axis, bad_axis is None)
+    for dims, axis, loc in s.balanced:
+        diags += [e for d, _ in dims if (e := _balanced_error(ctx, facts, s.kind, d, axis, loc))]
     return diags
+
+
+def _balanced_nested(ctx: Ctx, d: str, axis: str, loc: Loc) -> Diagnostic:
+    """The refusal of a balanced split cut again over a second axis (sequence parallel inside
+    load-balanced context parallel): its pieces' positions are not built."""
+    return ctx.diag(loc, f"'{d}' split balanced over {axis} cannot be split again over a "
+                    "second axis (sequence parallel inside balanced context parallel is not "
+                    "built)", f"drop 'balanced' (contiguous chunks nest), or the second "
+                    f"mapping of '{d}'")
+
+
+def _balanced_error(ctx: Ctx, facts: Facts, kind: str, d: str, axis: str,
+                    loc: Loc) -> Diagnostic | None:
+    """Why `attribute d -> axis balanced` (zigzag chunks: rank r holds r and 2n-1-r) cannot
+    hold, or None (then d is recorded as balanced)."""
+    if kind != "attribute":
+        return ctx.diag(loc, f"'balanced' orders a sequence split; {kind} cannot use it",
+                        f"drop 'balanced' here; the sequence takes it: attribute SEQ -> {axis} "
+                        "balanced")
+    if facts.mapped.get(d) != (kind, axis):
+        return None  # the mapping itself was refused: its own error says why
+    if len([a for m, a in facts.soap[kind] if m == d]) > 1:
+        return _balanced_nested(ctx, d, axis, loc)
+    n = facts.mesh[axis]
+    if ctx.dims[d] % (2 * n):
+        return ctx.diag(loc, f"{d} = {ctx.dims[d]} does not cut into 2 x {axis} = {2 * n} "
+                        "equal chunks (balanced holds chunks r and 2n-1-r on rank r)",
+                        f"{nearest_divisible(ctx.dims[d], 2 * n)} (--dim {d}=...), or drop "
+                        "'balanced'")
+    if not ctx.model.causal_over(d):
+        return ctx.diag(loc, f"'balanced' evens out a causal mask's work over {d}, but no "
+                        f"attention of model '{ctx.model.name}' is causal over {d}",
+                        f"drop 'balanced': attribute {d} -> {axis}")
+    facts.balanced.append(d)
+    return None
 
 
 # ---- operator: branches
@@ -493,7 +532,8 @@ def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
     return Parallel(p.name, p.model, tuple(facts.mesh.items()), tuple(soap["sample"]),
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
                     sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
-                    recompute=facts.recompute, offload=facts.offload)
+                    recompute=facts.recompute, offload=facts.offload,
+                    balanced=tuple(facts.balanced))
 
 
 def check_parallel(p: ast.ParallelDef, model: Model,

@@ -58,3 +58,4 @@ class Facts:
     zero: int = 0
     recompute: str | None = None
     offload: str | None = None
+    balanced: list[str] = attrs.Factory(list)  # dims split in zigzag order

@@ -522,9 +522,10 @@ def decisions(plan: Plan, planner: Planner) -> list[str]:
                    + _versus(plan, "tensor > 1", lambda x: x.tensor > 1))
     if c.context > 1:
         seqs = ", ".join(plan.dims.sequence)
-        out.append(f"context parallel {c.context} ({seqs} over its own axis, beside the tensor "
-                   f"axis inside a node): each device holds 1/{c.context} of every activation "
-                   "and gathers keys and values per layer; "
+        zigzag = " in balanced zigzag chunks" if plan.parallel().balanced else ""
+        out.append(f"context parallel {c.context} ({seqs} over its own axis{zigzag}, beside "
+                   f"the tensor axis inside a node): each device holds 1/{c.context} of every "
+                   "activation and gathers keys and values per layer; "
                    + _versus(plan, "no context parallelism", lambda x: x.context == 1))
     # the pipe axis is the mesh's outermost (space.py: mesh(pipe, data, cp, model)): a group
     # of it spans the whole world, so it stays inside a node only when the world does

@@ -192,6 +192,13 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     # piece over the tensor axis (a dim over two axes, nested in mesh order)
     seq = tuple((d, "cp") for d in dims.sequence) if c.context > 1 else ()
     seq += tuple((d, "model") for d in dims.sequence) if c.sequence else ()
+    balanced: tuple[str, ...] = ()
+    if c.context > 1 and not c.sequence:
+        # causal attention's work evened out over the cp ranks (zigzag chunks), as
+        # Megatron's and torchtitan's context parallelism; not with sequence parallel
+        # inside it (a zigzag piece cut again over the tensor axis is not built)
+        balanced = tuple(d for d in dims.sequence if model.causal_over(d)
+                         and sizes[d] % (2 * c.context) == 0)
     operator: tuple[ir.StageAssignment, ...] = ()
     schedule = ir.Schedule()
     if c.pipe > 1:
@@ -204,7 +211,8 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     return ir.Parallel(name, model.name, mesh,
                        sample=((dims.batch, "data"),) if c.data > 1 else (),
                        attribute=seq, parameter=tensor, operator=operator,
-                       schedule=schedule, zero=c.zero, recompute=c.recompute)
+                       schedule=schedule, zero=c.zero, recompute=c.recompute,
+                       balanced=balanced)
 
 
 # microbatch sizes (samples per microbatch) the search tries besides its counts: a bigger

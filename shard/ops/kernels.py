@@ -16,6 +16,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.ops.einsum import einsum_spec, matmul_split  # noqa: F401 - ops' old names
 from soapstone.shard.ops.record import Reduce
+from soapstone.shard.plan.balanced import local_positions, rank_runs, unzigzag, zigzag
 from soapstone.shard.plan.program import Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
@@ -60,17 +61,65 @@ class Shards:
         return self.mesh.comm(axis)
 
     def offset(self, value: Value, dim: str) -> int:
-        """Global index of this rank's first element along `dim` of `value`."""
+        """Global index of this rank's first element along `dim` of `value` (a contiguous
+        split, over one axis or nested over several: a balanced one has no single offset,
+        `index` gives its positions)."""
         axes = value.layout.dim_axes(dim)
         if not axes:
             return 0
+        if dim in self.program.balanced:
+            raise RuntimeError(f"{value.name}: {dim} is split balanced; read its positions "
+                               "with Shards.index")
         piece = value.layout.piece(dim, {a: self.mesh.coord(a) for a in axes},
                                    {a: self.mesh.size(a) for a in axes})
         return piece * value.local_shape[value.dims.index(dim)]
 
-    def local_slices(self, value: Value) -> tuple[slice, ...]:
-        """This rank's window into the global tensor."""
-        return tuple(slice(self.offset(value, d), self.offset(value, d) + n)
+    def balanced_over(self, value: Value, dim: str) -> str | None:
+        """The axis `dim` of `value` is split over in zigzag chunks (balanced), or None."""
+        axis = value.layout.split_axis(dim)
+        return axis if axis is not None and dim in self.program.balanced else None
+
+    def positions(self, value: Value, dim: str) -> list[int] | None:
+        """The global positions of this rank's elements along `dim` where the split is
+        balanced (zigzag chunks); None where they are one contiguous run."""
+        axis = self.balanced_over(value, dim)
+        if axis is None:
+            return None
+        return local_positions(self.sizes[dim], dict(self.program.mesh)[axis],
+                               self.mesh.coord(axis))
+
+    def runs(self, value: Value, dim: str) -> list[tuple[int, int, int]]:
+        """This rank's runs of consecutive positions along `dim` (balanced.rank_runs): its
+        two zigzag chunks where balanced, else its one slice."""
+        axis = value.layout.split_axis(dim)
+        n = value.local_shape[value.dims.index(dim)]
+        if axis is None:
+            return [(0, 0, n)]
+        return rank_runs(self.sizes[dim], dict(self.program.mesh)[axis], self.mesh.coord(axis),
+                         dim in self.program.balanced)
+
+    def index(self, value: Value, dim: str) -> torch.Tensor:
+        """The global positions of this rank's elements along `dim`, on the run's device."""
+        pos = self.positions(value, dim)
+        if pos is not None:
+            return torch.tensor(pos, dtype=torch.int64, device=self.device)
+        n = value.local_shape[value.dims.index(dim)]
+        return torch.arange(n, dtype=torch.int64, device=self.device) + self.offset(value, dim)
+
+    def reorder(self, x: torch.Tensor, d: int, parts: int, back: bool = False) -> torch.Tensor:
+        """`x` (dim d whole) permuted into the rank order of a balanced split over `parts`
+        ranks (back: a gathered one into natural order again); autograd permutes the
+        gradient back."""
+        key = ("zigzag", x.shape[d], parts, back, x.device)
+        if key not in self.constants:
+            order = (unzigzag if back else zigzag)(x.shape[d], parts)
+            self.constants[key] = (torch.tensor(order, dtype=torch.int64, device=x.device),)
+        return x.index_select(d, self.constants[key][0])
+
+    def local_slices(self, value: Value) -> tuple[slice | list[int], ...]:
+        """This rank's window into the global tensor (a balanced dim's: its positions)."""
+        return tuple(self.positions(value, d) or
+                     slice(self.offset(value, d), self.offset(value, d) + n)
                      for d, n in zip(value.dims, value.local_shape, strict=True))
 
     def global_sizes(self, value: Value) -> tuple[int, ...]:
@@ -81,7 +130,7 @@ class Shards:
     def global_slices(self, value: Value) -> tuple[slice, ...]:
         """This rank's window into `global_sizes(value)`: local_slices shifted by the window."""
         return tuple(slice(s.start + self.window[d][0], s.stop + self.window[d][0])
-                     if d in self.window else s
+                     if d in self.window and isinstance(s, slice) else s
                      for d, s in zip(value.dims, self.local_slices(value), strict=True))
 
     def arg(self, step: Compute, i: int) -> Value:

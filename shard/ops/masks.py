@@ -26,15 +26,12 @@ def plain_causal(attrs: dict) -> bool:
 
 def causal_mask(step, args, ctx):
     """-inf where the mask's rule hides the key from the query (global positions)."""
-    import torch
-
     from soapstone.shard.ops.kernels import align
 
     x = args[0]
     v = ctx.arg(step, 0)
     q, k = step.attr("query"), step.attr("key")
-    qi = torch.arange(v.local_shape[v.dims.index(q)], device=x.device) + ctx.offset(v, q)
-    ki = torch.arange(v.local_shape[v.dims.index(k)], device=x.device) + ctx.offset(v, k)
+    qi, ki = ctx.index(v, q).to(x.device), ctx.index(v, k).to(x.device)
     hidden = align(~causal_visible(dict(step.attrs), qi, ki), (q, k), v.dims)
     return x.masked_fill(hidden, float("-inf"))
 

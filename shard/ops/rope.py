@@ -8,12 +8,8 @@ from soapstone.shard.ops.record import OpRecord, Partial, Role, per_element
 
 
 def positions(step, args, ctx):
-    """0, 1, ... along `over`, shifted to this rank's slice where it is split."""
-    import torch
-
-    v = ctx.out(step)
-    return torch.arange(v.local_shape[0], dtype=torch.int64, device=ctx.device) \
-        + ctx.offset(v, step.attr("over"))
+    """0, 1, ... along `over`: the global positions of this rank's slice where it is split."""
+    return ctx.index(ctx.out(step), step.attr("over"))
 
 
 def rope_roles(op, arg_dim_lists) -> dict[str, Role]:
@@ -61,12 +57,14 @@ def rope(step, args, ctx):
     v = ctx.arg(step, 0)
     pos, over, theta = step.attr("pos"), step.attr("over"), float(step.attr("theta"))
     scaling = scaling_of(step)
-    first, count = ctx.offset(v, pos), v.local_shape[v.dims.index(pos)]
-    key = ("rope", pos, over, theta, scaling, first, count, v.dims, x.dtype, x.device)
+    axis = ctx.balanced_over(v, pos)
+    where = ("balanced", ctx.mesh.coord(axis)) if axis else \
+        (ctx.offset(v, pos), v.local_shape[v.dims.index(pos)])
+    key = ("rope", pos, over, theta, scaling, where, v.dims, x.dtype, x.device)
     if key not in ctx.constants:
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         inv = inverse_frequencies(ctx.sizes[over], theta, scaling, wide)
-        p = torch.arange(count) + first
+        p = ctx.index(v, pos).cpu()  # balanced: the zigzag chunks' own positions
         angles = torch.outer(p.to(wide), inv)
         angles = torch.cat((angles, angles), dim=-1).to(x.device)
         ctx.constants[key] = (align(angles.cos().to(x.dtype), (pos, over), v.dims),

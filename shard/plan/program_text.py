@@ -81,6 +81,8 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
     mesh = ", ".join(f"{a}={s}" for a, s in program.mesh) or "single rank"
     lines = [f"program {program.model}" + (f" / {program.parallel}" if program.parallel else "")
              + f"  mesh({mesh})  ranks {program.world_size}"]
+    if program.balanced:  # a split of these holds zigzag chunks r and 2n-1-r on rank r
+        lines.append(f"balanced (zigzag chunks): {', '.join(program.balanced)}")
     lines.append("params (local shapes):")
     for p in program.params:
         sync = f"  grad-sync@{','.join(p.grad_sync)}" if p.grad_sync else ""

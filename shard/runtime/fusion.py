@@ -34,12 +34,12 @@ from soapstone.shard.runtime.fusion_plan import (  # noqa: F401 - found in the p
 
 
 def run_fused(f: FusedAttention | FusedLinear, env: dict[str, torch.Tensor], program: Program,
-              offset, float8: dict | None = None) -> torch.Tensor:
-    """The output of fused chain `f` from its inputs in `env`; `float8`: the float8 matmuls
-    by step output (Shards.float8)."""
+              ctx, float8: dict | None = None) -> torch.Tensor:
+    """The output of fused chain `f` from its inputs in `env`; `ctx`: the rank's Shards (where
+    its slices sit); `float8`: the float8 matmuls by step output (Shards.float8)."""
     if isinstance(f, FusedLinear):
         return run_linear(f, env, (float8 or {}).get(program.steps[f.covered[0]].out))
-    return run_attention(f, env, program, offset)
+    return run_attention(f, env, program, ctx)
 
 
 def run_linear(f: FusedLinear, env: dict[str, torch.Tensor], float8=None) -> torch.Tensor:
@@ -54,7 +54,7 @@ def run_linear(f: FusedLinear, env: dict[str, torch.Tensor], float8=None) -> tor
 
 
 def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Program,
-                  offset) -> torch.Tensor:
+                  ctx) -> torch.Tensor:
     """The chain's output from q, k and v in one scaled_dot_product_attention call."""
     from soapstone.shard.ops.kernels import align
 
@@ -69,13 +69,37 @@ def run_attention(f: FusedAttention, env: dict[str, torch.Tensor], program: Prog
     mask, causal = None, False
     if f.causal:  # the mask op's own rule (its record), from global positions
         rule, attrs = record_of(f.mask_kind).mask, dict(f.mask_attrs)
-        q0, k0 = offset(sv, f.query), offset(sv, f.key)
-        if rule.causal(attrs) and q0 == k0 == 0 and q.shape[-2] == k.shape[-2]:
+        held = ctx.runs(sv, f.query)
+        keys_whole = ctx.positions(sv, f.key) is None and ctx.offset(sv, f.key) == 0 \
+            and k.shape[-2] == ctx.sizes[f.key]
+        if rule.causal(attrs) and keys_whole and held == [(0, 0, k.shape[-2])]:
             causal = True
-        else:  # shards of the sequence, or another rule: compare global positions
-            qi = torch.arange(q.shape[-2], device=q.device) + q0
-            ki = torch.arange(k.shape[-2], device=q.device) + k0
-            mask = rule.visible(attrs, qi, ki)
+        elif rule.causal(attrs) and keys_whole:  # context parallel: skip the unseen keys
+            y = causal_prefixes(q, k, v, held, f.scale, rule, attrs)
+            return align(y, (*lead, f.query, vd), ov.dims)
+        else:  # shards of the keys, or another rule: compare global positions
+            mask = rule.visible(attrs, ctx.index(sv, f.query).to(q.device),
+                                ctx.index(sv, f.key).to(q.device))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        scale=f.scale)
     return align(y, (*lead, f.query, vd), ov.dims)
+
+
+def causal_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    held: list[tuple[int, int, int]], scale, rule, attrs: dict) -> torch.Tensor:
+    """Causal attention of the queries `held` (this rank's runs of a split sequence:
+    Shards.runs) to every key in natural order: each run of consecutive positions attends only
+    the key prefix it can see (0..its last position), one kernel call per run, so a
+    balanced split's ranks do equal work and no rank computes fully masked key blocks. A run
+    starting at 0 is the square is_causal covers; the others pass the rule's mask."""
+    out = []
+    for at, first, n in held:
+        stop = first + n
+        qs, ks, vs = q[..., at:at + n, :], k[..., :stop, :], v[..., :stop, :]
+        if first == 0:
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
+            continue
+        mask = rule.visible(attrs, torch.arange(first, stop, device=q.device),
+                            torch.arange(stop, device=q.device))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)

@@ -54,6 +54,16 @@ class FusedLinear:
     k: int
 
 
+def per_chunk(program: Program, f: FusedAttention) -> bool:
+    """Whether the runtime calls the attention kernel once per zigzag chunk of the queries (a
+    balanced split, keys whole, plain causal: fusion.causal_prefixes): each call keeps its own
+    output piece for backward, beside their concatenation (the chain's output)."""
+    v = program.value(f.scores)
+    return f.causal and record_of(f.mask_kind).mask.causal(dict(f.mask_attrs)) \
+        and f.query in program.balanced and v.layout.split_axis(f.query) is not None \
+        and v.layout.split_axis(f.key) is None
+
+
 def fits(step, slot: Slot) -> bool:
     """Whether `step` (a Compute, or None) may fill `slot` of a fused chain (its record)."""
     return step is not None and record_of(step.kind).fits(step, slot)

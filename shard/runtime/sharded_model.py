@@ -127,7 +127,10 @@ class ShardedModel:
             if placement == P:
                 t = comm.allreduce(t.clone())
             elif isinstance(placement, Split):
-                t = comm.allgather(t.contiguous(), dim=value.dims.index(placement.dim))
+                d = value.dims.index(placement.dim)
+                t = comm.allgather(t.contiguous(), dim=d)
+                if placement.dim in self.program.balanced:  # zigzag pieces: natural order
+                    t = self.ctx.reorder(t, d, comm.size, back=True)
             else:  # Owned: only the owner holds it
                 t = t.contiguous()
                 comm.broadcast(t, src=placement.coord)
@@ -198,7 +201,7 @@ class ShardedModel:
             drops.before_step(i, env)
         if i in self.fused:
             f = self.fused[i]
-            out = run_fused(f, env, self.program, self.ctx.offset, self.ctx.float8)
+            out = run_fused(f, env, self.program, self.ctx, self.ctx.float8)
             env[f.out] = self._checked(step, out, f.out)
         elif i not in self.covered:
             env[step.out] = self._run(step, env)
@@ -224,6 +227,18 @@ class ShardedModel:
         if isinstance(step, CopyTo):
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
+        # a balanced split's pieces are zigzag chunks: the whole dim is permuted into their
+        # rank order before it is cut, and back into natural order once gathered
+        into, out_of = (p.dim if isinstance(p, Split) and p.dim in self.program.balanced
+                        else None for p in (step.to, step.frm))
+        if into is not None:
+            x = self.ctx.reorder(x, src.dims.index(into), comm.size)
+        y = self._redistribute(step, x, comm, src)
+        if out_of is not None:
+            y = self.ctx.reorder(y, src.dims.index(out_of), comm.size, back=True)
+        return y
+
+    def _redistribute(self, step, x: torch.Tensor, comm, src: Value) -> torch.Tensor:
         if not src.is_float and step.kind in (RedistributeKind.ALLGATHER, RedistributeKind.SLICE):
             # integer data (token ids): no gradient to route
             if step.kind is RedistributeKind.ALLGATHER:

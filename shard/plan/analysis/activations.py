@@ -51,7 +51,12 @@ from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime import overwrite_plan
-from soapstone.shard.runtime.fusion_plan import FusedAttention, FusedLinear, find_fusions
+from soapstone.shard.runtime.fusion_plan import (
+    FusedAttention,
+    FusedLinear,
+    find_fusions,
+    per_chunk,
+)
 
 
 def _roots(program: Program, covered: set[int]) -> dict[str, str]:
@@ -75,8 +80,9 @@ def step_saves(program: Program, i: int, fused: dict,
     s = program.steps[i]
     if i in fused:
         f = fused[i]
-        if isinstance(f, FusedAttention):
-            return [f.q, f.k, f.v, f.out], lse_bytes(program, f)
+        if isinstance(f, FusedAttention):  # per zigzag chunk: each call's output piece too
+            pieces = program.value(f.out).nbytes if per_chunk(program, f) else 0
+            return [f.q, f.k, f.v, f.out], lse_bytes(program, f) + pieces
         if isinstance(f, FusedLinear):
             return [f.x], 0
     if not isinstance(s, Compute):

@@ -69,6 +69,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
 from soapstone.shard.plan.analysis.precision import matmul_peaks
+from soapstone.shard.plan.balanced import causal_prefix_work, rank_runs
 from soapstone.shard.plan.dtypes import DTYPE_BYTES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import FusedAttention, find_fusions
@@ -244,15 +245,24 @@ def _work(program: Program, indices) -> Work:
 
 def _attention_done(program: Program, f: FusedAttention) -> float:
     """The fraction of its score square the fused kernel computes: `causal_work` where the
-    runtime calls it with is_causal (fusion.run_attention), else all of it."""
+    runtime calls it with is_causal (fusion.run_attention); with the queries split (context
+    parallel) and the keys whole, each run of query positions against only the key prefix it
+    sees (fusion.causal_prefixes), on the rank that computes most (every rank alike where the
+    split is balanced; the last where it is contiguous); else all of it."""
     if not f.causal or not record_of(f.mask_kind).mask.causal(dict(f.mask_attrs)):
         return 1.0
     v, sizes = program.value(f.scores), dict(program.dims)
     local = dict(zip(v.dims, v.local_shape, strict=True))
     q, k = local[f.query], local[f.key]
-    if q != k or q != sizes[f.query] or k != sizes[f.key]:
-        return 1.0  # a split sequence: an explicit mask, computed whole
-    return causal_work(q, k)
+    if k != sizes[f.key]:
+        return 1.0  # split keys: an explicit mask, computed whole
+    axis = v.layout.split_axis(f.query)
+    if axis is None:
+        return causal_work(q, k) if q == k else 1.0
+    parts = dict(program.mesh)[axis]
+    balanced = f.query in program.balanced
+    return max(causal_prefix_work(rank_runs(sizes[f.query], parts, r, balanced), k)
+               for r in ((0,) if balanced else (parts - 1,)))  # the busiest rank
 
 
 def _float_bytes(program: Program, names) -> float:

@@ -173,14 +173,17 @@ def test_a_causal_kernel_runs_the_key_tiles_up_to_each_query_tile():
     assert causal_work(16, 16) == 1.0
 
 
-@pytest.mark.parametrize("layout", [None, "cp2"])
+@pytest.mark.parametrize("layout", [None, "cp2", "cp2b"])
 def test_causal_attention_work_by_hand(layout):
     """examples/gpt.par at seq 256 (4 layers, batch 8, 4 heads of 8): each attention's scores
     einsum is E = 2 x 8 x 4 x 256 x 256 x 8 FLOPs, and p.v as many. On one rank the kernel
     runs is_causal: 3/4 of the tiles (skips 2E/4 a layer) and recomputes the scores' 3E/4 in
     backward. Under cp2 the rank's 128 queries meet all 256 keys through an explicit mask,
     computed whole: nothing skipped, its half-size scores (E/2) recomputed. The model FLOPs
-    (matmul_flops, MFU's) count the full square either way."""
+    (matmul_flops, MFU's) count the full square either way. Under cp2 the last rank's queries
+    128..255 see every key: its prefix is all 256 keys. Under cp2b (zigzag chunks of 64) each
+    rank holds chunk r and 3-r: rank 0 runs 64 queries x 64 keys and 64 x 256, 5/8 of its
+    128 x 256 square (rank 1: 64 x 128 + 64 x 192, the same), skipping 3/8."""
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.shard.plan.analysis.cost import program_work
@@ -193,9 +196,14 @@ def test_causal_attention_work_by_hand(layout):
         assert w.act_flops == 4 * 2 * e
         assert w.skipped_flops == pytest.approx(4 * 2 * e / 4)
         assert w.rescore_flops == pytest.approx(4 * 3 * e / 4)
-    else:
+    elif layout == "cp2":
         assert w.act_flops == 4 * 2 * (e // 2)
         assert w.skipped_flops == 0.0
         assert w.rescore_flops == 4 * e // 2
+    else:
+        assert (64 * 64 + 64 * 256) == (64 * 128 + 64 * 192) == 5 * 128 * 256 // 8
+        assert w.act_flops == 4 * 2 * (e // 2)
+        assert w.skipped_flops == pytest.approx(4 * 2 * (e // 2) * 3 / 8)
+        assert w.rescore_flops == pytest.approx(4 * (e // 2) * 5 / 8)
     # backward's extra: half the forward's computed attention FLOPs (2.5x, not 2x)
     assert w.rescore_flops == pytest.approx((w.act_flops - w.skipped_flops) / 2)

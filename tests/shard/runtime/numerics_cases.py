@@ -109,6 +109,40 @@ def case_gpt_cp2():
     golden("gpt", "cp2")
 
 
+@ranks(2)
+def case_gpt_cp2b():
+    golden("gpt", "cp2b")  # load-balanced: zigzag chunks, key prefixes only
+
+
+@ranks(2)
+def case_causal_context_parallel_work():
+    """The (query, key) pairs the attention kernel computes per rank, per head, forward, at seq
+    64: cp2 gives rank 0 queries 0..31 against keys 0..31 (1024) and rank 1 32..63 against all
+    64 (2048); cp2b's chunks of 16 give rank 0 16 x 16 + 16 x 64 and rank 1 16 x 32 + 16 x 48,
+    1280 each: 5/8 of the 32 x 64 a dense mask computes."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # its only home in torch
+
+    class Pairs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.pairs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                self.pairs += args[0].shape[-2] * args[1].shape[-2]
+            return func(*args, **(kwargs or {}))
+
+    s = dsl.load(ROOT / "tests/specs/gpt_layouts.par", dims={"seq": 64})
+    want = {"cp2": (1024, 2048), "cp2b": (1280, 1280)}
+    for layout, pairs in want.items():
+        par = s.parallel(layout)
+        m = ShardedModel(lower(s.model(), par), Mesh(W, **dict(par.mesh)), seed=SEED)
+        with Pairs() as seen:
+            m(random_inputs(m.program, 0))
+        layers = 4
+        assert seen.pairs == layers * pairs[W.rank], (layout, W.rank, seen.pairs)
+
+
 @ranks(4)
 def case_gpt_tp4():
     golden("gpt", "tp4")
@@ -122,6 +156,16 @@ def case_gpt_dp2tp2():
 @ranks(4)
 def case_gpt_cp2tp2():
     golden("gpt", "cp2tp2")
+
+
+@ranks(4)
+def case_gpt_cp2tp2b():
+    golden("gpt", "cp2tp2b")
+
+
+@ranks(4)
+def case_gpt_ulysses4b():
+    golden("gpt", "ulysses4b", dims={"seq": 128})
 
 
 @ranks(4)
@@ -149,6 +193,11 @@ def case_window_sp2():
 @ranks(2)
 def case_window_cp2():
     golden("window", "cp2")
+
+
+@ranks(2)
+def case_window_cp2b():
+    golden("window", "cp2b")
 
 
 # heads x head_dim (4 x 16) wider than hidden (32): the heads split, each head whole
@@ -210,6 +259,11 @@ def case_llama_sp2():
 @ranks(2)
 def case_llama_cp2():
     golden("llama", "cp2")
+
+
+@ranks(2)
+def case_llama_cp2b():
+    golden("llama", "cp2b")
 
 
 @ranks(4)

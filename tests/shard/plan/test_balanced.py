@@ -1,0 +1,67 @@
+"""Load-balanced (zigzag) sequence splits: which positions each rank holds, the permutation a
+gather undoes, the key prefixes each rank attends, and the compiled layout that asks for it.
+The runs themselves reproduce one rank: tests/shard/runtime/numerics_cases.py (cp2b cases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from soapstone.shard.plan.balanced import (
+    causal_prefix_work,
+    local_positions,
+    rank_runs,
+    unzigzag,
+    zigzag,
+)
+
+
+def test_rank_r_holds_chunks_r_and_2n_minus_1_minus_r():
+    """seq 16 over 2 ranks: chunks of 4, rank 0 holds 0 and 3, rank 1 holds 1 and 2."""
+    assert local_positions(16, 2, 0) == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 2, 1) == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert zigzag(8, 4) == [0, 7, 1, 6, 2, 5, 3, 4]
+
+
+@pytest.mark.parametrize("size,parts", [(16, 2), (24, 3), (64, 4), (16, 8)])
+def test_the_pieces_cover_the_sequence_once_and_the_gather_is_undone(size, parts):
+    order = zigzag(size, parts)
+    assert sorted(order) == list(range(size))
+    back = unzigzag(size, parts)
+    assert [order[i] for i in back] == list(range(size))  # gathered pieces -> natural order
+    for r in range(parts):
+        held = rank_runs(size, parts, r, balanced=True)
+        assert [p for _, first, n in held for p in range(first, first + n)] == \
+            local_positions(size, parts, r)
+        assert [at for at, _, _ in held] == [0, size // (2 * parts)]  # each chunk its own
+
+
+@pytest.mark.parametrize("size,parts", [(16, 2), (64, 4), (96, 3)])
+def test_every_rank_sees_as_many_keys(size, parts):
+    """Under a causal mask a query at p sees p + 1 keys: balanced ranks see equally many, and
+    attend key prefixes of (2n + 1) c^2 pairs (c = size / 2n), about half the dense square;
+    contiguous ranks do not (the last sees most)."""
+    c = size // (2 * parts)
+    seen = [sum(p + 1 for p in local_positions(size, parts, r)) for r in range(parts)]
+    assert len(set(seen)) == 1
+    work = [causal_prefix_work(rank_runs(size, parts, r, True), size) for r in range(parts)]
+    assert work == [pytest.approx((2 * parts + 1) * c * c / (2 * c * size))] * parts
+    plain = [causal_prefix_work(rank_runs(size, parts, r, False), size) for r in range(parts)]
+    assert plain == [pytest.approx((r + 1) / parts) for r in range(parts)]
+
+
+def test_the_layout_compiles_balanced_sequence_and_keys():
+    """`attribute seq -> cp balanced` marks seq and its rename seq_k; `show` and the
+    parallel block's text say so, and the text loads back the same."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.dsl.model.irtext import format_parallel
+
+    spec = load("examples/gpt.par")
+    par = spec.parallel("cp2b")
+    assert par.balanced == ("seq",) and spec.parallel("cp2").balanced == ()
+    program = lower(spec.model(), par)
+    assert program.balanced == ("seq", "seq_k")
+    assert program.value("tokens").local_shape == (8, 8)
+    text = format_parallel(par, source=True)
+    assert "attribute seq -> cp balanced" in text
+    assert text.count("balanced") == 1
