@@ -123,8 +123,6 @@ def _second_axis_error(ctx: Ctx, facts: Facts, kind: str, d: str, loc: Loc,
         return ctx.diag(loc, f"dim '{d}' is already mapped ({k} {d} -> {ax})",
                         "a dim maps to at most one mesh axis, except an activation dim "
                         "(attribute) split over several")
-    if d in facts.balanced:
-        return _balanced_nested(ctx, d, ax, loc)
     if axis in axes or order.index(axis) < max(order.index(a) for a in axes):
         return ctx.diag(loc, f"'{d}' is split over {', '.join(axes)} already; a dim split "
                         "over several axes nests their pieces in mesh order, so each further "
@@ -197,13 +195,14 @@ def _soap(ctx: Ctx, facts: Facts, s: ast.Soap) -> Diags:
     return diags
 
 
-def _balanced_nested(ctx: Ctx, d: str, axis: str, loc: Loc) -> Diagnostic:
-    """The refusal of a balanced split cut again over a second axis (sequence parallel inside
-    load-balanced context parallel): its pieces' positions are not built."""
-    return ctx.diag(loc, f"'{d}' split balanced over {axis} cannot be split again over a "
-                    "second axis (sequence parallel inside balanced context parallel is not "
-                    "built)", f"drop 'balanced' (contiguous chunks nest), or the second "
-                    f"mapping of '{d}'")
+def _balanced_inside(ctx: Ctx, d: str, axis: str, outer: str, loc: Loc) -> Diagnostic:
+    """The refusal of a balanced split nested inside another axis's: zigzag chunks order the
+    whole sequence, so only the outermost cut may be balanced (sequence parallel then cuts
+    each rank's chunks, in their local order, over a later axis)."""
+    return ctx.diag(loc, f"'{d}' is split over {outer} before {axis}: only its outermost "
+                    f"split may be balanced (zigzag chunks of the whole {d})",
+                    f"list '{axis}' before '{outer}' in mesh(...) and map '{d}' to it first, "
+                    "or drop 'balanced'")
 
 
 def _balanced_error(ctx: Ctx, facts: Facts, kind: str, d: str, axis: str,
@@ -214,10 +213,11 @@ def _balanced_error(ctx: Ctx, facts: Facts, kind: str, d: str, axis: str,
         return ctx.diag(loc, f"'balanced' orders a sequence split; {kind} cannot use it",
                         f"drop 'balanced' here; the sequence takes it: attribute SEQ -> {axis} "
                         "balanced")
-    if facts.mapped.get(d) != (kind, axis):
+    axes = [a for m, a in facts.soap[kind] if m == d]
+    if axis not in axes:
         return None  # the mapping itself was refused: its own error says why
-    if len([a for m, a in facts.soap[kind] if m == d]) > 1:
-        return _balanced_nested(ctx, d, axis, loc)
+    if axes[0] != axis:
+        return _balanced_inside(ctx, d, axis, axes[0], loc)
     n = facts.mesh[axis]
     if ctx.dims[d] % (2 * n):
         return ctx.diag(loc, f"{d} = {ctx.dims[d]} does not cut into 2 x {axis} = {2 * n} "

@@ -16,7 +16,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.ops.einsum import einsum_spec, matmul_split  # noqa: F401 - ops' old names
 from soapstone.shard.ops.record import Reduce
-from soapstone.shard.plan.balanced import local_positions, rank_runs, unzigzag, zigzag
+from soapstone.shard.plan.balanced import local_positions, nested_runs, unzigzag, zigzag
 from soapstone.shard.plan.program import Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
@@ -76,27 +76,57 @@ class Shards:
 
     def balanced_over(self, value: Value, dim: str) -> str | None:
         """The axis `dim` of `value` is split over in zigzag chunks (balanced), or None."""
-        axis = value.layout.split_axis(dim)
-        return axis if axis is not None and dim in self.program.balanced else None
+        axes = value.layout.dim_axes(dim)
+        if not axes or dim not in self.program.balanced:
+            return None
+        head = self._balanced_axes()[dim]
+        if axes[0] != head:  # the compiler never cuts a balanced dim inside without it
+            raise RuntimeError(f"{value.name}: {dim} is split balanced over {head}, but this "
+                               f"value cuts it over {', '.join(axes)} only")
+        return head
+
+    def _balanced_axes(self) -> dict[str, str]:
+        """Each balanced dim's own axis: the first in mesh order any value splits it over (a
+        second axis, sequence parallel, cuts inside its pieces: the checker orders them)."""
+        if "balanced" not in self.constants:
+            order = [a for a, _ in self.program.mesh]
+            found = {d: {a for v in self.program.values for a in v.layout.dim_axes(d)}
+                     for d in self.program.balanced}
+            self.constants["balanced"] = ({d: min(axes, key=order.index)
+                                          for d, axes in found.items() if axes},)
+        return self.constants["balanced"][0]
+
+    def _inner_piece(self, value: Value, dim: str) -> tuple[int, int]:
+        """(which piece, of how many) of this rank's outer piece of `dim` it holds along
+        the axes after the outermost (sequence parallel inside context parallel)."""
+        piece, pieces = 0, 1
+        for axis in value.layout.dim_axes(dim)[1:]:
+            piece, pieces = piece * self.mesh.size(axis) + self.mesh.coord(axis), \
+                pieces * self.mesh.size(axis)
+        return piece, pieces
 
     def positions(self, value: Value, dim: str) -> list[int] | None:
         """The global positions of this rank's elements along `dim` where the split is
-        balanced (zigzag chunks); None where they are one contiguous run."""
+        balanced (zigzag chunks, then a contiguous piece of their concatenation where a second
+        axis cuts it too); None where they are one contiguous run."""
         axis = self.balanced_over(value, dim)
         if axis is None:
             return None
-        return local_positions(self.sizes[dim], dict(self.program.mesh)[axis],
-                               self.mesh.coord(axis))
+        held = local_positions(self.sizes[dim], self.mesh.size(axis), self.mesh.coord(axis))
+        n = value.local_shape[value.dims.index(dim)]
+        piece, _ = self._inner_piece(value, dim)
+        return held[piece * n:(piece + 1) * n]
 
     def runs(self, value: Value, dim: str) -> list[tuple[int, int, int]]:
         """This rank's runs of consecutive positions along `dim` (balanced.rank_runs): its
-        two zigzag chunks where balanced, else its one slice."""
-        axis = value.layout.split_axis(dim)
+        two zigzag chunks where balanced (or the parts of them its piece holds), else its one
+        slice."""
         n = value.local_shape[value.dims.index(dim)]
+        axis = self.balanced_over(value, dim)
         if axis is None:
-            return [(0, 0, n)]
-        return rank_runs(self.sizes[dim], dict(self.program.mesh)[axis], self.mesh.coord(axis),
-                         dim in self.program.balanced)
+            return [(0, self.offset(value, dim), n)]
+        return nested_runs(self.sizes[dim], self.mesh.size(axis), self.mesh.coord(axis), True,
+                           *self._inner_piece(value, dim))
 
     def index(self, value: Value, dim: str) -> torch.Tensor:
         """The global positions of this rank's elements along `dim`, on the run's device."""

@@ -58,7 +58,7 @@ def rope(step, args, ctx):
     pos, over, theta = step.attr("pos"), step.attr("over"), float(step.attr("theta"))
     scaling = scaling_of(step)
     axis = ctx.balanced_over(v, pos)
-    where = ("balanced", ctx.mesh.coord(axis)) if axis else \
+    where = ("balanced", *(ctx.mesh.coord(a) for a in v.layout.dim_axes(pos))) if axis else \
         (ctx.offset(v, pos), v.local_shape[v.dims.index(pos)])
     key = ("rope", pos, over, theta, scaling, where, v.dims, x.dtype, x.device)
     if key not in ctx.constants:

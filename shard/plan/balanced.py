@@ -35,6 +35,27 @@ def rank_runs(size: int, parts: int, rank: int, balanced: bool) -> list[tuple[in
     return [(0, rank * n, n)]
 
 
+def piece_runs(runs: list[tuple[int, int, int]], start: int,
+               n: int) -> list[tuple[int, int, int]]:
+    """The runs (as `rank_runs` gives them) of the contiguous piece [start, start + n) of a
+    rank's local order, indices counted from the piece's start: sequence parallel inside a
+    balanced split cuts the rank's concatenated zigzag chunks over a second axis."""
+    out = []
+    for at, first, length in runs:
+        lo, hi = max(at, start), min(at + length, start + n)
+        if lo < hi:
+            out.append((lo - start, first + lo - at, hi - lo))
+    return out
+
+
+def nested_runs(size: int, parts: int, rank: int, balanced: bool, piece: int,
+                pieces: int) -> list[tuple[int, int, int]]:
+    """`rank_runs` of a dim split over `parts` and then, inside each rank's local order, over
+    `pieces` more (this rank holding piece `piece` of them)."""
+    n = size // parts // pieces
+    return piece_runs(rank_runs(size, parts, rank, balanced), piece * n, n)
+
+
 def zigzag(size: int, parts: int) -> list[int]:
     """The global positions in the order the ranks' pieces concatenate (rank 0's first)."""
     return [i for r in range(parts) for i in local_positions(size, parts, r)]

@@ -122,14 +122,15 @@ class ShardedModel:
     def gather(self, t: torch.Tensor, value: Value) -> torch.Tensor:
         """The full tensor from this rank's piece: allgather splits, allreduce partials."""
         t = t.detach()
-        for axis, placement in value.layout.placements:
+        # innermost first: a dim split over two axes nests the second's pieces in the first's
+        for axis, placement in reversed(value.layout.placements):
             comm = self.mesh.comm(axis)
             if placement == P:
                 t = comm.allreduce(t.clone())
             elif isinstance(placement, Split):
                 d = value.dims.index(placement.dim)
                 t = comm.allgather(t.contiguous(), dim=d)
-                if placement.dim in self.program.balanced:  # zigzag pieces: natural order
+                if self.ctx.balanced_over(value, placement.dim) == axis:  # natural order
                     t = self.ctx.reorder(t, d, comm.size, back=True)
             else:  # Owned: only the owner holds it
                 t = t.contiguous()
@@ -228,9 +229,12 @@ class ShardedModel:
             return ag.copy_to(x, comm)
         src = self.program.value(step.src)
         # a balanced split's pieces are zigzag chunks: the whole dim is permuted into their
-        # rank order before it is cut, and back into natural order once gathered
+        # rank order before it is cut over its own axis, and back into natural order once
+        # gathered; a second axis (sequence parallel) cuts and gathers the cp-local order as is
         into, out_of = (p.dim if isinstance(p, Split) and p.dim in self.program.balanced
-                        else None for p in (step.to, step.frm))
+                        and self.ctx.balanced_over(v, p.dim) == step.axis else None
+                        for p, v in ((step.to, self.program.value(step.out)),
+                                     (step.frm, src)))
         if into is not None:
             x = self.ctx.reorder(x, src.dims.index(into), comm.size)
         y = self._redistribute(step, x, comm, src)
