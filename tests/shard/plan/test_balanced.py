@@ -9,6 +9,7 @@ import pytest
 from soapstone.shard.plan.balanced import (
     causal_prefix_work,
     local_positions,
+    nested_runs,
     rank_runs,
     unzigzag,
     zigzag,
@@ -33,6 +34,27 @@ def test_the_pieces_cover_the_sequence_once_and_the_gather_is_undone(size, parts
         assert [p for _, first, n in held for p in range(first, first + n)] == \
             local_positions(size, parts, r)
         assert [at for at, _, _ in held] == [0, size // (2 * parts)]  # each chunk its own
+
+
+def test_sequence_parallel_cuts_a_ranks_concatenated_chunks():
+    """seq 12 over cp 2 balanced, then over model 3: rank 0 holds 0-2 and 9-11, in that local
+    order; model piece 1 of it is positions 2 and 9, two runs of one (it straddles the
+    chunks), each indexed from the piece's start."""
+    assert nested_runs(12, 2, 0, True, 1, 3) == [(0, 2, 1), (1, 9, 1)]
+    assert nested_runs(12, 2, 1, True, 2, 3) == [(0, 7, 2)]
+    assert nested_runs(12, 2, 1, False, 2, 3) == [(0, 10, 2)]  # contiguous: one run
+
+
+@pytest.mark.parametrize("size,parts,pieces", [(16, 2, 2), (12, 2, 3), (48, 3, 4), (64, 4, 8)])
+def test_nested_pieces_are_contiguous_slices_of_the_local_order(size, parts, pieces):
+    for r in range(parts):
+        held = local_positions(size, parts, r)
+        n = len(held) // pieces
+        for k in range(pieces):
+            runs = nested_runs(size, parts, r, True, k, pieces)
+            assert [p for _, first, m in runs for p in range(first, first + m)] == \
+                held[k * n:(k + 1) * n]
+            assert sum(m for _, _, m in runs) == n and runs[0][0] == 0
 
 
 @pytest.mark.parametrize("size,parts", [(16, 2), (64, 4), (96, 3)])
