@@ -73,8 +73,11 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
     for kind in ("sample", "attribute", "parameter"):
         pairs = getattr(par, kind)
         if pairs:
+            # only a dim's first (outermost) split is balanced: a later one cuts its local order
+            first = {d: i for i, (d, _) in reversed(list(enumerate(pairs)))}
             lines.append(f"  {kind:<9} " + ", ".join(
-                f"{d} -> {a}" + (" balanced" if d in par.balanced else "") for d, a in pairs))
+                f"{d} -> {a}" + (" balanced" if d in par.balanced and i == first[d] else "")
+                for i, (d, a) in enumerate(pairs)))
     placed = []
     for st in par.operator:
         if source:

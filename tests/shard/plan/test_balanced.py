@@ -87,3 +87,20 @@ def test_the_layout_compiles_balanced_sequence_and_keys():
     text = format_parallel(par, source=True)
     assert "attribute seq -> cp balanced" in text
     assert text.count("balanced") == 1
+
+
+def test_sequence_parallel_inside_balanced_cp_compiles_and_prints_back():
+    """`attribute seq -> cp balanced` then `seq -> model`: the tokens cut over both (each cp
+    rank's zigzag pair, halved over model); the text marks only the cp split balanced, so it
+    loads back the same."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.dsl.model.irtext import format_parallel
+
+    spec = load("examples/llama.par")
+    par = spec.parallel("cp2bsp2")
+    program = lower(spec.model(), par)
+    assert program.balanced == ("seq", "seq_k")
+    assert program.value("tokens").layout.dim_axes("seq") == ("cp", "model")
+    assert program.value("tokens").local_shape == (8, 4)
+    assert "attribute seq -> cp balanced, seq -> model\n" in format_parallel(par, source=True)
