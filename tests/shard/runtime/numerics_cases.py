@@ -267,11 +267,6 @@ def case_llama_cp2b():
 
 
 @ranks(4)
-def case_llama_cp2bsp2():
-    golden("llama", "cp2bsp2")  # zigzag chunks, each rank's pair cut again over model
-
-
-@ranks(4)
 def case_llama_tp4():
     golden("llama", "tp4")
 

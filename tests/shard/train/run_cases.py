@@ -121,7 +121,8 @@ def case_golden_examples():
 def case_sequence_inside_context_parallel_holds_what_explain_says():
     """llama.par under cp2sp2_rc (tests/specs/sp_residual.par: the sequence over cp, each cp
     piece over model, `recompute layer`) reproduces the single-rank record, and a bf16 step's
-    tensors alive (bench/bench_memory.py) are explain's within 6%."""
+    tensors alive (bench/bench_memory.py) are explain's within 6%; so are cp2bsp2's (the
+    same, balanced)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -133,4 +134,8 @@ def case_sequence_inside_context_parallel_holds_what_explain_says():
     assert_matches_golden(spec, "cp2sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
     dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
     row = memory(spec, dims, "cp2sp2_rc", W, "bf16")
+    assert abs(row["live_error"]) < 0.06, row
+    # balanced (zigzag) cp with sequence parallel inside: its run is checked against the
+    # record with every example layout (case_examples_match_their_records)
+    row = memory(str(ROOT / "examples/llama.par"), dims, "cp2bsp2", W, "bf16")
     assert abs(row["live_error"]) < 0.06, row
