@@ -193,10 +193,10 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
     seq = tuple((d, "cp") for d in dims.sequence) if c.context > 1 else ()
     seq += tuple((d, "model") for d in dims.sequence) if c.sequence else ()
     balanced: tuple[str, ...] = ()
-    if c.context > 1 and not c.sequence:
+    if c.context > 1:
         # causal attention's work evened out over the cp ranks (zigzag chunks), as
-        # Megatron's and torchtitan's context parallelism; not with sequence parallel
-        # inside it (a zigzag piece cut again over the tensor axis is not built)
+        # Megatron's and torchtitan's context parallelism; sequence parallel then cuts each
+        # cp rank's concatenated chunks over the tensor axis
         balanced = tuple(d for d in dims.sequence if model.causal_over(d)
                          and sizes[d] % (2 * c.context) == 0)
     operator: tuple[ir.StageAssignment, ...] = ()

@@ -69,7 +69,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
 from soapstone.shard.plan.analysis.precision import matmul_peaks
-from soapstone.shard.plan.balanced import causal_prefix_work, rank_runs
+from soapstone.shard.plan.balanced import causal_prefix_work, nested_runs
 from soapstone.shard.plan.dtypes import DTYPE_BYTES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import FusedAttention, find_fusions
@@ -256,13 +256,15 @@ def _attention_done(program: Program, f: FusedAttention) -> float:
     q, k = local[f.query], local[f.key]
     if k != sizes[f.key]:
         return 1.0  # split keys: an explicit mask, computed whole
-    axis = v.layout.split_axis(f.query)
-    if axis is None:
+    axes = v.layout.dim_axes(f.query)
+    if not axes:
         return causal_work(q, k) if q == k else 1.0
-    parts = dict(program.mesh)[axis]
+    mesh = dict(program.mesh)
+    parts, pieces = mesh[axes[0]], math.prod(mesh[a] for a in axes[1:])
     balanced = f.query in program.balanced
-    return max(causal_prefix_work(rank_runs(sizes[f.query], parts, r, balanced), k)
-               for r in ((0,) if balanced else (parts - 1,)))  # the busiest rank
+    # the busiest rank: the one holding the last positions (any where balanced: rank 0)
+    return max(causal_prefix_work(nested_runs(sizes[f.query], parts, r, balanced, i, pieces), k)
+               for r in ((0,) if balanced else (parts - 1,)) for i in range(pieces))
 
 
 def _float_bytes(program: Program, names) -> float:
