@@ -46,7 +46,7 @@ def test_check_explain_show_run_go_on_with_the_layouts_that_can():
     assert set(llama) == {"tp2", "sp2", "cp2sp2", "ptd8", "cp2bsp2"}
     assert "examples/llama.par:47:20: kv_heads = 1 does not divide over model = 2" in llama["tp2"]
     assert "parallels: single, dp2, tp4, cp2, pp2" in runs[0]["text"]
-    assert set(gpt2) == {"tp2", "sp2", "dptp4", "ptd8"}
+    assert set(gpt2) == {"tp2", "sp2", "dptp4", "ptd8", "cp2bsp2"}
     assert all("vocab = 50257 does not divide over model = 2" in x for x in gpt2.values())
     assert "parallels: single, dp2, cp2, cp2b, pp2" in runs[1]["text"]
     assert not _notes(runs[2]["text"])  # --parallel names a layout that can: no notes
