@@ -224,10 +224,13 @@ def test_every_candidate_prints_as_a_block_that_loads_back_equal():
     dims = layout_dims(model)
     for c in (Candidate(2, 2, 2, True, 1, "1f1b", 4), Candidate(1, 1, 4, False, 0,
                                                                 "interleaved", 4, 2),
-              Candidate(1, 4, 1, True, 0, "1f1b", 2), Candidate(1, 1, 1)):
+              Candidate(1, 4, 1, True, 0, "1f1b", 2), Candidate(1, 1, 1),
+              Candidate(1, 2, 1, True, context=2)):
         par = to_parallel(model, dims, c)
         again = load(text + format_parallel(par, source=True)).parallel("planned")
         assert again == par, c.label
+        # context parallel is balanced (zigzag chunks), sequence parallel nested inside it
+        assert par.balanced == (("seq",) if c.context > 1 else ()), c.label
 
 
 def test_context_parallel_is_searched_only_where_the_batch_does_not_divide():
