@@ -1,19 +1,18 @@
 """Lowering: give every tensor a layout, insert the collectives, produce the Program.
 
-Forward: params and inputs get layouts from the parallel block's statements; each op, in
-order, picks per mesh axis the cheapest sharding its rules allow (`rules.py`), and every arg
-whose layout differs is redistributed first (allreduce, reduce_scatter, allgather, local slice,
-all-to-all), each redistribution computed once and reused.
+Forward: params and inputs get layouts from the parallel block's statements; each op, in order,
+picks per mesh axis the cheapest sharding its rules allow (`rules.py`), and every arg whose layout
+differs is redistributed first (allreduce, reduce_scatter, allgather, local slice, all-to-all),
+each redistribution computed once and reused.
 
-Backward follows from one invariant: the gradient of a replicated value is replicated. Where
-a replicated value feeds rank-varying work (an op whose output is split or partial on that
-axis), its gradient arrives as per-rank terms; one `CopyTo` (Megatron's `f`: identity forward,
-allreduce backward) restores the invariant, unless the value was just allgathered on that axis
-(then the gather's backward becomes a reduce_scatter: sequence parallelism) or it is a parameter
-(then its gradient is summed over that axis in the gradient sync: data parallelism).
-Model inputs are data and carry no gradient, except those named in `grad_inputs` (tensors a
-pipeline stage receives, whose gradients it sends back): those follow the invariant too.
-"""
+Backward follows from one invariant: the gradient of a replicated value is replicated. Where a
+replicated value feeds rank-varying work (an op whose output is split or partial on that axis), its
+gradient arrives as per-rank terms; one `CopyTo` (Megatron's `f`: identity forward, allreduce
+backward) restores the invariant, unless the value was just allgathered on that axis (then the
+gather's backward becomes a reduce_scatter: sequence parallelism) or it is a parameter (then its
+gradient is summed over that axis in the gradient sync: data parallelism). Model inputs are data
+and carry no gradient, except those named in `grad_inputs` (tensors a pipeline stage receives,
+whose gradients it sends back): those follow the invariant too."""
 
 from __future__ import annotations
 
