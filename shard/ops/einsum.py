@@ -108,6 +108,32 @@ def float8_steps(program) -> dict[int, int]:
     return out
 
 
+def float8_gathers(program) -> dict[int, str]:
+    """The allgathers `--precision float8` runs in float8 -> the axis they gather over: each
+    float allgather (sequence parallelism's, before the linears) whose value only float8 steps
+    read, each as its activation. As torchtitan's Float8 tensor parallel: every rank casts its
+    shard at the global amax (a one-scalar allreduce max) and the e4m3 bytes travel, half of
+    bf16's; the cast is the one gather-then-cast makes, bit for bit
+    (shard/runtime/float8.py `Float8Gather`). A regathered value gathers its float8 bytes
+    again for backward; a balanced split's is left alone (it is reordered around its gather)."""
+    f8 = float8_steps(program)
+    readers: dict[str, list[tuple[int, int]]] = {}
+    for i, step in enumerate(program.steps):
+        for j, a in enumerate(getattr(step, "args", ())):
+            readers.setdefault(a, []).append((i, j))
+    kept = {o.value for o in program.outputs}
+    out = {}
+    for i, step in enumerate(program.steps):
+        gather = hasattr(step, "frm") and str(step.kind) == "allgather"  # a Redistribute
+        if not gather or step.out in kept or not program.value(step.src).is_float \
+                or step.frm.dim in program.balanced:
+            continue
+        seen = readers.get(step.out, [])
+        if seen and all(r in f8 and j == 0 for r, j in seen):
+            out[i] = step.axis
+    return out
+
+
 FLOAT8_MULTIPLE = 16  # torch._scaled_mm's width rule on CUDA
 
 
