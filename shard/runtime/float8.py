@@ -23,7 +23,11 @@ Attention's activation-activation matmuls never come here (shard/ops/einsum.py
 
 Scales are per local tensor: under tensor or sequence parallelism each rank scales its own
 shard (torchao over DTensor takes the global amax), so a layout's steps agree with one rank's
-within float8 rounding, not bit for bit.
+within float8 rounding, not bit for bit. One exception, torchtitan's Float8 tensor parallel:
+sequence parallelism's gather of a float8 linear's input (einsum.py `float8_gathers`) casts
+each shard at the amax allreduced over the gather's axis and moves e4m3 bytes
+(`Float8Gather`); that is the cast of the gathered tensor, so the step is bit for bit the
+bf16-gather-then-cast one, with half the gathered bytes.
 """
 
 from __future__ import annotations
