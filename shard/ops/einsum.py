@@ -108,15 +108,18 @@ def float8_steps(program) -> dict[int, int]:
     return out
 
 
-def float8_gathers(program) -> dict[int, str]:
+def float8_gathers(program, marked: bool = False) -> dict[int, str]:
     """The allgathers `--precision float8` runs in float8 -> the axis they gather over: each
     float allgather (sequence parallelism's, before the linears) whose value only float8 steps
     read, each as its activation. As torchtitan's Float8 tensor parallel: every rank casts its
     shard at the global amax (a one-scalar allreduce max) and the e4m3 bytes travel, half of
     bf16's; the cast is the one gather-then-cast makes, bit for bit
     (shard/runtime/float8.py `Float8Gather`). A regathered value gathers its float8 bytes
-    again for backward; a balanced split's is left alone (it is reordered around its gather)."""
-    f8 = float8_steps(program)
+    again for backward; a balanced split's is left alone (it is reordered around its gather).
+    `marked`: only readers marked float8 = true (a Program as `--precision float8` runs it:
+    precision.program_as_run), for the estimates."""
+    f8 = {i for i in float8_steps(program)
+          if not marked or program.steps[i].attr("float8") is True}
     readers: dict[str, list[tuple[int, int]]] = {}
     for i, step in enumerate(program.steps):
         for j, a in enumerate(getattr(step, "args", ())):
