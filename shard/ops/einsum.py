@@ -115,7 +115,8 @@ def float8_gathers(program, marked: bool = False) -> dict[int, str]:
     shard at the global amax (a one-scalar allreduce max) and the e4m3 bytes travel, half of
     bf16's; the cast is the one gather-then-cast makes, bit for bit
     (shard/runtime/float8.py `Float8Gather`). A regathered value gathers its float8 bytes
-    again for backward; a balanced split's is left alone (it is reordered around its gather).
+    again for backward; a balanced split's gather over its balancing axis is left alone (it is
+    reordered around it).
     `marked`: only readers marked float8 = true (a Program as `--precision float8` runs it:
     precision.program_as_run), for the estimates."""
     f8 = {i for i in float8_steps(program)
@@ -128,9 +129,11 @@ def float8_gathers(program, marked: bool = False) -> dict[int, str]:
     out = {}
     for i, step in enumerate(program.steps):
         gather = hasattr(step, "frm") and str(step.kind) == "allgather"  # a Redistribute
-        if not gather or step.out in kept or not program.value(step.src).is_float \
-                or step.frm.dim in program.balanced:
+        if not gather or step.out in kept or not program.value(step.src).is_float:
             continue
+        src = program.value(step.src)
+        if step.frm.dim in program.balanced and src.layout.dim_axes(step.frm.dim)[0] == step.axis:
+            continue  # the balancing axis's own gather: its pieces are reordered around it
         seen = readers.get(step.out, [])
         if seen and all(r in f8 and j == 0 for r, j in seen):
             out[i] = step.axis
