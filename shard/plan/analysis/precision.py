@@ -73,13 +73,16 @@ def program_as_run(program: Program, precision: str) -> Program:
     if dtype is None:
         return program
     steps = program.steps
-    if precision == "float8":  # the steps that run in float8 say so (their working set)
-        from soapstone.shard.ops.einsum import float8_steps
+    if precision == "float8":  # the steps that run in float8 say so (their working set),
+        # and those whose input a float8 gather brings (no cast of theirs: float8_scratch)
+        from soapstone.shard.ops.einsum import float8_gathers, float8_steps
 
         f8 = float8_steps(program)
-        steps = tuple(attrs.evolve(s, attrs=tuple(sorted({**dict(s.attrs), "float8": True}
-                                                         .items())))
-                      if i in f8 else s for i, s in enumerate(steps))
+        gathered = {steps[i].out for i in float8_gathers(program)}
+        steps = tuple(attrs.evolve(s, attrs=tuple(sorted(
+            {**dict(s.attrs), "float8": True,
+             **({"float8_gathered": True} if s.args[0] in gathered else {})}.items())))
+            if i in f8 else s for i, s in enumerate(steps))
     return attrs.evolve(program, values=tuple(_retype(v, dtype) for v in program.values),
                         params=tuple(_retype(p, dtype) for p in program.params), steps=steps)
 
