@@ -16,12 +16,12 @@ from soapstone.comm import autograd as ag
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
 from soapstone.shard.ops.dispatch import run_op
+from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
-from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.runtime.float8 import LastCast, float8_gather, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.overwrite_plan import overwritable
