@@ -126,8 +126,11 @@ def float8_gathers(program, marked: bool = False) -> dict[int, str]:
           if not marked or program.steps[i].attr("float8") is True}
     readers: dict[str, list[tuple[int, int]]] = {}
     for i, step in enumerate(program.steps):
-        for j, a in enumerate(getattr(step, "args", ())):
-            readers.setdefault(a, []).append((i, j))
+        if hasattr(step, "args"):
+            for j, a in enumerate(step.args):
+                readers.setdefault(a, []).append((i, j))
+        else:  # a collective reads its src (position -1: no float8 matmul's activation)
+            readers.setdefault(step.src, []).append((i, -1))
     kept = {o.value for o in program.outputs}
     out = {}
     for i, step in enumerate(program.steps):
