@@ -12,8 +12,9 @@ from soapstone.shard.plan.sizes import DRAWN_MICROBATCHES
 
 
 def render(spec, model_name: str | None = None, parallel: str | None = None,
-           as_json: bool = False) -> str:
-    """The text `show` prints for a loaded spec (SpecError for unknown names)."""
+           as_json: bool = False, precision: str = "fp32") -> str:
+    """The text `show` prints for a loaded spec (SpecError for unknown names); `precision`:
+    the layout as `run --precision` runs it (its dtypes, float8's steps and gathers)."""
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.dsl.model.irtext import format_model, format_parallel, to_data
     from soapstone.shard.plan.program_text import (
@@ -29,6 +30,10 @@ def render(spec, model_name: str | None = None, parallel: str | None = None,
     # the schedule every pipe rank runs; one stage prints its Program (compiled for one
     # microbatch when the schedule accumulates gradients over several).
     graph = lower_graph(model, par) if par is not None else None
+    if graph is not None and precision != "fp32":
+        from soapstone.shard.plan.analysis.precision import graph_as_run
+
+        graph = graph_as_run(graph, precision)
     staged = graph is not None and graph.axis is not None
     program = graph.program if graph is not None and not staged else None
     schedule = grouping = None

@@ -1,11 +1,13 @@
-"""`soapstone show SPEC [--model M] [--parallel P] [--json]`: the checked IR, and with
---parallel the lowered Program (every tensor's layout, every collective with its bytes)."""
+"""`soapstone show SPEC [--model M] [--parallel P] [--json] [--precision P]`: the checked IR,
+and with --parallel the lowered Program (every tensor's layout, every collective with its
+bytes; under --precision, as that run keeps and moves them)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims, report_refusals
 from soapstone.dsl.commands import fail
@@ -18,6 +20,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="which model (default: the only one, or --parallel's)")
     parser.add_argument("--parallel", help="also show this parallel block")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--precision", choices=COMMAND_PRECISIONS, default="fp32",
+                        help="the layout as run --precision runs it (default fp32, the "
+                        "spec's dtypes; float8 marks its float8 gathers)")
     add_spec_options(parser)
 
 
@@ -30,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         load_plugins(args.plugin)
         spec = load(args.spec, dims=dims, filename=args.spec)
-        out = render(spec, args.model, args.parallel, args.json)
+        out = render(spec, args.model, args.parallel, args.json, args.precision)
         report_refusals(spec, args.parallel)
     except UserError as e:
         return fail(e)

@@ -72,15 +72,18 @@ def float8_scratch(step, program, biased: bool = False) -> tuple[int, int]:
     follows): the product beside the sum and x's copy (kept for the next matmul: LastCast).
     Backward: casting the gradient g (8Y, before either operand's gradient exists), then w
     beside g's copy, then x beside both (x's gradient made), then the weight gradient's
-    matmul with g's and x's copies and each one's transposed copy."""
+    matmul with g's and x's copies and each one's transposed copy. An x a float8 gather
+    brought (float8_gathered: precision.program_as_run marks it) is cast by neither: its
+    float8 copy is the gather's, kept for backward."""
     x, w = (program.value(n) for n in step.args)
     y = program.value(step.out)
     nx, nw, ny = (math.prod(v.local_shape) for v in (x, w, y))
     gx, gw = x.nbytes, w.nbytes
-    fwd = max(CAST_BYTES * nx - y.nbytes, nx + CAST_BYTES * nw - y.nbytes, nx + 2 * nw,
+    cast_x = 0 if step.attr("float8_gathered") is True else CAST_BYTES * nx
+    fwd = max(cast_x - y.nbytes, nx + CAST_BYTES * nw - y.nbytes, nx + 2 * nw,
               nx + y.nbytes if biased else 0)
     bwd = max(CAST_BYTES * ny - gx - gw, ny + CAST_BYTES * nw - gx - gw,
-              ny + nw + CAST_BYTES * nx - gw, 2 * ny + nw + 2 * nx)
+              ny + nw + cast_x - gw, 2 * ny + nw + 2 * nx)
     return max(0, fwd), max(0, bwd)
 
 
@@ -105,6 +108,41 @@ def float8_steps(program) -> dict[int, int]:
         k = matmul_split(a.dims, b.dims, program.value(step.out).dims)
         if k and b.name in program.weights and a.name not in program.weights:
             out[i] = k
+    return out
+
+
+def float8_gathers(program, marked: bool = False) -> dict[int, str]:
+    """The allgathers `--precision float8` runs in float8 -> the axis they gather over: each
+    float allgather (sequence parallelism's, before the linears) whose value only float8 steps
+    read, each as its activation. As torchtitan's Float8 tensor parallel: every rank casts its
+    shard at the global amax (a one-scalar allreduce max) and the e4m3 bytes travel, half of
+    bf16's; the cast is the one gather-then-cast makes, bit for bit
+    (shard/runtime/float8.py `Float8Gather`). A regathered value gathers its float8 bytes
+    again for backward; a balanced split's gather over its balancing axis is left alone (it is
+    reordered around it).
+    `marked`: only readers marked float8 = true (a Program as `--precision float8` runs it:
+    precision.program_as_run), for the estimates."""
+    f8 = {i for i in float8_steps(program)
+          if not marked or program.steps[i].attr("float8") is True}
+    readers: dict[str, list[tuple[int, int]]] = {}
+    for i, step in enumerate(program.steps):
+        if hasattr(step, "args"):
+            for j, a in enumerate(step.args):
+                readers.setdefault(a, []).append((i, j))
+        else:  # a collective reads its src (position -1: no float8 matmul's activation)
+            readers.setdefault(step.src, []).append((i, -1))
+    kept = {o.value for o in program.outputs}
+    out = {}
+    for i, step in enumerate(program.steps):
+        gather = hasattr(step, "frm") and str(step.kind) == "allgather"  # a Redistribute
+        if not gather or step.out in kept or not program.value(step.src).is_float:
+            continue
+        src = program.value(step.src)
+        if step.frm.dim in program.balanced and src.layout.dim_axes(step.frm.dim)[0] == step.axis:
+            continue  # the balancing axis's own gather: its pieces are reordered around it
+        seen = readers.get(step.out, [])
+        if seen and all(r in f8 and j == 0 for r, j in seen):
+            out[i] = step.axis
     return out
 
 

@@ -19,7 +19,8 @@ the same backward graph, so the gathers meet in the same order on every rank.
 Rebuilding draws the same dropout masks: the model's Shards context is set back to the
 forward's settings (training step, microbatch window) around the second run. The selective
 steps make no collective (the rule refuses distributed forms) and read no ZeRO-3 parameter;
-the one collective run again is a regathered value's all-gather, which the plan counts.
+the one collective run again is a regathered value's all-gather, which the plan counts (a
+float8 gather's stand-in holds no bytes: its float8 values are what is freed and refilled).
 `recompute ops` (op_policy_plan.py) also runs weight matmuls again: under ZeRO-3 their
 weights' bucket is gathered at the rebuild (zero.py `gather_for`), which is backward's own
 gather of it, moved a little earlier: no gather is added.
@@ -32,6 +33,7 @@ import torch
 from soapstone.shard.parallel.regather_plan import gather_step
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.program import Compute, Program
+from soapstone.shard.runtime.float8 import float8_bytes
 from soapstone.shard.runtime.memory import storage_resized
 
 
@@ -90,8 +92,11 @@ class _Recipe:
     def discard(self, t: torch.Tensor) -> None:
         """Free the storage when the tensor owns exactly it (else keep it: a layout the copy
         back could not restore)."""
+        if t.grad_fn is None:
+            return
+        t = float8_bytes(t)
         st = t.untyped_storage()
-        if t.grad_fn is None or not t.is_contiguous() or t.storage_offset() != 0 \
+        if not t.is_contiguous() or t.storage_offset() != 0 \
                 or st.nbytes() != t.numel() * t.element_size():
             return
         self.inputs = {a: self.owner.held[a] for a in self.owner.plan.inputs[self.name]}
@@ -121,10 +126,10 @@ class _Recipe:
                 for i in owner.plan.chains[self.name]:
                     step = model.program.steps[i]
                     local[step.out] = model._run(step, local)
-                fresh = local[self.name].contiguous()
+                fresh = float8_bytes(local[self.name]).contiguous()
         finally:
             ctx.rng_step, ctx.window, ctx.training = then
-        st = self.tensor.untyped_storage()
+        st = float8_bytes(self.tensor).untyped_storage()
         st.resize_(fresh.untyped_storage().nbytes())
         storage_resized(st, 0)
         st.copy_(fresh.untyped_storage())

@@ -12,9 +12,11 @@ bucket under the layout's ZeRO stage.
 from __future__ import annotations
 
 import json
+import math
 
 import attrs
 
+from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.analysis.explain import Traffic, estimate
@@ -95,15 +97,21 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
     starts = {a: b for a, b in program.recompute}
     dropped = {n: [program.steps[i].kind for i in rebuild_steps(program, n)]
                for n in program.dropped}
+    f8 = float8_gathers(program, marked=True)  # show --precision float8
     for i, s in enumerate(program.steps):
         if i in starts:  # what backward runs again: the range's steps, from its inputs
             lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
                          "backward runs them again")
         lines.append(format_step(program, s))
+        e4m3 = math.prod(program.value(s.out).local_shape) if i in f8 else None
         if s.out in program.regathered:  # sequence parallelism's linear inputs
             lines.append(f"      # kept as its shard {s.src}: freed after forward's last use, "
                          f"gathered again for backward (backward allgather "
-                         f"{format_bytes(s.nbytes)})")
+                         f"{format_bytes(s.nbytes if e4m3 is None else e4m3)})")
+        if e4m3 is not None:  # float8's gather of a float8 linear's input (float8_gathers)
+            lines.append(f"      # float8: each rank casts its shard at the amax allreduced "
+                         f"over {s.axis} (4 B), then the gather moves e4m3, "
+                         f"{format_bytes(e4m3)}")
         if s.out in dropped:  # `recompute selective` or `recompute ops`
             lines.append(f"      # recompute {program.drop_rule}: freed after forward's last "
                          f"use, rebuilt for backward ({' -> '.join(dropped[s.out])} again)")

@@ -23,7 +23,11 @@ Attention's activation-activation matmuls never come here (shard/ops/einsum.py
 
 Scales are per local tensor: under tensor or sequence parallelism each rank scales its own
 shard (torchao over DTensor takes the global amax), so a layout's steps agree with one rank's
-within float8 rounding, not bit for bit.
+within float8 rounding, not bit for bit. One exception, torchtitan's Float8 tensor parallel:
+sequence parallelism's gather of a float8 linear's input (einsum.py `float8_gathers`) casts
+each shard at the amax allreduced over the gather's axis and moves e4m3 bytes
+(`Float8Gather`); that is the cast of the gathered tensor, so the step is bit for bit the
+bf16-gather-then-cast one, with half the gathered bytes.
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ class Float8Shape(UserError, ValueError):
     """A float8 matmul whose widths `_scaled_mm` cannot take."""
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t in `dtype` at scale fmax / amax, saturated; the inverse scale `_scaled_mm` takes)."""
+def to_float8(t: torch.Tensor, dtype: torch.dtype,
+              amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in `dtype` at scale fmax / amax, saturated; the inverse scale `_scaled_mm` takes);
+    `amax`: the max |.| of the whole tensor t is a shard of (default: t's own)."""
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().max().to(torch.float64)
+    amax = (t.detach().abs().max() if amax is None else amax).to(torch.float64)
     scale = (fmax / amax.clamp(min=EPS)).to(torch.float32)
     data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
     return data, scale.reciprocal()
@@ -73,8 +79,12 @@ class Float8Matmul(torch.autograd.Function):
     `xq`, `xi`: x's cast already made (`LastCast`), or None."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, xq=None, xi=None) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, xq=None, xi=None,
+                gathered: bool = False) -> torch.Tensor:
+        # gathered: x is a float8 gather's stand-in (`Float8Gather`), xq its only values;
+        # backward keeps xq (1 byte an element, as torchao keeps a float8-gathered input)
+        ctx.gathered, ctx.dtype = gathered, x.dtype
+        ctx.save_for_backward(*((xq, xi) if gathered else (x,)), w)
         if xq is None:
             xq, xi = to_float8(x, E4M3)
         wq, wi = to_float8(w, E4M3)
@@ -82,16 +92,63 @@ class Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w = ctx.saved_tensors
+        *xs, w = ctx.saved_tensors
         gq, gi = to_float8(g, E5M2)
         gx = gw = None
         if ctx.needs_input_grad[0]:
             wq, wi = to_float8(w, E4M3)
-            gx = _mm(gq, gi, wq.t(), wi, x.dtype)  # g . w^T: w^T is column-major already
+            gx = _mm(gq, gi, wq.t(), wi, ctx.dtype)  # g . w^T: w^T is column-major already
         if ctx.needs_input_grad[1]:
-            xq, xi = to_float8(x, E4M3)
+            # the same cast again: x's own amax is the global one a gather casts at
+            xq, xi = xs if ctx.gathered else to_float8(xs[0], E4M3)
             gw = _mm(xq.t(), xi, gq, gi, w.dtype)  # x^T . g
-        return gx, gw, None, None
+        return gx, gw, None, None, None
+
+
+class Float8Gather(torch.autograd.Function):
+    """Sequence parallelism's allgather of a float8 linear's input, in float8 (torchtitan's
+    Float8 tensor parallel): the shards' amax allreduced (max: one scalar), each shard cast to
+    e4m3 at that global scale, the e4m3 bytes gathered. The cast equals gathering then casting
+    bit for bit (same scale, elementwise). The result is a stand-in of the gathered shape that
+    holds no bytes (an expanded scalar) and carries the gradient; its float8 values travel
+    beside it (`gathered_cast`). Backward as the bf16 allgather's: reduce-scatter or slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm, dim: int, grad: str, box: list) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.grad = comm, dim, grad
+        amax = x.detach().abs().max().to(torch.float32).reshape(1)
+        comm.allreduce(amax, op="max")
+        xq, xi = to_float8(x, E4M3, amax[0])
+        # the communicators carry no float8 dtype: its bytes travel as uint8
+        box.append((comm.allgather(xq.view(torch.uint8), dim).view(E4M3), xi))
+        return x.new_zeros(()).expand(box[0][0].shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        c = ctx.comm
+        if ctx.grad == "partial":
+            return c.reduce_scatter(g.contiguous(), ctx.dim), None, None, None, None
+        return g.chunk(c.size, ctx.dim)[c.rank].contiguous(), None, None, None, None
+
+
+def float8_gather(x: torch.Tensor, comm, dim: int, grad: str) -> torch.Tensor:
+    """x's allgather along `dim` over `comm` in float8 (`Float8Gather`): the stand-in, with
+    its float8 values and inverse scale as its `float8_cast`."""
+    box: list = []
+    y = Float8Gather.apply(x, comm, dim, grad, box)
+    y.float8_cast = box[0]
+    return y
+
+
+def gathered_cast(source) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The float8 values `float8_gather` made for `source`, or None (any other tensor)."""
+    return getattr(source, "float8_cast", None)
+
+
+def float8_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding t's bytes: a float8 gather's values for its stand-in, else t."""
+    cast = gathered_cast(t)
+    return t if cast is None else cast[0]
 
 
 class LastCast:
@@ -123,6 +180,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, where: str, last: LastCast | None =
     `last` shares x's cast with the matmul before when both read `source` (x before its
     reshape)."""
     check_widths(x.shape[0], x.shape[1], w.shape[1], where)
+    cast = gathered_cast(source)
+    if cast is not None:
+        return Float8Matmul.apply(x, w, cast[0].reshape(x.shape), cast[1], True)
     if last is None or source is None:
         return Float8Matmul.apply(x, w)
     return Float8Matmul.apply(x, w, *last.of(source, x))

@@ -16,12 +16,13 @@ from soapstone.comm import autograd as ag
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
 from soapstone.shard.ops.dispatch import run_op
+from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
-from soapstone.shard.runtime.float8 import LastCast, float8_matmuls
+from soapstone.shard.runtime.float8 import LastCast, float8_gather, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.overwrite_plan import overwritable
 from soapstone.shard.runtime.param_init import (  # noqa: F401
@@ -85,8 +86,11 @@ class ShardedModel:
         # float8: the weight matmuls in float8 (--precision float8), refused up front where
         # a width is no multiple of 16 (Float8Shape, a UserError)
         self.float8_last = LastCast() if float8 else None
+        # and sequence parallelism's gathers of their inputs in float8 too (einsum.py)
+        self.float8_gathered = set()
         if float8:
             self.ctx.float8 = float8_matmuls(program, self.float8_last)
+            self.float8_gathered = {program.steps[i].out for i in float8_gathers(program)}
         # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
         # draw=False leaves them empty for weights loaded right after (--init, --resume)
         def first(p):
@@ -248,6 +252,8 @@ class ShardedModel:
             if step.kind is RedistributeKind.ALLGATHER:
                 return comm.allgather(x.contiguous(), dim=src.dims.index(step.frm.dim))
             return x.chunk(comm.size, src.dims.index(step.to.dim))[comm.rank].contiguous()
+        if step.out in self.float8_gathered:
+            return float8_gather(x, comm, src.dims.index(step.frm.dim), step.grad)
         return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
 
     def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:

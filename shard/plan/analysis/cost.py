@@ -61,7 +61,7 @@ import math
 
 import attrs
 
-from soapstone.shard.ops.einsum import float8_steps
+from soapstone.shard.ops.einsum import float8_gathers, float8_steps
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.selective_plan import rebuild_steps
@@ -164,8 +164,8 @@ def causal_work(queries: int, keys: int, tile: int = FLASH_TILE) -> float:
     return done / (queries * keys)
 
 
-def float8_casts(x: float, w: float, y: float, nbytes: float,
-                 shared: bool = False) -> tuple[float, float]:
+def float8_casts(x: float, w: float, y: float, nbytes: float, shared: bool = False,
+                 gathered: int = 0, regathered: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes the casts of one float8 matmul move (shard/runtime/float8.py)
     for x, w and y elements of `nbytes` each: a cast to float8 is an amax pass (reads the
     tensor) and a scaling pass (reads it, writes 1 byte an element), 2 x nbytes + 1 bytes an
@@ -173,8 +173,15 @@ def float8_casts(x: float, w: float, y: float, nbytes: float,
     Forward casts x (unless `shared`: the matmul before read the same x, LastCast) and w, and
     lays w out column-major. Backward casts the output gradient (y elements), casts x and w
     again (backward keeps them in bf16, as torchao does), and copies x^T row-major and the
-    gradient column-major for grad_w = x^T . g."""
+    gradient column-major for grad_w = x^T . g. `gathered`: x came through a float8 gather
+    over that many ranks (einsum.float8_gathers): its cast is of this rank's shard, before
+    the gather (x / gathered elements, by the first reader), and backward keeps the gathered
+    float8 x instead of casting again (`regathered`: it casts the shard again to regather)."""
     cast = 2 * nbytes + 1
+    if gathered:
+        mine = x / gathered
+        return cast * ((0 if shared else mine) + w) + 2 * w, \
+            cast * (y + w + (0 if shared or not regathered else mine)) + 2 * (x + y)
     return cast * ((0 if shared else x) + w) + 2 * w, cast * (y + x + w) + 2 * (x + y)
 
 
@@ -200,11 +207,16 @@ def _work(program: Program, indices) -> Work:
             if i in indices and isinstance(s, Compute)}
     f8_flops = f8_fwd = f8_bwd = 0.0
     last = None  # the input of the float8 matmul before: its cast is shared (LastCast)
+    mesh = dict(program.mesh)
+    gathered = {program.steps[j].out: mesh[a]
+                for j, a in float8_gathers(program, marked=True).items()}
     for i in sorted(float8_steps(program).keys() & indices):
         x, w, y = (program.value(n) for n in (*program.steps[i].args, program.steps[i].out))
         f8_flops += record_of("einsum").flops(program.steps[i], program)
         fwd, bwd = float8_casts(*(math.prod(v.local_shape) for v in (x, w, y)),
-                                DTYPE_BYTES[x.dtype], shared=x.name == last)
+                                DTYPE_BYTES[x.dtype], shared=x.name == last,
+                                gathered=gathered.get(x.name, 0),
+                                regathered=x.name in program.regathered)
         f8_fwd, f8_bwd, last = f8_fwd + fwd, f8_bwd + bwd, x.name
     ops = sum(1 for i in range(len(program.steps)) if i in indices and i not in covered and
               work.get(i) is not Bound.VIEW)  # a view is no work

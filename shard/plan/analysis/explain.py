@@ -88,6 +88,7 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.regather_plan import without_recompute
@@ -223,16 +224,21 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     phases = phase_figures(program) if activations is None else None
     activations, transient = activations or (phases.saved, max(phases.forward, phases.backward))
     again = {i for a, b in program.recompute for i in range(a, b)}
+    f8 = float8_gathers(program, marked=True)
     for i, step in enumerate(program.steps):
         if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
-            if forward_op(step):
-                add("forward", forward_op(step), step.axis, forward_bytes(program, step))
-                if i in again:  # recompute: backward runs the forward's collectives again
-                    add("recompute", forward_op(step), step.axis, forward_bytes(program, step))
+            gathers = [("forward", True), ("recompute", i in again),
+                       ("backward", step.out in program.regathered)]  # kept as its shard
+            for phase in (p for p, runs in gathers if runs and forward_op(step)):
+                if i in f8:  # float8's gather (einsum.float8_gathers): 1 byte an element,
+                    # after the amax's allreduce (one fp32 scalar)
+                    add(phase, "allreduce", step.axis, 4)
+                    add(phase, "allgather", step.axis, forward_bytes(program, step)
+                        // FLOAT_BYTES[program.value(step.out).dtype])
+                else:
+                    add(phase, forward_op(step), step.axis, forward_bytes(program, step))
             if backward_op(step) and program.value(step.src).is_float:
                 add("backward", backward_op(step), step.axis, backward_bytes(program, step))
-            if step.out in program.regathered:  # kept as its shard: gathered again
-                add("backward", forward_op(step), step.axis, forward_bytes(program, step))
         if not isinstance(step, Compute):
             continue
         rec = record_of(step.kind)

@@ -73,13 +73,16 @@ def program_as_run(program: Program, precision: str) -> Program:
     if dtype is None:
         return program
     steps = program.steps
-    if precision == "float8":  # the steps that run in float8 say so (their working set)
-        from soapstone.shard.ops.einsum import float8_steps
+    if precision == "float8":  # the steps that run in float8 say so (their working set),
+        # and those whose input a float8 gather brings (no cast of theirs: float8_scratch)
+        from soapstone.shard.ops.einsum import float8_gathers, float8_steps
 
         f8 = float8_steps(program)
-        steps = tuple(attrs.evolve(s, attrs=tuple(sorted({**dict(s.attrs), "float8": True}
-                                                         .items())))
-                      if i in f8 else s for i, s in enumerate(steps))
+        gathered = {steps[i].out for i in float8_gathers(program)}
+        steps = tuple(attrs.evolve(s, attrs=tuple(sorted(
+            {**dict(s.attrs), "float8": True,
+             **({"float8_gathered": True} if s.args[0] in gathered else {})}.items())))
+            if i in f8 else s for i, s in enumerate(steps))
     return attrs.evolve(program, values=tuple(_retype(v, dtype) for v in program.values),
                         params=tuple(_retype(p, dtype) for p in program.params), steps=steps)
 
@@ -99,17 +102,21 @@ def graph_as_run(graph, precision: str):
 
 def float8_line(graph) -> str:
     """explain's line under `--precision float8`: how many weight matmuls of the stage graph
-    run in float8 (einsum.float8_steps) and how many weight einsums stay in bf16."""
-    from soapstone.shard.ops.einsum import float8_steps
+    run in float8 (einsum.float8_steps), how many weight einsums stay in bf16, and how many
+    gathers move float8 (einsum.float8_gathers)."""
+    from soapstone.shard.ops.einsum import float8_gathers, float8_steps
 
-    ran = kept = 0
+    ran = kept = gathers = 0
     for stage in graph.stages:
         program = stage.program
         f8 = float8_steps(program)
         ran += len(f8)
+        gathers += len(float8_gathers(program))
         kept += sum(1 for i, s in enumerate(program.steps)
                     if getattr(s, "kind", None) == "einsum" and i not in f8
                     and set(s.args) & program.weights)
     return (f"float8: {ran} weight matmuls in float8 (e4m3 x e4m3 forward, e5m2 gradients, "
             f"dynamic per-tensor scales), {kept} weight einsums in bf16 (float8 = false, or "
-            f"not a plain matmul); attention's products in bf16")
+            f"not a plain matmul); attention's products in bf16"
+            + (f"; {gathers} sequence-parallel gathers of their inputs move e4m3 (1 byte an "
+               "element, at the amax allreduced over the axis)" if gathers else ""))

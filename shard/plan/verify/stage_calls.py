@@ -9,6 +9,7 @@ import functools
 import math
 
 from soapstone.comm.accounting import bus_bytes
+from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
 from soapstone.shard.parallel.regather_plan import first_backward_reader, gather_step
@@ -106,6 +107,8 @@ class StageCalls:
         # sequence parallelism: a gathered linear input gathered again before the backward
         # of its last reader (regather_plan.py)
         self.regather: dict[int, list[int]] = {}
+        # --precision float8: the gathers that move e4m3 (einsum.float8_gathers)
+        self.float8_gathers = float8_gathers(p, marked=True)
         for n in p.regathered:
             at = first_backward_reader(p, n, runs_at)
             self.regather.setdefault(at, []).append(gather_step(p, n))
@@ -192,15 +195,22 @@ class StageCalls:
             out.extend(self._forward_step(i, p.steps[i], mb))
         return [o for o in out if o is not None]
 
+    def _gather(self, j: int, phase: str, mb) -> list[Op | None]:
+        """Step j's forward collective (in `phase`): under float8, a float8 gather is the
+        amax's allreduce, then the e4m3 bytes gathered as uint8 (shard/runtime/float8.py)."""
+        p, s, src = self.program, self.program.steps[j], self.sources[j]
+        shape, dtype = _shape(p, s.src)
+        if j in self.float8_gathers:
+            return [self.op("allreduce", (s.axis,), (1,), "f32", 4, phase, mb, src),
+                    self.op("allgather", (s.axis,), shape, "uint8",
+                            math.prod(p.value(s.out).local_shape), phase, mb, src)]
+        return [self.op(forward_op(s), (s.axis,), shape, dtype, forward_bytes(p, s), phase,
+                        mb, src)]
+
     def _forward_step(self, i, s, mb) -> list[Op | None]:
         p, src = self.program, self.sources[i]
         if isinstance(s, Redistribute | CopyTo):
-            kind = forward_op(s)
-            if not kind:
-                return []
-            shape, dtype = _shape(p, s.src)
-            return [self.op(kind, (s.axis,), shape, dtype, forward_bytes(p, s), "forward",
-                            mb, src)]
+            return self._gather(i, "forward", mb) if forward_op(s) else []
         if isinstance(s, Compute) and s.dist:
             return [self.op("allreduce", (axis,), shape, dtype, nbytes, "forward", mb, src)
                     for shape, dtype, nbytes, _ in self._stats(s) for axis in s.dist] + [
@@ -287,10 +297,7 @@ class StageCalls:
 
     def _regather(self, i, mb) -> list[Op | None]:
         """The gathers of the linear inputs whose first backward reader runs at i, again."""
-        return [self.op("allgather", (s.axis,), _shape(self.program, s.src)[0],
-                        _shape(self.program, s.src)[1], forward_bytes(self.program, s),
-                        "backward", mb, self.sources[j])
-                for j in self.regather.get(i, ()) for s in (self.program.steps[j],)]
+        return [o for j in self.regather.get(i, ()) for o in self._gather(j, "backward", mb)]
 
     def _backward_step(self, i, s, mb) -> list[Op | None]:
         p, src = self.program, self.sources[i]

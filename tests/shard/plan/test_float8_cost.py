@@ -4,6 +4,7 @@ hand computation; no timings."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from soapstone import dsl
@@ -111,3 +112,54 @@ def test_a_float8_matmul_holds_its_casts_while_it_runs():
     assert float8_scratch(first, prog, biased=True) == (9216, 28672)
     assert float8_scratch(first, prog)[0] == 3072
     assert activation_figures(f8)[0] == activation_figures(bf16)[0]
+
+
+def test_a_float8_gathers_casts_and_traffic_by_hand():
+    # x gathered over 8 ranks in float8: forward casts this rank's eighth (512 of 4096) before
+    # the gather; backward keeps the gathered float8 x (no cast of x), casting the shard again
+    # only where it regathers
+    cast = 2 * 2 + 1
+    assert float8_casts(4096, 2048, 8192, 2, gathered=8) == (
+        cast * (512 + 2048) + 2 * 2048, cast * (8192 + 2048) + 2 * (4096 + 8192))
+    assert float8_casts(4096, 2048, 8192, 2, gathered=8, regathered=True)[1] == \
+        cast * (8192 + 2048 + 512) + 2 * (4096 + 8192)
+    assert float8_casts(4096, 2048, 8192, 2, shared=True, gathered=8)[0] == \
+        cast * 2048 + 2 * 2048
+
+
+def test_sequence_parallel_gathers_move_float8_bytes_in_explain_and_show():
+    from soapstone.dsl.app.show_text import render
+    from soapstone.shard.plan.analysis.explain import estimate
+
+    spec = dsl.load(open("examples/gpt.par").read())
+    program = lower_graph(spec.model(), spec.parallel("sp2")).program
+    rows = {}
+    for precision in ("bf16", "float8"):
+        est = estimate(program_as_run(program, precision))
+        rows[precision] = {(t.phase, t.kind): (t.calls, t.bytes) for t in est.traffic}
+    bf16, f8 = rows["bf16"], rows["float8"]
+    # 9 gathers (4 blocks' attention and mlp inputs, the output projection's), each a
+    # [batch 8, seq 16, hidden 32] slab, in forward and again for backward (regathered): 2 ->
+    # 1 byte an element, half of it sent by each of 2 ranks; plus a 4-byte amax allreduce each
+    saved = 9 * 8 * 16 * 32 // 2
+    for phase in ("forward", "backward"):
+        assert bf16[phase, "allgather"][1] - f8[phase, "allgather"][1] == saved
+        calls, nbytes = f8[phase, "allreduce"]
+        was = bf16.get((phase, "allreduce"), (0, 0))
+        assert (calls - was[0], nbytes - was[1]) == (9, 9 * 4)  # ring: 2(n-1)/n = 1 of it
+    # the gradients' reduce-scatters stay in bf16
+    assert bf16["backward", "reduce_scatter"] == f8["backward", "reduce_scatter"]
+    # q reads its gathered input uncast (its float8 copy is the gather's, kept for backward):
+    # X = 8 x 16 x 32 = 4096, W = 32 x 16 = 512 (its heads split), Y = 2048 elements; forward
+    # max(X + 8W - 2Y, X + 2W) = 5120, backward max(8Y - 2X - 2W, Y + W - 2W, 2Y + W + 2X)
+    # = 12800, where a cast of x would hold 8X - 2Y = 28672 and Y + W + 8X - 2W = 34304
+    from soapstone.shard.ops.einsum import float8_scratch
+
+    f8_program = program_as_run(program, "float8")
+    q = next(s for s in f8_program.steps if s.out == "layer.0.attention0.q")
+    assert float8_scratch(q, f8_program) == (5120, 12800)
+    unmarked = attrs.evolve(q, attrs=tuple(a for a in q.attrs if a[0] != "float8_gathered"))
+    assert float8_scratch(unmarked, f8_program) == (28672, 34304)
+    text = render(spec, None, "sp2", precision="float8")
+    assert text.count("then the gather moves e4m3, 4.0 KiB") == 9
+    assert "e4m3" not in render(spec, None, "sp2", precision="bf16")

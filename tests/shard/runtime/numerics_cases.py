@@ -105,6 +105,42 @@ def case_gpt_sp2():
 
 
 @ranks(2)
+def case_gpt_sp2_float8_gathers_float8():
+    """--precision float8 under sp2: the linears' inputs gathered as e4m3 at the allreduced
+    amax (shard/runtime/float8.py Float8Gather) equal gathering bf16 then casting, bit for
+    bit (loss, every gradient, backward's regathers included), for half the gathered bytes."""
+    s = dsl.load(ROOT / "examples/gpt.par")
+    par = s.parallel("sp2")
+    mesh = Mesh(W, **dict(par.mesh))
+    comm = mesh.comm("model")
+    runs = []
+    for fp8_gather in (False, True):
+        m = ShardedModel(lower(s.model(), par), mesh, seed=SEED, dtype=torch.bfloat16,
+                         float8=True)
+        gathers = m.float8_gathered
+        m.float8_gathered = gathers if fp8_gather else set()
+        before = {k: (v.calls, v.bytes) for k, v in comm.stats.items()}
+        out = m(random_inputs(m.program, 0))
+        out["loss"].backward()
+        moved = {k: (v.calls - before.get(k, (0, 0))[0], v.bytes - before.get(k, (0, 0))[1])
+                 for k, v in comm.stats.items()}
+        runs.append((m.loss_value(out), {n: p.grad for n, p in m.params.items()}, moved))
+    (loss0, grads0, moved0), (loss1, grads1, moved1) = runs
+    assert loss0 == loss1
+    for n, g in grads0.items():
+        assert torch.equal(g, grads1[n]), f"gradient of {n} differs"
+    # 4 blocks x (attention's and the mlp's input) and the output projection's, gathered in
+    # forward and again in backward, each a [batch 8, seq 16, hidden 32] slab: bf16 moves 2
+    # bytes an element, e4m3 1 (ring on 2 ranks: half of it leaves this rank); plus one amax
+    # allreduced per gather
+    assert len(gathers) == 4 * 2 + 1
+    slab = 8 * 16 * 32 // 2
+    assert moved0["allgather"][1] - moved1["allgather"][1] == 2 * len(gathers) * slab, \
+        (moved0, moved1)
+    assert moved1["allreduce"][0] - moved0["allreduce"][0] == 2 * len(gathers)
+
+
+@ranks(2)
 def case_gpt_cp2():
     golden("gpt", "cp2")
 

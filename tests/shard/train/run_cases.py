@@ -97,9 +97,12 @@ BF16_PIPES = {2: ((PIPE_SPEC, "pp2f1b"), (ACC_SPEC, "tp2acc2"))}
 
 @ranks(1, 2)
 def case_explain_matches_counters_bf16():
-    """bf16 activations, collectives, gathers and p2p; fp32 masters, gradients and state."""
+    """bf16 activations, collectives, gathers and p2p; fp32 masters, gradients and state.
+    And float8 under sequence parallelism: its gathers' amax allreduce and e4m3 bytes."""
     for spec, layout in BF16_LAYOUTS[W.size]:
         measure(spec, layout, "adamw", "bf16")
+    if W.size == 2:
+        measure("gpt", "sp2", "adamw", "float8")
     for path, layout in BF16_PIPES.get(W.size, ()):
         measure_pipeline(path, layout, "adamw", "bf16")
 
