@@ -225,6 +225,7 @@ class _Lowering:
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
             offload=bool(par and par.offload),
+            overlap_tensor=bool(par and par.overlap),
             balanced=tuple(r for d in (par.balanced if par else ()) for r in
                            self.model.renames_of(d)),
         )

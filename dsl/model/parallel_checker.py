@@ -424,11 +424,21 @@ def _offload(ctx: Ctx, facts: Facts, s: ast.Offload) -> Diags:
     return []
 
 
+def _overlap(ctx: Ctx, facts: Facts, s: ast.Overlap) -> Diags:
+    """`overlap tensor`: the tensor axis's sequence-parallel collectives run as collective
+    matmuls; nothing else overlaps by this statement."""
+    if s.what != "tensor":
+        return [ctx.diag(s.loc, f"overlap {s.what}: only the tensor-parallel collectives can "
+                         "be overlapped with their matmuls", "write `overlap tensor`")]
+    facts.overlap = s.what
+    return []
+
+
 _STATEMENTS: dict[type, Callable[..., Diags]] = {
     ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero,
-    ast.Recompute: _recompute, ast.Offload: _offload}
+    ast.Recompute: _recompute, ast.Offload: _offload, ast.Overlap: _overlap}
 # statements a block has at most one of
-_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload)
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload, ast.Overlap)
 
 
 def _statement(ctx: Ctx, facts: Facts, s) -> Diags:
@@ -533,6 +543,7 @@ def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
                     sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
                     recompute=facts.recompute, offload=facts.offload,
+                    overlap=facts.overlap,
                     balanced=tuple(facts.balanced))
 
 

@@ -1,0 +1,176 @@
+"""Collective matmul (AsyncTP): an all-gather fused with the ops that read its result, and ops
+fused with the reduce-scatter of their partial sums, both as rings of async p2p steps.
+
+`all_gather_apply(x, comm, dim, fns, ws, out_dims)` is `[f(all_gather(x), w) for f, w]` for
+ops f that act row by row along `dim` (the gathered dim passes through f to `out_dims[i]`):
+each rank applies the ops to the chunk it holds while that chunk travels on around the ring
+(t-1 steps: send the chunk in hand to the next rank, receive from the previous, apply the ops
+to the chunk in hand), writing each chunk's output rows into place.
+
+`apply_reduce_scatter(x, comm, dim, fn, w)` is `reduce_scatter(fn(x, w))` over the dim fn maps
+`dim` to:
+the rows of each output chunk are computed as a partial sum on every rank and the partials
+travel the ring, each rank adding its own, until chunk r arrives complete at rank r. Its sum
+runs in ring order, not in the reduce-scatter's: the results agree up to summation order.
+
+Each is the other's transpose, so one ring serves a forward and the other's backward: the
+gradient of an all-gather-apply is an apply-reduce-scatter of the ops' input gradients and
+vice versa. The ops' own gradients are taken per chunk from the graphs kept in forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from soapstone.comm.communicator import Communicator
+from soapstone.comm.errors import CommError
+
+TAG = 29  # the ring's p2p tag (MPI; NCCL pairs messages in issue order)
+
+
+def _shift(comm: Communicator, t: torch.Tensor):
+    """Post: send `t` to the next rank, receive its like from the previous; (buffer, works)."""
+    buf = torch.empty_like(t)
+    n, r = comm.size, comm.rank
+    works = comm.batch_p2p([("isend", t, (r + 1) % n, TAG), ("irecv", buf, (r - 1) % n, TAG)])
+    return buf, works
+
+
+def ring_all_gather(comm: Communicator, x: torch.Tensor, use: Callable[[int, torch.Tensor], None]):
+    """Call use(c, chunk c) for every rank's chunk c, this rank's first, each while the next
+    is in flight."""
+    n, r = comm.size, comm.rank
+    cur = x.contiguous()
+    for s in range(n):
+        pending = _shift(comm, cur) if s < n - 1 else None
+        use((r - s) % n, cur)
+        if pending:
+            for w in pending[1]:
+                w.wait()
+            cur = pending[0]
+
+
+def ring_reduce_scatter(comm: Communicator, part: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The sum over ranks of part(r) (this rank's chunk): each rank computes part(c) for every
+    chunk c, while the partial sum of the previous chunk travels to the next rank."""
+    n, r = comm.size, comm.rank
+    acc = part((r - 1) % n).contiguous()
+    for s in range(1, n):
+        buf, works = _shift(comm, acc)
+        mine = part((r - s - 1) % n)  # overlaps the transfer
+        for w in works:
+            w.wait()
+        acc = buf + mine
+    return acc
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(grad)
+
+
+def _grads(ys, leaves, gs) -> list[torch.Tensor | None]:
+    """The gradients of `leaves` from the graphs of `ys` given output gradients `gs`."""
+    ys, gs = zip(*[(y, g) for y, g in zip(ys, gs) if y.requires_grad]) if ys else ((), ())
+    want = [t for t in leaves if t.requires_grad]
+    got = iter(torch.autograd.grad(ys, want, gs, allow_unused=True) if ys and want else ())
+    return [next(got) if t.requires_grad else None for t in leaves]
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _check(x: torch.Tensor, comm: Communicator, dim: int, what: str) -> None:
+    if x.shape[dim] % comm.size:
+        raise CommError(f"{what}: size {x.shape[dim]} of dim {dim} is not divisible by the "
+                        f"communicator size {comm.size}; pad or pick another dim")
+
+
+class _AllGatherApply(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, grad, dim, fns, out_dims, *ws):
+        n = comm.size
+        wl = [_leaf(w, w.requires_grad) for w in ws]
+        kept = [None] * n  # per chunk: (x leaf, outputs)
+        outs = [[None] * n for _ in fns]
+
+        def use(c, chunk):
+            xl = _leaf(chunk, x.requires_grad)  # a received chunk needs its own flag
+            with torch.set_grad_enabled(grad):
+                ys = [f(xl, w) for f, w in zip(fns, wl)]
+            for i, y in enumerate(ys):
+                outs[i][c] = y.detach()
+            kept[c] = (xl, ys)
+
+        ring_all_gather(comm, x, use)
+        ctx.comm, ctx.dim, ctx.out_dims, ctx.kept, ctx.wl = comm, dim, out_dims, kept, wl
+        return tuple(torch.cat(o, d) for o, d in zip(outs, out_dims))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        n, wl = ctx.comm.size, ctx.wl
+        gw = [None] * len(wl)
+
+        def part(c):  # chunk c's input gradient, a partial sum over the ring's ranks
+            nonlocal gw
+            xl, ys = ctx.kept[c]
+            g_c = [g.chunk(n, d)[c] for g, d in zip(gs, ctx.out_dims)]
+            got = _grads(ys, [xl, *wl], g_c)
+            gw = [_add(a, b) for a, b in zip(gw, got[1:])]
+            return got[0] if got[0] is not None else torch.zeros_like(xl)
+
+        gx = ring_reduce_scatter(ctx.comm, part)
+        ctx.kept = None
+        return (gx, None, None, None, None, None, *gw)
+
+
+class _ApplyReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, grad, dim, fn, w):
+        n = comm.size
+        xl, wl = _leaf(x, x.requires_grad), _leaf(w, w.requires_grad)
+        kept = [None] * n
+
+        def part(c):
+            with torch.set_grad_enabled(grad):
+                y = fn(xl.chunk(n, dim)[c], wl)
+            kept[c] = y
+            return y.detach()
+
+        out = ring_reduce_scatter(comm, part)
+        ctx.comm, ctx.kept, ctx.leaves = comm, kept, (xl, wl)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        xl, wl = ctx.leaves
+        gx, gw = None, None
+
+        def use(c, g_c):
+            nonlocal gx, gw
+            a, b = _grads([ctx.kept[c]], [xl, wl], [g_c])
+            gx, gw = _add(gx, a), _add(gw, b)
+
+        ring_all_gather(ctx.comm, g.contiguous(), use)
+        ctx.kept = None
+        return gx, None, None, None, None, gw
+
+
+def all_gather_apply(x: torch.Tensor, comm: Communicator, dim: int,
+                     fns: Sequence[Callable], ws: Sequence[torch.Tensor],
+                     out_dims: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """[fns[i](all_gather(x, dim), ws[i])], computed chunk by chunk as the chunks travel the
+    ring; fns[i] must act row by row along `dim`, which it maps to out_dims[i]. Its gradient
+    is summed over ranks (sequence parallelism's partial gradient)."""
+    return _AllGatherApply.apply(x, comm, torch.is_grad_enabled(), dim, tuple(fns),
+                                 tuple(out_dims), *ws)
+
+
+def apply_reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int, fn: Callable,
+                         w: torch.Tensor) -> torch.Tensor:
+    """reduce_scatter(fn(x, w)) over the dim that fn maps x's `dim` to, the partial sums of
+    each chunk of rows travelling the ring."""
+    _check(x, comm, dim, "apply_reduce_scatter")
+    return _ApplyReduceScatter.apply(x, comm, torch.is_grad_enabled(), dim, fn, w)
