@@ -90,3 +90,15 @@ def find_rings(program: Program) -> dict[int, Ring]:
 def ring_runs_at(program: Program) -> dict[int, int]:
     """Where each ring's matmul steps run: at their collective step."""
     return {j: r.at for r in find_rings(program).values() for j in r.matmuls}
+
+
+def ring_chunk(program: Program, ring: Ring) -> str:
+    """The value whose local shape each ring message has: the gathered shard, or the
+    scattered chunk (both directions, forward and backward)."""
+    step = program.steps[ring.at]
+    return step.src if ring.kind is RedistributeKind.ALLGATHER else step.out
+
+
+def ring_sends(program: Program, ring: Ring) -> int:
+    """How many messages a rank sends in one direction of the ring: one per step, t-1."""
+    return dict(program.mesh)[ring.axis] - 1

@@ -91,6 +91,7 @@ from soapstone.comm.accounting import bus_bytes
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.regather_plan import without_recompute
+from soapstone.shard.parallel.ring_plan import find_rings, ring_chunk, ring_sends
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
@@ -223,8 +224,13 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     phases = phase_figures(program) if activations is None else None
     activations, transient = activations or (phases.saved, max(phases.forward, phases.backward))
     again = {i for a, b in program.recompute for i in range(a, b)}
+    rings = find_rings(program)
     for i, step in enumerate(program.steps):
-        if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
+        if i in rings:  # `overlap tensor`: a ring of sends each way instead of the collective
+            chunk = program.value(ring_chunk(program, rings[i])).nbytes
+            for phase in ("forward", "backward"):
+                add(phase, "send", step.axis, chunk, calls=ring_sends(program, rings[i]))
+        elif isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             if forward_op(step):
                 add("forward", forward_op(step), step.axis, forward_bytes(program, step))
                 if i in again:  # recompute: backward runs the forward's collectives again
