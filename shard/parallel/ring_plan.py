@@ -12,9 +12,10 @@ Two shapes qualify, on any mesh axis, by what the steps are (never by name):
   read by nothing else, whose input carries d through. The matmul runs at the reduce-scatter,
   chunk by chunk, its partial sums travelling the ring.
 
-Steps fused into a kernel chain, inside a `recompute R` range, on a branch, or on a zigzag
-(balanced) dim stay as they are, and so does everything under ZeRO-3 (whose parameter gathers
-are timed per step). The rings' p2p traffic is the collective's: t-1 messages of one chunk.
+Steps fused into a kernel chain, inside a `recompute R` range (a checkpoint would run its
+forward again for each nested per-chunk gradient), on a branch, or on a zigzag (balanced) dim
+stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose parameter gathers are timed
+per step). The rings' p2p traffic is the collective's: t-1 messages of one chunk.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def find_rings(program: Program) -> dict[int, Ring]:
     outputs = {o.value for o in program.outputs}
     fusions = find_fusions(program)
     fused = set(fusions) | {c for f in fusions.values() for c in f.covered}
+    # a checkpointed range's backward runs its forward again, and each of a ring's per-chunk
+    # gradients (a nested autograd call) would run it once more: rings stay out of them
     fused |= {i for a, b in program.recompute for i in range(a, b)}
     readers: dict[str, list[int]] = {}
     producer: dict[str, int] = {}

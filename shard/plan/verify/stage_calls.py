@@ -208,7 +208,7 @@ class StageCalls:
         out = []
         for k in range(ring_sends(p, ring)):
             pair = [Op(kind, axes, ranks, shape, dtype, b, phase, self.index, mb,
-                       self.sources[i], ranks[(at + d) % n], ("ring", phase, i, k))
+                       self.sources[i], ranks[(at + d) % n], ("ring", phase, i, mb, k))
                     for kind, b, d in (("send", nbytes, 1), ("recv", 0, -1))]
             out += pair + [o.waited() for o in pair]
         return out
