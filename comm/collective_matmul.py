@@ -72,9 +72,10 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
 
 def _grads(ys, leaves, gs) -> list[torch.Tensor | None]:
     """The gradients of `leaves` from the graphs of `ys` given output gradients `gs`."""
-    ys, gs = zip(*[(y, g) for y, g in zip(ys, gs) if y.requires_grad]) if ys else ((), ())
+    pairs = [(y, g) for y, g in zip(ys, gs, strict=True) if y.requires_grad]
     want = [t for t in leaves if t.requires_grad]
-    got = iter(torch.autograd.grad(ys, want, gs, allow_unused=True) if ys and want else ())
+    got = iter(torch.autograd.grad([y for y, _ in pairs], want, [g for _, g in pairs],
+                                   allow_unused=True) if pairs and want else ())
     return [next(got) if t.requires_grad else None for t in leaves]
 
 
@@ -99,14 +100,14 @@ class _AllGatherApply(torch.autograd.Function):
         def use(c, chunk):
             xl = _leaf(chunk, x.requires_grad)  # a received chunk needs its own flag
             with torch.set_grad_enabled(grad):
-                ys = [f(xl, w) for f, w in zip(fns, wl)]
+                ys = [f(xl, w) for f, w in zip(fns, wl, strict=True)]
             for i, y in enumerate(ys):
                 outs[i][c] = y.detach()
             kept[c] = (xl, ys)
 
         ring_all_gather(comm, x, use)
         ctx.comm, ctx.dim, ctx.out_dims, ctx.kept, ctx.wl = comm, dim, out_dims, kept, wl
-        return tuple(torch.cat(o, d) for o, d in zip(outs, out_dims))
+        return tuple(torch.cat(o, d) for o, d in zip(outs, out_dims, strict=True))
 
     @staticmethod
     def backward(ctx, *gs):
@@ -116,9 +117,9 @@ class _AllGatherApply(torch.autograd.Function):
         def part(c):  # chunk c's input gradient, a partial sum over the ring's ranks
             nonlocal gw
             xl, ys = ctx.kept[c]
-            g_c = [g.chunk(n, d)[c] for g, d in zip(gs, ctx.out_dims)]
+            g_c = [g.chunk(n, d)[c] for g, d in zip(gs, ctx.out_dims, strict=True)]
             got = _grads(ys, [xl, *wl], g_c)
-            gw = [_add(a, b) for a, b in zip(gw, got[1:])]
+            gw = [_add(a, b) for a, b in zip(gw, got[1:], strict=True)]
             return got[0] if got[0] is not None else torch.zeros_like(xl)
 
         gx = ring_reduce_scatter(ctx.comm, part)

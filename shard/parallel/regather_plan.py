@@ -24,10 +24,10 @@ import attrs
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.ring_plan import find_rings
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, GradPlacement, Program, Redistribute
-from soapstone.shard.parallel.ring_plan import find_rings
 from soapstone.shard.runtime.fusion_plan import find_fusions
 
 

@@ -265,12 +265,12 @@ class ShardedModel:
         comm = self.mesh.comm(step.axis)
         mms = [prog.steps[j] for j in ring.matmuls]
         weights = [next(a for a in s.args if a in self.params) for s in mms]
-        fns = [functools.partial(self._matmul, s, w) for s, w in zip(mms, weights)]
+        fns = [functools.partial(self._matmul, s, w) for s, w in zip(mms, weights, strict=True)]
         if ring.kind is RedistributeKind.ALLGATHER:
             dim = prog.value(step.src).dims.index(ring.dim)
             ys = cm.all_gather_apply(env[step.src], comm, dim, fns, [env[w] for w in weights],
                                      [prog.value(s.out).dims.index(ring.dim) for s in mms])
-            for s, y in zip(mms, ys):
+            for s, y in zip(mms, ys, strict=True):
                 env[s.out] = self._checked(s, y, s.out)
             return
         x = next(a for a in mms[0].args if a != weights[0])

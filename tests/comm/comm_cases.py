@@ -675,7 +675,7 @@ def case_collective_matmul_matches_sequence_parallel():
             y = ag.reduce_scatter(torch.relu(full @ w1) * (full @ w3) @ w2, W, 0)
         (y * G).sum().backward()
         runs.append((y.detach(), xd.grad, w1.grad, w3.grad, w2.grad))
-    for what, u, v in zip(("y", "dx", "dw1", "dw3", "dw2"), *runs):
+    for what, u, v in zip(("y", "dx", "dw1", "dw3", "dw2"), *runs, strict=True):
         close(v, u, f"{what}: ring vs blocking")
 
 
