@@ -79,6 +79,15 @@ def _grads(ys, leaves, gs) -> list[torch.Tensor | None]:
     return [next(got) if t.requires_grad else None for t in leaves]
 
 
+def _release(kept: list[torch.Tensor], keep: torch.Tensor) -> None:
+    """Free the data of the per-chunk outputs kept as gradient roots (a matmul's backward
+    reads only its inputs; the caller has what it returns), all but what `keep` holds."""
+    mine = keep.untyped_storage().data_ptr()
+    for y in kept:
+        if y.untyped_storage().data_ptr() != mine:
+            y.untyped_storage().resize_(0)
+
+
 def _add(a, b):
     return b if a is None else a if b is None else a + b
 
@@ -107,7 +116,9 @@ class _AllGatherApply(torch.autograd.Function):
 
         ring_all_gather(comm, x, use)
         ctx.comm, ctx.dim, ctx.out_dims, ctx.kept, ctx.wl = comm, dim, out_dims, kept, wl
-        return tuple(torch.cat(o, d) for o, d in zip(outs, out_dims, strict=True))
+        ys = tuple(torch.cat(o, d) for o, d in zip(outs, out_dims, strict=True))  # copies
+        _release([t for _, chunk in kept for t in chunk], ys[0])
+        return ys
 
     @staticmethod
     def backward(ctx, *gs):
@@ -142,6 +153,7 @@ class _ApplyReduceScatter(torch.autograd.Function):
 
         out = ring_reduce_scatter(comm, part)
         ctx.comm, ctx.kept, ctx.leaves = comm, kept, (xl, wl)
+        _release(kept, out)
         return out
 
     @staticmethod
