@@ -142,33 +142,38 @@ class _ApplyReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, grad, dim, fn, w):
         n = comm.size
-        xl, wl = _leaf(x, x.requires_grad), _leaf(w, w.requires_grad)
+        # each chunk of rows its own leaf (contiguous, as the kernel takes it): its gradient
+        # is that chunk's rows only, and x itself is not held
+        xl = [_leaf(t.contiguous(), x.requires_grad) for t in x.chunk(n, dim)]
+        wl = _leaf(w, w.requires_grad)
         kept = [None] * n
 
         def part(c):
             with torch.set_grad_enabled(grad):
-                y = fn(xl.chunk(n, dim)[c], wl)
+                y = fn(xl[c], wl)
             kept[c] = y
             return y.detach()
 
         out = ring_reduce_scatter(comm, part)
-        ctx.comm, ctx.kept, ctx.leaves = comm, kept, (xl, wl)
+        ctx.comm, ctx.kept, ctx.leaves, ctx.dim = comm, kept, (xl, wl), dim
         _release(kept, out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         xl, wl = ctx.leaves
-        gx, gw = None, None
+        gx, gw = [None] * len(xl), None
 
         def use(c, g_c):
-            nonlocal gx, gw
-            a, b = _grads([ctx.kept[c]], [xl, wl], [g_c])
-            gx, gw = _add(gx, a), _add(gw, b)
+            nonlocal gw
+            gx[c], b = _grads([ctx.kept[c]], [xl[c], wl], [g_c])
+            gw = _add(gw, b)
 
         ring_all_gather(ctx.comm, g.contiguous(), use)
         ctx.kept = None
-        return gx, None, None, None, None, gw
+        grad_x = torch.cat([a if a is not None else torch.zeros_like(t)
+                            for a, t in zip(gx, xl, strict=True)], ctx.dim)
+        return grad_x, None, None, None, None, gw
 
 
 def all_gather_apply(x: torch.Tensor, comm: Communicator, dim: int,
