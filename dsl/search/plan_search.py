@@ -339,7 +339,7 @@ def search(planner: Planner, world: int) -> Plan:
         ladder = list(same)
         c = ladder[0]
         group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks,
-                 c.experts_on_data) + \
+                 c.experts_on_data, c.overlap) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue
