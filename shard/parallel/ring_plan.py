@@ -12,10 +12,12 @@ Two shapes qualify, on any mesh axis, by what the steps are (never by name):
   read by nothing else, whose input carries d through. The matmul runs at the reduce-scatter,
   chunk by chunk, its partial sums travelling the ring.
 
-Steps fused into a kernel chain, inside a `recompute R` range (a checkpoint would run its
-forward again for each nested per-chunk gradient), on a branch, or on a zigzag (balanced) dim
-stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose parameter gathers are timed
-per step). The rings' p2p traffic is the collective's: t-1 messages of one chunk.
+Inside a `recompute R` range a ring runs in forward without keeping its per-chunk graphs and
+again in backward's rerun of the range, which builds them (comm's Checkpointed). Steps fused
+into a kernel chain, on a branch, on a zigzag (balanced) dim, or touching a value `recompute
+selective` / `ops` rebuilds stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose
+parameter gathers are timed per step). The rings' p2p traffic is the collective's: t-1
+messages of one chunk each way.
 """
 
 from __future__ import annotations
@@ -61,15 +63,15 @@ def find_rings(program: Program) -> dict[int, Ring]:
     outputs = {o.value for o in program.outputs}
     fusions = find_fusions(program)
     fused = set(fusions) | {c for f in fusions.values() for c in f.covered}
-    # a checkpointed range's backward runs its forward again, and each of a ring's per-chunk
-    # gradients (a nested autograd call) would run it once more: rings stay out of them
-    fused |= {i for a, b in program.recompute for i in range(a, b)}
     readers: dict[str, list[int]] = {}
     producer: dict[str, int] = {}
     for i, s in enumerate(program.steps):
         producer[s.out] = i
         for a in s.args if isinstance(s, Compute) else (s.src,):
             readers.setdefault(a, []).append(i)
+    # `recompute selective` / `ops` rebuild dropped values from their inputs, which a ring
+    # never holds whole: a ring touching one stays a collective
+    rebuilt = set(program.dropped) | set(program.held)
     rings: dict[int, Ring] = {}
     for i, s in enumerate(program.steps):
         if not isinstance(s, Redistribute) or i in fused or s.out in outputs \
@@ -87,7 +89,13 @@ def find_rings(program: Program) -> dict[int, Ring]:
             if j not in fused and readers.get(s.src) == [i] and s.src not in outputs and \
                     _weight_matmul(program, program.steps[j], params, s.to.dim):
                 rings[i] = Ring(i, s.kind, (j,), s.to.dim, s.axis)
-    return rings
+    return {i: r for i, r in rings.items() if not rebuilt & _touches(program, r)}
+
+
+def _touches(program: Program, ring: Ring) -> set[str]:
+    step = program.steps[ring.at]
+    mms = [program.steps[j] for j in ring.matmuls]
+    return {step.src, step.out, *(s.out for s in mms), *(a for s in mms for a in s.args)}
 
 
 def ring_runs_at(program: Program) -> dict[int, int]:

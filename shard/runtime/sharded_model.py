@@ -72,6 +72,7 @@ class ShardedModel:
         # `overlap tensor`: collective matmuls, their matmuls run inside the ring at the
         # collective step (shard/parallel/ring_plan.py)
         self.rings = find_rings(program)
+        self.ring_stash = None  # inside a `recompute R` range: its Checkpointed (recompute.py)
         self.run_index.update(ring_runs_at(program))
         self.covered = set(self.run_index)
         self.frees = _last_uses(program, self.run_index)
@@ -269,13 +270,15 @@ class ShardedModel:
         if ring.kind is RedistributeKind.ALLGATHER:
             dim = prog.value(step.src).dims.index(ring.dim)
             ys = cm.all_gather_apply(env[step.src], comm, dim, fns, [env[w] for w in weights],
-                                     [prog.value(s.out).dims.index(ring.dim) for s in mms])
+                                     [prog.value(s.out).dims.index(ring.dim) for s in mms],
+                                     self.ring_stash)
             for s, y in zip(mms, ys, strict=True):
                 env[s.out] = self._checked(s, y, s.out)
             return
         x = next(a for a in mms[0].args if a != weights[0])
         env[step.out] = cm.apply_reduce_scatter(
-            env[x], comm, prog.value(x).dims.index(ring.dim), fns[0], env[weights[0]])
+            env[x], comm, prog.value(x).dims.index(ring.dim), fns[0], env[weights[0]],
+            self.ring_stash)
 
     def _matmul(self, step: Compute, weight: str, x: torch.Tensor, w: torch.Tensor):
         return run_op(step, [w if a == weight else x for a in step.args], self.ctx, self.custom)

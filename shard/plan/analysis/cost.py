@@ -48,10 +48,10 @@ time, on a `hardware.Profile`:
   waits for the busiest. Tensor-parallel collectives (forward and backward rows on the other
   axes) block and are paid in full, except under `overlap tensor` (shard/parallel/ring_plan.py):
   a collective matmul's ring of sends runs while its matmuls compute chunk by chunk, so only
-  max(0, ring time - matmul time) is exposed, forward (the forward matmuls) and backward (their
-  two gradients, 2x), summed over the rank's rings first (per layer, for a stack of alike
-  blocks); the ZeRO-1/2 gather of the updated parameters and the grad-norm and loss
-  reductions follow the step.
+  max(0, ring time - matmul time) is exposed, forward (the forward matmuls), backward (their
+  two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again), summed
+  over the rank's rings first (per layer, for a stack of alike blocks); the ZeRO-1/2 gather of
+  the updated parameters and the grad-norm and loss reductions follow the step.
 - pipeline: a pipe rank's busy time per step (compute + blocking collectives over its
   microbatches) stretched by the schedule's bubble, busy / (1 - bubble) with explain's
   (p-1)/(v*m+p-1), plus the fill and drain of the p2p chain ((p-1) hops each way).
@@ -394,7 +394,8 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
     per_axis: dict[str, float] = {}
     links: dict[str, LinkLoad] = {}  # by link class: axes on one class share its links
     buckets = 1
-    rings = {"forward": 0.0, "backward": 0.0}  # collective matmuls' sends (module doc)
+    # collective matmuls' sends (module doc)
+    rings = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
     for t in traffic:
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
@@ -419,8 +420,10 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
         else:  # ZeRO-1/2 gathers after the update, grad norm, loss, tied sums
             out["after"] += s
     ring_mm = work.ring_seconds(profile, precision) * m
+    again = work.again.ring_seconds(profile, precision) * m if work.again else 0.0
     out["blocking"] += max(0.0, rings["forward"] - ring_mm) + \
-        max(0.0, rings["backward"] - BACKWARD_FACTOR * ring_mm)
+        max(0.0, rings["backward"] - BACKWARD_FACTOR * ring_mm) + \
+        max(0.0, rings["recompute"] - again)
     # the windows overlap hides in (attention's recomputed scores are backward's)
     forward = (compute - work.rescore_seconds(profile, precision) * m) / (1 + BACKWARD_FACTOR)
     backward = compute - forward

@@ -228,7 +228,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     for i, step in enumerate(program.steps):
         if i in rings:  # `overlap tensor`: a ring of sends each way instead of the collective
             chunk = program.value(ring_chunk(program, rings[i])).nbytes
-            for phase in ("forward", "backward"):  # never in a recompute range (ring_plan)
+            for phase in ("forward", "backward", "recompute")[:3 if i in again else 2]:
                 add(phase, "send", step.axis, chunk, calls=ring_sends(program, rings[i]))
         elif isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             if forward_op(step):

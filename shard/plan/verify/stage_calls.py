@@ -76,6 +76,7 @@ class StageCalls:
                                     tuple(n for n in shared if n in {x.name for x in p.params}))
         self.sources = _consumers(p)
         self.rings = find_rings(p)
+        self._ring_runs: dict[tuple, int] = {}
         fused = find_fusions(p)
         runs_at = {i: f.at for f in fused.values() for i in f.covered}
         runs_at.update({j: r.at for r in self.rings.values() for j in r.matmuls})
@@ -101,8 +102,9 @@ class StageCalls:
         params_set = {x.name for x in p.params}
         self.again: dict[int, tuple[int, int]] = {}
         for a, b in p.recompute:
-            keeps = [i for i in range(a, b) if i not in runs_at
-                     and any(step_saves(p, i, fused, params_set))]
+            # a ring saves its input (comm/collective_matmul.py: unpacking it runs the range)
+            keeps = [i for i in range(a, b) if i in self.rings or (
+                i not in runs_at and any(step_saves(p, i, fused, params_set)))]
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
         # a split backward (zb1p): the steps whose backward runs in B, the rest in W
         self.on_path = _on_path(p, st.recv)
@@ -204,11 +206,13 @@ class StageCalls:
             return []
         shape, dtype = _shape(p, ring_chunk(p, ring))
         at, n = ranks.index(self.rank), len(ranks)
+        # a recomputed range runs the ring again: each run's messages are their own
+        run = self._ring_runs[(phase, i, mb)] = self._ring_runs.get((phase, i, mb), -1) + 1
         nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
         out = []
         for k in range(ring_sends(p, ring)):
             pair = [Op(kind, axes, ranks, shape, dtype, b, phase, self.index, mb,
-                       self.sources[i], ranks[(at + d) % n], ("ring", phase, i, mb, k))
+                       self.sources[i], ranks[(at + d) % n], ("ring", phase, i, mb, run, k))
                     for kind, b, d in (("send", nbytes, 1), ("recv", 0, -1))]
             out += pair + [o.waited() for o in pair]
         return out
