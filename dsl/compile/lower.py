@@ -224,7 +224,7 @@ class _Lowering:
             zero=par.zero if par else 0,
             roles=input_roles(self.model),
             recompute=self._recompute_ranges(),
-            offload=bool(par and par.offload),
+            offload=bool(par and par.offload), overlap_tensor=bool(par and par.overlap),
             balanced=tuple(r for d in (par.balanced if par else ()) for r in
                            self.model.renames_of(d)),
         )

@@ -198,6 +198,14 @@ class Offload:
 
 
 @dataclass(slots=True)
+class Overlap:
+    KEYWORD = "overlap"
+
+    what: str  # whose collectives run overlapped with their matmuls: `tensor`
+    loc: Loc
+
+
+@dataclass(slots=True)
 class ParallelDef:
     name: str
     model: str

@@ -211,6 +211,9 @@ class _Build(Transformer):
     def offload(self, meta, c):
         return ast.Offload(str(c[0]), self._l(c[0]))
 
+    def overlap(self, meta, c):
+        return ast.Overlap(str(c[0]), self._l(c[0]))
+
 
 def _describe_terminal(name: str) -> str:
     if name in _TERMINAL_NAMES:
@@ -261,7 +264,7 @@ def _syntax_error(err: UnexpectedInput, file: str, text: str, sources: Sources) 
             loc = _tok_loc(file, tok)
             if tok.type == "NAME" and "RBRACE" in err.expected and "EQUAL" not in err.expected:
                 hint = "statements in a parallel block: sample, attribute, parameter, " \
-                       "operator, schedule, zero, recompute, offload"
+                       "operator, schedule, zero, recompute, offload, overlap"
     elif isinstance(err, UnexpectedEOF):
         msg = "unexpected end of file" + _expected(err.expected)
         loc = Loc(file, len(lines), len(lines[-1]) + 1)

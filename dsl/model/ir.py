@@ -178,6 +178,8 @@ class Parallel:
     recompute: str | None = None
     # `offload optimizer`: master weights and optimizer state in host memory
     offload: str | None = None
+    # `overlap tensor`: sequence parallelism's gathers and reduce-scatters as collective matmuls
+    overlap: str | None = None
     # `attribute seq -> cp balanced`: the dims split in zigzag order (load-balanced causal CP)
     balanced: tuple[str, ...] = ()
 

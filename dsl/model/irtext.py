@@ -100,6 +100,8 @@ def format_parallel(par: Parallel, source: bool = False) -> str:
         lines.append(f"  recompute {par.recompute}")
     if par.offload:
         lines.append(f"  offload   {par.offload}")
+    if par.overlap:
+        lines.append(f"  overlap   {par.overlap}")
     return "\n".join(lines + (["}"] if source else [])) + "\n"
 
 

@@ -424,11 +424,21 @@ def _offload(ctx: Ctx, facts: Facts, s: ast.Offload) -> Diags:
     return []
 
 
+def _overlap(ctx: Ctx, facts: Facts, s: ast.Overlap) -> Diags:
+    """`overlap tensor`: the tensor axis's sequence-parallel collectives run as collective
+    matmuls; nothing else overlaps by this statement."""
+    if s.what != "tensor":
+        return [ctx.diag(s.loc, f"overlap {s.what}: only the tensor-parallel collectives can "
+                         "be overlapped with their matmuls", "write `overlap tensor`")]
+    facts.overlap = s.what
+    return []
+
+
 _STATEMENTS: dict[type, Callable[..., Diags]] = {
     ast.Soap: _soap, ast.Operator: _operator, ast.ScheduleStmt: _schedule, ast.Zero: _zero,
-    ast.Recompute: _recompute, ast.Offload: _offload}
+    ast.Recompute: _recompute, ast.Offload: _offload, ast.Overlap: _overlap}
 # statements a block has at most one of
-_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload)
+_ONCE = (ast.Operator, ast.ScheduleStmt, ast.Zero, ast.Recompute, ast.Offload, ast.Overlap)
 
 
 def _statement(ctx: Ctx, facts: Facts, s) -> Diags:
@@ -514,9 +524,19 @@ def _zero_needs_sample(ctx: Ctx, facts: Facts) -> Diags:
                      f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
 
 
+def _overlap_without_zero3(ctx: Ctx, facts: Facts) -> Diags:
+    """`overlap tensor` runs a ring's matmuls at its collective, ahead of where ZeRO-3 gathers
+    their weights step by step: the two do not combine (shard/parallel/ring_plan.py)."""
+    if not facts.overlap or facts.zero < 3:
+        return []
+    return [ctx.diag(facts.seen["overlap"], "overlap tensor does not combine with zero 3 (its "
+                     "parameter gathers are timed per step, the rings run matmuls ahead)",
+                     "use zero 2 or below, or drop `overlap tensor`")]
+
+
 # The rules across statements, in the order they report.
 _RULES = (_branch_axes, _pipe_axis_splits, _unused_axes, _one_dim_per_axis, _zero_needs_sample,
-          schedule_rules)
+          _overlap_without_zero3, schedule_rules)
 
 
 def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
@@ -533,6 +553,7 @@ def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:
                     tuple(soap["attribute"]), tuple(soap["parameter"]), tuple(facts.stages),
                     sched, facts.zero, p.loc, tuple(facts.branches), s is not None,
                     recompute=facts.recompute, offload=facts.offload,
+                    overlap=facts.overlap,
                     balanced=tuple(facts.balanced))
 
 

@@ -58,4 +58,5 @@ class Facts:
     zero: int = 0
     recompute: str | None = None
     offload: str | None = None
+    overlap: str | None = None
     balanced: list[str] = attrs.Factory(list)  # dims split in zigzag order

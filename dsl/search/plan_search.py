@@ -134,18 +134,20 @@ class Planner:
         self._flops, self._tokens = model_flops(single), tokens_per_step(single)
 
     def probes(self, tensor: int, sequence: bool, context: int = 1,
-               recompute: str | None = None, experts_data: int = 0) -> Probes:
+               recompute: str | None = None, experts_data: int = 0,
+               overlap: bool = False) -> Probes:
         """The probes of one tensor / sequence / context / recompute setting (compiled on
-        first use); `experts_data`: the data degree the experts are split over (0: not)."""
-        key = (tensor, sequence, context, recompute, experts_data)
+        first use); `experts_data`: the data degree the experts are split over (0: not);
+        `overlap`: collective matmuls."""
+        key = (tensor, sequence, context, recompute, experts_data, overlap)
         if key not in self._probes:
             # without recompute and with `recompute R` the probes share their compiles
             form = recompute if recompute != self._ranges else None
             compiled = self._compiled.setdefault(
-                (tensor, sequence, context, form, experts_data), {})
+                (tensor, sequence, context, form, experts_data, overlap), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
                                        context, recompute, compiled, form or self._ranges,
-                                       experts_data, self.precision)
+                                       experts_data, self.precision, overlap)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -173,7 +175,7 @@ class Planner:
 
     def _probed(self, c: Candidate) -> tuple[Estimate, list[Work]]:
         probes = self.probes(c.tensor, c.sequence, c.context, c.recompute,
-                             c.data if c.experts_on_data else 0)
+                             c.data if c.experts_on_data else 0, c.overlap)
         b = dict(self.model.dims)[self.dims.batch] // (c.data * c.microbatches)
         runs = stage_blocks(self.model.blocks, c.stages)
         s = len(runs)
@@ -337,7 +339,7 @@ def search(planner: Planner, world: int) -> Plan:
         ladder = list(same)
         c = ladder[0]
         group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks,
-                 c.experts_on_data) + \
+                 c.experts_on_data, c.overlap) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
             continue

@@ -194,7 +194,7 @@ class Probes:
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
                  optimizer: str, context: int = 1, recompute: str | None = None,
                  compiled: dict | None = None, compiled_form: str | None = None,
-                 experts_data: int = 0, precision: str = "fp32"):
+                 experts_data: int = 0, precision: str = "fp32", overlap: bool = False):
         if recompute not in (None, compiled_form):  # the Planner's pairing: not user input
             raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
         self.optimizer = optimizer
@@ -213,7 +213,8 @@ class Probes:
         # data their shards depend on its size, so those probes are compiled on the very axis
         self.data = experts_data or 2
         self._one = Candidate(self.data, tensor, 1, sequence, context=context,
-                              recompute=compiled_form, experts_on_data=experts_data > 0)
+                              recompute=compiled_form, experts_on_data=experts_data > 0,
+                              overlap=overlap)
         # the mesh axes a stage's Program has (the pipe axis never)
         self.axes = {a for a, _ in to_parallel(model, dims, self._one).mesh}
 

@@ -135,13 +135,16 @@ class Candidate:
     context: int = 1
     recompute: str | None = None
     experts_on_data: bool = False
+    # `overlap tensor` (with sequence parallelism): collective matmuls, AsyncTP
+    overlap: bool = False
 
     @property
     def label(self) -> str:
         """A short name: d8 t8+sp p64 1f1b m96 z1 (c2 after t: context parallel 2; rc at the
         end: recompute; d8+ep: the experts over the data axis)."""
         parts = [f"d{self.data}" + ("+ep" if self.experts_on_data else ""),
-                 f"t{self.tensor}" + ("+sp" if self.sequence else ""),
+                 f"t{self.tensor}" + ("+sp" if self.sequence else "")
+                 + ("+async" if self.overlap else ""),
                  f"p{self.pipe}"]
         if self.context > 1:
             parts.insert(2, f"c{self.context}")
@@ -212,7 +215,7 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                        sample=((dims.batch, "data"),) if c.data > 1 else (),
                        attribute=seq, parameter=tensor, operator=operator,
                        schedule=schedule, zero=c.zero, recompute=c.recompute,
-                       balanced=balanced)
+                       balanced=balanced, overlap="tensor" if c.overlap else None)
 
 
 # microbatch sizes (samples per microbatch) the search tries besides its counts: a bigger
@@ -284,11 +287,13 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                         continue
                     # under cp, sequence parallel cuts each cp piece of the sequence again
                     sp_ok = seq_ok and all(sizes[d] % (t * cp) == 0 for d in dims.sequence)
-                    for sp in ((False, True) if sp_ok else (False,)):
+                    # sequence parallel with and without collective matmuls (AsyncTP)
+                    for sp, ov in ((False, False), (True, False), (True, True)) if sp_ok \
+                            else ((False, False),):
                         for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
-                            for z in (range(4) if d * cp > 1 else (0,)):  # search climbs it
+                            for z in (range(4 - ov) if d * cp > 1 else (0,)):  # climbs it
                                 yield Candidate(d, t, p, sp, z, sched, m, v, cp,
-                                                experts_on_data=ep)
+                                                experts_on_data=ep, overlap=ov)
 
 
 def _experts_options(dims: LayoutDims, sizes: dict[str, int], data: int) -> tuple[bool, ...]:

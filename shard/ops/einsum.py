@@ -132,10 +132,15 @@ def float8_gathers(program, marked: bool = False) -> dict[int, str]:
         else:  # a collective reads its src (position -1: no float8 matmul's activation)
             readers.setdefault(step.src, []).append((i, -1))
     kept = {o.value for o in program.outputs}
+    # `overlap tensor`: a ring's gather runs its matmuls itself, chunk by chunk (its sends
+    # carry the compute dtype), so it is not one of these
+    from soapstone.shard.parallel.ring_plan import find_rings
+
+    rings = find_rings(program)
     out = {}
     for i, step in enumerate(program.steps):
         gather = hasattr(step, "frm") and str(step.kind) == "allgather"  # a Redistribute
-        if not gather or step.out in kept or not program.value(step.src).is_float:
+        if not gather or i in rings or step.out in kept or not program.value(step.src).is_float:
             continue
         src = program.value(step.src)
         if step.frm.dim in program.balanced and src.layout.dim_axes(step.frm.dim)[0] == step.axis:

@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from soapstone.comm.collective_matmul import Checkpointed
 from soapstone.shard.plan.program import Compute, Program
 
 
@@ -65,11 +66,14 @@ class Segment:
         inputs = {n: env[n] for n in self.inputs}
         again = _Again(provider) if provider is not None else None
         first = [True]
+        rings = Checkpointed()  # `overlap tensor`: the range's collective matmuls
 
         def steps() -> tuple[torch.Tensor, ...]:
             then = (ctx.rng_step, ctx.window, ctx.training)
             ctx.rng_step, ctx.window, ctx.training = mine[0], dict(mine[1]), mine[2]
             hooks = provider if first[0] else again
+            rings.enter(replay=not first[0])
+            model.ring_stash = rings
             first[0] = False  # any later run is backward's
             try:
                 local = dict(inputs)
@@ -78,6 +82,7 @@ class Segment:
                 return tuple(local[n] for n in self.outputs)
             finally:
                 ctx.rng_step, ctx.window, ctx.training = then
+                model.ring_stash = None
 
         if torch.is_grad_enabled():
             with set_checkpoint_early_stop(False):

@@ -24,6 +24,7 @@ import attrs
 
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.ring_plan import find_rings
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, GradPlacement, Program, Redistribute
@@ -37,6 +38,7 @@ def regathered(program: Program) -> tuple[str, ...]:
     fused = find_fusions(program)
     covered = {c for f in fused.values() for c in f.covered}
     in_range = {i for a, b in program.recompute for i in range(a, b)}
+    in_range |= set(find_rings(program))  # a ring keeps its chunks (collective_matmul.py)
     kept: set[str] = set()
     readers: dict[str, list] = {}
     for i, s in enumerate(program.steps):

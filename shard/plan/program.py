@@ -179,6 +179,9 @@ class Program:
     regathered: tuple[str, ...] = ()
     # `offload optimizer`: the optimizer keeps its state in host memory on a GPU run
     offload: bool = False
+    # `overlap tensor`: the gathers and reduce-scatters that shard/parallel/ring_plan.py finds
+    # run as collective matmuls (rings of async p2p steps overlapped with their matmuls)
+    overlap_tensor: bool = False
     # `attribute seq -> cp balanced`: the dims (a sequence and its renames) whose split holds
     # zigzag chunks (shard/plan/balanced.py), never one contiguous slice
     balanced: tuple[str, ...] = ()

@@ -18,11 +18,12 @@ import attrs
 
 from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
+from soapstone.shard.parallel.ring_plan import Ring, find_rings
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.analysis.explain import Traffic, estimate
 from soapstone.shard.plan.analysis.explain_text import format_traffic
 from soapstone.shard.plan.collectives import backward_op
-from soapstone.shard.plan.layout import Layout, Placement, placement_to_data
+from soapstone.shard.plan.layout import Layout, Placement, RedistributeKind, placement_to_data
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Step
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.units import format_bytes
@@ -98,12 +99,15 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
     dropped = {n: [program.steps[i].kind for i in rebuild_steps(program, n)]
                for n in program.dropped}
     f8 = float8_gathers(program, marked=True)  # show --precision float8
+    rings = find_rings(program)
     for i, s in enumerate(program.steps):
         if i in starts:  # what backward runs again: the range's steps, from its inputs
             lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
                          "backward runs them again")
         lines.append(format_step(program, s))
         e4m3 = math.prod(program.value(s.out).local_shape) if i in f8 else None
+        if i in rings:  # `overlap tensor`: the p2p calls the ring makes instead
+            lines.append(ring_line(program, rings[i]))
         if s.out in program.regathered:  # sequence parallelism's linear inputs
             lines.append(f"      # kept as its shard {s.src}: freed after forward's last use, "
                          f"gathered again for backward (backward allgather "
@@ -225,3 +229,17 @@ def stage_graph_to_data(graph: StageGraph, zero: int = 0) -> dict:
                                for t in e.tensors]} for e in graph.edges],
         "shared": [{"param": n, "stages": list(w)} for n, w in graph.shared],
     }
+
+
+def ring_line(program: Program, ring: Ring) -> str:
+    """The comment under a collective matmul's step: its p2p calls, forward and backward."""
+    step = program.steps[ring.at]
+    n = dict(program.mesh)[ring.axis]
+    gather = ring.kind is RedistributeKind.ALLGATHER
+    chunk = program.value(step.src if gather else step.out).nbytes
+    mms = ", ".join(program.steps[j].out for j in ring.matmuls)
+    fwd, bwd = ("chunks", "partial sums") if gather else ("partial sums", "chunks")
+    steps = f"{n - 1} async p2p step{'s' if n > 2 else ''}"
+    return (f"      # overlap tensor: a ring of {steps} (isend next, irecv previous, "
+            f"{format_bytes(chunk)} each) carrying the {fwd} while the matmuls {mms} run "
+            f"chunk by chunk; backward the same ring carrying the {bwd}")

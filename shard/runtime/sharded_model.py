@@ -9,16 +9,19 @@ partial on.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from soapstone.comm import autograd as ag
+from soapstone.comm import collective_matmul as cm
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
 from soapstone.shard.ops.dispatch import run_op
 from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
+from soapstone.shard.parallel.ring_plan import Ring, find_rings, ring_runs_at
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
@@ -67,6 +70,11 @@ class ShardedModel:
         self.fused = find_fusions(program) if fuse else {}
         # where each step's inputs are read: a covered step's are read by its fused chain
         self.run_index = {i: f.at for f in self.fused.values() for i in f.covered}
+        # `overlap tensor`: collective matmuls, their matmuls run inside the ring at the
+        # collective step (shard/parallel/ring_plan.py)
+        self.rings = find_rings(program)
+        self.ring_stash = None  # inside a `recompute R` range: its Checkpointed (recompute.py)
+        self.run_index.update(ring_runs_at(program))
         self.covered = set(self.run_index)
         self.frees = _last_uses(program, self.run_index)
         # the logits a loss may write its gradient over (shard/runtime/overwrite_plan.py)
@@ -208,6 +216,8 @@ class ShardedModel:
             f = self.fused[i]
             out = run_fused(f, env, self.program, self.ctx, self.ctx.float8)
             env[f.out] = self._checked(step, out, f.out)
+        elif i in self.rings:
+            self._ring(self.rings[i], env)
         elif i not in self.covered:
             env[step.out] = self._run(step, env)
         if drops is not None:
@@ -255,6 +265,29 @@ class ShardedModel:
         if step.out in self.float8_gathered:
             return float8_gather(x, comm, src.dims.index(step.frm.dim), step.grad)
         return REDISTRIBUTE[step.kind](x, comm, step, src.dims.index)
+
+    def _ring(self, ring: Ring, env: dict[str, torch.Tensor]) -> None:
+        """A collective matmul: the gather with its readers, or a matmul with its scatter."""
+        step, prog = self.program.steps[ring.at], self.program
+        comm = self.mesh.comm(step.axis)
+        mms = [prog.steps[j] for j in ring.matmuls]
+        weights = [next(a for a in s.args if a in self.params) for s in mms]
+        fns = [functools.partial(self._matmul, s, w) for s, w in zip(mms, weights, strict=True)]
+        if ring.kind is RedistributeKind.ALLGATHER:
+            dim = prog.value(step.src).dims.index(ring.dim)
+            ys = cm.all_gather_apply(env[step.src], comm, dim, fns, [env[w] for w in weights],
+                                     [prog.value(s.out).dims.index(ring.dim) for s in mms],
+                                     self.ring_stash)
+            for s, y in zip(mms, ys, strict=True):
+                env[s.out] = self._checked(s, y, s.out)
+            return
+        x = next(a for a in mms[0].args if a != weights[0])
+        env[step.out] = cm.apply_reduce_scatter(
+            env[x], comm, prog.value(x).dims.index(ring.dim), fns[0], env[weights[0]],
+            self.ring_stash)
+
+    def _matmul(self, step: Compute, weight: str, x: torch.Tensor, w: torch.Tensor):
+        return run_op(step, [w if a == weight else x for a in step.args], self.ctx, self.custom)
 
     def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:
         v = self.program.value(name)

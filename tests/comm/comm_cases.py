@@ -17,6 +17,7 @@ from mpirun import ranks
 
 from soapstone.comm import CommError, Mesh, init
 from soapstone.comm import autograd as ag
+from soapstone.comm import collective_matmul as cm
 
 BACKEND = os.environ.get("SOAPSTONE_TEST_BACKEND", "mpi")
 if BACKEND == "staged":
@@ -651,6 +652,31 @@ def case_autograd_copy_to_reduce_from_megatron_mlp():
     close(xd.grad, x.grad, "dX (copy_to backward allreduce)")
     close(w1d.grad, _shard(w1.grad, 1), "dW1 shard")
     close(w2d.grad, _shard(w2.grad, 0), "dW2 shard")
+
+
+@ranks(1, 2, 4)
+def case_collective_matmul_matches_sequence_parallel():
+    # sequence-parallel MLP: gather rows, two column-parallel matmuls, a row-parallel one
+    # whose partial sums are scattered back; blocking collectives vs the p2p rings (AsyncTP)
+    h, f, s = 4, 2 * N, 3 * N
+    X, W1, W3, W2 = (rnd(0, sh, k) for k, sh in ((7, (s, h)), (8, (h, f)), (9, (h, f)),
+                                                  (10, (f, h))))
+    G = rnd(0, (3, h), 11 + R)
+    runs = []
+    for fused in (False, True):
+        xd = _shard(X, 0).clone().requires_grad_()
+        w1, w3 = (_shard(t, 1).clone().requires_grad_() for t in (W1, W3))
+        w2 = _shard(W2, 0).clone().requires_grad_()
+        if fused:
+            a, b = cm.all_gather_apply(xd, W, 0, [torch.matmul, torch.matmul], [w1, w3], [0, 0])
+            y = cm.apply_reduce_scatter(torch.relu(a) * b, W, 0, torch.matmul, w2)
+        else:
+            full = ag.all_gather(xd, W, 0)
+            y = ag.reduce_scatter(torch.relu(full @ w1) * (full @ w3) @ w2, W, 0)
+        (y * G).sum().backward()
+        runs.append((y.detach(), xd.grad, w1.grad, w3.grad, w2.grad))
+    for what, u, v in zip(("y", "dx", "dw1", "dw3", "dw2"), *runs, strict=True):
+        close(v, u, f"{what}: ring vs blocking")
 
 
 @ranks(1, 2, 4)

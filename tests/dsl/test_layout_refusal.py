@@ -24,11 +24,11 @@ def _notes(text: str) -> dict[str, str]:
 
 def test_refused_layouts_are_kept_with_their_reasons():
     spec = dsl.load(ROOT / "examples/llama.par", dims={"kv_heads": 1})
-    assert set(spec.refused) == {"tp2", "sp2", "cp2sp2", "ptd8", "cp2bsp2"}
+    assert set(spec.refused) == {"tp2", "sp2", "sp2async", "cp2sp2", "ptd8", "cp2bsp2"}
     assert set(spec.parallels) == {"single", "dp2", "tp4", "cp2", "pp2"}  # tp4: kv whole
     assert not spec.diagnostics
     lines = spec.refusals()
-    assert len(lines) == 5 and all("kv_heads = 1 does not divide over model = 2" in x
+    assert len(lines) == 6 and all("kv_heads = 1 does not divide over model = 2" in x
                                    for x in lines)
 
 
@@ -43,7 +43,7 @@ def test_check_explain_show_run_go_on_with_the_layouts_that_can():
         assert r["rc"] == 0, r
         assert "Traceback" not in r["text"]
     llama, gpt2 = _notes(runs[0]["text"]), _notes(runs[1]["text"])
-    assert set(llama) == {"tp2", "sp2", "cp2sp2", "ptd8", "cp2bsp2"}
+    assert set(llama) == {"tp2", "sp2", "sp2async", "cp2sp2", "ptd8", "cp2bsp2"}
     assert "examples/llama.par:47:20: kv_heads = 1 does not divide over model = 2" in llama["tp2"]
     assert "parallels: single, dp2, tp4, cp2, pp2" in runs[0]["text"]
     assert set(gpt2) == {"tp2", "sp2", "dptp4", "ptd8", "cp2bsp2"}
@@ -51,7 +51,7 @@ def test_check_explain_show_run_go_on_with_the_layouts_that_can():
     assert "parallels: single, dp2, cp2, cp2b, pp2" in runs[1]["text"]
     assert not _notes(runs[2]["text"])  # --parallel names a layout that can: no notes
     for r in runs[3:]:  # without --parallel: the notes, then the model's own output
-        assert len(_notes(r["text"])) in (4, 5), r["text"]
+        assert len(_notes(r["text"])) in (5, 6), r["text"]
 
 
 def test_exit_2_when_the_named_layout_or_every_layout_is_refused(tmp_path):

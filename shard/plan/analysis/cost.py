@@ -46,8 +46,12 @@ time, on a `hardware.Profile`:
   reduce-scatters each one), in what the backward gathers leave of the link, so only what
   exceeds that, and at least the last bucket, is exposed. Links run side by side: the step
   waits for the busiest. Tensor-parallel collectives (forward and backward rows on the other
-  axes) block and are paid in full; the ZeRO-1/2 gather of the updated parameters and the
-  grad-norm and loss reductions follow the step.
+  axes) block and are paid in full, except under `overlap tensor` (shard/parallel/ring_plan.py):
+  a collective matmul's ring of sends runs while its matmuls compute chunk by chunk, so only
+  max(0, ring time - matmul time) is exposed, forward (the forward matmuls), backward (their
+  two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again), summed
+  over the rank's rings first (per layer, for a stack of alike blocks); the ZeRO-1/2 gather of
+  the updated parameters and the grad-norm and loss reductions follow the step.
 - pipeline: a pipe rank's busy time per step (compute + blocking collectives over its
   microbatches) stretched by the schedule's bubble, busy / (1 - bubble) with explain's
   (p-1)/(v*m+p-1), plus the fill and drain of the p2p chain ((p-1) hops each way).
@@ -64,6 +68,7 @@ import attrs
 from soapstone.shard.ops.einsum import float8_gathers, float8_steps
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
+from soapstone.shard.parallel.ring_plan import find_rings
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
@@ -106,6 +111,13 @@ class Work:
     # scores FLOPs its backward runs again (beyond BACKWARD_FACTOR x the forward)
     skipped_flops: float = 0.0
     rescore_flops: float = 0.0
+    # `overlap tensor`: the forward FLOPs (of matmul_flops) of the matmuls run inside
+    # collective-matmul rings, the window their sends hide in
+    ring_flops: float = 0.0
+
+    def ring_seconds(self, profile: Profile, precision: str) -> float:
+        """The rings' matmuls' forward time at the weight matmuls' rate."""
+        return self.ring_flops / profile.matmul_flops(matmul_peaks(precision)[0])
 
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
@@ -251,8 +263,10 @@ def _work(program: Program, indices) -> Work:
             skipped += f * (1 - done)
             scores = program.steps[fusions[at].covered[0]]
             rescore += record_of(scores.kind).flops(scores, program) * done
+    rings = sum(record_of("einsum").flops(program.steps[j], program)
+                for r in find_rings(program).values() for j in r.matmuls if j in indices)
     return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd,
-                skipped, rescore)
+                skipped, rescore, rings)
 
 
 def _attention_done(program: Program, f: FusedAttention) -> float:
@@ -392,6 +406,8 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
     per_axis: dict[str, float] = {}
     links: dict[str, LinkLoad] = {}  # by link class: axes on one class share its links
     buckets = 1
+    # collective matmuls' sends (module doc)
+    rings = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
     for t in traffic:
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
@@ -399,7 +415,9 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
         # zero.py gathers each bucket a step ahead alike); context parallelism's own gathers
         # on those axes are other rows, and compute waits for them
         load = links.setdefault(link_class(t.axis, mesh, profile), LinkLoad())
-        if t.phase in ("forward", "backward") and t.prefetched:
+        if t.phase in rings and t.kind == "send":  # only rings send in these phases
+            rings[t.phase] += s
+        elif t.phase in ("forward", "backward") and t.prefetched:
             if t.phase == "forward":
                 load.gathers_forward += s
             else:
@@ -413,6 +431,11 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
             buckets = max(buckets, t.calls)
         else:  # ZeRO-1/2 gathers after the update, grad norm, loss, tied sums
             out["after"] += s
+    ring_mm = work.ring_seconds(profile, precision) * m
+    again = work.again.ring_seconds(profile, precision) * m if work.again else 0.0
+    out["blocking"] += max(0.0, rings["forward"] - ring_mm) + \
+        max(0.0, rings["backward"] - BACKWARD_FACTOR * ring_mm) + \
+        max(0.0, rings["recompute"] - again)
     # the windows overlap hides in (attention's recomputed scores are backward's)
     forward = (compute - work.rescore_seconds(profile, precision) * m) / (1 + BACKWARD_FACTOR)
     backward = compute - forward

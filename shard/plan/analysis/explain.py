@@ -92,6 +92,7 @@ from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.regather_plan import without_recompute
+from soapstone.shard.parallel.ring_plan import find_rings, ring_chunk, ring_sends
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
@@ -225,8 +226,13 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     activations, transient = activations or (phases.saved, max(phases.forward, phases.backward))
     again = {i for a, b in program.recompute for i in range(a, b)}
     f8 = float8_gathers(program, marked=True)
+    rings = find_rings(program)
     for i, step in enumerate(program.steps):
-        if isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
+        if i in rings:  # `overlap tensor`: a ring of sends each way instead of the collective
+            chunk = program.value(ring_chunk(program, rings[i])).nbytes
+            for phase in ("forward", "backward", "recompute")[:3 if i in again else 2]:
+                add(phase, "send", step.axis, chunk, calls=ring_sends(program, rings[i]))
+        elif isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             gathers = [("forward", True), ("recompute", i in again),
                        ("backward", step.out in program.regathered)]  # kept as its shard
             for phase in (p for p, runs in gathers if runs and forward_op(step)):

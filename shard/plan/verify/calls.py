@@ -50,6 +50,11 @@ class Op:
         """A call the flight recorder numbers (a wait completes an earlier one)."""
         return self.kind != "wait"
 
+    def waited(self) -> Op:
+        """The wait completing this posted send or receive (its cost not counted again)."""
+        return Op("wait", self.axes, self.ranks, self.shape, self.dtype, self.bytes, self.phase,
+                  self.stage, self.mb, self.source, self.peer, self.tag, self.kind)
+
     def signature(self) -> tuple:
         """What every member of a collective must agree on: kind, shape, dtype."""
         return (self.kind, self.shape, self.dtype)

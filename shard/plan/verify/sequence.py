@@ -46,12 +46,6 @@ from soapstone.shard.plan.verify.calls import F64, MeshRanks, Op
 from soapstone.shard.plan.verify.stage_calls import StageCalls
 
 
-def _wait(o: Op) -> Op:
-    """The wait completing posted send or receive `o` (attrs.evolve, without its cost)."""
-    return Op("wait", o.axes, o.ranks, o.shape, o.dtype, o.bytes, o.phase, o.stage, o.mb,
-              o.source, o.peer, o.tag, o.kind)
-
-
 def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | None = None,
                   locate=None, mesh: MeshRanks | None = None, p2p: str = "ahead") -> tuple[Op, ...]:
     """World rank `rank`'s calls in one training step (the module doc's order). `schedule`:
@@ -80,7 +74,7 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
         items = sched.with_comm(pipe_rank)
     for a in items:
         if isinstance(a, p2p_groups.Group):  # the group before is complete first
-            out.extend(_wait(o) for o in inflight)
+            out.extend(o.waited() for o in inflight)
             inflight = []
             for x in a.ops:
                 ops = _p2p(graph, mesh, rank, x.action, rows, locate)
@@ -100,9 +94,9 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
         else:  # F, B
             # the compute waits for the receives it reads (executor._wait)
             got = posted.pop((a.kind.direction, a.stage, a.mb), [])
-            out.extend(_wait(o) for o in got)
+            out.extend(o.waited() for o in got)
             if got and inflight:  # grouped: the whole group, as on NCCL
-                out.extend(_wait(o) for o in inflight if not any(o is g for g in got))
+                out.extend(o.waited() for o in inflight if not any(o is g for g in got))
                 inflight = []
             st = stages[a.stage]
             if a.kind is schedules.ActionKind.F:
@@ -111,7 +105,7 @@ def rank_sequence(graph: StageGraph, rank: int, schedule: schedules.Schedule | N
                 out.extend(st.backward_input(a.mb) if sched.split
                            else st.backward(a.mb, states[a.stage]))
     # the step's end waits for its sends
-    out.extend(_wait(o) for o in inflight + sends)
+    out.extend(o.waited() for o in inflight + sends)
     if last_stage in stages:
         for mb in range(graph.microbatches):
             out.extend(stages[last_stage].loss(mb))

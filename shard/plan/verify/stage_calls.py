@@ -13,6 +13,7 @@ from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
 from soapstone.shard.parallel.regather_plan import first_backward_reader, gather_step
+from soapstone.shard.parallel.ring_plan import find_rings, ring_chunk, ring_sends
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
@@ -75,8 +76,11 @@ class StageCalls:
         self.buckets = plan_buckets(p, p.zero, p.zero_axes,
                                     tuple(n for n in shared if n in {x.name for x in p.params}))
         self.sources = _consumers(p)
+        self.rings = find_rings(p)
+        self._ring_runs: dict[tuple, int] = {}
         fused = find_fusions(p)
         runs_at = {i: f.at for f in fused.values() for i in f.covered}
+        runs_at.update({j: r.at for r in self.rings.values() for j in r.matmuls})
         first: dict[str, int] = {}
         params = {x.name for x in p.params}
         for i, s in enumerate(p.steps):
@@ -99,8 +103,9 @@ class StageCalls:
         params_set = {x.name for x in p.params}
         self.again: dict[int, tuple[int, int]] = {}
         for a, b in p.recompute:
-            keeps = [i for i in range(a, b) if i not in runs_at
-                     and any(step_saves(p, i, fused, params_set))]
+            # a ring saves its input (comm/collective_matmul.py: unpacking it runs the range)
+            keeps = [i for i in range(a, b) if i in self.rings or (
+                i not in runs_at and any(step_saves(p, i, fused, params_set)))]
             self.again[keeps[-1] if keeps else b - 1] = (a, b)
         # a split backward (zb1p): the steps whose backward runs in B, the rest in W
         self.on_path = _on_path(p, st.recv)
@@ -207,8 +212,30 @@ class StageCalls:
         return [self.op(forward_op(s), (s.axis,), shape, dtype, forward_bytes(p, s), phase,
                         mb, src)]
 
+    def _ring(self, i: int, phase: str, mb: int) -> list[Op]:
+        """A collective matmul's p2p calls (comm/collective_matmul.py): per ring step a send to
+        the next rank and a receive from the previous, posted together, then both waited."""
+        ring, p = self.rings[i], self.program
+        axes, ranks = self.mesh.group(self.rank, (ring.axis,))
+        if len(ranks) <= 1:
+            return []
+        shape, dtype = _shape(p, ring_chunk(p, ring))
+        at, n = ranks.index(self.rank), len(ranks)
+        # a recomputed range runs the ring again: each run's messages are their own
+        run = self._ring_runs[(phase, i, mb)] = self._ring_runs.get((phase, i, mb), -1) + 1
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+        out = []
+        for k in range(ring_sends(p, ring)):
+            pair = [Op(kind, axes, ranks, shape, dtype, b, phase, self.index, mb,
+                       self.sources[i], ranks[(at + d) % n], ("ring", phase, i, mb, run, k))
+                    for kind, b, d in (("send", nbytes, 1), ("recv", 0, -1))]
+            out += pair + [o.waited() for o in pair]
+        return out
+
     def _forward_step(self, i, s, mb) -> list[Op | None]:
         p, src = self.program, self.sources[i]
+        if i in self.rings:
+            return self._ring(i, "forward", mb)
         if isinstance(s, Redistribute | CopyTo):
             return self._gather(i, "forward", mb) if forward_op(s) else []
         if isinstance(s, Compute) and s.dist:
@@ -301,6 +328,8 @@ class StageCalls:
 
     def _backward_step(self, i, s, mb) -> list[Op | None]:
         p, src = self.program, self.sources[i]
+        if i in self.rings:
+            return self._ring(i, "backward", mb)
         if isinstance(s, Redistribute | CopyTo):
             kind = backward_op(s)
             if not kind or not p.value(s.src).is_float:

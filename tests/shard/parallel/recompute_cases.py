@@ -121,3 +121,7 @@ def case_a_bias_free_residual_is_kept_as_sequence_shards():
     dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
     row = memory(spec, dims, "sp2_rc", W, "bf16")
     assert abs(row["live_error"]) < 0.06, row
+    # `overlap tensor` inside the blocks: the rings run again in backward's rerun, which
+    # builds their per-chunk graphs (once: the flight recorder has the verifier's calls)
+    assert_matches_golden(spec, "sp2async_rc", str(ROOT / "tests/golden/runs/llama.npz"))
+    measure(spec, "sp2async_rc", "adamw")

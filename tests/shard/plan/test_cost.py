@@ -103,6 +103,22 @@ def test_links_run_side_by_side_and_blocking_traffic_is_paid_in_full():
     assert t.total == pytest.approx(18.0)
 
 
+@pytest.mark.parametrize("ring_flops,blocking", [(1e12, 4.0 - 1.0 + 6.0 - 2.0),
+                                                  (4e12, 0.0 + 0.0)])
+def test_collective_matmul_rings_hide_behind_their_matmuls(ring_flops, blocking):
+    """`overlap tensor` on mesh model 2 (intra-node, 10 GB/s): the rings send 40 GB forward
+    (4 s) and 60 GB backward (6 s). Their matmuls of 1 TFLOP forward run 1 s (backward 2 s):
+    exposed 3 + 4 = 7 s; of 4 TFLOP (4 s, backward 8 s): nothing exposed. A blocking allgather
+    beside them on the same axis stays paid in full (1 s)."""
+    rows = [Traffic("forward", "send", "model", 4, int(40 * GB)),
+            Traffic("backward", "send", "model", 4, int(60 * GB)),
+            Traffic("forward", "allgather", "model", 1, int(10 * GB))]
+    t = step_time(est({"model": 2}, 0, rows),
+                  [Work(matmul_flops=4e12, ring_flops=ring_flops)], profile())
+    assert t.blocking_comm == pytest.approx(blocking + 1.0)
+    assert t.total == pytest.approx(12.0 + blocking + 1.0)
+
+
 # ---- the matmuls' roofline and fused chains ------------------------------------------------
 
 def test_activation_matmuls_are_held_to_the_roofline():

@@ -1,0 +1,115 @@
+"""`overlap tensor` (AsyncTP): which sequence-parallel collectives run as collective matmuls,
+rings of async p2p steps overlapped with the matmuls beside them (comm/collective_matmul.py).
+Pure data, no torch: the runtime, `show`, the call verifier and the cost model read it.
+
+Two shapes qualify, on any mesh axis, by what the steps are (never by name):
+
+- a gather ring: an all-gather of a float value over a split dim d whose gradient is a partial
+  sum (sequence parallelism's), every reader of the gathered value a weight matmul (an einsum
+  of it and a parameter) that carries d through to its output. The readers run at the
+  gather, each applied to every chunk as the chunks travel the ring;
+- a scatter ring: a reduce-scatter onto a split dim d of the partial sum of one weight matmul,
+  read by nothing else, whose input carries d through. The matmul runs at the reduce-scatter,
+  chunk by chunk, its partial sums travelling the ring.
+
+Inside a `recompute R` range a ring runs in forward without keeping its per-chunk graphs and
+again in backward's rerun of the range, which builds them (comm's Checkpointed). Steps fused
+into a kernel chain, on a branch, on a zigzag (balanced) dim, or touching a value `recompute
+selective` / `ops` rebuilds stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose
+parameter gathers are timed per step). The rings' p2p traffic is the collective's: t-1
+messages of one chunk each way.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from soapstone.shard.plan.layout import RedistributeKind, Split
+from soapstone.shard.plan.program import Compute, GradPlacement, Program, Redistribute
+from soapstone.shard.runtime.fusion_plan import find_fusions
+
+
+@attrs.frozen
+class Ring:
+    """One collective matmul: the collective step `at`, the matmul steps it runs (`readers`
+    of a gather, or the one producer of a reduce-scatter), the dim the ring cuts."""
+
+    at: int
+    kind: RedistributeKind  # ALLGATHER or REDUCE_SCATTER
+    matmuls: tuple[int, ...]
+    dim: str
+    axis: str
+
+
+def _weight_matmul(program: Program, step, params: set[str], dim: str):
+    """The non-weight argument of `step` when it is a plain einsum of one value and a
+    parameter that carries `dim` from that value to its output; else None."""
+    if not isinstance(step, Compute) or step.kind != "einsum" or len(step.args) != 2 \
+            or step.owner or step.dist or step.exchange or len(set(step.args) & params) != 1:
+        return None
+    w = next(a for a in step.args if a in params)
+    x = next(a for a in step.args if a != w)
+    if dim in program.value(w).dims or dim not in program.value(x).dims \
+            or dim not in program.value(step.out).dims:
+        return None
+    return x
+
+
+def find_rings(program: Program) -> dict[int, Ring]:
+    """The collective matmuls of `program`, keyed by their collective step (module doc)."""
+    if not program.overlap_tensor or program.zero >= 3:
+        return {}
+    params = {p.name for p in program.params}
+    outputs = {o.value for o in program.outputs}
+    fusions = find_fusions(program)
+    fused = set(fusions) | {c for f in fusions.values() for c in f.covered}
+    readers: dict[str, list[int]] = {}
+    producer: dict[str, int] = {}
+    for i, s in enumerate(program.steps):
+        producer[s.out] = i
+        for a in s.args if isinstance(s, Compute) else (s.src,):
+            readers.setdefault(a, []).append(i)
+    # `recompute selective` / `ops` rebuild dropped values from their inputs, which a ring
+    # never holds whole: a ring touching one stays a collective
+    rebuilt = set(program.dropped) | set(program.held)
+    rings: dict[int, Ring] = {}
+    for i, s in enumerate(program.steps):
+        if not isinstance(s, Redistribute) or i in fused or s.out in outputs \
+                or not program.value(s.src).is_float:
+            continue
+        if s.kind is RedistributeKind.ALLGATHER and isinstance(s.frm, Split) \
+                and s.grad is GradPlacement.PARTIAL and s.frm.dim not in program.balanced:
+            rs = readers.get(s.out, [])
+            if rs and all(j not in fused and _weight_matmul(
+                    program, program.steps[j], params, s.frm.dim) == s.out for j in rs):
+                rings[i] = Ring(i, s.kind, tuple(rs), s.frm.dim, s.axis)
+        elif s.kind is RedistributeKind.REDUCE_SCATTER and isinstance(s.to, Split) \
+                and s.to.dim not in program.balanced and s.src in producer:
+            j = producer[s.src]
+            if j not in fused and readers.get(s.src) == [i] and s.src not in outputs and \
+                    _weight_matmul(program, program.steps[j], params, s.to.dim):
+                rings[i] = Ring(i, s.kind, (j,), s.to.dim, s.axis)
+    return {i: r for i, r in rings.items() if not rebuilt & _touches(program, r)}
+
+
+def _touches(program: Program, ring: Ring) -> set[str]:
+    step = program.steps[ring.at]
+    mms = [program.steps[j] for j in ring.matmuls]
+    return {step.src, step.out, *(s.out for s in mms), *(a for s in mms for a in s.args)}
+
+
+def ring_runs_at(program: Program) -> dict[int, int]:
+    """Where each ring's matmul steps run: at their collective step."""
+    return {j: r.at for r in find_rings(program).values() for j in r.matmuls}
+
+
+def ring_chunk(program: Program, ring: Ring) -> str:
+    """The value whose local shape each ring message has: the gathered shard, or the
+    scattered chunk (both directions, forward and backward)."""
+    step = program.steps[ring.at]
+    return step.src if ring.kind is RedistributeKind.ALLGATHER else step.out
+
+
+def ring_sends(program: Program, ring: Ring) -> int:
+    """How many messages a rank sends in one direction of the ring: one per step, t-1."""
+    return dict(program.mesh)[ring.axis] - 1
