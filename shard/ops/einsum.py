@@ -132,15 +132,10 @@ def float8_gathers(program, marked: bool = False) -> dict[int, str]:
         else:  # a collective reads its src (position -1: no float8 matmul's activation)
             readers.setdefault(step.src, []).append((i, -1))
     kept = {o.value for o in program.outputs}
-    # `overlap tensor`: a ring's gather runs its matmuls itself, chunk by chunk (its sends
-    # carry the compute dtype), so it is not one of these
-    from soapstone.shard.parallel.ring_plan import find_rings
-
-    rings = find_rings(program)
     out = {}
     for i, step in enumerate(program.steps):
         gather = hasattr(step, "frm") and str(step.kind) == "allgather"  # a Redistribute
-        if not gather or i in rings or step.out in kept or not program.value(step.src).is_float:
+        if not gather or step.out in kept or not program.value(step.src).is_float:
             continue
         src = program.value(step.src)
         if step.frm.dim in program.balanced and src.layout.dim_axes(step.frm.dim)[0] == step.axis:
@@ -171,6 +166,12 @@ def float8_misfit(widths: tuple[int, int, int]) -> str:
 def float8_refusal(program) -> str:
     """'' when every float8 step of `program` has widths `_scaled_mm` takes, else why and where
     (the first that does not) and the fixes: what `run --precision float8` refuses."""
+    if program.overlap_tensor and float8_steps(program):
+        # a collective matmul would cast each chunk at its own scale: not float8's tensorwise
+        # recipe (torchtitan gathers fp8 chunks cast at the whole tensor's amax)
+        return ("`overlap tensor` with --precision float8 is not built (its collective "
+                "matmuls would scale each chunk on its own); fix: run --precision bf16, or drop "
+                "`overlap tensor` (float8 then gathers sequence-parallel inputs in e4m3)")
     for i in sorted(float8_steps(program)):
         step = program.steps[i]
         bad = float8_misfit(float8_widths(step, program))

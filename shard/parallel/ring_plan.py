@@ -113,3 +113,12 @@ def ring_chunk(program: Program, ring: Ring) -> str:
 def ring_sends(program: Program, ring: Ring) -> int:
     """How many messages a rank sends in one direction of the ring: one per step, t-1."""
     return dict(program.mesh)[ring.axis] - 1
+
+
+def float8_gathers_beside_rings(program: Program, marked: bool = False) -> dict[int, str]:
+    """einsum.float8_gathers less the rings' own gathers: a ring runs its matmuls itself,
+    chunk by chunk, and its sends carry the compute dtype."""
+    from soapstone.shard.ops.einsum import float8_gathers
+
+    rings = find_rings(program)
+    return {i: a for i, a in float8_gathers(program, marked).items() if i not in rings}

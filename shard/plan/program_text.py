@@ -16,9 +16,8 @@ import math
 
 import attrs
 
-from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
-from soapstone.shard.parallel.ring_plan import Ring, find_rings
+from soapstone.shard.parallel.ring_plan import Ring, find_rings, float8_gathers_beside_rings
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.analysis.explain import Traffic, estimate
 from soapstone.shard.plan.analysis.explain_text import format_traffic
@@ -98,7 +97,7 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
     starts = {a: b for a, b in program.recompute}
     dropped = {n: [program.steps[i].kind for i in rebuild_steps(program, n)]
                for n in program.dropped}
-    f8 = float8_gathers(program, marked=True)  # show --precision float8
+    f8 = float8_gathers_beside_rings(program, marked=True)  # show --precision float8
     rings = find_rings(program)
     for i, s in enumerate(program.steps):
         if i in starts:  # what backward runs again: the range's steps, from its inputs

@@ -18,10 +18,14 @@ from soapstone.comm import collective_matmul as cm
 from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
 from soapstone.shard.ops.dispatch import run_op
-from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
-from soapstone.shard.parallel.ring_plan import Ring, find_rings, ring_runs_at
+from soapstone.shard.parallel.ring_plan import (
+    Ring,
+    find_rings,
+    float8_gathers_beside_rings,
+    ring_runs_at,
+)
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
@@ -98,7 +102,8 @@ class ShardedModel:
         self.float8_gathered = set()
         if float8:
             self.ctx.float8 = float8_matmuls(program, self.float8_last)
-            self.float8_gathered = {program.steps[i].out for i in float8_gathers(program)}
+            self.float8_gathered = {program.steps[i].out
+                                    for i in float8_gathers_beside_rings(program)}
         # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
         # draw=False leaves them empty for weights loaded right after (--init, --resume)
         def first(p):

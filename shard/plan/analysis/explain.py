@@ -88,11 +88,15 @@ import math
 import attrs
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.dispatch_plan import expert_figures
 from soapstone.shard.parallel.regather_plan import without_recompute
-from soapstone.shard.parallel.ring_plan import find_rings, ring_chunk, ring_sends
+from soapstone.shard.parallel.ring_plan import (
+    find_rings,
+    float8_gathers_beside_rings,
+    ring_chunk,
+    ring_sends,
+)
 from soapstone.shard.parallel.selective_plan import selective_flops
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan import schedules
@@ -225,7 +229,7 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     phases = phase_figures(program) if activations is None else None
     activations, transient = activations or (phases.saved, max(phases.forward, phases.backward))
     again = {i for a, b in program.recompute for i in range(a, b)}
-    f8 = float8_gathers(program, marked=True)
+    f8 = float8_gathers_beside_rings(program, marked=True)
     rings = find_rings(program)
     for i, step in enumerate(program.steps):
         if i in rings:  # `overlap tensor`: a ring of sends each way instead of the collective

@@ -75,10 +75,11 @@ def program_as_run(program: Program, precision: str) -> Program:
     steps = program.steps
     if precision == "float8":  # the steps that run in float8 say so (their working set),
         # and those whose input a float8 gather brings (no cast of theirs: float8_scratch)
-        from soapstone.shard.ops.einsum import float8_gathers, float8_steps
+        from soapstone.shard.ops.einsum import float8_steps
+        from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
 
         f8 = float8_steps(program)
-        gathered = {steps[i].out for i in float8_gathers(program)}
+        gathered = {steps[i].out for i in float8_gathers_beside_rings(program)}
         steps = tuple(attrs.evolve(s, attrs=tuple(sorted(
             {**dict(s.attrs), "float8": True,
              **({"float8_gathered": True} if s.args[0] in gathered else {})}.items())))
@@ -104,14 +105,15 @@ def float8_line(graph) -> str:
     """explain's line under `--precision float8`: how many weight matmuls of the stage graph
     run in float8 (einsum.float8_steps), how many weight einsums stay in bf16, and how many
     gathers move float8 (einsum.float8_gathers)."""
-    from soapstone.shard.ops.einsum import float8_gathers, float8_steps
+    from soapstone.shard.ops.einsum import float8_steps
+    from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
 
     ran = kept = gathers = 0
     for stage in graph.stages:
         program = stage.program
         f8 = float8_steps(program)
         ran += len(f8)
-        gathers += len(float8_gathers(program))
+        gathers += len(float8_gathers_beside_rings(program))
         kept += sum(1 for i, s in enumerate(program.steps)
                     if getattr(s, "kind", None) == "einsum" and i not in f8
                     and set(s.args) & program.weights)

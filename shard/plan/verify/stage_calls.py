@@ -9,11 +9,15 @@ import functools
 import math
 
 from soapstone.comm.accounting import bus_bytes
-from soapstone.shard.ops.einsum import float8_gathers
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.parallel.bucket_plan import plan_buckets
 from soapstone.shard.parallel.regather_plan import first_backward_reader, gather_step
-from soapstone.shard.parallel.ring_plan import find_rings, ring_chunk, ring_sends
+from soapstone.shard.parallel.ring_plan import (
+    find_rings,
+    float8_gathers_beside_rings,
+    ring_chunk,
+    ring_sends,
+)
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
@@ -113,7 +117,7 @@ class StageCalls:
         # of its last reader (regather_plan.py)
         self.regather: dict[int, list[int]] = {}
         # --precision float8: the gathers that move e4m3 (einsum.float8_gathers)
-        self.float8_gathers = float8_gathers(p, marked=True)
+        self.float8_gathers = float8_gathers_beside_rings(p, marked=True)
         for n in p.regathered:
             at = first_backward_reader(p, n, runs_at)
             self.regather.setdefault(at, []).append(gather_step(p, n))
