@@ -30,6 +30,13 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
         _assert_probed_is_full(planner, c)
 
 
+def _activations(est) -> list[int]:
+    """The activation bytes each stage saves per microbatch (the one rank's without a
+    pipeline)."""
+    return [b for x in est.pipe_ranks for _, b in sorted(
+        x["activation_bytes_per_microbatch"].items())] or [est.activation_bytes]
+
+
 def test_probes_under_bf16_are_the_bf16_compiles():
     """Under --precision bf16 the probes are retyped as the full compiles are: the same
     figures (bf16 activations and traffic, fp32 masters) and step time, on a sample of the
@@ -46,9 +53,11 @@ def test_probes_under_bf16_are_the_bf16_compiles():
         f = fp32.cost(c)
         # float saves halve; integer ones (the targets a loss keeps), bool masks and the
         # fused attention's fp32 statistics do not: a larger share once sequence parallelism
-        # keeps its linears' inputs as shards
-        assert r.estimate.activation_bytes * 2 == \
-            pytest.approx(f.estimate.activation_bytes, rel=0.02), c.label
+        # keeps its linears' inputs as shards. Stage by stage, per microbatch: a pipeline's
+        # own figure is what its fullest rank holds at its peak action, and which rank and
+        # action those are can change with the precision (bf16 z2 at pipe 2)
+        assert [a * 2 for a in _activations(r.estimate)] == \
+            pytest.approx(_activations(f.estimate), rel=0.02), c.label
         assert sum(w.other_bytes for w in r.work) * 2 == \
             pytest.approx(sum(w.other_bytes for w in f.work)), c.label
 
