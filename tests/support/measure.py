@@ -189,3 +189,19 @@ def measure_pipeline(path: Path, layout: str, optimizer: str, precision: str = "
                        ("optimizer", est.optimizer_bytes)):
         assert abs(mem[what] - want) <= 0.1 * want, \
             f"{layout} pipe rank {rank}: {what} measured {mem[what]} B, explain says {want} B"
+
+
+def assert_live_as_explained(spec: str, dims: dict, layout: str, precision: str = "bf16",
+                             within: float = 0.06) -> dict:
+    """A step's tensors alive under `layout` (bench/bench_memory.py's measure, on this world)
+    are explain's within `within`; the measured row."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench_memory import measure as memory
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = memory(spec, dims, layout, W, precision)
+    assert abs(row["live_error"]) < within, row
+    return row

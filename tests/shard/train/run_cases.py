@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from measure import PLUGIN, W, load_spec, measure, measure_pipeline
+from measure import PLUGIN, W, assert_live_as_explained, load_spec, measure, measure_pipeline
 from mpirun import ranks
 
 from soapstone.dsl.testing import assert_matches_golden
@@ -126,19 +126,10 @@ def case_sequence_inside_context_parallel_holds_what_explain_says():
     piece over model, `recompute layer`) reproduces the single-rank record, and a bf16 step's
     tensors alive (bench/bench_memory.py) are explain's within 6%; so are cp2bsp2's (the
     same, balanced)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from bench_memory import measure as memory
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
     spec = str(ROOT / "tests/specs/sp_residual.par")
     assert_matches_golden(spec, "cp2sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
     dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
-    row = memory(spec, dims, "cp2sp2_rc", W, "bf16")
-    assert abs(row["live_error"]) < 0.06, row
+    assert_live_as_explained(spec, dims, "cp2sp2_rc")
     # balanced (zigzag) cp with sequence parallel inside: its run is checked against the
     # record with every example layout (case_examples_match_their_records)
-    row = memory(str(ROOT / "examples/llama.par"), dims, "cp2bsp2", W, "bf16")
-    assert abs(row["live_error"]) < 0.06, row
+    assert_live_as_explained(str(ROOT / "examples/llama.par"), dims, "cp2bsp2")
