@@ -6,8 +6,9 @@ In order, each a check of the report (name, ok, detail, seconds):
    tests/comm/test_comm_nccl.py, tests/comm/test_device.py (pytest, in a child process);
 2. `golden check` of every example with a record in tests/golden/runs, on cuda, one rank; then
    of tp2, pp2, dp2 ZeRO-3 and a MoE layout with two ranks sharing the GPU (`--comm mpi`);
-3. bf16 training: `run examples/gpt.par --precision bf16 --device cuda`, the loss falls, and
-   the progress figures (tokens/s, TFLOP/s, MFU) come out;
+3. training: `run examples/gpt.par --device cuda` in bf16, in float8 (torch._scaled_mm) and in
+   float8 under sp2 on two ranks (e4m3 gathers); the loss falls, and the progress figures
+   (tokens/s, TFLOP/s, MFU) come out;
 4. the NCCL communicator over cupy at one rank (dsl/app/gpu_probe.py): every collective,
    p2p to itself, groups, events;
 5. the step time, tokens/s and MFU of examples/gpt.par at GPT-2 small's width and seq 1024
@@ -35,8 +36,13 @@ from soapstone.dsl.lang.errors import BadInput
 
 CUDA_TESTS = ("tests/comm/test_gpu.py", "tests/comm/test_comm_nccl.py", "tests/comm/test_device.py")
 PLUGINS = {"swiglu": ("--plugin", "examples/custom_layer.py")}  # examples that need one
-# two ranks on the one GPU (`--comm mpi`): tensor parallel, pipeline's grouped p2p, ZeRO-3, experts
-SHARED_LAYOUTS = (("gpt2", "tp2"), ("gpt2", "pp2"), ("gpt2", "dp2"), ("moe", "ep2"))
+# two ranks on the one GPU (`--comm mpi`): tensor parallel, pipeline's grouped p2p, ZeRO-3,
+# experts, load-balanced context parallel's per-chunk attention, AsyncTP's rings of async p2p
+SHARED_LAYOUTS = (("gpt2", "tp2"), ("gpt2", "pp2"), ("gpt2", "dp2"), ("moe", "ep2"),
+                  ("gpt", "cp2b"), ("gpt", "sp2async"))
+# training runs on cuda (precision, layout, ranks): bf16; float8's `_scaled_mm`; and float8
+# under sp2, whose gathers move e4m3 bytes cast at the allreduced amax
+TRAINING = (("bf16", "single", 1), ("float8", "single", 1), ("float8", "sp2", 2))
 
 
 def cuda_missing() -> str | None:
@@ -142,12 +148,19 @@ def shared_gpu_checks(root: Path, timeout: float) -> list[Outcome]:
     return out
 
 
-def bf16_training(root: Path, tmp: Path, timeout: float) -> Outcome:
-    """40 bf16 steps of examples/gpt.par on cuda: the loss falls and the figures come out."""
-    metrics = tmp / "bf16.jsonl"
-    cmd = [sys.executable, "-m", "soapstone.dsl.cli", "run", "examples/gpt.par", "--steps",
-           "40", "--precision", "bf16", "--device", "cuda", "--metrics", str(metrics)]
-    out, text = _child("run --precision bf16 --device cuda", cmd, root, timeout)
+def training(root: Path, tmp: Path, precision: str, layout: str, ranks: int,
+             timeout: float) -> Outcome:
+    """40 steps of examples/gpt.par on cuda in `precision`: the loss falls and the figures
+    come out."""
+    metrics = tmp / f"{precision}-{layout}.jsonl"
+    launch = ["mpiexec", "-n", str(ranks)] if ranks > 1 else []
+    comm = ["--comm", "mpi"] if ranks > 1 else []  # ranks sharing one GPU talk through host memory
+    cmd = [*launch, sys.executable, "-m", "soapstone.dsl.cli", "run", "examples/gpt.par",
+           "--parallel", layout, "--steps", "40", "--precision", precision, "--device", "cuda",
+           *comm, "--metrics", str(metrics)]
+    name = f"run --parallel {layout} --precision {precision} --device cuda ({ranks} rank" \
+           + ("s)" if ranks > 1 else ")")
+    out, text = _child(name, cmd, root, timeout)
     done = re.search(r"done: \d+ steps, loss ([\d.]+) -> ([\d.]+).*", text)
     if not out.ok or done is None:
         return out
@@ -216,7 +229,7 @@ def gpu_check(root: Path, report: Path, steps: int, skip_tests: bool = False,
             add([cuda_tests(root, timeout=300)])
         add(golden_checks(root, timeout=120))
         add(shared_gpu_checks(root, timeout=120))
-        add([bf16_training(root, Path(tmp), timeout=180)])
+        add([training(root, Path(tmp), *run, timeout=180) for run in TRAINING])
         outcomes, figures = in_process(root, Path(tmp), steps)
         add(outcomes)
     if figures is not None:

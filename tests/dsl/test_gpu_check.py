@@ -72,8 +72,9 @@ def test_step_time_comparison_runs_on_the_cpu_at_small_dims(tmp_path):
 
 
 def test_the_shared_gpu_layouts_name_real_layouts_and_records():
-    """gpu-check's two-ranks-on-one-GPU layouts exist in their examples, with a golden record."""
-    from soapstone.dsl.app.gpu_check import SHARED_LAYOUTS
+    """gpu-check's two-ranks-on-one-GPU layouts and its training runs' layouts exist in their
+    examples, the former with a golden record."""
+    from soapstone.dsl.app.gpu_check import SHARED_LAYOUTS, TRAINING
 
     kinds = set()
     for example, layout in SHARED_LAYOUTS:
@@ -81,4 +82,7 @@ def test_the_shared_gpu_layouts_name_real_layouts_and_records():
         assert f"parallel {layout} for " in spec
         assert (ROOT / f"tests/golden/runs/{example}.npz").exists()
         kinds.add(layout[:2])
-    assert kinds == {"tp", "pp", "dp", "ep"}
+    assert kinds == {"tp", "pp", "dp", "ep", "cp", "sp"}
+    gpt = (ROOT / "examples/gpt.par").read_text()
+    assert all(f"parallel {layout} for gpt" in gpt for _, layout, _ in TRAINING)
+    assert {p for p, _, _ in TRAINING} == {"bf16", "float8"}
