@@ -1,6 +1,7 @@
 """House rules that the source itself can be checked for, read statically (ast, no imports):
 no import circles between soapstone's modules, no private name used outside its own file, no
-module over 600 lines, no room over 15 modules, every package in the wheel, a docstring on every public function."""
+module over 600 lines, no room over 15 modules, every package in the wheel, a docstring on every
+public function."""
 
 from __future__ import annotations
 

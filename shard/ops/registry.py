@@ -10,9 +10,9 @@ this room (or its loss/ and positions/), listed in FAMILIES.
 from __future__ import annotations
 
 from soapstone.shard.ops import dims, einsum, elementwise, embedding, moe, norms, softmax
+from soapstone.shard.ops.custom import CUSTOM, PREFIX
 from soapstone.shard.ops.loss import cross_entropy
 from soapstone.shard.ops.positions import masks, rope
-from soapstone.shard.ops.custom import CUSTOM, PREFIX
 from soapstone.shard.ops.record import OpRecord
 
 FAMILIES = (einsum, embedding, elementwise, norms, softmax, masks, dims, rope, cross_entropy,

@@ -15,8 +15,8 @@ import torch
 
 from soapstone.comm import autograd as ag
 from soapstone.comm import collective_matmul as cm
-from soapstone.comm.launch.device import check_placement
 from soapstone.comm.errors import UserError
+from soapstone.comm.launch.device import check_placement
 from soapstone.shard.ops.dispatch import run_op
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
@@ -31,13 +31,13 @@ from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.float8 import LastCast, float8_gather, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
-from soapstone.shard.runtime.overwrite_plan import overwritable
 from soapstone.shard.runtime.init.param_init import (  # noqa: F401
     TORCH_DTYPES,
     empty_shard,
     init_full,
     init_shard,
 )
+from soapstone.shard.runtime.overwrite_plan import overwritable
 
 
 class ShapeMismatch(UserError, RuntimeError):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mpirun import ROOT, mpiexec
 
-from soapstone.comm.observe.peers import Peers
 from soapstone.comm.launch.supervisor import death_line, launched_rank, supervise
+from soapstone.comm.observe.peers import Peers
 
 
 def _workers(marker: str, rank: int) -> list[int]:

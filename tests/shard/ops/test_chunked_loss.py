@@ -17,8 +17,8 @@ from mpirun import ROOT, mpiexec
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
-from soapstone.shard.ops.loss.cross_entropy import RECORDS, chunk_rows
 from soapstone.shard.ops.kernels import Stats
+from soapstone.shard.ops.loss.cross_entropy import RECORDS, chunk_rows
 from soapstone.shard.ops.loss.loss_kernels import PlainLoss, SplitLoss
 from soapstone.shard.ops.record import Reduce
 from soapstone.shard.plan.analysis.activations import activation_figures

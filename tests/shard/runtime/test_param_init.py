@@ -1,6 +1,6 @@
-"""Sharded initialisation (shard/runtime/init/param_init.py over shard/runtime/init/counter_rng.py): any box
-of a parameter equals the same box of the whole tensor bit for bit, the work is the box's, and
-the schemes keep their statistics; under mpiexec, every layout's shards equal the single-rank
+"""Sharded initialisation (shard/runtime/init/param_init.py over init/counter_rng.py): any
+box of a parameter equals the same box of the whole tensor bit for bit, the work is the box's,
+and the schemes keep their statistics; under mpiexec, every layout's shards equal the single-rank
 model's slices (tests/shard/runtime/init_cases.py)."""
 
 from __future__ import annotations
