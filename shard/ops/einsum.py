@@ -165,13 +165,8 @@ def float8_misfit(widths: tuple[int, int, int]) -> str:
 
 def float8_refusal(program) -> str:
     """'' when every float8 step of `program` has widths `_scaled_mm` takes, else why and where
-    (the first that does not) and the fixes: what `run --precision float8` refuses."""
-    if program.overlap_tensor and float8_steps(program):
-        # a collective matmul would cast each chunk at its own scale: not float8's tensorwise
-        # recipe (torchtitan gathers fp8 chunks cast at the whole tensor's amax)
-        return ("`overlap tensor` with --precision float8 is not built (its collective "
-                "matmuls would scale each chunk on its own); fix: run --precision bf16, or drop "
-                "`overlap tensor` (float8 then gathers sequence-parallel inputs in e4m3)")
+    (the first that does not) and the fixes: what `run --precision float8` refuses (with
+    what `overlap tensor`'s rings add: ring_plan.float8_ring_refusal)."""
     for i in sorted(float8_steps(program)):
         step = program.steps[i]
         bad = float8_misfit(float8_widths(step, program))

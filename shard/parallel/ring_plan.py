@@ -18,6 +18,11 @@ into a kernel chain, on a branch, on a zigzag (balanced) dim, or touching a valu
 selective` / `ops` rebuilds stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose
 parameter gathers are timed per step). The rings' p2p traffic is the collective's: t-1
 messages of one chunk each way.
+
+Under `--precision float8` a ring whose matmuls are float8 steps (einsum.float8_steps) runs
+them in float8 at the blocking step's scales (`float8_rings`; shard/runtime/float8.py
+`Float8GatherRing`, `Float8ScatterRing`): a gather ring sends e4m3 chunks (after a one-scalar
+amax allreduce), a scatter ring's backward e5m2 ones; the partial sums stay bf16.
 """
 
 from __future__ import annotations
@@ -113,6 +118,52 @@ def ring_chunk(program: Program, ring: Ring) -> str:
 def ring_sends(program: Program, ring: Ring) -> int:
     """How many messages a rank sends in one direction of the ring: one per step, t-1."""
     return dict(program.mesh)[ring.axis] - 1
+
+
+def float8_rings(program: Program, marked: bool = False) -> dict[int, Ring]:
+    """The rings `--precision float8` runs in float8: every matmul a float8 step
+    (einsum.float8_steps; `marked`: marked float8 = true, as precision.program_as_run runs
+    it). A ring whose matmuls mix float8 and bf16 is refused (`float8_ring_refusal`)."""
+    from soapstone.shard.ops.einsum import float8_steps
+
+    f8 = {i for i in float8_steps(program)
+          if not marked or program.steps[i].attr("float8") is True}
+    return {i: r for i, r in find_rings(program).items() if set(r.matmuls) <= f8}
+
+
+def float8_ring_refusal(program: Program) -> str:
+    """'' when `run --precision float8` runs every ring of `program` (and the float8 steps'
+    widths: einsum.float8_refusal), else why and where, and the fixes."""
+    from soapstone.shard.ops.einsum import (
+        FLOAT8_MULTIPLE,
+        float8_misfit,
+        float8_refusal,
+        float8_steps,
+        float8_widths,
+    )
+
+    f8 = float8_steps(program)
+    mesh = dict(program.mesh)
+    for i, ring in sorted(find_rings(program).items()):
+        mms = [program.steps[j] for j in ring.matmuls]
+        names = ", ".join(s.source or s.out for s in mms)
+        ours = [j in f8 for j in ring.matmuls]
+        if any(ours) and not all(ours):
+            return (f"{names}: `overlap tensor` runs these as one ring over their shared "
+                    f"input's chunks, but some are float8 linears and some `float8 = false` "
+                    f"(a ring casts its chunks once, for all of them); fix: set `float8` the "
+                    f"same on all of them, or drop `overlap tensor`")
+        for j in (j for j in ring.matmuls if j in f8):
+            m, kw, nw = float8_widths(program.steps[j], program)
+            bad = float8_misfit((m // mesh[ring.axis], kw, nw))
+            if bad:
+                return (f"{names}: `overlap tensor` runs this float8 matmul a 1/"
+                        f"{mesh[ring.axis]} chunk of rows at a time, whose widths "
+                        f"torch._scaled_mm needs as multiples of {FLOAT8_MULTIPLE}; a chunk "
+                        f"has {bad}; fix: make the local batch x sequence a multiple of "
+                        f"{FLOAT8_MULTIPLE * mesh[ring.axis]}, drop `overlap tensor`, or run "
+                        f"--precision bf16")
+    return float8_refusal(program)
 
 
 def float8_gathers_beside_rings(program: Program, marked: bool = False) -> dict[int, str]:

@@ -28,21 +28,27 @@ sequence parallelism's gather of a float8 linear's input (einsum.py `float8_gath
 each shard at the amax allreduced over the gather's axis and moves e4m3 bytes
 (`Float8Gather`); that is the cast of the gathered tensor, so the step is bit for bit the
 bf16-gather-then-cast one, with half the gathered bytes.
+
+`overlap tensor`'s rings (comm/collective_matmul.py) run their float8 matmuls here, chunk by
+chunk, at the non-ring step's scales, so a ring's results are the blocking step's bit for bit
+(`Float8GatherRing`, `Float8ScatterRing`): the casts are made whole, once, before the ring
+(elementwise at one scale, so a chunk of the cast is the cast of the chunk), the e4m3 / e5m2
+bytes travel, each chunk's rows are one `_scaled_mm` (row-blocked: the same rows as the whole
+product's), and each weight gradient is one `_scaled_mm` over the whole float8 operands the
+ring brought (a sum of per-chunk products would round differently).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
+from soapstone.comm.collective_matmul import ring_all_gather, ring_reduce_scatter
 from soapstone.comm.errors import UserError
-from soapstone.shard.ops.einsum import (
-    FLOAT8_MULTIPLE,
-    float8_misfit,
-    float8_refusal,
-    float8_steps,
-)
+from soapstone.shard.ops.einsum import FLOAT8_MULTIPLE, float8_misfit, float8_steps
+from soapstone.shard.parallel.ring_plan import float8_ring_refusal
 
 E4M3 = torch.float8_e4m3fn  # forward operands: x and w
 E5M2 = torch.float8_e5m2  # gradients
@@ -198,9 +204,9 @@ def check_widths(m: int, k: int, n: int, where: str) -> None:
 
 def check_shapes(program) -> None:
     """Float8Shape for the first float8 step of `program` whose local widths are not multiples
-    of 16 (a Program is compiled for one microbatch), naming the layer and the fix
-    (einsum.float8_refusal)."""
-    why = float8_refusal(program)
+    of 16 (a Program is compiled for one microbatch), or a ring it cannot run in float8,
+    naming the layer and the fix (ring_plan.float8_ring_refusal)."""
+    why = float8_ring_refusal(program)
     if why:
         raise Float8Shape(why)
 
@@ -220,3 +226,146 @@ def check_graph(graph) -> None:
     take: every rank checks every stage, so all refuse alike and none waits on another."""
     for stage in graph.stages:
         check_shapes(stage.program)
+
+
+
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """t as [rows, its last k dims' product] (matmul_2d's view of an activation)."""
+    return t.reshape(-1, math.prod(t.shape[t.dim() - k:]))
+
+
+def _cast_weight(w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w as [K, N] (its first k dims contracted) in e4m3 at its own amax."""
+    return to_float8(w.reshape(math.prod(w.shape[:k]), -1), E4M3)
+
+
+def _global_cast(t: torch.Tensor, comm, dtype: torch.dtype):
+    """t (a shard) cast at the amax allreduced over `comm` (one fp32 scalar): the cast the
+    whole tensor would have, bit for bit (`Float8Gather`)."""
+    amax = t.detach().abs().max().to(torch.float32).reshape(1)
+    comm.allreduce(amax, op="max")
+    return to_float8(t, dtype, amax[0])
+
+
+def _ring_gather(comm, q: torch.Tensor, dim: int, use) -> torch.Tensor:
+    """Pass float8 `q`'s chunks around the ring as uint8 (the communicators carry no float8),
+    calling use(c, chunk c) on each as it arrives; the chunks put together along `dim`."""
+    got = [None] * comm.size
+
+    def each(c, chunk):
+        got[c] = chunk
+        use(c, chunk.view(q.dtype))
+
+    ring_all_gather(comm, q.view(torch.uint8), each)
+    return torch.cat(got, dim).view(q.dtype)
+
+
+def _product(q, qi, w, wq, wi, k, scale, dtype):
+    """q's rows (e4m3, its last k dims contracted) times w's cast, in q's leading dims then
+    w's trailing ones, scaled as the einsum step says."""
+    y = _mm(_rows(q, k), qi, wq, wi, dtype).reshape(*q.shape[:q.dim() - k], *w.shape[k:])
+    return y if scale is None else y * scale
+
+
+class Float8GatherRing(torch.autograd.Function):
+    """A gather ring's matmuls y_i = all_gather(x) . w_i in float8 (torchtitan's AsyncTP with
+    Float8 linears): x's shard cast at the allreduced amax (`Float8Gather`'s cast), its e4m3
+    chunks sent around the ring, each chunk's rows multiplied as it arrives. Backward: each
+    y_i's gradient cast whole at its own amax (e5m2, as `Float8Matmul`), x's gradient's
+    partial sums travelling the reduce-scatter ring (bf16, summed over the matmuls last to
+    first, the order autograd sums a shared input's gradients in), w_i's gradient one product
+    of the gathered e4m3 x (kept: 1 byte an element, as a float8 gather keeps it)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim, ks, scales, *ws):
+        xq, xi = _global_cast(x, comm, E4M3)
+        wqs = [_cast_weight(w, k) for w, k in zip(ws, ks, strict=True)]
+        outs = [[None] * comm.size for _ in ws]
+
+        def use(c, q):
+            for i, (w, k, (wq, wi)) in enumerate(zip(ws, ks, wqs, strict=True)):
+                outs[i][c] = _product(q, xi, w, wq, wi, k, scales[i], x.dtype)
+
+        whole = _ring_gather(comm, xq, dim, use)
+        ctx.comm, ctx.dim, ctx.ks, ctx.scales, ctx.dtype = comm, dim, ks, scales, x.dtype
+        ctx.save_for_backward(whole, xi, *ws)
+        return tuple(torch.cat(o, dim) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        whole, xi, *ws = ctx.saved_tensors
+        n, dim, lead = ctx.comm.size, ctx.dim, whole.dim() - ctx.ks[0]
+        casts = []  # per matmul: its output gradient's e5m2 cast (shaped as y), w's cast
+        for g, w, k, scale in zip(gs, ws, ctx.ks, ctx.scales, strict=True):
+            if g is None:
+                g = whole.new_zeros(*whole.shape[:whole.dim() - k], *w.shape[k:],
+                                    dtype=ctx.dtype)
+            g = g if scale is None else g * scale
+            gq, gi = to_float8(g.reshape(-1, math.prod(w.shape[k:])), E5M2)
+            casts.append((gq.view(g.shape), gi, _cast_weight(w, k)))
+
+        def part(c):  # chunk c's rows of x's gradient: this rank's partial sum
+            total = None
+            for gq, gi, (wq, wi) in reversed(casts):
+                rows = gq.chunk(n, dim)[c].contiguous()
+                gx = _mm(rows.reshape(-1, wq.shape[1]), gi, wq.t(), wi, ctx.dtype)
+                gx = gx.reshape(*rows.shape[:lead], *whole.shape[lead:])
+                total = gx if total is None else total + gx
+            return total
+
+        gx = ring_reduce_scatter(ctx.comm, part)
+        gws = []
+        for (gq, gi, _), w, k in zip(casts, ws, ctx.ks, strict=True):
+            xs = _rows(whole, k)
+            gws.append(_mm(xs.t(), xi, gq.reshape(xs.shape[0], -1), gi,
+                           w.dtype).reshape(w.shape))
+        return (gx, None, None, None, None, *gws)
+
+
+class Float8ScatterRing(torch.autograd.Function):
+    """A scatter ring's reduce_scatter(x . w) in float8: x cast whole at its own amax (this
+    rank's x, as `Float8Matmul` casts it), each chunk of rows multiplied while the partial
+    sum before it travels (bf16, as the reduce-scatter's). Backward: the output gradient's
+    shard cast at the amax allreduced over the ring (the cast of the gathered gradient, as
+    the blocking step makes it), its e5m2 chunks sent around the ring, x's gradient rows per
+    chunk, w's gradient one product of the whole e5m2 gradient the ring brought."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim, k, scale, w):
+        xq, xi = to_float8(x, E4M3)
+        wq, wi = _cast_weight(w, k)
+        n = comm.size
+        out = ring_reduce_scatter(comm, lambda c: _product(
+            xq.chunk(n, dim)[c].contiguous(), xi, w, wq, wi, k, scale, x.dtype))
+        ctx.comm, ctx.dim, ctx.k, ctx.scale = comm, dim, k, scale
+        ctx.save_for_backward(x, w)  # bf16, as Float8Matmul keeps them
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        k, lead = ctx.k, x.dim() - ctx.k
+        g = g if ctx.scale is None else g * ctx.scale
+        gq, gi = _global_cast(g, ctx.comm, E5M2)
+        wq, wi = _cast_weight(w, k)
+        gxs = [None] * ctx.comm.size
+
+        def use(c, q):
+            gx = _mm(q.reshape(-1, wq.shape[1]), gi, wq.t(), wi, x.dtype)
+            gxs[c] = gx.reshape(*q.shape[:lead], *x.shape[lead:])
+
+        whole = _ring_gather(ctx.comm, gq, ctx.dim, use)
+        xq, xi = to_float8(_rows(x, k), E4M3)
+        gw = _mm(xq.t(), xi, whole.reshape(xq.shape[0], -1), gi, w.dtype).reshape(w.shape)
+        return torch.cat(gxs, ctx.dim), None, None, None, None, gw
+
+
+def float8_gather_ring(x, comm, dim: int, ws, ks, scales) -> tuple[torch.Tensor, ...]:
+    """[all_gather(x, dim) . ws[i]] in float8, as a ring (`Float8GatherRing`); ks[i]: the
+    dims each contracts (x's last, w's first), scales[i]: the einsum's scale or None."""
+    return Float8GatherRing.apply(x, comm, dim, tuple(ks), tuple(scales), *ws)
+
+
+def float8_scatter_ring(x, comm, dim: int, w, k: int, scale) -> torch.Tensor:
+    """reduce_scatter(x . w) over `dim` in float8, as a ring (`Float8ScatterRing`)."""
+    return Float8ScatterRing.apply(x, comm, dim, k, scale, w)

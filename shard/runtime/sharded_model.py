@@ -18,18 +18,26 @@ from soapstone.comm import collective_matmul as cm
 from soapstone.comm.errors import UserError
 from soapstone.comm.launch.device import check_placement
 from soapstone.shard.ops.dispatch import run_op
+from soapstone.shard.ops.einsum import float8_steps
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
 from soapstone.shard.parallel.ring_plan import (
     Ring,
     find_rings,
     float8_gathers_beside_rings,
+    float8_rings,
     ring_runs_at,
 )
 from soapstone.shard.parallel.selective import DropPlan
 from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
-from soapstone.shard.runtime.float8 import LastCast, float8_gather, float8_matmuls
+from soapstone.shard.runtime.float8 import (
+    LastCast,
+    float8_gather,
+    float8_gather_ring,
+    float8_matmuls,
+    float8_scatter_ring,
+)
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
 from soapstone.shard.runtime.init.param_init import (  # noqa: F401
     TORCH_DTYPES,
@@ -100,6 +108,8 @@ class ShardedModel:
         self.float8_last = LastCast() if float8 else None
         # and sequence parallelism's gathers of their inputs in float8 too (einsum.py)
         self.float8_gathered = set()
+        # and `overlap tensor`'s rings of float8 matmuls, at the blocking steps' scales
+        self.float8_rings = float8_rings(program) if float8 else {}
         if float8:
             self.ctx.float8 = float8_matmuls(program, self.float8_last)
             self.float8_gathered = {program.steps[i].out
@@ -277,6 +287,8 @@ class ShardedModel:
         comm = self.mesh.comm(step.axis)
         mms = [prog.steps[j] for j in ring.matmuls]
         weights = [next(a for a in s.args if a in self.params) for s in mms]
+        if ring.at in self.float8_rings:
+            return self._float8_ring(ring, env, mms, weights)
         fns = [functools.partial(self._matmul, s, w) for s, w in zip(mms, weights, strict=True)]
         if ring.kind is RedistributeKind.ALLGATHER:
             dim = prog.value(step.src).dims.index(ring.dim)
@@ -290,6 +302,24 @@ class ShardedModel:
         env[step.out] = cm.apply_reduce_scatter(
             env[x], comm, prog.value(x).dims.index(ring.dim), fns[0], env[weights[0]],
             self.ring_stash)
+
+    def _float8_ring(self, ring: Ring, env, mms: list[Compute], weights: list[str]) -> None:
+        """A ring of float8 matmuls (shard/runtime/float8.py `Float8GatherRing`,
+        `Float8ScatterRing`): the blocking float8 step's results, bit for bit."""
+        step, prog = self.program.steps[ring.at], self.program
+        comm = self.mesh.comm(step.axis)
+        ks = [float8_steps(prog)[j] for j in ring.matmuls]  # the dims each contracts
+        scales = [s.attr("scale") for s in mms]
+        ws = [env[w] for w in weights]
+        if ring.kind is RedistributeKind.ALLGATHER:
+            dim = prog.value(step.src).dims.index(ring.dim)
+            ys = float8_gather_ring(env[step.src], comm, dim, ws, ks, scales)
+            for s, y in zip(mms, ys, strict=True):
+                env[s.out] = self._checked(s, y, s.out)
+            return
+        x = mms[0].args[0]
+        env[step.out] = float8_scatter_ring(env[x], comm, prog.value(x).dims.index(ring.dim),
+                                            ws[0], ks[0], scales[0])
 
     def _matmul(self, step: Compute, weight: str, x: torch.Tensor, w: torch.Tensor):
         return run_op(step, [w if a == weight else x for a in step.args], self.ctx, self.custom)

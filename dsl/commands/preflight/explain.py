@@ -86,11 +86,12 @@ def main(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_estimate(est))
         if args.precision == "float8":
-            from soapstone.shard.ops.einsum import float8_refusal
+            from soapstone.shard.parallel.ring_plan import float8_ring_refusal
             from soapstone.shard.plan.analysis.precision import float8_line
 
             print(float8_line(graph))
-            why = next((w for w in (float8_refusal(s.program) for s in graph.stages) if w), "")
+            why = next((w for w in (float8_ring_refusal(s.program) for s in graph.stages)
+                        if w), "")
             if why:
                 print(f"warning: `run --precision float8` would refuse this layout: {why}",
                       file=sys.stderr)

@@ -130,10 +130,10 @@ def _float8_refusal(model, parallel) -> str:
     """Why `run --precision float8` refuses the chosen layout ('' if it runs it): the
     search costs every layout, and only a compiled one knows its widths per rank."""
     from soapstone.dsl.compile.stages import lower_graph
-    from soapstone.shard.ops.einsum import float8_refusal
+    from soapstone.shard.parallel.ring_plan import float8_ring_refusal
 
     graph = lower_graph(model, parallel)
-    return next((why for why in map(float8_refusal, (s.program for s in graph.stages))
+    return next((why for why in map(float8_ring_refusal, (s.program for s in graph.stages))
                  if why), "")
 
 
