@@ -220,6 +220,6 @@ RECORDS = (
         # attention's scores carry the 1/sqrt(d) scale into the fused call; its context
         # product and a fused linear's matmul honour none
         fuses={Slot.SCORES: frozenset({"scale"}), Slot.CONTEXT: frozenset(),
-               Slot.MATMUL: frozenset({"float8"})},
+               Slot.MATMUL: frozenset({"float8", "float8_gathered"})},
     ),
 )

@@ -131,6 +131,13 @@ def float8_rings(program: Program, marked: bool = False) -> dict[int, Ring]:
     return {i: r for i, r in find_rings(program).items() if set(r.matmuls) <= f8}
 
 
+def float8_ring_gathers(program: Program, marked: bool = False) -> dict[int, str]:
+    """The gather rings of `float8_rings` -> their axis: like a float8 gather, each brings
+    its readers their input already cast (e4m3), and backward keeps it so."""
+    return {i: r.axis for i, r in float8_rings(program, marked).items()
+            if r.kind is RedistributeKind.ALLGATHER}
+
+
 def float8_ring_refusal(program: Program) -> str:
     """'' when `run --precision float8` runs every ring of `program` (and the float8 steps'
     widths: einsum.float8_refusal), else why and where, and the fixes."""

@@ -68,7 +68,11 @@ import attrs
 from soapstone.shard.ops.einsum import float8_steps
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
-from soapstone.shard.parallel.ring_plan import find_rings, float8_gathers_beside_rings
+from soapstone.shard.parallel.ring_plan import (
+    find_rings,
+    float8_gathers_beside_rings,
+    float8_ring_gathers,
+)
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
@@ -220,8 +224,9 @@ def _work(program: Program, indices) -> Work:
     f8_flops = f8_fwd = f8_bwd = 0.0
     last = None  # the input of the float8 matmul before: its cast is shared (LastCast)
     mesh = dict(program.mesh)
-    gathered = {program.steps[j].out: mesh[a]
-                for j, a in float8_gathers_beside_rings(program, marked=True).items()}
+    gathered = {program.steps[j].out: mesh[a]  # a float8 gather's or ring's (cast as shards)
+                for j, a in (float8_gathers_beside_rings(program, marked=True)
+                             | float8_ring_gathers(program, marked=True)).items()}
     for i in sorted(float8_steps(program).keys() & indices):
         x, w, y = (program.value(n) for n in (*program.steps[i].args, program.steps[i].out))
         f8_flops += record_of("einsum").flops(program.steps[i], program)

@@ -94,6 +94,7 @@ from soapstone.shard.parallel.regather_plan import without_recompute
 from soapstone.shard.parallel.ring_plan import (
     find_rings,
     float8_gathers_beside_rings,
+    float8_rings,
     ring_chunk,
     ring_sends,
 )
@@ -110,7 +111,7 @@ from soapstone.shard.plan.analysis.in_flight import ScheduleShape, in_flight
 from soapstone.shard.plan.analysis.zero_memory import zero_beside
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
-from soapstone.shard.plan.layout import P
+from soapstone.shard.plan.layout import P, RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 
 FLOAT_BYTES = {n: d.nbytes for n, d in DTYPES.items() if d.is_float}
@@ -231,10 +232,16 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     again = {i for a, b in program.recompute for i in range(a, b)}
     f8 = float8_gathers_beside_rings(program, marked=True)
     rings = find_rings(program)
+    f8_rings = float8_rings(program, marked=True)
     for i, step in enumerate(program.steps):
         if i in rings:  # `overlap tensor`: a ring of sends each way instead of the collective
-            chunk = program.value(ring_chunk(program, rings[i])).nbytes
+            v = program.value(ring_chunk(program, rings[i]))
+            gather = rings[i].kind is RedistributeKind.ALLGATHER
             for phase in ("forward", "backward", "recompute")[:3 if i in again else 2]:
+                chunk = v.nbytes
+                if i in f8_rings and gather == (phase != "backward"):  # float8.py's rings:
+                    add(phase, "allreduce", step.axis, 4)  # the amax, then 1 byte an element
+                    chunk = math.prod(v.local_shape)
                 add(phase, "send", step.axis, chunk, calls=ring_sends(program, rings[i]))
         elif isinstance(step, Redistribute | CopyTo):  # shard/plan/collectives.py's table
             gathers = [("forward", True), ("recompute", i in again),

@@ -76,10 +76,14 @@ def program_as_run(program: Program, precision: str) -> Program:
     if precision == "float8":  # the steps that run in float8 say so (their working set),
         # and those whose input a float8 gather brings (no cast of theirs: float8_scratch)
         from soapstone.shard.ops.einsum import float8_steps
-        from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
+        from soapstone.shard.parallel.ring_plan import (
+            float8_gathers_beside_rings,
+            float8_ring_gathers,
+        )
 
         f8 = float8_steps(program)
-        gathered = {steps[i].out for i in float8_gathers_beside_rings(program)}
+        gathered = {steps[i].out for i in (*float8_gathers_beside_rings(program),
+                                           *float8_ring_gathers(program))}
         steps = tuple(attrs.evolve(s, attrs=tuple(sorted(
             {**dict(s.attrs), "float8": True,
              **({"float8_gathered": True} if s.args[0] in gathered else {})}.items())))
@@ -104,16 +108,18 @@ def graph_as_run(graph, precision: str):
 def float8_line(graph) -> str:
     """explain's line under `--precision float8`: how many weight matmuls of the stage graph
     run in float8 (einsum.float8_steps), how many weight einsums stay in bf16, and how many
-    gathers move float8 (einsum.float8_gathers)."""
+    gathers move float8 (einsum.float8_gathers), and how many rings run float8
+    (ring_plan.float8_rings)."""
     from soapstone.shard.ops.einsum import float8_steps
-    from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
+    from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings, float8_rings
 
-    ran = kept = gathers = 0
+    ran = kept = gathers = rings = 0
     for stage in graph.stages:
         program = stage.program
         f8 = float8_steps(program)
         ran += len(f8)
         gathers += len(float8_gathers_beside_rings(program))
+        rings += len(float8_rings(program))
         kept += sum(1 for i, s in enumerate(program.steps)
                     if getattr(s, "kind", None) == "einsum" and i not in f8
                     and set(s.args) & program.weights)
@@ -121,4 +127,7 @@ def float8_line(graph) -> str:
             f"dynamic per-tensor scales), {kept} weight einsums in bf16 (float8 = false, or "
             f"not a plain matmul); attention's products in bf16"
             + (f"; {gathers} sequence-parallel gathers of their inputs move e4m3 (1 byte an "
-               "element, at the amax allreduced over the axis)" if gathers else ""))
+               "element, at the amax allreduced over the axis)" if gathers else "")
+            + (f"; {rings} `overlap tensor` rings run their matmuls in float8 (a gather's "
+               "chunks e4m3, a reduce-scatter's backward chunks e5m2, each cast at the amax "
+               "allreduced over the axis)" if rings else ""))

@@ -15,6 +15,7 @@ from soapstone.shard.parallel.regather_plan import first_backward_reader, gather
 from soapstone.shard.parallel.ring_plan import (
     find_rings,
     float8_gathers_beside_rings,
+    float8_rings,
     ring_chunk,
     ring_sends,
 )
@@ -22,7 +23,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.activations import step_saves
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPE_BYTES, is_float
-from soapstone.shard.plan.layout import P, Split
+from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.plan.verify.calls import F64, MeshRanks, Op
@@ -118,6 +119,8 @@ class StageCalls:
         self.regather: dict[int, list[int]] = {}
         # --precision float8: the gathers that move e4m3 (einsum.float8_gathers)
         self.float8_gathers = float8_gathers_beside_rings(p, marked=True)
+        # and the rings that move float8 chunks (ring_plan.float8_rings)
+        self.float8_rings = float8_rings(p, marked=True)
         for n in p.regathered:
             at = first_backward_reader(p, n, runs_at)
             self.regather.setdefault(at, []).append(gather_step(p, n))
@@ -218,7 +221,9 @@ class StageCalls:
 
     def _ring(self, i: int, phase: str, mb: int) -> list[Op]:
         """A collective matmul's p2p calls (comm/collective_matmul.py): per ring step a send to
-        the next rank and a receive from the previous, posted together, then both waited."""
+        the next rank and a receive from the previous, posted together, then both waited.
+        A float8 ring's chunks (a gather's forward, a scatter's backward: shard/runtime/
+        float8.py) follow the amax's allreduce and travel as uint8, 1 byte an element."""
         ring, p = self.rings[i], self.program
         axes, ranks = self.mesh.group(self.rank, (ring.axis,))
         if len(ranks) <= 1:
@@ -227,8 +232,14 @@ class StageCalls:
         at, n = ranks.index(self.rank), len(ranks)
         # a recomputed range runs the ring again: each run's messages are their own
         run = self._ring_runs[(phase, i, mb)] = self._ring_runs.get((phase, i, mb), -1) + 1
-        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
         out = []
+        gather = ring.kind is RedistributeKind.ALLGATHER
+        if i in self.float8_rings and gather == (phase == "forward"):
+            out.append(self.op("allreduce", (ring.axis,), (1,), "f32", 4, phase, mb,
+                               self.sources[i]))
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+        if out:
+            dtype, nbytes = "uint8", math.prod(shape)
         for k in range(ring_sends(p, ring)):
             pair = [Op(kind, axes, ranks, shape, dtype, b, phase, self.index, mb,
                        self.sources[i], ranks[(at + d) % n], ("ring", phase, i, mb, run, k))

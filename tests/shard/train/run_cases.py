@@ -98,11 +98,14 @@ BF16_PIPES = {2: ((PIPE_SPEC, "pp2f1b"), (ACC_SPEC, "tp2acc2"))}
 @ranks(1, 2)
 def case_explain_matches_counters_bf16():
     """bf16 activations, collectives, gathers and p2p; fp32 masters, gradients and state.
-    And float8 under sequence parallelism: its gathers' amax allreduce and e4m3 bytes."""
+    And float8 under sequence parallelism: its gathers' amax allreduce and e4m3 bytes, and
+    with `overlap tensor` its rings' (e4m3 chunks forward, e5m2 chunks in a scatter ring's
+    backward, each after its amax's allreduce)."""
     for spec, layout in BF16_LAYOUTS[W.size]:
         measure(spec, layout, "adamw", "bf16")
     if W.size == 2:
         measure("gpt", "sp2", "adamw", "float8")
+        measure("gpt", "sp2async", "adamw", "float8")
     for path, layout in BF16_PIPES.get(W.size, ()):
         measure_pipeline(path, layout, "adamw", "bf16")
 
