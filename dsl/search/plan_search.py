@@ -338,8 +338,6 @@ def search(planner: Planner, world: int) -> Plan:
     for _, same in itertools.groupby(found, key=lambda c: attrs.evolve(c, zero=0)):
         ladder = list(same)
         c = ladder[0]
-        if c.overlap and planner.precision == "float8":
-            continue  # collective matmuls under float8 are refused at run (sharded_model.py)
         group = (c.data, c.tensor, c.pipe, c.sequence, c.context, c.schedule, c.chunks,
                  c.experts_on_data, c.overlap) + \
             ((c.microbatches,) if c.pipe > 1 else ())

@@ -17,7 +17,12 @@ import math
 import attrs
 
 from soapstone.shard.parallel.dispatch_plan import VARIES, Call, kernel_calls
-from soapstone.shard.parallel.ring_plan import Ring, find_rings, float8_gathers_beside_rings
+from soapstone.shard.parallel.ring_plan import (
+    Ring,
+    find_rings,
+    float8_gathers_beside_rings,
+    float8_rings,
+)
 from soapstone.shard.parallel.selective_plan import rebuild_steps
 from soapstone.shard.plan.analysis.explain import Traffic, estimate
 from soapstone.shard.plan.analysis.explain_text import format_traffic
@@ -99,6 +104,7 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
                for n in program.dropped}
     f8 = float8_gathers_beside_rings(program, marked=True)  # show --precision float8
     rings = find_rings(program)
+    f8_rings = float8_rings(program, marked=True)  # and the rings that run float8
     for i, s in enumerate(program.steps):
         if i in starts:  # what backward runs again: the range's steps, from its inputs
             lines.append(f"  # recompute: steps {i}..{starts[i] - 1} keep only their inputs; "
@@ -106,7 +112,7 @@ def format_program(program: Program, zero: int = 0, deferred: tuple[str, ...] = 
         lines.append(format_step(program, s))
         e4m3 = math.prod(program.value(s.out).local_shape) if i in f8 else None
         if i in rings:  # `overlap tensor`: the p2p calls the ring makes instead
-            lines.append(ring_line(program, rings[i]))
+            lines.append(ring_line(program, rings[i], float8=i in f8_rings))
         if s.out in program.regathered:  # sequence parallelism's linear inputs
             lines.append(f"      # kept as its shard {s.src}: freed after forward's last use, "
                          f"gathered again for backward (backward allgather "
@@ -230,15 +236,26 @@ def stage_graph_to_data(graph: StageGraph, zero: int = 0) -> dict:
     }
 
 
-def ring_line(program: Program, ring: Ring) -> str:
-    """The comment under a collective matmul's step: its p2p calls, forward and backward."""
+def ring_line(program: Program, ring: Ring, float8: bool = False) -> str:
+    """The comment under a collective matmul's step: its p2p calls, forward and backward;
+    `float8`: a ring of float8 matmuls (ring_plan.float8_rings), whose gathered chunks
+    travel as float8 after their amax's allreduce."""
     step = program.steps[ring.at]
     n = dict(program.mesh)[ring.axis]
     gather = ring.kind is RedistributeKind.ALLGATHER
-    chunk = program.value(step.src if gather else step.out).nbytes
+    v = program.value(step.src if gather else step.out)
     mms = ", ".join(program.steps[j].out for j in ring.matmuls)
-    fwd, bwd = ("chunks", "partial sums") if gather else ("partial sums", "chunks")
     steps = f"{n - 1} async p2p step{'s' if n > 2 else ''}"
-    return (f"      # overlap tensor: a ring of {steps} (isend next, irecv previous, "
-            f"{format_bytes(chunk)} each) carrying the {fwd} while the matmuls {mms} run "
-            f"chunk by chunk; backward the same ring carrying the {bwd}")
+    if not float8:
+        fwd, bwd = ("chunks", "partial sums") if gather else ("partial sums", "chunks")
+        return (f"      # overlap tensor: a ring of {steps} (isend next, irecv previous, "
+                f"{format_bytes(v.nbytes)} each) carrying the {fwd} while the matmuls {mms} "
+                f"run chunk by chunk; backward the same ring carrying the {bwd}")
+    # the gathered direction's chunks: 1 byte an element, cast at the allreduced amax
+    f8 = (f"{'e4m3' if gather else 'e5m2'} chunks ({format_bytes(math.prod(v.local_shape))} "
+          f"each, after the amax's 4 B allreduce)")
+    wide = f"partial sums ({format_bytes(v.nbytes)} each)"  # bf16 both ways
+    fwd, bwd = (f8, wide) if gather else (wide, f8)
+    return (f"      # overlap tensor, float8: a ring of {steps} (isend next, irecv previous) "
+            f"carrying the {fwd} while the float8 matmuls {mms} run chunk by chunk; backward "
+            f"the same ring carrying the {bwd}")

@@ -141,6 +141,34 @@ def case_gpt_sp2_float8_gathers_float8():
 
 
 @ranks(2)
+def case_float8_rings_equal_float8_gathers_bit_for_bit():
+    """--precision float8 with `overlap tensor` (shard/runtime/float8.py Float8GatherRing,
+    Float8ScatterRing: chunks cast at the blocking step's scales, e4m3 / e5m2 bytes around
+    the ring, one weight-gradient product over the whole float8 operands) is the float8 sp2
+    step without rings, bit for bit: loss and every gradient, gpt and llama (widths of 16:
+    hidden 64), and under `recompute layer` (the rings run again in backward's rerun)."""
+    llama = {"hidden": 64}
+    for path, dims, plain, rings in (
+            ("examples/gpt.par", None, "sp2", "sp2async"),
+            ("examples/llama.par", llama, "sp2", "sp2async"),
+            ("tests/specs/sp_residual.par", llama, "sp2_rc", "sp2async_rc")):
+        s = dsl.load(ROOT / path, dims=dims)
+        runs = []
+        for layout in (plain, rings):
+            par = s.parallel(layout)
+            m = ShardedModel(lower(s.model(par.model), par), Mesh(W, **dict(par.mesh)),
+                             seed=SEED, dtype=torch.bfloat16, float8=True)
+            assert bool(m.float8_rings) == (layout == rings), (path, layout)
+            out = m(random_inputs(m.program, 0))
+            out["loss"].backward()
+            runs.append((m.loss_value(out), {n: p.grad for n, p in m.params.items()}))
+        (loss0, grads0), (loss1, grads1) = runs
+        assert loss0 == loss1, (path, loss0, loss1)
+        for n, g in grads0.items():
+            assert torch.equal(g, grads1[n]), f"{path} {rings}: gradient of {n} differs"
+
+
+@ranks(2)
 def case_gpt_cp2():
     golden("gpt", "cp2")
 
