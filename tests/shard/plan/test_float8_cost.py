@@ -163,3 +163,75 @@ def test_sequence_parallel_gathers_move_float8_bytes_in_explain_and_show():
     text = render(spec, None, "sp2", precision="float8")
     assert text.count("then the gather moves e4m3, 4.0 KiB") == 9
     assert "e4m3" not in render(spec, None, "sp2", precision="bf16")
+
+
+def test_float8_rings_move_float8_chunks_in_explain_and_show():
+    """`overlap tensor` under float8 (ring_plan.float8_rings): gpt sp2async's 12 rings (4
+    blocks' attention-input gather ring and two reduce-scatter rings) each send one
+    [batch 8, seq 8, hidden 32] chunk a direction; a gather ring's forward chunks and a
+    scatter ring's backward ones move 1 byte an element instead of 2, each after a 4-byte amax
+    allreduce; the partial sums stay bf16. Beside them 5 float8 gathers (the biased mlp
+    inputs, whose fused linear no ring runs, and the output projection's), regathered."""
+    from soapstone.dsl.app.show_text import render
+    from soapstone.shard.parallel.ring_plan import float8_ring_refusal
+    from soapstone.shard.plan.analysis.explain import estimate
+
+    spec = dsl.load(open("examples/gpt.par").read())
+    program = lower_graph(spec.model(), spec.parallel("sp2async")).program
+    assert float8_ring_refusal(program) == ""  # was: refused beside `overlap tensor`
+    rows = {}
+    for precision in ("bf16", "float8"):
+        est = estimate(program_as_run(program, precision))
+        rows[precision] = {(t.phase, t.kind): (t.calls, t.bytes) for t in est.traffic}
+    bf16, f8 = rows["bf16"], rows["float8"]
+    chunk = 8 * 8 * 32  # elements: 2 bytes in bf16, 1 as e4m3 / e5m2
+    assert bf16["forward", "send"] == (12, 12 * 2 * chunk)
+    assert f8["forward", "send"] == (12, 4 * chunk + 8 * 2 * chunk)
+    assert f8["backward", "send"] == (12, 4 * 2 * chunk + 8 * chunk)
+    for phase, rings in (("forward", 4), ("backward", 8)):
+        was = bf16.get((phase, "allreduce"), (0, 0))
+        assert f8[phase, "allreduce"] == (was[0] + 5 + rings, was[1] + 4 * (5 + rings))
+    text = render(spec, None, "sp2async", precision="float8")
+    assert text.count("carrying the e4m3 chunks (2.0 KiB each, after the amax's 4 B") == 4
+    assert text.count("carrying the e5m2 chunks (2.0 KiB each, after the amax's 4 B") == 8
+    assert "float8" not in render(spec, None, "sp2async", precision="bf16")
+
+
+MIXED = """
+model m {
+  dim batch = 8, seq = 16, hidden = 32, ffn = 64, vocab = 64
+  input tokens  : i64[batch, seq]
+  input targets : i64[batch, seq]
+  x = embedding(tokens, vocab -> hidden)
+  h = rmsnorm(x)
+  x = x + linear(linear(h, hidden -> ffn, bias = false) * linear(h, hidden -> ffn, bias = false,
+                 float8 = OPT), ffn -> hidden, bias = false)
+  logits = linear(rmsnorm(x), hidden -> vocab, bias = false)
+  output loss = cross_entropy(logits, targets)
+}
+parallel r for m on mesh(model = 2) {
+  parameter ffn, vocab -> model
+  attribute seq -> model
+  overlap tensor
+}
+"""
+
+
+def test_what_float8_still_refuses_beside_rings():
+    """float8 runs a ring whose matmuls are all float8 (or all not); it refuses one whose
+    matmuls mix them (one cast serves all its chunks) and one whose chunk of rows is no
+    multiple of 16 tokens though the whole is (batch 1: 16 tokens, chunks of 8)."""
+    from soapstone.shard.parallel.ring_plan import float8_ring_refusal, float8_rings
+
+    def refusal(opt: str, batch: int = 8) -> str:
+        text = MIXED.replace("OPT", opt).replace("batch = 8", f"batch = {batch}")
+        program = lower_graph(dsl.load(text).model(), dsl.load(text).parallel("r")).program
+        assert len(float8_rings(program)) == (3 if opt == "true" else 2)
+        return float8_ring_refusal(program)
+
+    assert refusal("true") == ""
+    why = refusal("false")
+    assert why.startswith("linear0, linear1: `overlap tensor` runs these as one ring") and \
+        "set `float8` the same on all of them, or drop `overlap tensor`" in why, why
+    why = refusal("true", batch=1)
+    assert "a 1/2 chunk of rows at a time" in why and "tokens 8" in why, why
