@@ -29,11 +29,12 @@ published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_effic
 other row is held out. The Float8 rows run `--precision float8` (the weight matmuls at the fp8
 peak with their casts, the output projection in bf16 as torchtitan's converter leaves it; TP
 with sequence parallelism, as torchtitan's TP plan); all are torch.compile rows, whose gain the
-fit splits between eager and compiled rows as for bf16 (the model has no compile), and AsyncTP's
-overlap and torchtitan's float8 all-gathers (FSDP's and TP's) are not modelled: soapstone
-gathers bf16. The Megatron-LM README's H100 rows are an image: its text states MFU ranges
-without layouts,
-nothing to score.
+fit splits between eager and compiled rows as for bf16 (the model has no compile). TP's float8
+all-gathers are modelled (e4m3 sequence-parallel gathers), FSDP's are not (soapstone's ZeRO-3
+gathers bf16). AsyncTP rows score with `overlap tensor` (float8 rings: e4m3 chunks) except
+beside ZeRO-3 (row 12: soapstone refuses the pair); under balanced CP (rows 16-18, cp > 1)
+no ring forms on the zigzag sequence, so those collectives stay blocking. The Megatron-LM
+README's H100 rows are an image: its text states MFU ranges without layouts, nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """
@@ -194,8 +195,12 @@ def titan_candidate(row: dict):
     # torchtitan's `selective` is its op policy: soapstone's `recompute ops`
     recompute = "ops" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
+    zero = 3 if p == 1 else 2
+    # AsyncTP as `overlap tensor`, float8 rings included; not beside ZeRO-3 (row 12), which
+    # soapstone refuses (its parameters arrive step by step)
+    overlap = "AsyncTP" in row["techniques"] and row["tensor"] > 1 and zero < 3
     return Candidate(row["fsdp"], row["tensor"], p, sequence=row["tensor"] > 1,
-                     zero=3 if p == 1 else 2,
+                     zero=zero, overlap=overlap,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",
                      microbatches=row.get("microbatches", 1),
                      chunks=2 if row.get("schedule") == "interleaved" else 1,

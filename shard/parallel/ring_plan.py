@@ -151,7 +151,7 @@ def float8_ring_refusal(program: Program) -> str:
 
     f8 = float8_steps(program)
     mesh = dict(program.mesh)
-    for i, ring in sorted(find_rings(program).items()):
+    for _, ring in sorted(find_rings(program).items()):
         mms = [program.steps[j] for j in ring.matmuls]
         names = ", ".join(s.source or s.out for s in mms)
         ours = [j in f8 for j in ring.matmuls]
