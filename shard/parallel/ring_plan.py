@@ -143,34 +143,34 @@ def float8_ring_refusal(program: Program) -> str:
     widths: einsum.float8_refusal), else why and where, and the fixes."""
     from soapstone.shard.ops.einsum import (
         FLOAT8_MULTIPLE,
-        float8_misfit,
         float8_refusal,
         float8_steps,
         float8_widths,
     )
 
+    why = float8_refusal(program)  # the widths of each float8 matmul as a whole, first
     f8 = float8_steps(program)
     mesh = dict(program.mesh)
     for _, ring in sorted(find_rings(program).items()):
+        if why:
+            break
         mms = [program.steps[j] for j in ring.matmuls]
         names = ", ".join(s.source or s.out for s in mms)
         ours = [j in f8 for j in ring.matmuls]
+        t = mesh[ring.axis]
+        tokens = float8_widths(mms[0], program)[0] // t  # a chunk's rows
         if any(ours) and not all(ours):
-            return (f"{names}: `overlap tensor` runs these as one ring over their shared "
-                    f"input's chunks, but some are float8 linears and some `float8 = false` "
-                    f"(a ring casts its chunks once, for all of them); fix: set `float8` the "
-                    f"same on all of them, or drop `overlap tensor`")
-        for j in (j for j in ring.matmuls if j in f8):
-            m, kw, nw = float8_widths(program.steps[j], program)
-            bad = float8_misfit((m // mesh[ring.axis], kw, nw))
-            if bad:
-                return (f"{names}: `overlap tensor` runs this float8 matmul a 1/"
-                        f"{mesh[ring.axis]} chunk of rows at a time, whose widths "
-                        f"torch._scaled_mm needs as multiples of {FLOAT8_MULTIPLE}; a chunk "
-                        f"has {bad}; fix: make the local batch x sequence a multiple of "
-                        f"{FLOAT8_MULTIPLE * mesh[ring.axis]}, drop `overlap tensor`, or run "
-                        f"--precision bf16")
-    return float8_refusal(program)
+            why = (f"{names}: `overlap tensor` runs these as one ring over their shared "
+                   f"input's chunks, but some are float8 linears and some `float8 = false` (a "
+                   f"ring casts its chunks once, for all of them); fix: set `float8` the same "
+                   f"on all of them, or drop `overlap tensor`")
+        elif all(ours) and tokens % FLOAT8_MULTIPLE:
+            why = (f"{names}: `overlap tensor` runs float8 matmuls a 1/{t} chunk of rows at a "
+                   f"time, whose tokens torch._scaled_mm needs as a multiple of "
+                   f"{FLOAT8_MULTIPLE}; a chunk has {tokens}; fix: make the local batch x "
+                   f"sequence a multiple of {FLOAT8_MULTIPLE * t}, drop `overlap tensor`, or "
+                   f"run --precision bf16")
+    return why
 
 
 def float8_gathers_beside_rings(program: Program, marked: bool = False) -> dict[int, str]:

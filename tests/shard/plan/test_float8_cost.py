@@ -220,11 +220,13 @@ parallel r for m on mesh(model = 2) {
 def test_what_float8_still_refuses_beside_rings():
     """float8 runs a ring whose matmuls are all float8 (or all not); it refuses one whose
     matmuls mix them (one cast serves all its chunks) and one whose chunk of rows is no
-    multiple of 16 tokens though the whole is (batch 1: 16 tokens, chunks of 8)."""
+    multiple of 16 tokens though the whole is (batch 1: 16 tokens, chunks of 8); a width no
+    float8 matmul takes whole is named as without rings (einsum.float8_refusal)."""
     from soapstone.shard.parallel.ring_plan import float8_ring_refusal, float8_rings
 
-    def refusal(opt: str, batch: int = 8) -> str:
-        text = MIXED.replace("OPT", opt).replace("batch = 8", f"batch = {batch}")
+    def refusal(opt: str, batch: int = 8, hidden: int = 32) -> str:
+        text = MIXED.replace("OPT", opt).replace("batch = 8", f"batch = {batch}") \
+            .replace("hidden = 32", f"hidden = {hidden}")
         program = lower_graph(dsl.load(text).model(), dsl.load(text).parallel("r")).program
         assert len(float8_rings(program)) == (3 if opt == "true" else 2)
         return float8_ring_refusal(program)
@@ -234,4 +236,6 @@ def test_what_float8_still_refuses_beside_rings():
     assert why.startswith("linear0, linear1: `overlap tensor` runs these as one ring") and \
         "set `float8` the same on all of them, or drop `overlap tensor`" in why, why
     why = refusal("true", batch=1)
-    assert "a 1/2 chunk of rows at a time" in why and "tokens 8" in why, why
+    assert "a 1/2 chunk of rows at a time" in why and "a chunk has 8;" in why, why
+    why = refusal("true", hidden=24)
+    assert "runs this weight matmul with torch._scaled_mm" in why, why
