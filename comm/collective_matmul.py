@@ -16,6 +16,8 @@ runs in ring order, not in the reduce-scatter's: the results agree up to summati
 Each is the other's transpose, so one ring serves a forward and the other's backward: the
 gradient of an all-gather-apply is an apply-reduce-scatter of the ops' input gradients and
 vice versa. The ops' own gradients are taken per chunk from the graphs kept in forward.
+`ring_all_gather` and `ring_reduce_scatter` are the rings themselves; float8 matmuls run their
+own pair over them (shard/runtime/float8.py), casting whole tensors before the ring.
 """
 
 from __future__ import annotations

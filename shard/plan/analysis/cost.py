@@ -49,7 +49,8 @@ time, on a `hardware.Profile`:
   axes) block and are paid in full, except under `overlap tensor` (shard/parallel/ring_plan.py):
   a collective matmul's ring of sends runs while its matmuls compute chunk by chunk, so only
   max(0, ring time - matmul time) is exposed, forward (the forward matmuls), backward (their
-  two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again), summed
+  two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again; under
+  float8 the rings' float8 chunks at 1 byte an element and their matmuls at the fp8 rate), summed
   over the rank's rings first (per layer, for a stack of alike blocks); the ZeRO-1/2 gather of
   the updated parameters and the grad-norm and loss reductions follow the step.
 - pipeline: a pipe rank's busy time per step (compute + blocking collectives over its

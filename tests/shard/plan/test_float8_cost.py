@@ -191,6 +191,14 @@ def test_float8_rings_move_float8_chunks_in_explain_and_show():
     for phase, rings in (("forward", 4), ("backward", 8)):
         was = bf16.get((phase, "allreduce"), (0, 0))
         assert f8[phase, "allreduce"] == (was[0] + 5 + rings, was[1] + 4 * (5 + rings))
+    # a gather ring's readers take its e4m3 x as a float8 gather's do (cast as shards,
+    # cost.float8_casts' `gathered`), and backward keeps it: the 4 ringed gathers' regather
+    # casts of sp2 (a [8, 8, 32] shard each, 2 x 2 + 1 bytes an element) are not paid
+    sp2 = program_work(program_as_run(
+        lower_graph(spec.model(), spec.parallel("sp2")).program, "float8"))
+    ring = program_work(program_as_run(program, "float8"))
+    assert ring.f8_forward_bytes == sp2.f8_forward_bytes
+    assert sp2.f8_backward_bytes - ring.f8_backward_bytes == 4 * chunk * (2 * 2 + 1)
     text = render(spec, None, "sp2async", precision="float8")
     assert text.count("carrying the e4m3 chunks (2.0 KiB each, after the amax's 4 B") == 4
     assert text.count("carrying the e5m2 chunks (2.0 KiB each, after the amax's 4 B") == 8
