@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     session = interleave(steps, args.iters, 2, comm=MPI.COMM_WORLD)
     if world.rank == 0:
         print(f"llama {DIMS} sequence parallel over {world.size} ranks (MPI on CPU), "
-              f"{args.precision}, fwd+bwd step, {args.iters} steps each, interleaved; loss {losses}")
+              f"{args.precision}, fwd+bwd step, {args.iters} steps each, interleaved; "
+              f"loss {losses}")
         print(session.table())
         ratio = session.compare("sp2async", "sp2")
         print(f"  {ratio.text()}")
