@@ -18,20 +18,36 @@ import torch
 from soapstone.shard.plan.analysis.hardware import load_profile
 
 
-def timed(fn, reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of one call of `fn` on the current CUDA stream (events around each)."""
+def timed(fn, *args, reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of one call of `fn(*args)` on the current CUDA stream (events around
+    each)."""
     for _ in range(warmup):
-        fn()
+        fn(*args)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(*args)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def scaled_mm(a, b, one):
+    """a . b in float8 at unit scales (`one`), a bf16 result."""
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def causal(q, k, v):
+    """Causal SDPA forward."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def causal_both(q, k, v, grad):
+    """Causal SDPA forward and backward."""
+    causal(q, k, v).backward(grad)
 
 
 def matmul_rows(peak: dict) -> list[dict]:
@@ -41,15 +57,13 @@ def matmul_rows(peak: dict) -> list[dict]:
                     (8192, 14336, 4096)):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        s = timed(lambda: a @ b)
+        s = timed(torch.matmul, a, b)
         rows.append({"kind": "matmul bf16", "shape": [m, k, n], "tflops": 2 * m * k * n / s / 1e12,
                      "of_peak": 2 * m * k * n / s / 1e12 / peak["bf16"]})
         if "fp8" in peak:
             a8 = a.to(torch.float8_e4m3fn)
             b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
-            one = torch.ones((), device="cuda")
-            s = timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                               out_dtype=torch.bfloat16))
+            s = timed(scaled_mm, a8, b8, torch.ones((), device="cuda"))
             rows.append({"kind": "matmul float8", "shape": [m, k, n],
                          "tflops": 2 * m * k * n / s / 1e12,
                          "of_peak": 2 * m * k * n / s / 1e12 / peak["fp8"]})
@@ -59,27 +73,20 @@ def matmul_rows(peak: dict) -> list[dict]:
 def attention_rows(peak: dict, heads: int = 32, head_dim: int = 128) -> list[dict]:
     """Causal SDPA at 2K..128K tokens per sequence, 128K tokens in all: forward and
     forward + backward TFLOP/s counted as the causal half of 4*s^2*d per head (x3.5 with the
-    backward's five matmuls), and the kernel torch chose."""
+    backward's five matmuls)."""
     rows = []
     for seq in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
         batch = max(1, 131072 // seq)
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         fwd_flops = 4 * batch * heads * seq * seq * head_dim / 2
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        s_f = timed(lambda: sdpa(q, k, v, is_causal=True), reps=5)
-        grad = torch.randn_like(q)
-
-        def both():
-            sdpa(q, k, v, is_causal=True).backward(grad)
-
-        s_b = timed(both, reps=5)
+        s_f = timed(causal, q, k, v, reps=5)
+        s_b = timed(causal_both, q, k, v, torch.randn_like(q), reps=5)
         rows.append({"kind": "attention causal", "seq": seq, "batch": batch, "heads": heads,
                      "head_dim": head_dim,
                      "forward_tflops": fwd_flops / s_f / 1e12,
                      "forward_backward_tflops": 3.5 * fwd_flops / s_b / 1e12,
                      "of_peak": 3.5 * fwd_flops / s_b / 1e12 / peak["bf16"]})
-        del q, k, v, grad
     return rows
 
 
@@ -87,7 +94,7 @@ def bandwidth_row(profile) -> dict:
     """A 2 GiB device-to-device copy: bytes read + written per second, against the profile."""
     src = torch.empty(2**30, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    s = timed(lambda: dst.copy_(src))
+    s = timed(dst.copy_, src)
     gbs = 2 * src.numel() * 2 / s / 1e9
     return {"kind": "hbm copy", "gbs": gbs, "of_profile": gbs * 1e9 / profile.memory_bandwidth}
 
