@@ -5,10 +5,11 @@ In order, each a check of the report (name, ok, detail, seconds):
 1. the CUDA tests of the suite, which skip on a machine without CUDA: tests/comm/test_gpu.py,
    tests/comm/test_comm_nccl.py, tests/comm/test_device.py (pytest, in a child process);
 2. `golden check` of every example with a record in tests/golden/runs, on cuda, one rank; then
-   of tp2, pp2, dp2 ZeRO-3 and a MoE layout with two ranks sharing the GPU (`--comm mpi`);
+   of tp2, pp2, dp2 ZeRO-3, a MoE layout, balanced CP and AsyncTP's rings with two ranks
+   sharing the GPU (`--comm mpi`);
 3. training: `run examples/gpt.par --device cuda` in bf16, in float8 (torch._scaled_mm) and in
-   float8 under sp2 on two ranks (e4m3 gathers); the loss falls, and the progress figures
-   (tokens/s, TFLOP/s, MFU) come out;
+   float8 under sp2 and sp2async on two ranks (e4m3 gathers, float8 rings); the loss falls,
+   and the progress figures (tokens/s, TFLOP/s, MFU) come out;
 4. the NCCL communicator over cupy at one rank (dsl/app/gpu_probe.py): every collective,
    p2p to itself, groups, events;
 5. the step time, tokens/s and MFU of examples/gpt.par at GPT-2 small's width and seq 1024
@@ -40,9 +41,10 @@ PLUGINS = {"swiglu": ("--plugin", "examples/custom_layer.py")}  # examples that 
 # experts, load-balanced context parallel's per-chunk attention, AsyncTP's rings of async p2p
 SHARED_LAYOUTS = (("gpt2", "tp2"), ("gpt2", "pp2"), ("gpt2", "dp2"), ("moe", "ep2"),
                   ("gpt", "cp2b"), ("gpt", "sp2async"))
-# training runs on cuda (precision, layout, ranks): bf16; float8's `_scaled_mm`; and float8
-# under sp2, whose gathers move e4m3 bytes cast at the allreduced amax
-TRAINING = (("bf16", "single", 1), ("float8", "single", 1), ("float8", "sp2", 2))
+# training runs on cuda (precision, layout, ranks): bf16; float8's `_scaled_mm`; float8 under
+# sp2, whose gathers move e4m3 bytes cast at the allreduced amax; and AsyncTP's float8 rings
+TRAINING = (("bf16", "single", 1), ("float8", "single", 1), ("float8", "sp2", 2),
+            ("float8", "sp2async", 2))
 
 
 def cuda_missing() -> str | None:
