@@ -33,6 +33,7 @@ def test_a_profile_file_round_trips(tmp_path):
     again = load_profile(str(path))
     assert again.peak_flops == pytest.approx(load_profile("h100-80gb").peak_flops)
     assert again.memory_bytes == load_profile("h100-80gb").memory_bytes
+    assert again.attention == load_profile("h100-80gb").attention != ()
 
 
 @pytest.mark.parametrize("drop, field", [
@@ -65,3 +66,22 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(str(path))
+
+
+def test_attentions_rate_is_a_curve_by_keys_attended(tmp_path):
+    """A curve (1024: 0.5, 4096: 1.0) is linear in log2(keys): 2048 keys lie halfway, 0.75;
+    flat beyond its ends; no curve is the weight matmuls' rate (1). A curve whose keys do not
+    ascend, or whose lists differ in length, is bad input naming the field."""
+    import attrs
+
+    prof = attrs.evolve(load_profile("a100-40gb"), attention=((1024, 0.5), (4096, 1.0)))
+    assert [prof.attention_ratio(k) for k in (512, 1024, 2048, 4096, 65536)] == \
+        pytest.approx([0.5, 0.5, 0.75, 1.0, 1.0])
+    assert prof.attention_flops("bf16", 2048) == pytest.approx(0.75 * prof.matmul_flops("bf16"))
+    assert load_profile("a100-40gb").attention_ratio(2048) == 1.0
+    for curve in ({"keys": [4096, 1024], "vs_matmul": [1.0, 0.5]},
+                  {"keys": [1024], "vs_matmul": [0.5, 1.0]}):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"attention": curve}))
+        with pytest.raises(ProfileError, match="attention"):
+            load_profile(str(path))
