@@ -56,6 +56,36 @@ def matmul_rows(peak: dict) -> list[dict]:
     return rows
 
 
+def linear_rows(peak: dict) -> list[dict]:
+    """A bias-free linear's three matmuls as torch runs them (weight stored out x in): forward
+    x . W^T, input gradient g . W, weight gradient g^T . x, bf16, at Llama-3 8B / 70B widths
+    and 8K tokens; and float8 forward with and without `use_fast_accum` (torchao's forward
+    setting)."""
+    rows = []
+    for m, k, n in ((8192, 4096, 4096), (8192, 4096, 1024), (8192, 4096, 14336),
+                    (8192, 14336, 4096), (8192, 8192, 28672), (8192, 28672, 8192)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * m * k * n
+        for part, fn in (("forward", lambda: x @ w.t()), ("input grad", lambda: g @ w),
+                         ("weight grad", lambda: g.t() @ x)):
+            s = timed(fn)
+            rows.append({"kind": f"linear bf16 {part}", "shape": [m, k, n],
+                         "tflops": flops / s / 1e12, "of_peak": flops / s / 1e12 / peak["bf16"]})
+        if "fp8" in peak:
+            x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            one = torch.ones((), device="cuda")
+            for fast in (False, True):
+                s = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16,
+                                                   use_fast_accum=fast))
+                rows.append({"kind": f"linear float8 forward{' fast_accum' if fast else ''}",
+                             "shape": [m, k, n], "tflops": flops / s / 1e12,
+                             "of_peak": flops / s / 1e12 / peak["fp8"]})
+    return rows
+
+
 def attention_rows(peak: dict, heads: int = 32, head_dim: int = 128) -> list[dict]:
     """Causal SDPA at 2K..128K tokens per sequence, 128K tokens in all: forward and
     forward + backward TFLOP/s counted as the causal half of 4*s^2*d per head (x3.5 with the
@@ -97,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="h100-80gb")
     ap.add_argument("--out", default="gpu-rates.json")
+    ap.add_argument("--linears", action="store_true",
+                    help="only a linear's forward and backward matmuls (linear_rows)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu_rates: no CUDA GPU here", file=sys.stderr)
         return 2
     profile = load_profile(args.profile)
     peak = {k: v / 1e12 for k, v in profile.peak_flops.items()}  # TFLOP/s
-    rows = matmul_rows(peak) + attention_rows(peak) + [bandwidth_row(profile)]
+    rows = linear_rows(peak) if args.linears else \
+        matmul_rows(peak) + attention_rows(peak) + [bandwidth_row(profile)]
     for r in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
