@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 import torch
 
 from soapstone.shard.plan.analysis.hardware import load_profile
+
+PEAK_BF16, PEAK_FP8 = 989e12, 1979e12  # H100 SXM dense peaks (FLOP/s): linear_row's fractions
 
 
 def timed(fn, reps: int = 10, warmup: int = 3) -> float:
@@ -56,34 +59,34 @@ def matmul_rows(peak: dict) -> list[dict]:
     return rows
 
 
-def linear_rows(peak: dict) -> list[dict]:
-    """A bias-free linear's three matmuls as torch runs them (weight stored out x in): forward
-    x . W^T, input gradient g . W, weight gradient g^T . x, bf16, at Llama-3 8B / 70B widths
-    and 8K tokens; and float8 forward with and without `use_fast_accum` (torchao's forward
-    setting)."""
-    rows = []
-    for m, k, n in ((8192, 4096, 4096), (8192, 4096, 1024), (8192, 4096, 14336),
-                    (8192, 14336, 4096), (8192, 8192, 28672), (8192, 28672, 8192)):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * m * k * n
-        for part, fn in (("forward", lambda: x @ w.t()), ("input grad", lambda: g @ w),
-                         ("weight grad", lambda: g.t() @ x)):
-            s = timed(fn)
-            rows.append({"kind": f"linear bf16 {part}", "shape": [m, k, n],
-                         "tflops": flops / s / 1e12, "of_peak": flops / s / 1e12 / peak["bf16"]})
-        if "fp8" in peak:
-            x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-            one = torch.ones((), device="cuda")
-            for fast in (False, True):
-                s = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
-                                                   out_dtype=torch.bfloat16,
-                                                   use_fast_accum=fast))
-                rows.append({"kind": f"linear float8 forward{' fast_accum' if fast else ''}",
-                             "shape": [m, k, n], "tflops": flops / s / 1e12,
-                             "of_peak": flops / s / 1e12 / peak["fp8"]})
-    return rows
+LINEAR_SHAPES = ((8192, 4096, 4096), (8192, 4096, 1024), (8192, 4096, 14336), (8192, 14336, 4096),
+                 (8192, 8192, 28672), (8192, 28672, 8192), (8192, 4096, 128256))
+
+
+def linear_row(m: int, k: int, n: int) -> dict:
+    """One bias-free linear's three matmuls as torch runs them (weight stored out x in, m
+    tokens, k in, n out): fwd x . W^T, dgrad g . W, wgrad g^T . x in bf16, as fractions of the
+    bf16 peak; float8 forward (e4m3, tensorwise scales) with and without `use_fast_accum`, and
+    dgrad (e5m2 x e4m3), as fractions of the fp8 peak (bench/data/gpu/h100_linear_rates.json)."""
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    x = torch.randn(m, k, device="cuda", dtype=bf16)
+    w = torch.randn(n, k, device="cuda", dtype=bf16)
+    g = torch.randn(m, n, device="cuda", dtype=bf16)
+    x8, w8, g8 = x.to(e4m3), w.to(e4m3), g.to(torch.float8_e5m2)
+    w8_cols = w8.t().contiguous().t()  # n x k, column-major: _scaled_mm's second operand
+    one = torch.ones((), device="cuda")
+    mm8 = partial(torch._scaled_mm, scale_a=one, scale_b=one, out_dtype=bf16)
+    flops = 2 * m * k * n
+    row: dict = {"shape": [m, k, n]}
+    for name, fn, peak in (("fwd", partial(torch.matmul, x, w.t()), PEAK_BF16),
+                           ("dgrad", partial(torch.matmul, g, w), PEAK_BF16),
+                           ("wgrad", partial(torch.matmul, g.t(), x), PEAK_BF16),
+                           ("f8fwd", partial(mm8, x8, w8.t()), PEAK_FP8),
+                           ("f8fwd_fast", partial(mm8, x8, w8.t(), use_fast_accum=True),
+                            PEAK_FP8),
+                           ("f8dgrad", partial(mm8, g8, w8_cols), PEAK_FP8)):
+        row[name] = round(flops / timed(fn) / peak, 4)
+    return row
 
 
 def attention_rows(peak: dict, heads: int = 32, head_dim: int = 128) -> list[dict]:
@@ -128,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="h100-80gb")
     ap.add_argument("--out", default="gpu-rates.json")
     ap.add_argument("--linears", action="store_true",
-                    help="only a linear's forward and backward matmuls (linear_rows)")
+                    help="only a linear's forward and backward matmuls (linear_row)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu_rates: no CUDA GPU here", file=sys.stderr)
         return 2
     profile = load_profile(args.profile)
     peak = {k: v / 1e12 for k, v in profile.peak_flops.items()}  # TFLOP/s
-    rows = linear_rows(peak) if args.linears else \
+    rows = [linear_row(*shape) for shape in LINEAR_SHAPES] if args.linears else \
         matmul_rows(peak) + attention_rows(peak) + [bandwidth_row(profile)]
     for r in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))

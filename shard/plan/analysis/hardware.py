@@ -92,7 +92,7 @@ class Profile:
             return 1.0
         if keys <= curve[0][0]:
             return curve[0][1]
-        for (k0, r0), (k1, r1) in zip(curve, curve[1:]):
+        for (k0, r0), (k1, r1) in zip(curve, curve[1:], strict=False):
             if keys <= k1:
                 t = math.log2(keys / k0) / math.log2(k1 / k0)
                 return r0 + t * (r1 - r0)
@@ -197,9 +197,9 @@ def _attention(data: dict, where: str) -> tuple[tuple[int, float], ...]:
                            f"matmul_efficiency's), got {a!r}")
     keys = [_check(k, "int", "attention.keys", where) for k in a["keys"]]
     ratios = [_check(r, "num", "attention.vs_matmul", where) for r in a["vs_matmul"]]
-    if any(k1 <= k0 for k0, k1 in zip(keys, keys[1:])):
+    if any(k1 <= k0 for k0, k1 in zip(keys, keys[1:], strict=False)):
         raise ProfileError(f"{where}: field 'attention.keys' must ascend, got {keys}")
-    return tuple(zip(keys, (float(r) for r in ratios)))
+    return tuple(zip(keys, (float(r) for r in ratios), strict=True))
 
 
 def _fit(data: dict, where: str) -> dict:
