@@ -85,3 +85,34 @@ def test_attentions_rate_is_a_curve_by_keys_attended(tmp_path):
         path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"attention": curve}))
         with pytest.raises(ProfileError, match="attention"):
             load_profile(str(path))
+
+
+def test_the_h100_constants_are_the_measured_reports():
+    """h100-80gb's matmul_efficiency is the FLOP-weighted harmonic mean of a Llama-3 8B
+    block's linears (wq and wo 4096 -> 4096, wk and wv 4096 -> 1024, w1 and w3 4096 -> 14336,
+    w2 14336 -> 4096) over forward, input and weight gradient as measured on the H100 SXM;
+    its attention curve is the measured causal SDPA rate at each sequence, counted in the
+    cost model's 128-tile squares, over that efficiency; its memory bandwidth the measured
+    copy; h100-96gb carries the same curve."""
+    from pathlib import Path
+
+    from soapstone.shard.plan.analysis.cost import causal_work
+
+    gpu = Path(__file__).resolve().parents[3] / "bench/data/gpu"
+    linear = {tuple(r["shape"]): r for r in
+              json.loads((gpu / "h100_linear_rates.json").read_text())["rows"]}
+    block = {(8192, 4096, 4096): 2 * 4096 * 4096, (8192, 4096, 1024): 2 * 4096 * 1024,
+             (8192, 4096, 14336): 2 * 4096 * 14336, (8192, 14336, 4096): 14336 * 4096}
+    passes = ("fwd", "dgrad", "wgrad")
+    seconds = sum(n / linear[s][p] for s, n in block.items() for p in passes)
+    h100 = load_profile("h100-80gb")
+    assert h100.matmul_efficiency == round(3 * sum(block.values()) / seconds, 3) == 0.731
+    rates = json.loads((gpu / "h100_rates.json").read_text())["rows"]
+    sdpa = [r for r in rates if r["kind"] == "attention causal"]
+    assert h100.attention == tuple(
+        (r["seq"], round(r["of_peak"] * causal_work(r["seq"], r["seq"]) / 0.5 / 0.731, 3))
+        for r in sdpa)
+    copy = next(r for r in rates if r["kind"] == "hbm copy")
+    assert h100.memory_bandwidth == round(copy["gbs"]) * 1e9
+    assert load_profile("h100-96gb").attention == h100.attention
+    assert load_profile("a100-80gb").attention == ()
