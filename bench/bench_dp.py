@@ -92,7 +92,7 @@ def start(device: str) -> BenchDevice:
         world = init("mpi")
         return BenchDevice(world, init_gloo(mpi), torch.device("cpu"))
     from soapstone.comm.bench.nccl import init_torch_nccl
-    from soapstone.comm.device import DeviceError, pick
+    from soapstone.comm.launch.device import DeviceError, pick
     from soapstone.dsl.commands import fail
 
     try:

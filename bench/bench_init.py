@@ -1,5 +1,5 @@
 """Sharded initialisation: one tensor-parallel rank's parameters, drawn directly (soapstone
-now: shard/runtime/param_init.py) beside drawn whole and sliced (soapstone before: each full
+now: shard/runtime/init/param_init.py) beside drawn whole and sliced (soapstone before: each full
 parameter from torch's generator, then this rank's slice copied out).
 
 The model is bench/init_1b.par (1.11e9 parameters); a rank's share under `tp8` is 1.41e8
@@ -42,7 +42,7 @@ def _old(p, seed: int, box):
     """The code this replaces: the whole parameter from torch's generator, then the slice."""
     import torch
 
-    from soapstone.shard.runtime.param_init import TORCH_DTYPES
+    from soapstone.shard.runtime.init.param_init import TORCH_DTYPES
 
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{p.name}".encode()))
     dtype = TORCH_DTYPES[p.dtype]
@@ -67,7 +67,7 @@ def child(kind: str, layout: str) -> dict:
 
     from soapstone import dsl
     from soapstone.dsl.compile.lower import lower
-    from soapstone.shard.runtime.param_init import init_shard
+    from soapstone.shard.runtime.init.param_init import init_shard
 
     torch.set_num_threads(1)
     spec = dsl.load(SPEC)

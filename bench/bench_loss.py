@@ -1,5 +1,5 @@
 """The loss over a large vocab: peak memory and step time of soapstone's chunked cross-entropy
-(shard/ops/loss_kernels.py) against the same kernel in one chunk and against torch's
+(shard/ops/loss/loss_kernels.py) against the same kernel in one chunk and against torch's
 F.cross_entropy, side by side on CPU.
 
 One step: logits = h . W (h [tokens, 16], W [16, vocab]: logits made in the step, as the
@@ -68,7 +68,7 @@ def steps(tokens: int, vocab: int, dtype, rows: int):
     import torch
     import torch.nn.functional as F
 
-    from soapstone.shard.ops.loss_kernels import PlainLoss
+    from soapstone.shard.ops.loss.loss_kernels import PlainLoss
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, 16, generator=g).to(dtype).requires_grad_()
@@ -115,7 +115,7 @@ def main() -> int:
     import torch
 
     from soapstone.comm.bench.harness import interleave
-    from soapstone.shard.ops.cross_entropy import CHUNK_ELEMENTS
+    from soapstone.shard.ops.loss.cross_entropy import CHUNK_ELEMENTS
 
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32

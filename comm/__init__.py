@@ -21,9 +21,9 @@ _EXPORTS = {
     "NCCLCommunicator": "backends.nccl",
     "nccl_available": "backends.nccl",
     "Mesh": "mesh",
-    "init": "world",
-    "install_failure_handler": "failure",
-    "abort_on_exception": "failure",
+    "init": "launch.world",
+    "install_failure_handler": "launch.failure",
+    "abort_on_exception": "launch.failure",
     "autograd": None,
 }
 
@@ -45,10 +45,15 @@ def _export(name: str):
 __getattr__ = moved.keep_old_paths(__name__, {
     "bench_nccl": "bench.nccl",
     "debug": "observe.debug",
+    "device": "launch.device",
     "diagnose": "observe.diagnose",
     "expected": "observe.expected",
+    "failure": "launch.failure",
     "flight_recorder": "observe.flight_recorder",
     "mpi": "backends.mpi",
     "nccl": "backends.nccl",
+    "nodes": "launch.nodes",
+    "supervisor": "launch.supervisor",
     "watchdog": "observe.watchdog",
+    "world": "launch.world",
 }, names=_export)

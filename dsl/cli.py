@@ -19,13 +19,13 @@ import sys
 # name -> (module, one-line help); every module is in soapstone.dsl.commands
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("soapstone.dsl.commands.bench", "benchmark soapstone against its peers"),
-    "check": ("soapstone.dsl.commands.check", "parse and validate .par specs (no torch)"),
-    "show": ("soapstone.dsl.commands.show", "print the checked IR of a spec"),
+    "check": ("soapstone.dsl.commands.preflight.check", "parse and validate .par specs (no torch)"),
+    "show": ("soapstone.dsl.commands.preflight.show", "print the checked IR of a spec"),
     "run": ("soapstone.dsl.commands.run",
             "train a spec's model (under mpiexec for a layout)"),
     "golden": ("soapstone.dsl.commands.golden",
                "record a single-rank run; check that a layout reproduces it"),
-    "explain": ("soapstone.dsl.commands.explain",
+    "explain": ("soapstone.dsl.commands.preflight.explain",
                 "per-rank memory, communication and bubble estimates before launch"),
     "debug": ("soapstone.dsl.commands.debug",
               "debug hang DIR: who diverged, from every rank's flight-recorder dump"),
@@ -39,14 +39,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "inspect DIR | export DIR -o FILE: what a checkpoint holds; its full parameters"),
     "export": ("soapstone.dsl.commands.export",
                "write a GPT-2 / LLaMA model's weights as a Hugging Face directory (--hf DIR)"),
-    "plan": ("soapstone.dsl.commands.plan",
+    "plan": ("soapstone.dsl.commands.preflight.plan",
              "choose a layout for N devices of a hardware profile (no torch)"),
     "gpu-check": ("soapstone.dsl.commands.gpu_check",
                   "check the CUDA path on one GPU, with a JSON report (exit 2 without a GPU)"),
 }
 
 
-# the commands launched under mpiexec: each rank runs under a supervisor (comm/supervisor.py)
+# the commands launched under mpiexec: each rank runs under a supervisor (comm/launch/supervisor.py)
 SUPERVISED = ("run", "golden", "generate")
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(parser)
     args = parser.parse_args(argv[1:])
     if name in SUPERVISED:  # under mpiexec: a rank killed outright is still named
-        from soapstone.comm.supervisor import supervise
+        from soapstone.comm.launch.supervisor import supervise
 
         supervise()
     try:

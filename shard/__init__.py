@@ -12,7 +12,7 @@ from soapstone.comm import moved
 # modules that moved rooms (0.2): their old paths work until 0.3, with a DeprecationWarning
 __getattr__ = moved.keep_old_paths(__name__, {
     "calibrate": "runtime.calibrate",
-    "counter_rng": "runtime.counter_rng",
+    "counter_rng": "runtime.init.counter_rng",
     "data_error": "data.errors",
     "data_parallel": "parallel.data_parallel",
     "executor": "runtime.executor",
@@ -25,7 +25,7 @@ __getattr__ = moved.keep_old_paths(__name__, {
     "moe_dispatch": "parallel.moe_dispatch",
     "offload": "parallel.offload",
     "optim": "train.optim",
-    "param_init": "runtime.param_init",
+    "param_init": "runtime.init.param_init",
     "recompute": "parallel.recompute",
     "selective": "parallel.selective",
     "split_backward": "runtime.split_backward",

@@ -1,6 +1,7 @@
 """House rules that the source itself can be checked for, read statically (ast, no imports):
 no import circles between soapstone's modules, no private name used outside its own file, no
-module over 600 lines, every package in the wheel, a docstring on every public function."""
+module over 600 lines, no room over 15 modules, every package in the wheel, a docstring on every
+public function."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ROOMS = {"dsl": "soapstone.dsl", "shard": "soapstone.shard", "comm": "soapstone.
 # imported only by the Python module each serves.
 EXTENSIONS = {"soapstone.comm.observe._flight_ring", "soapstone.comm.observe._tensor_reader"}
 MAX_LINES = 600
+MAX_MODULES = 15  # per folder, its __init__ apart: past it, a concept gets a sub-room
 # Over MAX_LINES, being split by the engineers who own them (remove each when it is done).
 TOO_LONG_FOR_NOW: set[str] = set()
 # Benchmarks whose public functions still lack their one-line docstrings (remove each when done).
@@ -161,6 +163,16 @@ def test_no_module_over_600_lines():
     long = {str(f.relative_to(ROOT)): n for f, _ in MODULES.values()
             if (n := len(f.read_text().splitlines())) > MAX_LINES}
     assert set(long) <= TOO_LONG_FOR_NOW, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_room_over_15_modules():
+    counts: dict[str, int] = {}
+    for f, init in MODULES.values():
+        if not init:
+            room = str(f.parent.relative_to(ROOT))
+            counts[room] = counts.get(room, 0) + 1
+    big = {room: n for room, n in counts.items() if n > MAX_MODULES}
+    assert not big, f"rooms over {MAX_MODULES} modules (split one concept into a sub-room): {big}"
 
 
 def test_the_wheel_lists_every_package():

@@ -1,7 +1,7 @@
 """StagedMPICommunicator: MPI over device tensors, every message staged through host memory.
 
-For ranks that share a GPU (`--device cuda --comm mpi`, comm/device.py): NCCL refuses two ranks
-of one communicator on one GPU, so these ranks exchange over MPI. Each op copies its device
+For ranks that share a GPU (`--device cuda --comm mpi`, comm/launch/device.py): NCCL refuses two
+ranks of one communicator on one GPU, so these ranks exchange over MPI. Each op copies its device
 input into a host tensor, runs the MPI backend's op on host tensors (mpi.py, unchanged), and
 copies the result back onto the input's device: into `t` for the in-place ops (allreduce,
 broadcast, recv), into `out=` when given, else as a new tensor on that device. The copies to

@@ -19,7 +19,7 @@ four things, waking every `poll_s` seconds (and at once on a signal):
   watchdog runs and failures abort as before, without the other ranks' dumps). A rank that gets
   a notice dumps its flight recorder and answers with its status. When several ranks time out
   together, the lowest-numbered one reports; the others answer it and wait for its Abort.
-- Dumps: on a timeout, an uncaught exception (failure.py) or SIGUSR1 (to any rank, or to
+- Dumps: on a timeout, an uncaught exception (comm/launch/failure.py) or SIGUSR1 (to any rank, or to
   mpiexec, which forwards it), a rank writes its flight recorders and Python stacks (faulthandler,
   all threads) to `SOAPSTONE_TRACE_DIR/rank<R>.json` (or `run --debug-dir`) and a short form to
   stderr. `soapstone debug hang DIR` reads them (diagnose.py).

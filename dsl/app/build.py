@@ -64,7 +64,7 @@ def world(device=None, comm: str = "auto"):
     `device` is a CUDA device (from pick_device), or MPI through host memory for CUDA ranks
     sharing GPUs (--comm mpi)."""
     from soapstone.comm import init
-    from soapstone.comm.device import backend
+    from soapstone.comm.launch.device import backend
 
     return init(backend("cpu" if device is None else device.type, comm))
 
@@ -73,7 +73,7 @@ def pick_device(choice: str = "cpu", comm: str = "auto"):
     """This rank's torch device for --device CHOICE (cpu, cuda, auto) and --comm (auto, nccl,
     mpi) (DeviceError, a UserError, on every rank alike when it cannot be used; collective
     when CUDA is asked for)."""
-    from soapstone.comm.device import pick
+    from soapstone.comm.launch.device import pick
 
     return pick(choice, comm=comm)
 

@@ -160,8 +160,8 @@ def _nccl(args: argparse.Namespace) -> int:
 
     from soapstone.comm import init
     from soapstone.comm.bench.nccl import IMPLS, init_torch_nccl, measure
-    from soapstone.comm.device import pick
     from soapstone.comm.errors import UserError
+    from soapstone.comm.launch.device import pick
     from soapstone.dsl.commands import fail
 
     try:

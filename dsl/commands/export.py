@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         comm = world()
     except UserError as e:
-        from soapstone.comm.failure import world_rank
+        from soapstone.comm.launch.failure import world_rank
 
         return fail(e, world_rank())
     try:

@@ -99,7 +99,7 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """--device and --comm: where each rank computes, over what (soapstone.comm.device)."""
+    """--device and --comm: where each rank computes, over what (soapstone.comm.launch.device)."""
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                         help="cpu (MPI), cuda (a GPU per rank, NCCL; needs the gpu extra) or "
                              "auto (cuda when torch sees a GPU); default cpu")

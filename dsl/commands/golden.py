@@ -90,7 +90,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         comm = world(pick_device(args.device, args.comm), args.comm)
     except UserError as e:
-        from soapstone.comm.failure import world_rank
+        from soapstone.comm.launch.failure import world_rank
 
         return fail(e, world_rank())
     rank = comm.rank

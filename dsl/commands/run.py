@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         comm = world(pick_device(args.device, args.comm), args.comm)
         watch(args)
     except UserError as e:
-        from soapstone.comm.failure import world_rank
+        from soapstone.comm.launch.failure import world_rank
 
         return fail(e, world_rank())
     try:
@@ -145,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
 def launch_nodes(par, world: int) -> list[str]:
     """The launch's nodes checked (NodeError: unequal nodes) and, over more than one node,
     the lines saying which mesh axes cross nodes (and a warning for a tensor-parallel one)."""
-    from soapstone.comm.nodes import check_nodes, node_map, ranks_per_node_override
+    from soapstone.comm.launch.nodes import check_nodes, node_map, ranks_per_node_override
     from soapstone.shard.plan.analysis.placement import format_placement, place, tp_warnings
 
     node_of = node_map() if world > 1 else [0]

@@ -1,7 +1,8 @@
 """One record per primitive op: everything the compiler, the plan and the runtime know of it.
 
 A layer expands into primitives (dsl/layers/); each primitive is one `OpRecord`, in the module
-of its family (einsum.py, norms.py, masks.py, ...), listed by registry.py. The record holds:
+of its family (einsum.py, norms.py, positions/masks.py, ...), listed by registry.py. The
+record holds:
 
 - `doc`: its args and attrs (what `ir` lists as the primitives);
 - its sharding rule: the role of every dim of its iteration space (`roles`), how an arg's dims

@@ -4,24 +4,15 @@ The compiler (dsl/compile/rules.py), the IR's list of primitives, the runtime's 
 (dispatch.run_op), the plan's estimates (activations, cost, selective recompute, explain), the
 verifier (plan/verify/sequence.py) and fusion (runtime/fusion_plan.py) look an op up here and
 read its record; none keeps a table of its own. A new primitive is one record in a module of
-this room, listed in FAMILIES.
+this room (or its loss/ and positions/), listed in FAMILIES.
 """
 
 from __future__ import annotations
 
-from soapstone.shard.ops import (
-    cross_entropy,
-    dims,
-    einsum,
-    elementwise,
-    embedding,
-    masks,
-    moe,
-    norms,
-    rope,
-    softmax,
-)
+from soapstone.shard.ops import dims, einsum, elementwise, embedding, moe, norms, softmax
 from soapstone.shard.ops.custom import CUSTOM, PREFIX
+from soapstone.shard.ops.loss import cross_entropy
+from soapstone.shard.ops.positions import masks, rope
 from soapstone.shard.ops.record import OpRecord
 
 FAMILIES = (einsum, embedding, elementwise, norms, softmax, masks, dims, rope, cross_entropy,

@@ -49,7 +49,7 @@ def check_device(graph: StageGraph, device: torch.device) -> None:
     why = p2p_proof.unproven(sched)
     if why is None:
         return
-    from soapstone.comm.device import DeviceError
+    from soapstone.comm.launch.device import DeviceError
 
     raise DeviceError(
         f"layout {graph.parallel}: schedule {graph.schedule} (pipe = {graph.pipe}, "

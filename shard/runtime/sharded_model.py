@@ -15,8 +15,8 @@ import torch
 
 from soapstone.comm import autograd as ag
 from soapstone.comm import collective_matmul as cm
-from soapstone.comm.device import check_placement
 from soapstone.comm.errors import UserError
+from soapstone.comm.launch.device import check_placement
 from soapstone.shard.ops.dispatch import run_op
 from soapstone.shard.ops.kernels import Shards
 from soapstone.shard.parallel.recompute import Segment
@@ -31,13 +31,13 @@ from soapstone.shard.plan.layout import P, RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Value
 from soapstone.shard.runtime.float8 import LastCast, float8_gather, float8_matmuls
 from soapstone.shard.runtime.fusion import find_fusions, run_fused
-from soapstone.shard.runtime.overwrite_plan import overwritable
-from soapstone.shard.runtime.param_init import (  # noqa: F401
+from soapstone.shard.runtime.init.param_init import (  # noqa: F401
     TORCH_DTYPES,
     empty_shard,
     init_full,
     init_shard,
 )
+from soapstone.shard.runtime.overwrite_plan import overwritable
 
 
 class ShapeMismatch(UserError, RuntimeError):
@@ -63,7 +63,7 @@ class ShardedModel:
         self.program = program
         self.mesh = mesh
         # device: where parameters and activations live (cpu by default; a CUDA device needs
-        # a mesh of NCCL communicators: soapstone.comm.device.pick chooses it per rank)
+        # a mesh of NCCL communicators: soapstone.comm.launch.device.pick chooses it per rank)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         check_placement(self.device, mesh)
         self.ctx = Shards(program, mesh)
@@ -104,7 +104,7 @@ class ShardedModel:
             self.ctx.float8 = float8_matmuls(program, self.float8_last)
             self.float8_gathered = {program.steps[i].out
                                     for i in float8_gathers_beside_rings(program)}
-        # each rank draws only its own slice of every parameter (shard/runtime/param_init.py);
+        # each rank draws only its own slice of every parameter (shard/runtime/init/param_init.py);
         # draw=False leaves them empty for weights loaded right after (--init, --resume)
         def first(p):
             box = self.ctx.local_slices(program.value(p.name))

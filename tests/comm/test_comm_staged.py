@@ -16,7 +16,7 @@ import torch
 from conftest import COMM_CASES
 from mpirun import case_params, run_cases, run_mpi
 
-from soapstone.comm.device import backend, comm_error, gpus_per_node_error
+from soapstone.comm.launch.device import backend, comm_error, gpus_per_node_error
 
 CLI = ["-m", "soapstone.dsl.cli"]
 

@@ -1,4 +1,4 @@
-"""--device (soapstone.comm.device): cpu, cuda and auto on `run` and `golden`, and the device
+"""--device (soapstone.comm.launch.device): cpu, cuda and auto on `run` and `golden`, and the device
 argument of the Python API. Without a GPU only the CPU side can run: the CUDA errors a CPU
 machine reaches (exit 2 on every rank, with the fix), `auto` falling back to the CPU, and the
 per-node GPU count rule. The CUDA runs themselves are tests/comm/test_gpu.py (skipped here)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpirun import run_mpi
 
-from soapstone.comm.device import DeviceError, gpus_per_node_error, resolve
+from soapstone.comm.launch.device import DeviceError, gpus_per_node_error, resolve
 
 CLI = ["-m", "soapstone.dsl.cli"]
 NO_CUDA = not torch.cuda.is_available()
@@ -40,7 +40,7 @@ def test_golden_record_device_cuda_without_cuda(tmp_path):
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
 def test_device_auto_without_a_gpu_is_the_cpu():
-    from soapstone.comm.device import pick
+    from soapstone.comm.launch.device import pick
 
     assert resolve("auto") == "cpu"
     assert pick("auto") == torch.device("cpu")  # no MPI call: nothing to agree on

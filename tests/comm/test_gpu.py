@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not nccl_available(),
 def test_sharded_init_on_the_gpu_equals_the_cpus():
     from soapstone.shard.plan.layout import Layout
     from soapstone.shard.plan.program import ParamSpec
-    from soapstone.shard.runtime.param_init import init_full, init_shard
+    from soapstone.shard.runtime.init.param_init import init_full, init_shard
 
     for init in ("normal(0.02)", "uniform(0.1)"):
         p = ParamSpec("w", "f32", ("a", "b"), (300, 70), init, Layout(()), (300, 70))

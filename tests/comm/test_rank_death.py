@@ -1,5 +1,5 @@
 """A rank killed outright is named: kill -9 one rank of a real 2-rank `soapstone run` and the
-job's output says which rank died, on which host, and how (comm/supervisor.py); mpiexec
+job's output says which rank died, on which host, and how (comm/launch/supervisor.py); mpiexec
 still ends the job. Without a launcher nothing forks."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mpirun import ROOT, mpiexec
 
+from soapstone.comm.launch.supervisor import death_line, launched_rank, supervise
 from soapstone.comm.observe.peers import Peers
-from soapstone.comm.supervisor import death_line, launched_rank, supervise
 
 
 def _workers(marker: str, rank: int) -> list[int]:

@@ -154,7 +154,7 @@ def case_damaged_tp2_checkpoint_exits_2_on_every_rank():
     from soapstone.dsl.cli import main
 
     # main() is called inside this rank, which has MPI already: the supervisor does not fork
-    # there (comm/supervisor.py), so no setting is needed
+    # there (comm/launch/supervisor.py), so no setting is needed
 
     def cli(argv: list[str]) -> tuple[int, str]:
         out = io.StringIO()

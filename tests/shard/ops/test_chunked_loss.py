@@ -1,4 +1,4 @@
-"""cross_entropy a chunk of tokens at a time (shard/ops/loss_kernels.py): bit-identical to the
+"""cross_entropy a chunk of tokens at a time (shard/ops/loss/loss_kernels.py): bit-identical to the
 unchunked forms forward and backward, and explain's count of its working set against a hand
 computation and against a measured step (tests/specs/loss_layouts.par: a wide vocab over a
 narrow hidden, so the loss is most of the step)."""
@@ -17,9 +17,9 @@ from mpirun import ROOT, mpiexec
 
 from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
-from soapstone.shard.ops.cross_entropy import RECORDS, chunk_rows
 from soapstone.shard.ops.kernels import Stats
-from soapstone.shard.ops.loss_kernels import PlainLoss, SplitLoss
+from soapstone.shard.ops.loss.cross_entropy import RECORDS, chunk_rows
+from soapstone.shard.ops.loss.loss_kernels import PlainLoss, SplitLoss
 from soapstone.shard.ops.record import Reduce
 from soapstone.shard.plan.analysis.activations import activation_figures
 from soapstone.shard.plan.analysis.precision import program_as_run

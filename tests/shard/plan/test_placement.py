@@ -1,6 +1,6 @@
 """Multi-node placement: which mesh axes stay inside a node (shard/plan/analysis/placement.py),
 what explain and plan print for a number of devices per node, and the launch's nodes under real
-mpiexec with SOAPSTONE_RANKS_PER_NODE simulating them (comm/nodes.py): the mapping `run`
+mpiexec with SOAPSTONE_RANKS_PER_NODE simulating them (comm/launch/nodes.py): the mapping `run`
 prints, the warning for a tensor-parallel axis across nodes, and unequal nodes (exit 2 on
 every rank, with the numbers)."""
 

@@ -24,7 +24,7 @@ from soapstone import dsl  # noqa: E402
 from soapstone.comm import Mesh, init  # noqa: E402
 from soapstone.dsl.compile.stages import lower_graph  # noqa: E402
 from soapstone.shard.runtime.executor import Executor  # noqa: E402
-from soapstone.shard.runtime.param_init import init_full  # noqa: E402
+from soapstone.shard.runtime.init.param_init import init_full  # noqa: E402
 
 W = init("mpi")
 SEED = 5

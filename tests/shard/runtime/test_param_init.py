@@ -1,6 +1,6 @@
-"""Sharded initialisation (shard/runtime/param_init.py over shard/runtime/counter_rng.py): any box
-of a parameter equals the same box of the whole tensor bit for bit, the work is the box's, and
-the schemes keep their statistics; under mpiexec, every layout's shards equal the single-rank
+"""Sharded initialisation (shard/runtime/init/param_init.py over init/counter_rng.py): any
+box of a parameter equals the same box of the whole tensor bit for bit, the work is the box's,
+and the schemes keep their statistics; under mpiexec, every layout's shards equal the single-rank
 model's slices (tests/shard/runtime/init_cases.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from mpirun import case_params
 
 from soapstone.shard.plan.layout import Layout
 from soapstone.shard.plan.program import ParamSpec
-from soapstone.shard.runtime import counter_rng
-from soapstone.shard.runtime.param_init import init_full, init_shard
+from soapstone.shard.runtime.init import counter_rng
+from soapstone.shard.runtime.init.param_init import init_full, init_shard
 
 CASES = "tests/shard/runtime/init_cases.py"
 

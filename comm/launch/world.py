@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from soapstone.comm.communicator import Communicator
 from soapstone.comm.errors import CommError
-from soapstone.comm.failure import install_failure_handler
+from soapstone.comm.launch.failure import install_failure_handler
 
 BACKENDS = ("mpi", "nccl", "auto", "mpi-staged")
 _world: Communicator | None = None

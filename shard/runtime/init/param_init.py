@@ -12,7 +12,7 @@ import torch
 
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import ParamSpec
-from soapstone.shard.runtime.counter_rng import draw, key_of
+from soapstone.shard.runtime.init.counter_rng import draw, key_of
 
 TORCH_DTYPES = {name: getattr(torch, d.torch_name) for name, d in DTYPES.items()}
 

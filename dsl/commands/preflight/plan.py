@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         return fail(e)
     seconds = time.perf_counter() - t0
     block = plan.source(args.name)
-    from soapstone.dsl.commands.explain import placement
+    from soapstone.dsl.commands.preflight.explain import placement
 
     nodes = placement(plan.parallel(args.name), profile.devices_per_node, None,
                       "--devices-per-node" if args.devices_per_node else

@@ -3,7 +3,7 @@
 A node is the ranks that share memory (MPI.COMM_TYPE_SHARED). SOAPSTONE_RANKS_PER_NODE=N
 instead makes every N consecutive world ranks a node: simulated nodes on one machine, used
 only for grouping and placement (which mesh axes cross nodes, the equal-nodes check), never
-for choosing a GPU, which follows the real node (comm/device.py). Nodes of unequal size are
+for choosing a GPU, which follows the real node (comm/launch/device.py). Nodes of unequal size are
 bad input: the mesh's innermost axes would be laid over node boundaries differently on
 different nodes.
 """

@@ -31,11 +31,11 @@ def chunk_rows(step, program) -> int:
 
 
 def cross_entropy(step, args, ctx):
-    """Mean token loss, a chunk of tokens at a time (shard/ops/loss_kernels.py). Split
+    """Mean token loss, a chunk of tokens at a time (shard/ops/loss/loss_kernels.py). Split
     positions give partial sums (divided by the global count); a split class dim combines
     max, log-sum-exp and the target logit across ranks."""
     from soapstone.shard.ops.kernels import Stats, align
-    from soapstone.shard.ops.loss_kernels import PlainLoss, SplitLoss
+    from soapstone.shard.ops.loss.loss_kernels import PlainLoss, SplitLoss
 
     logits, targets = args
     lv, tv = ctx.arg(step, 0), ctx.arg(step, 1)

@@ -1,0 +1,1 @@
+"""The commands before launch, none of which imports torch: check, show, explain, plan."""

@@ -1,0 +1,1 @@
+"""The loss: cross_entropy's record and its chunked autograd kernels."""

@@ -1,0 +1,1 @@
+"""Ops by global position along a dim: the rotary embedding (rope) and the causal mask."""

@@ -1,0 +1,1 @@
+"""A parameter's initial values, drawn for a rank's shard from a counter-based generator."""
