@@ -39,23 +39,26 @@ def timed(fn, reps: int = 10, warmup: int = 3) -> float:
 
 def matmul_rows(peak: dict) -> list[dict]:
     """bf16 and (where the peak has one) float8 matmuls at Llama-3 8B and 70B widths, 8K tokens."""
-    rows = []
-    for m, k, n in ((8192, 4096, 4096), (8192, 4096, 14336), (8192, 8192, 28672),
-                    (8192, 14336, 4096)):
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        s = timed(lambda: a @ b)
-        rows.append({"kind": "matmul bf16", "shape": [m, k, n], "tflops": 2 * m * k * n / s / 1e12,
-                     "of_peak": 2 * m * k * n / s / 1e12 / peak["bf16"]})
-        if "fp8" in peak:
-            a8 = a.to(torch.float8_e4m3fn)
-            b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
-            one = torch.ones((), device="cuda")
-            s = timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                               out_dtype=torch.bfloat16))
-            rows.append({"kind": "matmul float8", "shape": [m, k, n],
-                         "tflops": 2 * m * k * n / s / 1e12,
-                         "of_peak": 2 * m * k * n / s / 1e12 / peak["fp8"]})
+    return [r for shape in ((8192, 4096, 4096), (8192, 4096, 14336), (8192, 8192, 28672),
+                            (8192, 14336, 4096)) for r in matmul_row(*shape, peak)]
+
+
+def matmul_row(m: int, k: int, n: int, peak: dict) -> list[dict]:
+    """One (m x k) . (k x n) matmul in bf16 and, where the peak has one, float8."""
+    flops = 2 * m * k * n
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    s = timed(partial(torch.matmul, a, b))
+    rows = [{"kind": "matmul bf16", "shape": [m, k, n], "tflops": flops / s / 1e12,
+             "of_peak": flops / s / 1e12 / peak["bf16"]}]
+    if "fp8" in peak:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major second operand
+        one = torch.ones((), device="cuda")
+        s = timed(partial(torch._scaled_mm, a8, b8, scale_a=one, scale_b=one,
+                          out_dtype=torch.bfloat16))
+        rows.append({"kind": "matmul float8", "shape": [m, k, n], "tflops": flops / s / 1e12,
+                     "of_peak": flops / s / 1e12 / peak["fp8"]})
     return rows
 
 
@@ -93,34 +96,35 @@ def attention_rows(peak: dict, heads: int = 32, head_dim: int = 128) -> list[dic
     """Causal SDPA at 2K..128K tokens per sequence, 128K tokens in all: forward and
     forward + backward TFLOP/s counted as the causal half of 4*s^2*d per head (x3.5 with the
     backward's five matmuls), and the kernel torch chose."""
-    rows = []
-    for seq in (2048, 4096, 8192, 16384, 32768, 65536, 131072):
-        batch = max(1, 131072 // seq)
-        q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for _ in range(3))
-        fwd_flops = 4 * batch * heads * seq * seq * head_dim / 2
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        s_f = timed(lambda: sdpa(q, k, v, is_causal=True), reps=5)
-        grad = torch.randn_like(q)
+    return [attention_row(seq, peak, heads, head_dim)
+            for seq in (2048, 4096, 8192, 16384, 32768, 65536, 131072)]
 
-        def both():
-            sdpa(q, k, v, is_causal=True).backward(grad)
 
-        s_b = timed(both, reps=5)
-        rows.append({"kind": "attention causal", "seq": seq, "batch": batch, "heads": heads,
-                     "head_dim": head_dim,
-                     "forward_tflops": fwd_flops / s_f / 1e12,
-                     "forward_backward_tflops": 3.5 * fwd_flops / s_b / 1e12,
-                     "of_peak": 3.5 * fwd_flops / s_b / 1e12 / peak["bf16"]})
-        del q, k, v, grad
-    return rows
+def attention_row(seq: int, peak: dict, heads: int, head_dim: int) -> dict:
+    """Causal SDPA at `seq` tokens a sequence (`attention_rows`)."""
+    batch = max(1, 131072 // seq)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    fwd_flops = 4 * batch * heads * seq * seq * head_dim / 2
+    sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True)
+    s_f = timed(sdpa, reps=5)
+    grad = torch.randn_like(q)
+
+    def both():
+        sdpa().backward(grad)
+
+    s_b = timed(both, reps=5)
+    return {"kind": "attention causal", "seq": seq, "batch": batch, "heads": heads,
+            "head_dim": head_dim, "forward_tflops": fwd_flops / s_f / 1e12,
+            "forward_backward_tflops": 3.5 * fwd_flops / s_b / 1e12,
+            "of_peak": 3.5 * fwd_flops / s_b / 1e12 / peak["bf16"]}
 
 
 def bandwidth_row(profile) -> dict:
     """A 2 GiB device-to-device copy: bytes read + written per second, against the profile."""
     src = torch.empty(2**30, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    s = timed(lambda: dst.copy_(src))
+    s = timed(partial(dst.copy_, src))
     gbs = 2 * src.numel() * 2 / s / 1e9
     return {"kind": "hbm copy", "gbs": gbs, "of_profile": gbs * 1e9 / profile.memory_bandwidth}
 
