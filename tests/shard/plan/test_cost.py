@@ -251,3 +251,28 @@ def test_causal_attention_work_by_hand(layout):
         pytest.approx([x for _, f, r in runs for x in (f, r)])
     # backward's extra: half the forward's computed attention FLOPs (2.5x, not 2x)
     assert w.rescore_flops == pytest.approx((w.act_flops - w.skipped_flops) / 2)
+
+
+@pytest.mark.parametrize("layout", [None, "cp2bsp2"])
+def test_gqa_attention_keys_by_hand(layout):
+    """examples/llama.par at seq 256 (2 layers, batch 8, 4 query heads of 8 sharing 2 kv
+    heads): the fused GQA attention goes by its keys as a plain one does. One rank: the causal
+    256 x 256 square, scores S = 2 x 8 x 4 x 256 x 256 x 8 FLOPs a layer, 3/4 of its tiles run.
+    cp2bsp2 (balanced cp 2, sequence parallel inside, heads split over the model axis): rank
+    0's 128 queries in chunks of 64 (chunk 0 and chunk 3) for 2 of the heads, S / 4 a layer,
+    attend 64 and 256 keys: 1/8 and 4/8 of its 128 x 256 square."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work
+
+    spec = load("examples/llama.par", dims={"seq": 256})
+    w = program_work(lower_graph(spec.model(), spec.parallel(layout) if layout else None).program)
+    s = 2 * 8 * 4 * 256 * 256 * 8
+    if layout is None:
+        runs = [(256, 2 * 2 * s * 3 / 4, 2 * s * 3 / 4)]
+    else:
+        runs = [(64, 2 * 2 * (s / 4) / 8, 2 * (s / 4) / 8),
+                (256, 2 * 2 * (s / 4) * 4 / 8, 2 * (s / 4) * 4 / 8)]
+    assert [e[0] for e in w.attention] == [r[0] for r in runs]
+    assert [x for e in w.attention for x in e[1:]] == pytest.approx(
+        [x for r in runs for x in r[1:]])
