@@ -24,7 +24,9 @@ torchtitan's Llama 3.1 rows (bench/data/torchtitan_llama3_h100.json) are scored 
 h100-96gb profile (their 500 W, 96 GB HBM2e H100s): each row's Llama at its layout (FSDP as
 ZeRO-3 over data x cp, TP, PP, CP as the row states), bf16, the row's recompute (its
 `selective` is torchtitan's op policy: soapstone's `recompute ops`), sequence 8192 where the
-page leaves it to the benchmarked commit's configs; predicted TPS per GPU = published TPS x
+page leaves it to the benchmarked commit's configs, context parallel balanced (torchtitan ran
+PyTorch's ring attention with its default load balancing: the data file's `cp_source`), fused
+attention at the profile's measured attention curve; predicted TPS per GPU = published TPS x
 published step / predicted step. Rows 1 and 9 calibrate h100-96gb's matmul_efficiency; every
 other row is held out. The Float8 rows run `--precision float8` (the weight matmuls at the fp8
 peak with their casts, the output projection in bf16 as torchtitan's converter leaves it; TP

@@ -64,16 +64,23 @@ def _figs(est: Estimate, work: Work, param_elements: int) -> Figs:
     return f
 
 
-# a Work's additive fields (all but `again`, which is a Work of its own)
-WORK_FIELDS = tuple(a.name for a in attrs.fields(Work) if a.name != "again")
+# a Work's additive fields (all but `again`, which is a Work of its own, and `attention`,
+# whose figures go by their keys: (prefix + "attention", keys, 1 or 2))
+WORK_FIELDS = tuple(a.name for a in attrs.fields(Work) if a.name not in ("again", "attention"))
 
 
 def _work_figs(work: Work, prefix: str) -> Figs:
-    return {(prefix + name,): getattr(work, name) for name in WORK_FIELDS}
+    f = {(prefix + name,): getattr(work, name) for name in WORK_FIELDS}
+    for entry in work.attention:
+        f |= {(prefix + "attention", entry[0], i): entry[i] for i in (1, 2)}
+    return f
 
 
 def _work_of(f: Figs, prefix: str, again: Work | None = None) -> Work:
-    return Work(**{name: f[(prefix + name,)] for name in WORK_FIELDS}, again=again)
+    attention = tuple((k[1], f[k], f[(*k[:2], 2)]) for k in sorted(
+        k for k in f if k[0] == prefix + "attention" and k[2] == 1))
+    return Work(**{name: f[(prefix + name,)] for name in WORK_FIELDS}, again=again,
+                attention=attention)
 
 
 # Figures that are a step's peak, not a sum over blocks (module doc): Probes.working_set

@@ -26,8 +26,8 @@ def test_probes_extrapolate_exactly_what_a_full_compile_estimates():
     cands = list(candidates(model, planner.dims, 8, planner.profile, []))
     assert {c.schedule for c in cands} == {"1f1b", "interleaved"} and any(c.sequence
                                                                           for c in cands)
-    for c in cands[::2]:
-        _assert_probed_is_full(planner, c)
+    probed = [_assert_probed_is_full(planner, c) for c in cands[::2]]
+    assert any(w.attention for r in probed for w in r.work)
 
 
 def _activations(est) -> list[int]:
@@ -91,6 +91,11 @@ def _assert_probed_is_full(planner, c):
     assert sorted(map(str, probed.estimate.traffic)) == \
         sorted(map(str, full.estimate.traffic)), c.label
     assert probed.time.total == pytest.approx(full.time.total, rel=1e-6), c.label
+    # fused attention by keys attended (the attention rate's curve reads them)
+    for p, f in zip(probed.work, full.work, strict=True):
+        assert [e[0] for e in p.attention] == [e[0] for e in f.attention], c.label
+        assert [x for e in p.attention for x in e[1:]] == \
+            pytest.approx([x for e in f.attention for x in e[1:]]), c.label
     return probed
 
 

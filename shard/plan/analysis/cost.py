@@ -28,7 +28,12 @@ time, on a `hardware.Profile`:
   key <= query and the chain's query and key dims are whole on the rank (fusion.py; a split
   sequence, context parallel's, passes an explicit mask, which no kernel skips on). The
   skipped FLOPs stay in `matmul_flops` (MFU's model FLOPs count the full square, as
-  Megatron's and torchtitan's do) and are taken off its time (`skipped_flops`). Each op (a
+  Megatron's and torchtitan's do) and are taken off its time (`skipped_flops`). A fused
+  attention's matmuls (forward and the rescored backward) run at the profile's attention rate
+  (`Profile.attention_flops`: a measured curve over the weight matmuls' rate, by the keys a
+  query attends), kept per key length in `Work.attention`: a whole causal square attends its
+  sequence; each run of a context-parallel rank's queries its visible key prefix (the busiest
+  rank's runs); split keys, the rank's keys. Each op (a
   fused chain is one, a redistribution is one) also costs the profile's fixed
   `op_overhead_us`, forward and backward together: what dominates a small model.
 - collectives: the alpha-beta model, per traffic row: calls x ring hops x latency + bus bytes
@@ -119,6 +124,9 @@ class Work:
     # `overlap tensor`: the forward FLOPs (of matmul_flops) of the matmuls run inside
     # collective-matmul rings, the window their sends hide in
     ring_flops: float = 0.0
+    # fused attention by the keys its queries attend: ((keys, forward FLOPs computed, of
+    # act_flops less skipped_flops; rescored FLOPs, of rescore_flops), ...), ascending keys
+    attention: tuple[tuple[int, float, float], ...] = ()
 
     def ring_seconds(self, profile: Profile, precision: str) -> float:
         """The rings' matmuls' forward time at the weight matmuls' rate."""
@@ -127,15 +135,26 @@ class Work:
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
         return Work(**{a.name: getattr(self, a.name) + getattr(other, a.name)
-                       for a in attrs.fields(Work) if a.name != "again"}, again=again)
+                       for a in attrs.fields(Work) if a.name not in ("again", "attention")},
+                    again=again, attention=by_keys(self.attention + other.attention))
+
+    def attention_seconds(self, profile: Profile, precision: str,
+                          which: int = 1) -> tuple[float, float]:
+        """(seconds, FLOPs) of the fused attentions' forward (`which` 1) or rescored (2)
+        matmuls at the profile's attention rate for their keys."""
+        peak = matmul_peaks(precision)[1]
+        return (sum(a[which] / profile.attention_flops(peak, a[0]) for a in self.attention),
+                sum(a[which] for a in self.attention))
 
     def matmul_seconds(self, profile: Profile, precision: str) -> float:
         """The matmuls' forward time: weight matmuls at the achievable rate (under float8,
         those `f8_flops` count at the fp8 peak's); activation matmuls at the roofline, the
-        slower of their FLOPs at that rate and their bytes at the memory bandwidth."""
+        slower of their FLOPs at that rate (a fused attention's at the attention rate for its
+        keys) and their bytes at the memory bandwidth."""
         weight_peak, act_peak = matmul_peaks(precision)
         rate = profile.matmul_flops(act_peak)
-        act = max((self.act_flops - self.skipped_flops) / rate,
+        attn_s, attn_f = self.attention_seconds(profile, precision)
+        act = max((self.act_flops - self.skipped_flops - attn_f) / rate + attn_s,
                   self.act_bytes / profile.memory_bandwidth)
         f8 = self.f8_flops if weight_peak != act_peak else 0.0
         f8_s = f8 / profile.matmul_flops(weight_peak) if f8 else 0.0
@@ -158,8 +177,10 @@ class Work:
 
     def rescore_seconds(self, profile: Profile, precision: str) -> float:
         """What a fused attention's backward adds to BACKWARD_FACTOR x its forward: its
-        scores matmul again, at the activation matmuls' rate (its tiles stay on chip)."""
-        return self.rescore_flops / profile.matmul_flops(matmul_peaks(precision)[1])
+        scores matmul again, at the attention rate for its keys (its tiles stay on chip)."""
+        attn_s, attn_f = self.attention_seconds(profile, precision, 2)
+        return (self.rescore_flops - attn_f) / profile.matmul_flops(matmul_peaks(precision)[1]) \
+            + attn_s
 
     def seconds(self, profile: Profile, precision: str) -> float:
         """Forward + backward time at the profile's rates, each op's fixed cost, the float8
@@ -169,6 +190,15 @@ class Work:
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
         return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again + \
             sum(self.cast_seconds(profile, precision)) + self.rescore_seconds(profile, precision)
+
+
+def by_keys(entries) -> tuple[tuple[int, float, float], ...]:
+    """`Work.attention` entries with equal keys summed, in ascending keys."""
+    out: dict[int, tuple[float, float]] = {}
+    for keys, f, r in entries:
+        f0, r0 = out.get(keys, (0.0, 0.0))
+        out[keys] = (f0 + f, r0 + r)
+    return tuple((k, *out[k]) for k in sorted(out))
 
 
 def causal_work(queries: int, keys: int, tile: int = FLASH_TILE) -> float:
@@ -257,6 +287,7 @@ def _work(program: Program, indices) -> Work:
             act_flops += f
             act_bytes += nbytes
     skipped = rescore = 0.0
+    attention = []
     for at, f in chains.items():
         steps = [program.steps[i] for i in (*fusions[at].covered, at)]
         inner = {s.out for s in steps}
@@ -265,38 +296,43 @@ def _work(program: Program, indices) -> Work:
             act_flops += f
             act_bytes += _float_bytes(program, (*outside, program.steps[at].out))
         if isinstance(fusions[at], FusedAttention):
-            done = _attention_done(program, fusions[at])
+            runs = _attention_runs(program, fusions[at])
+            done = sum(share for _, share in runs)
             skipped += f * (1 - done)
             scores = program.steps[fusions[at].covered[0]]
-            rescore += record_of(scores.kind).flops(scores, program) * done
+            sf = record_of(scores.kind).flops(scores, program)
+            rescore += sf * done
+            attention += [(keys, f * share, sf * share) for keys, share in runs]
     rings = sum(record_of("einsum").flops(program.steps[j], program)
                 for r in find_rings(program).values() for j in r.matmuls if j in indices)
     return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd,
-                skipped, rescore, rings)
+                skipped, rescore, rings, by_keys(attention))
 
 
-def _attention_done(program: Program, f: FusedAttention) -> float:
-    """The fraction of its score square the fused kernel computes: `causal_work` where the
-    runtime calls it with is_causal (fusion.run_attention); with the queries split (context
-    parallel) and the keys whole, each run of query positions against only the key prefix it
-    sees (fusion.causal_prefixes), on the rank that computes most (every rank alike where the
-    split is balanced; the last where it is contiguous); else all of it."""
-    if not f.causal or not record_of(f.mask_kind).mask.causal(dict(f.mask_attrs)):
-        return 1.0
+def _attention_runs(program: Program, f: FusedAttention) -> list[tuple[int, float]]:
+    """Each (keys attended, share of the score square computed) of the fused kernel's
+    queries: `causal_work` of the square where the runtime calls it with is_causal
+    (fusion.run_attention); with the queries split (context parallel) and the keys whole, each
+    run of query positions against only the key prefix it sees (fusion.causal_prefixes), on
+    the rank that computes most (every rank alike where the split is balanced; the last where
+    it is contiguous); else all of the rank's keys. The shares sum to the fraction computed."""
     v, sizes = program.value(f.scores), dict(program.dims)
     local = dict(zip(v.dims, v.local_shape, strict=True))
     q, k = local[f.query], local[f.key]
-    if k != sizes[f.key]:
-        return 1.0  # split keys: an explicit mask, computed whole
+    if not f.causal or not record_of(f.mask_kind).mask.causal(dict(f.mask_attrs)) or \
+            k != sizes[f.key]:
+        return [(k, 1.0)]  # split keys: an explicit mask, computed whole
     axes = v.layout.dim_axes(f.query)
     if not axes:
-        return causal_work(q, k) if q == k else 1.0
+        return [(k, causal_work(q, k) if q == k else 1.0)]
     mesh = dict(program.mesh)
     parts, pieces = mesh[axes[0]], math.prod(mesh[a] for a in axes[1:])
     balanced = f.query in program.balanced
     # the busiest rank: the one holding the last positions (any where balanced: rank 0)
-    return max(causal_prefix_work(nested_runs(sizes[f.query], parts, r, balanced, i, pieces), k)
-               for r in ((0,) if balanced else (parts - 1,)) for i in range(pieces))
+    held = max((nested_runs(sizes[f.query], parts, r, balanced, i, pieces)
+                for r in ((0,) if balanced else (parts - 1,)) for i in range(pieces)),
+               key=lambda runs: causal_prefix_work(runs, k))
+    return [(min(first + n, k), n * min(first + n, k) / (q * k)) for _, first, n in held]
 
 
 def _float_bytes(program: Program, names) -> float:

@@ -4,7 +4,8 @@ The presets live in profiles.json beside this module (its `_doc` says what each 
 `soapstone bench calibrate -o FILE.json` writes one profile measured on this machine in the
 same format. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
 profile object, or `{"profiles": [...]}` with exactly one. Every field is required but `fit`
-(which constants were fitted to published runs, and the fit's error): a missing or
+(which constants were fitted to published runs, and the fit's error) and `attention`
+(attention's rate over the weight matmuls', by the keys a query attends): a missing or
 malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch here.
 """
 
@@ -58,6 +59,11 @@ class Profile:
     # which constants are a fit to published runs, on which rows, and the fit's spread
     # (profiles.json's _doc); {} where every constant is a physical figure
     fit: dict = attrs.field(factory=dict, eq=False)
+    # attention's score and value matmuls' rate over the weight matmuls' (`matmul_flops`), by
+    # the keys a query attends: ((keys, ratio), ...) ascending (profiles.json's `attention`);
+    # () where the profile has no curve: attention runs at the weight matmuls' rate
+    attention: tuple[tuple[int, float], ...] = ()
+    attention_source: str = attrs.field(default="", eq=False)
 
     @property
     def step_error(self) -> float:
@@ -77,6 +83,25 @@ class Profile:
                                f"(it has {', '.join(self.peak_flops)})")
         return self.peak_flops[precision] * self.matmul_efficiency
 
+    def attention_ratio(self, keys: int) -> float:
+        """Attention's rate over the weight matmuls' where each query attends up to `keys`
+        keys: the profile's curve, linear in log2(keys) between its points and flat beyond
+        its ends; 1 where it has none."""
+        curve = self.attention
+        if not curve:
+            return 1.0
+        if keys <= curve[0][0]:
+            return curve[0][1]
+        for (k0, r0), (k1, r1) in zip(curve, curve[1:], strict=False):
+            if keys <= k1:
+                t = math.log2(keys / k0) / math.log2(k1 / k0)
+                return r0 + t * (r1 - r0)
+        return curve[-1][1]
+
+    def attention_flops(self, precision: str, keys: int) -> float:
+        """Achievable FLOP/s of attention's matmuls in `precision` at `keys` keys attended."""
+        return self.matmul_flops(precision) * self.attention_ratio(keys)
+
     def to_data(self) -> dict:
         """The profile in profiles.json's format."""
         return {
@@ -91,7 +116,10 @@ class Profile:
             "inter_node": {"bandwidth_gbs": self.inter_node.bandwidth / 1e9,
                            "latency_us": self.inter_node.latency_s * 1e6},
             "op_overhead_us": self.op_overhead_s * 1e6,
-        } | ({"fit": self.fit} if self.fit else {})
+        } | ({"attention": {"keys": [k for k, _ in self.attention],
+                            "vs_matmul": [r for _, r in self.attention],
+                            "source": self.attention_source}} if self.attention else {}) \
+          | ({"fit": self.fit} if self.fit else {})
 
 
 # every required field (nested ones as "a.b") -> what its value must be
@@ -150,7 +178,28 @@ def profile_from_data(data: dict, where: str) -> Profile:
         memory_bandwidth=v["memory_bandwidth_gbs"] * 1e9,
         intra_node=Link(v["intra_node.bandwidth_gbs"] * 1e9, v["intra_node.latency_us"] * 1e-6),
         inter_node=Link(v["inter_node.bandwidth_gbs"] * 1e9, v["inter_node.latency_us"] * 1e-6),
-        op_overhead_s=v["op_overhead_us"] * 1e-6, source=where, fit=_fit(data, where))
+        op_overhead_s=v["op_overhead_us"] * 1e-6, source=where, fit=_fit(data, where),
+        attention=_attention(data, where), attention_source=str(
+            data.get("attention", {}).get("source", "")))
+
+
+def _attention(data: dict, where: str) -> tuple[tuple[int, float], ...]:
+    """The optional `attention` curve: `keys` (ascending integers >= 1) and `vs_matmul`
+    (positive ratios), one for one."""
+    if "attention" not in data:
+        return ()
+    a = data["attention"]
+    if not isinstance(a, dict) or not isinstance(a.get("keys"), list) or \
+            not isinstance(a.get("vs_matmul"), list) or not a["keys"] or \
+            len(a["keys"]) != len(a["vs_matmul"]):
+        raise ProfileError(f"{where}: field 'attention' must be an object with lists 'keys' "
+                           "and 'vs_matmul' of one length (keys attended, the rate over "
+                           f"matmul_efficiency's), got {a!r}")
+    keys = [_check(k, "int", "attention.keys", where) for k in a["keys"]]
+    ratios = [_check(r, "num", "attention.vs_matmul", where) for r in a["vs_matmul"]]
+    if any(k1 <= k0 for k0, k1 in zip(keys, keys[1:], strict=False)):
+        raise ProfileError(f"{where}: field 'attention.keys' must ascend, got {keys}")
+    return tuple(zip(keys, (float(r) for r in ratios), strict=True))
 
 
 def _fit(data: dict, where: str) -> dict:

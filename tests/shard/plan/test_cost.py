@@ -178,6 +178,25 @@ def test_a_fused_attentions_backward_is_five_matmuls_to_forwards_two():
     assert (w + masked).rescore_flops == 1.75e12 and (w + masked).skipped_flops == 0.5e12
 
 
+def test_fused_attention_runs_at_the_attention_rate_for_its_keys():
+    """Profile: 1 TFLOP/s matmuls, attention at 0.5 of that up to 2048 keys, 1.0 from 8192.
+    10 TFLOPs of matmuls, 2 of them a fused attention over 2048 keys (1 of them its scores,
+    rescored in backward): weights 8 s, attention 2 / 0.5 = 4 s, forward 12 s; forward +
+    backward 3 x 12 s and the scores again, 1 / 0.5 = 2 s: 38 s. The same attention over 4096
+    keys (halfway in log2: 0.75) takes 2 / 0.75 s. Sums add entries with equal keys."""
+    import attrs
+
+    prof = attrs.evolve(profile(), attention=((2048, 0.5), (8192, 1.0)))
+    w = Work(matmul_flops=10e12, act_flops=2e12, act_bytes=1e9, rescore_flops=1e12,
+             attention=((2048, 2e12, 1e12),))
+    assert w.matmul_seconds(prof, "fp32") == pytest.approx(8.0 + 4.0)
+    assert w.seconds(prof, "fp32") == pytest.approx(3 * 12.0 + 2.0)
+    assert w.seconds(profile(), "fp32") == pytest.approx(3 * 10.0 + 1.0)  # no curve: as before
+    longer = attrs.evolve(w, attention=((4096, 2e12, 1e12),))
+    assert longer.matmul_seconds(prof, "fp32") == pytest.approx(8.0 + 2 / 0.75)
+    assert (w + w + longer).attention == ((2048, 4e12, 2e12), (4096, 2e12, 1e12))
+
+
 def test_a_causal_kernel_runs_the_key_tiles_up_to_each_query_tile():
     """Tiles of 128: 256 positions are 2 x 2 tiles, 3 run (3/4); 1024 are 8 x 8, 36 run
     (9/16); 200 run 128 x 128 + 72 x 200 of 200 x 200; 16 fit one tile: all of it."""
@@ -199,7 +218,10 @@ def test_causal_attention_work_by_hand(layout):
     (matmul_flops, MFU's) count the full square either way. Under cp2 the last rank's queries
     128..255 see every key: its prefix is all 256 keys. Under cp2b (zigzag chunks of 64) each
     rank holds chunk r and 3-r: rank 0 runs 64 queries x 64 keys and 64 x 256, 5/8 of its
-    128 x 256 square (rank 1: 64 x 128 + 64 x 192, the same), skipping 3/8."""
+    128 x 256 square (rank 1: 64 x 128 + 64 x 192, the same), skipping 3/8. The attention
+    rate goes by the keys each run of queries attends (`Work.attention`): the whole square's
+    256; under cp2 the rank's 256 keys; under cp2b rank 0's chunks attend 64 and 256 keys,
+    1/8 and 4/8 of its square."""
     from soapstone.dsl import load
     from soapstone.dsl.compile.stages import lower_graph
     from soapstone.shard.plan.analysis.cost import program_work
@@ -212,14 +234,45 @@ def test_causal_attention_work_by_hand(layout):
         assert w.act_flops == 4 * 2 * e
         assert w.skipped_flops == pytest.approx(4 * 2 * e / 4)
         assert w.rescore_flops == pytest.approx(4 * 3 * e / 4)
+        runs = [(256, 4 * 2 * e * 3 / 4, 4 * e * 3 / 4)]
     elif layout == "cp2":
         assert w.act_flops == 4 * 2 * (e // 2)
         assert w.skipped_flops == 0.0
         assert w.rescore_flops == 4 * e // 2
+        runs = [(256, 4 * e, 4 * e / 2)]
     else:
         assert (64 * 64 + 64 * 256) == (64 * 128 + 64 * 192) == 5 * 128 * 256 // 8
         assert w.act_flops == 4 * 2 * (e // 2)
         assert w.skipped_flops == pytest.approx(4 * 2 * (e // 2) * 3 / 8)
         assert w.rescore_flops == pytest.approx(4 * (e // 2) * 5 / 8)
+        runs = [(64, 4 * e / 8, 4 * e / 16), (256, 4 * e * 4 / 8, 4 * e * 4 / 16)]
+    assert [k for k, _, _ in w.attention] == [k for k, _, _ in runs]
+    assert [x for _, f, r in w.attention for x in (f, r)] == \
+        pytest.approx([x for _, f, r in runs for x in (f, r)])
     # backward's extra: half the forward's computed attention FLOPs (2.5x, not 2x)
     assert w.rescore_flops == pytest.approx((w.act_flops - w.skipped_flops) / 2)
+
+
+@pytest.mark.parametrize("layout", [None, "cp2bsp2"])
+def test_gqa_attention_keys_by_hand(layout):
+    """examples/llama.par at seq 256 (2 layers, batch 8, 4 query heads of 8 sharing 2 kv
+    heads): the fused GQA attention goes by its keys as a plain one does. One rank: the causal
+    256 x 256 square, scores S = 2 x 8 x 4 x 256 x 256 x 8 FLOPs a layer, 3/4 of its tiles run.
+    cp2bsp2 (balanced cp 2, sequence parallel inside, heads split over the model axis): rank
+    0's 128 queries in chunks of 64 (chunk 0 and chunk 3) for 2 of the heads, S / 4 a layer,
+    attend 64 and 256 keys: 1/8 and 4/8 of its 128 x 256 square."""
+    from soapstone.dsl import load
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.plan.analysis.cost import program_work
+
+    spec = load("examples/llama.par", dims={"seq": 256})
+    w = program_work(lower_graph(spec.model(), spec.parallel(layout) if layout else None).program)
+    s = 2 * 8 * 4 * 256 * 256 * 8
+    if layout is None:
+        runs = [(256, 2 * 2 * s * 3 / 4, 2 * s * 3 / 4)]
+    else:
+        runs = [(64, 2 * 2 * (s / 4) / 8, 2 * (s / 4) / 8),
+                (256, 2 * 2 * (s / 4) * 4 / 8, 2 * (s / 4) * 4 / 8)]
+    assert [e[0] for e in w.attention] == [r[0] for r in runs]
+    assert [x for e in w.attention for x in e[1:]] == pytest.approx(
+        [x for r in runs for x in r[1:]])

@@ -33,6 +33,7 @@ def test_a_profile_file_round_trips(tmp_path):
     again = load_profile(str(path))
     assert again.peak_flops == pytest.approx(load_profile("h100-80gb").peak_flops)
     assert again.memory_bytes == load_profile("h100-80gb").memory_bytes
+    assert again.attention == load_profile("h100-80gb").attention != ()
 
 
 @pytest.mark.parametrize("drop, field", [
@@ -65,3 +66,53 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(str(path))
+
+
+def test_attentions_rate_is_a_curve_by_keys_attended(tmp_path):
+    """A curve (1024: 0.5, 4096: 1.0) is linear in log2(keys): 2048 keys lie halfway, 0.75;
+    flat beyond its ends; no curve is the weight matmuls' rate (1). A curve whose keys do not
+    ascend, or whose lists differ in length, is bad input naming the field."""
+    import attrs
+
+    prof = attrs.evolve(load_profile("a100-40gb"), attention=((1024, 0.5), (4096, 1.0)))
+    assert [prof.attention_ratio(k) for k in (512, 1024, 2048, 4096, 65536)] == \
+        pytest.approx([0.5, 0.5, 0.75, 1.0, 1.0])
+    assert prof.attention_flops("bf16", 2048) == pytest.approx(0.75 * prof.matmul_flops("bf16"))
+    assert load_profile("a100-40gb").attention_ratio(2048) == 1.0
+    for curve in ({"keys": [4096, 1024], "vs_matmul": [1.0, 0.5]},
+                  {"keys": [1024], "vs_matmul": [0.5, 1.0]}):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"attention": curve}))
+        with pytest.raises(ProfileError, match="attention"):
+            load_profile(str(path))
+
+
+def test_the_h100_constants_are_the_measured_reports():
+    """h100-80gb's matmul_efficiency is the FLOP-weighted harmonic mean of a Llama-3 8B
+    block's linears (wq and wo 4096 -> 4096, wk and wv 4096 -> 1024, w1 and w3 4096 -> 14336,
+    w2 14336 -> 4096) over forward, input and weight gradient as measured on the H100 SXM;
+    its attention curve is the measured causal SDPA rate at each sequence, counted in the
+    cost model's 128-tile squares, over that efficiency; its memory bandwidth the measured
+    copy; h100-96gb carries the same curve."""
+    from pathlib import Path
+
+    from soapstone.shard.plan.analysis.cost import causal_work
+
+    gpu = Path(__file__).resolve().parents[3] / "bench/data/gpu"
+    linear = {tuple(r["shape"]): r for r in
+              json.loads((gpu / "h100_linear_rates.json").read_text())["rows"]}
+    block = {(8192, 4096, 4096): 2 * 4096 * 4096, (8192, 4096, 1024): 2 * 4096 * 1024,
+             (8192, 4096, 14336): 2 * 4096 * 14336, (8192, 14336, 4096): 14336 * 4096}
+    passes = ("fwd", "dgrad", "wgrad")
+    seconds = sum(n / linear[s][p] for s, n in block.items() for p in passes)
+    h100 = load_profile("h100-80gb")
+    assert h100.matmul_efficiency == round(3 * sum(block.values()) / seconds, 3) == 0.731
+    rates = json.loads((gpu / "h100_rates.json").read_text())["rows"]
+    sdpa = [r for r in rates if r["kind"] == "attention causal"]
+    assert h100.attention == tuple(
+        (r["seq"], round(r["of_peak"] * causal_work(r["seq"], r["seq"]) / 0.5 / 0.731, 3))
+        for r in sdpa)
+    copy = next(r for r in rates if r["kind"] == "hbm copy")
+    assert h100.memory_bandwidth == round(copy["gbs"]) * 1e9
+    assert load_profile("h100-96gb").attention == h100.attention
+    assert load_profile("a100-80gb").attention == ()

@@ -104,13 +104,17 @@ def test_a_profiles_fit_is_optional_and_checked(tmp_path):
 def test_the_torchtitan_rows_name_their_sources_and_assumptions():
     """Every torchtitan row carries its table row, a sequence length (stated, or the
     benchmarked commit's config named in seq_source), and pipeline rows their microbatches'
-    source; the geometry is Llama 3.1's and names where it was read."""
+    source, context-parallel rows what ran (balanced, from the sources); the geometry is Llama
+    3.1's and names where it was read."""
     titan = json.loads((DATA / "torchtitan_llama3_h100.json").read_text())
     assert "9dec370" in titan["config_source"] and "9dec370" in titan["geometry"]["source"]
     for row in titan["rows"]:
         assert isinstance(row["seq"], int) and row["seq"] >= 8192
         assert row["seq"] != 8192 or "seq_len = 8192" in row["seq_source"]
         assert row["pipeline"] == 1 or row["microbatches_source"]
+        # what torchtitan's context parallel ran (PyTorch's default load balancing), scored
+        # as the layout that computes it
+        assert row["context"] == 1 or "`cp balanced`" in row["cp_source"]
     g = titan["geometry"]
     assert g["vocab"] == 128256 and g["llama3.1-8b"] == {
         "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336}
