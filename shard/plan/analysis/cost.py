@@ -11,8 +11,11 @@ time, on a `hardware.Profile`:
   p.v, whose intensity does not grow with the batch) runs at the roofline: the slower of its
   FLOPs at that rate and its bytes at the memory bandwidth; every other op (elementwise,
   norms, softmax, embedding, cross entropy) is memory-bound: the bytes of its float inputs and
-  output at the memory bandwidth, in the dtype the run computes in (the Program is retyped to
-  it first: precision.py, so under bf16 they are half of fp32's). Under `--precision float8`
+  output, in the dtype the run computes in (the Program is retyped to it first: precision.py,
+  so under bf16 they are half of fp32's), at the profile's memory-bound rate
+  (`Profile.memory_bound_rate`: what eager kernels reach in those bytes, forward and backward,
+  measured where the profile says so, else the memory bandwidth; the casts, the optimizer and
+  the roofline stay on the bandwidth). Under `--precision float8`
   the weight matmuls that run in float8 (einsum.float8_steps) take the profile's fp8 peak at
   the same efficiency, the rest bf16's, and each adds its casts' memory traffic
   (`float8_casts`: amax and scaling passes, forward and backward). A fused chain
@@ -172,7 +175,7 @@ class Work:
     def forward_seconds(self, profile: Profile, precision: str) -> float:
         """The forward pass's time at the profile's rates, with each op's fixed cost."""
         return self.matmul_seconds(profile, precision) + \
-            self.other_bytes / profile.memory_bandwidth + self.ops * profile.op_overhead_s + \
+            self.other_bytes / profile.memory_bound_rate + self.ops * profile.op_overhead_s + \
             self.cast_seconds(profile, precision)[0]
 
     def rescore_seconds(self, profile: Profile, precision: str) -> float:
@@ -186,7 +189,7 @@ class Work:
         """Forward + backward time at the profile's rates, each op's fixed cost, the float8
         casts, the forward that recompute runs again and attention's scores recomputed."""
         fwd = self.matmul_seconds(profile, precision) + \
-            self.other_bytes / profile.memory_bandwidth
+            self.other_bytes / profile.memory_bound_rate
         again = self.again.forward_seconds(profile, precision) if self.again else 0.0
         return fwd * (1 + BACKWARD_FACTOR) + self.ops * profile.op_overhead_s + again + \
             sum(self.cast_seconds(profile, precision)) + self.rescore_seconds(profile, precision)

@@ -4,8 +4,9 @@ The presets live in profiles.json beside this module (its `_doc` says what each 
 `soapstone bench calibrate -o FILE.json` writes one profile measured on this machine in the
 same format. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
 profile object, or `{"profiles": [...]}` with exactly one. Every field is required but `fit`
-(which constants were fitted to published runs, and the fit's error) and `attention`
-(attention's rate over the weight matmuls', by the keys a query attends): a missing or
+(which constants were fitted to published runs, and the fit's error), `attention`
+(attention's rate over the weight matmuls', by the keys a query attends) and `memory_bound`
+(the rate eager memory-bound ops reach, as the cost model counts their bytes): a missing or
 malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch here.
 """
 
@@ -64,6 +65,16 @@ class Profile:
     # () where the profile has no curve: attention runs at the weight matmuls' rate
     attention: tuple[tuple[int, float], ...] = ()
     attention_source: str = attrs.field(default="", eq=False)
+    # the rate the memory-bound ops (elementwise, norms, rope, the loss) reach, forward and
+    # backward, in the bytes the cost model counts for them (bytes/s; profiles.json's
+    # `memory_bound`); 0 where not measured: they run at memory_bandwidth
+    memory_bound_bandwidth: float = 0.0
+    memory_bound_source: str = attrs.field(default="", eq=False)
+
+    @property
+    def memory_bound_rate(self) -> float:
+        """Bytes/s the cost model prices memory-bound ops' bytes at."""
+        return self.memory_bound_bandwidth or self.memory_bandwidth
 
     @property
     def step_error(self) -> float:
@@ -119,6 +130,9 @@ class Profile:
         } | ({"attention": {"keys": [k for k, _ in self.attention],
                             "vs_matmul": [r for _, r in self.attention],
                             "source": self.attention_source}} if self.attention else {}) \
+          | ({"memory_bound": {"gbs": self.memory_bound_bandwidth / 1e9,
+                               "source": self.memory_bound_source}}
+             if self.memory_bound_bandwidth else {}) \
           | ({"fit": self.fit} if self.fit else {})
 
 
@@ -180,7 +194,20 @@ def profile_from_data(data: dict, where: str) -> Profile:
         inter_node=Link(v["inter_node.bandwidth_gbs"] * 1e9, v["inter_node.latency_us"] * 1e-6),
         op_overhead_s=v["op_overhead_us"] * 1e-6, source=where, fit=_fit(data, where),
         attention=_attention(data, where), attention_source=str(
-            data.get("attention", {}).get("source", "")))
+            data.get("attention", {}).get("source", "")),
+        memory_bound_bandwidth=_memory_bound(data, where) * 1e9,
+        memory_bound_source=str(data.get("memory_bound", {}).get("source", "")))
+
+
+def _memory_bound(data: dict, where: str) -> float:
+    """The optional `memory_bound` rate (GB/s): an object with a positive `gbs`; 0 if absent."""
+    if "memory_bound" not in data:
+        return 0.0
+    m = data["memory_bound"]
+    if not isinstance(m, dict) or "gbs" not in m:
+        raise ProfileError(f"{where}: field 'memory_bound' must be an object with 'gbs' (the "
+                           f"rate memory-bound ops reach, GB/s) and 'source', got {m!r}")
+    return float(_check(m["gbs"], "num", "memory_bound.gbs", where))
 
 
 def _attention(data: dict, where: str) -> tuple[tuple[int, float], ...]:

@@ -137,6 +137,29 @@ def test_activation_matmuls_are_held_to_the_roofline():
         (11e12, 2e12, 4e12, 1e12)
 
 
+def test_memory_bound_ops_run_at_the_profiles_measured_rate():
+    """Profile: 1 TFLOP/s matmuls, 1 TB/s memory, memory-bound ops measured at 0.25 TB/s.
+    1 TFLOP of matmuls and 1 TB of memory-bound bytes: forward 1 s + 4 s, forward + backward
+    3 x 5 = 15 s (on the bandwidth alone: 3 x 2 = 6 s); 1 TB of float8 casts and the update
+    stay on the bandwidth."""
+    import attrs
+
+    from soapstone.shard.plan.analysis.cost import optimizer_seconds
+
+    plain = profile()
+    measured = attrs.evolve(plain, memory_bound_bandwidth=0.25e12)
+    w = Work(matmul_flops=1e12, other_bytes=1e12)
+    assert w.forward_seconds(measured, "fp32") == pytest.approx(1.0 + 4.0)
+    assert w.seconds(measured, "fp32") == pytest.approx(15.0)
+    assert w.seconds(plain, "fp32") == pytest.approx(6.0)
+    casts = Work(f8_forward_bytes=1e12, f8_backward_bytes=1e12)
+    assert casts.cast_seconds(measured, "float8") == casts.cast_seconds(plain, "float8") == \
+        pytest.approx((1.0, 1.0))
+    e = attrs.evolve(est({"data": 1}, 0, []), optimizer_bytes=8e12)  # adamw: 1e12 elements
+    assert optimizer_seconds(e, measured) == optimizer_seconds(e, plain) == \
+        pytest.approx(2 * 16e12 / 1e12)
+
+
 def test_a_fused_attention_moves_its_q_k_v_and_output_once():
     """examples/gpt.par on one rank, fp32: each of 4 layers' attention (batch 8, seq 16, 4
     heads of 8) is one fused call: the scores and p.v einsums are 2 x 8 x 4 x 16 x 16 x 8

@@ -34,6 +34,7 @@ def test_a_profile_file_round_trips(tmp_path):
     assert again.peak_flops == pytest.approx(load_profile("h100-80gb").peak_flops)
     assert again.memory_bytes == load_profile("h100-80gb").memory_bytes
     assert again.attention == load_profile("h100-80gb").attention != ()
+    assert again.memory_bound_rate == load_profile("h100-80gb").memory_bound_rate == 1089e9
 
 
 @pytest.mark.parametrize("drop, field", [
@@ -66,6 +67,10 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(str(path))
+    for bad in ({"gbs": 0}, {"source": "x"}, 1089):
+        path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"memory_bound": bad}))
+        with pytest.raises(ProfileError, match="memory_bound"):
+            load_profile(str(path))
 
 
 def test_attentions_rate_is_a_curve_by_keys_attended(tmp_path):
@@ -116,3 +121,43 @@ def test_the_h100_constants_are_the_measured_reports():
     assert h100.memory_bandwidth == round(copy["gbs"]) * 1e9
     assert load_profile("h100-96gb").attention == h100.attention
     assert load_profile("a100-80gb").attention == ()
+
+
+def test_the_h100_memory_bound_rate_is_the_measured_llama_mix():
+    """h100-80gb's memory_bound rate: examples/llama.par at Llama-3 8B's widths, 4 x 8192
+    tokens in bf16, its memory-bound steps' bytes as the cost model counts them (3 x forward's,
+    program_work's other_bytes) over the sum of each step's measured forward + backward time
+    (bench/data/gpu/h100_memory_bound.json, its 32768-token row of that op: rope by the heads
+    it rotates). Only that profile carries one; the rest price those bytes at the bandwidth."""
+    from pathlib import Path
+
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.shard.ops.record import Bound
+    from soapstone.shard.ops.registry import record_of
+    from soapstone.shard.plan.analysis.cost import program_work
+    from soapstone.shard.plan.analysis.precision import graph_as_run
+    from soapstone.shard.plan.program import Compute
+    from soapstone.shard.runtime.fusion_plan import find_fusions
+
+    root = Path(__file__).resolve().parents[3]
+    report = json.loads((root / "bench/data/gpu/h100_memory_bound.json").read_text())
+    ms = {r["kind"]: r["forward_backward_ms"] for r in report["rows"]
+          if r.get("tokens") == 32768}
+    spec = dsl.load(str(root / "examples/llama.par"),
+                    {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 32000,
+                     "batch": 4, "seq": 8192})
+    par = spec.parallel("single")
+    program = graph_as_run(lower_graph(spec.model(par.model), par), "bf16").stages[0].program
+    fused = {i for at, f in find_fusions(program).items() for i in (*f.covered, at)}
+    kinds = [s.kind if s.kind != "rope" else
+             ("rope q" if "heads" in program.value(s.args[0]).dims else "rope k")
+             for i, s in enumerate(program.steps) if isinstance(s, Compute) and i not in fused
+             and record_of(s.kind).bound not in (Bound.VIEW, Bound.MATMUL)]
+    assert sorted(set(kinds)) == sorted(ms)  # every memory-bound op measured
+    seconds = sum(ms[k] for k in kinds) / 1e3
+    rate = 3 * program_work(program).other_bytes / seconds
+    assert load_profile("h100-80gb").memory_bound_rate == round(rate / 1e9) * 1e9 == 1089e9
+    for name in ("h100-96gb", "a100-80gb", "h200"):
+        p = load_profile(name)
+        assert p.memory_bound_rate == p.memory_bandwidth
