@@ -47,10 +47,10 @@ from soapstone.shard.plan.program import Program
 @attrs.frozen
 class RingWork:
     """The rings' part in the walks: the order steps run in, each ring step's bytes beside
-    what the walk counts there (forward, backward), the steps whose own temporaries and
-    weight gradient the ring's are, the values whose gradient no ring makes, what a ring
-    step keeps for backward instead of its op's saves (values, bytes of new tensors) and
-    what it reads besides its own arguments."""
+    what the walk counts there (forward: every ring step's; backward), the steps whose own
+    temporaries and weight gradient the ring's are, the values whose gradient no ring makes,
+    what a ring step keeps for backward instead of its op's saves (values, bytes of new
+    tensors) and what it reads besides its own arguments."""
 
     order: tuple[int, ...]
     forward: dict[int, int]
@@ -99,4 +99,5 @@ def ring_work(program: Program) -> RingWork:
             fwd[at] = chunk
             bwd[at] = max(chunk + 3 * ws[0], x.nbytes + ws[0])
     members = frozenset(rings) | frozenset(runs_at)
+    fwd = {i: fwd.get(i, 0) for i in members}
     return RingWork(order, fwd, bwd, members, frozenset(ungraded), keeps, reads)
