@@ -130,10 +130,11 @@ def case_rings_and_float8_gathers_hold_what_explain_says():
     """The tensors alive in a step (bench/bench_memory.py) are explain's where the rings'
     working sets are the peak (ffn 4x hidden, a small vocab): llama sp2async and sp2async_rc
     within 6% (-0.4%, -0.7%; without the ring rule -7.5%, -10.1%); and a float8 sp2_rc step
-    within 2%, which needs each float8-gathered input kept in e4m3 beside the range's last
-    cast (-0.5%; at bf16 size +3.2%)."""
+    within 1.5% (LiveBytes is exact, run to run), which needs each float8-gathered input
+    kept in e4m3 and the range's last cast kept through its backward (-0.4%; with neither
+    +2.4%, e4m3 alone -3.3%, the cast alone +5.3%)."""
     spec = str(ROOT / "tests/specs/sp_residual.par")
     dims = {"batch": 2, "seq": 128, "hidden": 128, "ffn": 512, "vocab": 64}
     assert_live_as_explained(str(ROOT / "examples/llama.par"), dims, "sp2async")
     assert_live_as_explained(spec, dims, "sp2async_rc")
-    assert_live_as_explained(spec, dims, "sp2_rc", "float8", within=0.02)
+    assert_live_as_explained(spec, dims | {"hidden": 256}, "sp2_rc", "float8", within=0.015)
