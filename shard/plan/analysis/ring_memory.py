@@ -1,7 +1,8 @@
 """What `overlap tensor`'s collective matmuls (comm/collective_matmul.py) hold while they run,
 as explain's walks (activations.py) add it: a rule over the compiled rings
-(shard/parallel/ring_plan.py), each step's bytes measured against the tensors alive in a ring
-(shard/runtime/memory.py's LiveBytes; tests/shard/plan/test_ring_memory.py by hand).
+(shard/parallel/ring_plan.py), each term measured on a lone ring under LiveBytes
+(shard/runtime/memory.py) at t = 2 and 4 ranks, and checked by hand in
+tests/shard/plan/test_ring_memory.py.
 
 The runtime runs a ring's matmuls at its collective step, so the walks take the steps in that
 order (`order`). In the walks' terms (c: the shard a gather ring sends, t: the ring's ranks):
@@ -17,14 +18,15 @@ order (`order`). In the walks' terms (c: the shard a gather ring sends, t: the r
   gradients summed so far and the chunk's (2 sum(W)), and the reader's output-gradient chunk
   copied where the ring's dim is not leading (O_j / t): the most of 5c + 2 sum(W),
   4c + 2 sum(W) + max O_j/t (a reader after the first autograd runs), for one reader
-  3c + 2 sum(W) + O/t, and 3c + 3 sum(W) when the weight gradients are added up.
+  3c + 2 sum(W) + O/t, and 3c + 3 sum(W) while the weight gradients are added up; on more
+  than two ranks 2c more (the step before's chunk gradient and partial sum still held).
 - scatter ring: the ring keeps x's chunks for backward (`keeps`: the reduce-scatter step
   keeps them, whose backward unpacks them first; its matmul none), each copied contiguous
   where the ring's dim is not leading: new tensors (X bytes), kept beside x where another
   step keeps x too; else views of x. It reads x where it runs (`reads`: x lives until
-  then). Forward (at the
-  reduce-scatter; the walk counts x, the chunks, the partial product Y and the output chunk
-  Y/t): the partial sum arriving (Y/t) on top. Backward (at the reduce-scatter too, where
+  then). Forward (at the reduce-scatter; the walk counts x, the chunks, the partial
+  product Y and the output chunk Y/t): the partial sum arriving (Y/t) on top, and on more
+  than two ranks the step before's sum (Y/t). Backward (at the reduce-scatter too, where
   the walk has the output's gradient Y/t in flight and counts x's gradient X): the most of
   the chunk arriving, the input gradient's pieces and three weight gradients (Y/t + X + 3W,
   while they are added) and the pieces beside their concatenation with one weight gradient
@@ -88,7 +90,7 @@ def ring_work(program: Program) -> RingWork:
             bwd[ring.matmuls[-1]] = max(
                 5 * c + 2 * w if len(outs) > 1 else 0,
                 (4 * c + max(copied[:-1]) if len(outs) > 1 else 3 * c + copied[0]) + 2 * w,
-                3 * c + 3 * w)
+                3 * c + 3 * w) + (2 * c if t > 2 else 0)
         else:
             x = val(next(a for a in mms[0].args if a not in params))
             chunk = val(step.out).nbytes
@@ -96,7 +98,7 @@ def ring_work(program: Program) -> RingWork:
             keeps[ring.matmuls[0]] = ((), 0)
             keeps[at] = ((), x.nbytes) if copied else ((x.name,), 0)
             reads[at] = (x.name,)
-            fwd[at] = chunk
+            fwd[at] = chunk * (2 if t > 2 else 1)
             bwd[at] = max(chunk + 3 * ws[0], x.nbytes + ws[0])
     members = frozenset(rings) | frozenset(runs_at)
     fwd = {i: fwd.get(i, 0) for i in members}

@@ -104,3 +104,22 @@ def test_a_recompute_ranges_last_float8_cast_by_hand():
     assert float8_last_cast(p, list(range(a, b))) == 8 * 128 * 256
     assert float8_last_cast(program("tests/specs/sp_residual.par", "sp2_rc", "bf16", dims),
                             list(range(a, b))) == 0
+
+
+def test_more_than_two_ranks_hold_the_step_befores_sums_by_hand(tmp_path):
+    """t = 4 (heads, ffn and vocab over 4; llama's 2 kv heads whole): the mlp's gather ring
+    holds 2c more in backward, its scatter ring one more partial sum in forward."""
+    spec = tmp_path / "sp4.par"
+    spec.write_text(open("examples/llama.par").read() + """
+parallel sp4async for llama on mesh(model = 4) {
+  parameter heads, ffn, vocab -> model
+  attribute seq -> model
+  overlap tensor
+}
+""")
+    p = program(str(spec), "sp4async", "bf16", DIMS)
+    w = ring_work(p)
+    c, o, ws = 2 * 64 * 256 * 2, 2 * 256 * 256 * 2, 256 * 256 * 2  # readers [b, s, 1024/4]
+    assert w.backward[at(p, "layer.0.mlp0.linear1")] == max(
+        5 * c + 4 * ws, 4 * c + o // 4 + 4 * ws, 3 * c + 6 * ws) + 2 * c == 1114112
+    assert w.forward[at(p, "layer.0.mlp0@model:seq")] == 2 * (2 * 64 * 256 * 2)
