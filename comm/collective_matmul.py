@@ -142,6 +142,14 @@ def _restore(ctx):
     return ctx.stash.slots[ctx.slot]
 
 
+def _forget(ctx) -> None:
+    """Drop this ring's per-chunk graphs once its backward is done, the checkpoint's slot too
+    (the stash lives to the step's end)."""
+    ctx.graphs = None
+    if ctx.slot is not None:
+        ctx.stash.slots[ctx.slot] = None
+
+
 def _add(a, b):
     return b if a is None else a if b is None else a + b
 
@@ -192,7 +200,7 @@ class _AllGatherApply(torch.autograd.Function):
             return got[0] if got[0] is not None else torch.zeros_like(xl)
 
         gx = ring_reduce_scatter(ctx.comm, part)
-        ctx.graphs = None
+        _forget(ctx)
         return (gx, None, None, None, None, None, None, *gw)
 
 
@@ -231,7 +239,7 @@ class _ApplyReduceScatter(torch.autograd.Function):
             gw = _add(gw, b)
 
         ring_all_gather(ctx.comm, g.contiguous(), use)
-        ctx.graphs = None
+        _forget(ctx)
         grad_x = torch.cat([a if a is not None else torch.zeros_like(t)
                             for a, t in zip(gx, xl, strict=True)], ctx.dim)
         return grad_x, None, None, None, None, None, gw

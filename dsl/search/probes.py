@@ -6,7 +6,8 @@ blocks are all alike (the usual stack) is not compiled per candidate: `Probes` c
 truncated to 1 and 2 blocks (and a 3-stage pipeline of 1 and 2 blocks per stage) for a local
 microbatch of 1 and 2 samples, and every figure of a stage with n blocks and b samples is read
 off them bilinearly (parameters, activations, collectives' calls and bytes, FLOPs are each
-const + n x per-block, and linear in b). Not so the working set above the saved activations
+const + n x per-block, and linear in b; with `overlap tensor`'s rings linear from 2 samples
+on, read off probes of 2 and 3). Not so the working set above the saved activations
 (explain's transient, less ZeRO's buffers): a peak, at the last block's backward or the head,
 so a stage of n >= 2 blocks has the 2-block probe's, and not linear in b, so it is walked on
 the 1-sample probe with its batch dim scaled to b; with recompute the blocks' inputs it keeps
@@ -29,6 +30,7 @@ from soapstone.dsl.compile.stages import lower_graph
 from soapstone.dsl.model import ir
 from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
 from soapstone.shard.parallel.regather_plan import without_recompute
+from soapstone.shard.parallel.ring_plan import find_rings
 from soapstone.shard.plan.analysis.activations import activation_figures, phase_figures
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
@@ -276,12 +278,15 @@ class Probes:
         degree and ZeRO stage, so it is read at the probes' data degree, ZeRO 0. The working
         sets are not sums over blocks and not linear in b: they come from `phases` (and,
         under recompute, `working_set`)."""
-        f11, f21 = self._at(kind, 1, 1, data, zero), self._at(kind, 2, 1, data, zero)
+        # `overlap tensor`: a scatter ring keeps its input's chunks as views at one sample (the
+        # sequence leads) and as copies from two on (ring_memory.py): linear from two samples
+        lo = 2 if b > 1 and find_rings(self.program(kind, 1, 1)) else 1
+        f11, f21 = self._at(kind, 1, lo, data, zero), self._at(kind, 2, lo, data, zero)
         d = self.data
-        s1 = _lin((1, self._at(kind, 1, 2, d, 0)), (-1, self._at(kind, 1, 1, d, 0)))
-        s2 = _lin((1, self._at(kind, 2, 2, d, 0)), (-1, self._at(kind, 2, 1, d, 0)))
-        out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - 1, s1), ((b - 1) * (n - 1), s2),
-                   ((b - 1) * (1 - n), s1))
+        s1 = _lin((1, self._at(kind, 1, lo + 1, d, 0)), (-1, self._at(kind, 1, lo, d, 0)))
+        s2 = _lin((1, self._at(kind, 2, lo + 1, d, 0)), (-1, self._at(kind, 2, lo, d, 0)))
+        out = _lin((1, f11), (n - 1, f21), (1 - n, f11), (b - lo, s1),
+                   ((b - lo) * (n - 1), s2), ((b - lo) * (1 - n), s1))
         if self.program(kind, min(n, 2), 1).recompute:
             out[PLAIN_PEAK] = self.working_set(kind, min(n, 2), b)
         out |= dict(zip(WORKING, self.phases(kind, min(n, 2), b), strict=True))

@@ -100,27 +100,40 @@ class LiveBytes(TorchDispatchMode):
 
     def _count(self, st, given: set[int]) -> None:
         ptr, n = st.data_ptr(), st.nbytes()
+        if n and ptr in self.tracked and ptr not in given:
+            self._settle()  # its address may be one an unreported resize let go
         if not n or ptr in given or ptr in self.tracked:
             return
-        cell = [ptr, id(st)]
+        cell = [ptr, id(st), weakref.ref(st)]
         self._hold(ptr, n, cell)
         weakref.finalize(st, self._free, cell)
 
-    def _hold(self, ptr: int, n: int, cell: list) -> None:
+    def _hold(self, ptr: int, n: int, cell: list, settle: bool = True) -> None:
         cell[0] = ptr
         self.tracked[ptr] = n
         self.cells[ptr] = cell
         self.live += n
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak and settle:
+            self._settle()
+            self.peak = max(self.peak, self.live)
 
-    def _moved(self, st, old: int) -> None:
+    def _settle(self) -> None:
+        """Follow storages resized in place that no one reported (a collective matmul's
+        per-chunk outputs, emptied once their rows are copied out), before a new peak counts
+        them."""
+        for ptr, cell in list(self.cells.items()):
+            st = cell[2]()
+            if st is not None and (st.data_ptr() != ptr or st.nbytes() != self.tracked[ptr]):
+                self._moved(st, ptr, settle=False)
+
+    def _moved(self, st, old: int, settle: bool = True) -> None:
         cell = self.cells.pop(old, None) if old else self.parked.pop(id(st), None)
         if cell is None:
             return
         if old:
             self.live -= self.tracked.pop(old)
         if st.nbytes():
-            self._hold(st.data_ptr(), st.nbytes(), cell)
+            self._hold(st.data_ptr(), st.nbytes(), cell, settle)
         else:
             cell[0] = None
             self.parked[cell[1]] = cell

@@ -88,7 +88,7 @@ class ShardedModel:
         self.ring_stash = None  # inside a `recompute R` range: its Checkpointed (recompute.py)
         self.run_index.update(ring_runs_at(program))
         self.covered = set(self.run_index)
-        self.frees = _last_uses(program, self.run_index)
+        self.frees = _last_uses(program, self.run_index, frozenset(ring_runs_at(program)))
         # the logits a loss may write its gradient over (shard/runtime/overwrite_plan.py)
         self.ctx.overwritable = overwritable(program, self.fused)
         # `recompute`: the step ranges run as checkpointed segments, by first step
@@ -373,12 +373,15 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def _last_uses(program: Program, runs_at: dict[int, int]) -> dict[int, list[str]]:
+def _last_uses(program: Program, runs_at: dict[int, int],
+               made: frozenset[int] = frozenset()) -> dict[int, list[str]]:
     """Step index -> the values whose last use it is (a fused chain uses its inputs where it
     runs), so the forward drops them at once: intermediates are freed as soon as no later
-    step reads them, as in eager torch. Program outputs and parameters are kept."""
+    step reads them, as in eager torch. Program outputs and parameters are kept. `made`: the
+    steps of runs_at that make their outputs where they run (a ring's matmuls)."""
     keep = {o.value for o in program.outputs} | {p.name for p in program.params}
-    keep |= {program.steps[i].out for i in runs_at}  # never materialised: fused away
+    # never materialised: fused away
+    keep |= {program.steps[i].out for i in runs_at if i not in made}
     last: dict[str, int] = {}
     for i, step in enumerate(program.steps):
         for a in step.args if isinstance(step, Compute) else (step.src,):

@@ -48,6 +48,8 @@ from soapstone.shard.ops.einsum import float8_scratch
 from soapstone.shard.ops.record import Bound
 from soapstone.shard.ops.registry import record_of
 from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
+from soapstone.shard.plan.analysis.precision import float8_kept, float8_last_cast
+from soapstone.shard.plan.analysis.ring_memory import RingWork, ring_work
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
 from soapstone.shard.runtime import overwrite_plan
@@ -144,18 +146,20 @@ class _Saves:
     scratch_at: dict[int, int]  # step -> the largest rebuild's intermediates there
     first_saver: dict[str, int]  # a saved tensor lives until its earliest saver's backward
     overwritable: frozenset[str]  # values whose gradient may be written over them
+    rings: RingWork  # `overlap tensor`: the run order and the rings' working sets
+    size: object  # value -> the bytes it is kept in (float8 gathers': e4m3)
+    over: dict[int, int]  # step -> its forward working set, where a ring's or float8's
 
     def r(self, name: str) -> str:
         return self.root.get(name, name)
 
     @property
     def total(self) -> int:
-        val = self.program.value
-        return sum(val(n).nbytes for n in self.first_saver) + \
+        return sum(self.size(n) for n in self.first_saver) + \
             sum(e for _, e in self.saves.values())
 
     def reads(self, i: int) -> tuple[str, ...]:
-        return _reads(self.program, self.fused, i)
+        return _reads(self.program, self.fused, i, self.rings)
 
     def makes(self) -> dict[int, str]:
         """Kept step -> the float value it makes with storage of its own."""
@@ -170,13 +174,16 @@ class _Saves:
                 for o in self.program.outputs if o.is_loss}
 
 
-def _reads(program: Program, fused: dict, i: int) -> tuple[str, ...]:
-    """What step i reads (a fused chain, by its last step: the fused call's operands)."""
+def _reads(program: Program, fused: dict, i: int, rings: RingWork | None = None
+           ) -> tuple[str, ...]:
+    """What step i reads (a fused chain, by its last step: the fused call's operands; a ring
+    step, its matmul's too)."""
     if i in fused:
         f = fused[i]
         return (f.q, f.k, f.v) if isinstance(f, FusedAttention) else (f.x, f.w, f.bias)
     s = program.steps[i]
-    return s.args if isinstance(s, Compute) else (s.src,)
+    mine = s.args if isinstance(s, Compute) else (s.src,)
+    return mine + rings.reads.get(i, ()) if rings is not None else mine
 
 
 def _split_path(program: Program, fused: dict, order: list[int], r) -> tuple[set[str], dict]:
@@ -208,10 +215,17 @@ def _saves_of(program: Program) -> _Saves:
         return root.get(name, name)
 
     steps = program.steps
+    rings = ring_work(program)  # the walks take the steps as they run: a ring's at its collective
+    stored, gathers8 = float8_kept(program)
+    over = {**rings.forward, **gathers8}
+
+    def size(name: str) -> int:
+        return stored.get(name) or val(name).nbytes
+
     saves: dict[int, tuple[set[str], int]] = {}
-    for i in range(len(steps)):
+    for i in rings.order:
         if i not in covered:
-            names, extra = step_saves(program, i, fused, params)
+            names, extra = rings.keeps.get(i) or step_saves(program, i, fused, params)
             saves[i] = ({r(n) for n in names if n not in params and val(n).is_float}, extra)
     # recompute: a range keeps its float inputs (saved by its first step) instead of what its
     # steps keep; backward holds the range's own saves again while it runs through it
@@ -219,7 +233,7 @@ def _saves_of(program: Program) -> _Saves:
     rerun: dict[int, int] = {}
     release: dict[int, int] = {}
     for a, b in program.recompute:
-        mine = [i for i in range(a, b) if i in saves]
+        mine = [i for i in saves if a <= i < b]
         made = {r(steps[i].out) for i in range(a, b)}
         inputs = {r(x) for i in range(a, b) for x in (steps[i].args if isinstance(
             steps[i], Compute) else (steps[i].src,)) if x not in params and val(x).is_float}
@@ -228,14 +242,16 @@ def _saves_of(program: Program) -> _Saves:
         # the last step that keeps any, the gradients of the steps after it already in flight
         keeps = [i for i in mine if saves[i][0] or saves[i][1]]
         at = keeps[-1] if keeps else mine[-1]
-        again[at] = (mine[0], sum(val(n).nbytes for n in kept) +
-                     sum(saves[i][1] for i in mine))
-        rerun[at] = _rerun_peak(program, fused, mine, saves, kept, r)
+        # float8: the second run's last cast stays through the range's backward
+        cast = float8_last_cast(program, mine)
+        again[at] = (mine[0], sum(size(n) for n in kept) +
+                     sum(saves[i][1] for i in mine) + cast)
+        rerun[at] = _rerun_peak(program, fused, mine, saves, kept, r, rings, size, over)
         seen: set[str] = set()
         for i in mine:  # each recomputed save is freed at its first saver's backward
             new = (saves[i][0] & kept) - seen
             seen |= new
-            release[i] = sum(val(n).nbytes for n in new) + saves[i][1]
+            release[i] = sum(size(n) for n in new) + saves[i][1] + (cast if i == mine[0] else 0)
         for i in mine:
             saves[i] = (set(), 0)
         saves[mine[0]] = (inputs - made, 0)
@@ -256,13 +272,13 @@ def _saves_of(program: Program) -> _Saves:
             saves[i] = (saves[i][0] - {name}, saves[i][1])
         if savers:
             at[name] = max(savers)
-            release[min(savers)] = release.get(min(savers), 0) + val(name).nbytes
+            release[min(savers)] = release.get(min(savers), 0) + size(name)
     for name in reversed(program.dropped):  # a rebuild's dropped inputs come back with it
         for a in chains[name][1]:
             if a in at and name in at:
                 at[a] = max(at[a], at[name])
     for name, i in at.items():
-        rebuilt[i] = rebuilt.get(i, 0) + val(name).nbytes
+        rebuilt[i] = rebuilt.get(i, 0) + size(name)
         if name in chains:
             scratch_at[i] = max(scratch_at.get(i, 0), chains[name][0])
     for name in program.held:  # recompute ops: held from forward until its last rebuild
@@ -275,32 +291,32 @@ def _saves_of(program: Program) -> _Saves:
         for n in names:
             first_saver[n] = min(first_saver.get(n, i), i)
     return _Saves(program, root, params, fused, saves, again, rerun, release, rebuilt, scratch_at,
-                  first_saver, overwrite_plan.overwritable(program, fused))
+                  first_saver, overwrite_plan.overwritable(program, fused), rings, size, over)
 
 
 def _rerun_peak(program: Program, fused: dict, mine: list[int], saves: dict,
-                kept: set[str], r) -> int:
+                kept: set[str], r, rings: RingWork, size, over: dict[int, int]) -> int:
     """A recompute range's second run, in backward before its own backward: the peak of the
     saves it makes again (`kept`, as they are made), the values it makes that are still to
     be read (its outputs until the run ends: the runtime returns them) and each step's
     temporaries (a collective's too)."""
     val, steps = program.value, program.steps
-    stop = mine[-1] + 1
-    last = {r(a): i for i in mine for a in _reads(program, fused, i)}
-    later = {r(a) for i in saves if i >= stop for a in _reads(program, fused, i)}
+    stop = max(mine) + 1
+    last = {r(a): i for i in mine for a in _reads(program, fused, i, rings)}
+    later = {r(a) for i in saves if i >= stop for a in _reads(program, fused, i, rings)}
     later |= {r(o.value) for o in program.outputs}
     held = peak = 0
     alive: dict[str, int] = {}
     for i in mine:
         out = r(steps[i].out)
         if out == steps[i].out and val(out).is_float and out not in kept:
-            alive[out] = val(out).nbytes
+            alive[out] = size(out)
         elif out in kept and out not in alive:
-            held += val(out).nbytes
+            held += size(out)
             alive[out] = 0
         held += saves[i][1]
-        peak = max(peak, held + sum(alive.values()) + _scratch(program, fused, i))
-        for a in _reads(program, fused, i):
+        peak = max(peak, held + sum(alive.values()) + _scratch(program, fused, i, over))
+        for a in _reads(program, fused, i, rings):
             a = r(a)
             if last.get(a) == i and a not in later and a not in kept:
                 alive.pop(a, None)
@@ -317,10 +333,13 @@ def phase_figures(program: Program) -> Phases:
                   max(0, b - saved), max(0, w - saved - kept), kept)
 
 
-def _scratch(program: Program, fused: dict, i: int) -> int:
+def _scratch(program: Program, fused: dict, i: int, over: dict[int, int]) -> int:
     """Step i's forward temporaries: a kernel's (an einsum's scaled copy, a float8 matmul's
-    casts, a fused one's too), a collective's (collective_scratch.py)."""
+    casts, a fused one's too), a collective's (collective_scratch.py), a ring's
+    (ring_memory.py) or a float8 gather's (precision.float8_kept): `over`."""
     step = program.steps[i]
+    if i in over:
+        return over[i]
     if isinstance(step, Redistribute):
         return collective_scratch(step, program)[0]
     if i in fused:
@@ -339,7 +358,7 @@ def _fused_float8(program: Program, f) -> tuple[int, int]:
 def _forward_peak(sv: _Saves) -> int:
     """Forward: saved so far (from when each is made) + values still to be read (+ a
     kernel's scratch: an einsum's scaled copy)."""
-    program, val, r = sv.program, sv.program.value, sv.r
+    program, size, r = sv.program, sv.size, sv.r
     last_use: dict[str, int] = {}
     for i in sv.saves:
         for a in sv.reads(i):
@@ -347,23 +366,23 @@ def _forward_peak(sv: _Saves) -> int:
     keep = {r(o.value) for o in program.outputs}
     makes = sv.makes()
     made = set(makes.values())
-    held = sum(val(n).nbytes for n in sv.first_saver if n not in made)  # saved inputs
+    held = sum(size(n) for n in sv.first_saver if n not in made)  # saved inputs
     live = peak = 0
     alive: set[str] = set()
     for i, (_, extra) in sv.saves.items():
         out = makes.get(i)
         if out is not None and out in sv.first_saver:
-            held += val(out).nbytes
+            held += size(out)
         elif out is not None:
             alive.add(out)
-            live += val(out).nbytes
+            live += size(out)
         held += extra
-        peak = max(peak, held + live + _scratch(program, sv.fused, i))
+        peak = max(peak, held + live + _scratch(program, sv.fused, i, sv.over))
         for a in sv.reads(i):
             a = r(a)
             if a in alive and last_use.get(a) == i and a not in keep:
                 alive.discard(a)
-                live -= val(a).nbytes
+                live -= size(a)
     return peak
 
 
@@ -393,19 +412,21 @@ def _backward_peak(sv: _Saves) -> int:
         passes = rec.grad_passes if rec is not None else \
             getattr(step, "kind", None) is RedistributeKind.ALLREDUCE
         passed = grads.get(r(step.out)) if passes else None
+        ring = i in sv.rings.members  # its working set is its ring's (ring_memory.py)
         for a in sv.reads(i):
             if a in sv.params:
-                pgrad = max(pgrad, val(a).nbytes if val(a).is_float else 0)
-            elif val(a).is_float and r(a) not in grads:
+                pgrad = max(pgrad, val(a).nbytes if val(a).is_float and not ring else 0)
+            elif val(a).is_float and r(a) not in grads and a not in sv.rings.ungraded:
                 if passed is not None and val(a).nbytes == passed[1]:
                     grads[r(a)] = passed
                 else:
                     grads[r(a)] = (r(a), 0 if r(a) == into else val(a).nbytes)
-        work = rec.backward_scratch(step, sv.program) if rec is not None else \
+        work = sv.rings.backward.get(i, 0) if ring else \
+            rec.backward_scratch(step, sv.program) if rec is not None else \
             collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else \
             _fused_float8(sv.program, sv.fused[i])[1] if i in sv.fused else 0
         peak = max(peak, held + _in_flight(grads) + pgrad + work)
-        held -= sum(val(n).nbytes for n in names if sv.first_saver[n] == i) + extra
+        held -= sum(sv.size(n) for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient
             grads[into] = (into, val(into).nbytes)
         held -= sv.release.get(i, 0)
@@ -470,7 +491,7 @@ def _split_peaks(sv: _Saves) -> tuple[int, int, int]:
             elif val(a).is_float and r(a) not in path and r(a) not in grads:
                 grads[r(a)] = val(a).nbytes
         w_peak = max(w_peak, held + sum(grads.values()) + pgrad)
-        held -= sum(val(n).nbytes for n in names
+        held -= sum(sv.size(n) for n in names
                     if sv.first_saver[n] == i and n not in stays) + extra
         if not kind[i][0] and makes.get(i) is not None:
             grads.pop(makes[i], None)

@@ -30,7 +30,7 @@ from soapstone.shard.plan.program import Program, Redistribute
 K = RedistributeKind
 
 
-def _leading(shape: tuple[int, ...], dims: tuple[str, ...], dim: str) -> bool:
+def leading(shape: tuple[int, ...], dims: tuple[str, ...], dim: str) -> bool:
     """Whether `dim`'s chunks are contiguous in a contiguous tensor: no dim before it but
     size-1 ones."""
     return math.prod(shape[:dims.index(dim)]) == 1
@@ -45,7 +45,7 @@ def collective_scratch(step: Redistribute, program: Program) -> tuple[int, int]:
     full = max(src.nbytes, out.nbytes)  # the gathered (or to-be-scattered) size
 
     def rearranged(dim: str) -> bool:
-        return not _leading(src.local_shape, src.dims, dim)
+        return not leading(src.local_shape, src.dims, dim)
 
     if step.kind is K.REDUCE_SCATTER:
         scattered = rearranged(step.to.dim)
@@ -65,6 +65,6 @@ def collective_scratch(step: Redistribute, program: Program) -> tuple[int, int]:
 def _alltoall(x, split: str, concat: str) -> int:
     """An alltoall of `x` (split along `split`, concatenated along `concat`): the send copy
     when `split` is not leading, and the receive buffer unless the output is a view of it."""
-    send = 0 if _leading(x.local_shape, x.dims, split) else x.nbytes
-    recv = 0 if _leading(x.local_shape, x.dims, concat) else x.nbytes
+    send = 0 if leading(x.local_shape, x.dims, split) else x.nbytes
+    recv = 0 if leading(x.local_shape, x.dims, concat) else x.nbytes
     return send + recv

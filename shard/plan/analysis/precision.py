@@ -24,11 +24,13 @@ Integer and bool values never change.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
 from soapstone.shard.plan.dtypes import DTYPES
-from soapstone.shard.plan.program import Program
+from soapstone.shard.plan.program import Compute, Program
 
 #: --precision -> the spec dtype every float value takes (None: the spec's own)
 COMPUTE = {"fp32": None, "bf16": "bf16", "fp64": "f64"}
@@ -103,6 +105,44 @@ def graph_as_run(graph, precision: str):
     edges = tuple(attrs.evolve(e, tensors=tuple(_retype(t, dtype) for t in e.tensors))
                   for e in graph.edges)
     return attrs.evolve(graph, stages=stages, edges=edges)
+
+
+def float8_kept(program: Program) -> tuple[dict[str, int], dict[int, int]]:
+    """What `--precision float8`'s gathers (einsum.float8_gathers, in a Program as
+    program_as_run marks it) hold, as explain's walks (activations.py) count it: each gathered
+    value in e4m3, one byte an element (its readers keep those bytes for backward:
+    shard/runtime/float8.py `Float8Gather`), and each gather's working set beside its shard
+    and result: the shard's cast (two fp32 copies at once, einsum.CAST_BYTES an element,
+    before the result exists), then the shard's e4m3 copy beside the receive buffer the
+    gathered bytes are concatenated from (collective_scratch.py), one byte an element.
+    ({value: bytes kept}, {step: working set}); both empty for other programs."""
+    from soapstone.shard.ops.einsum import CAST_BYTES
+    from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
+    from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
+
+    kept: dict[str, int] = {}
+    work: dict[int, int] = {}
+    for i in float8_gathers_beside_rings(program, marked=True):
+        step = program.steps[i]
+        out = program.value(step.out)
+        shard, n = math.prod(program.value(step.src).local_shape), math.prod(out.local_shape)
+        kept[step.out] = n
+        work[i] = max(CAST_BYTES * shard - n,
+                      shard + collective_scratch(step, program)[0] * n // out.nbytes)
+    return kept, work
+
+
+def float8_last_cast(program: Program, steps: list[int]) -> int:
+    """The bytes of the e4m3 cast the last of `steps` (in run order) to cast its input keeps
+    (shard/runtime/float8.py `LastCast`, one byte an element): a recompute range's second run,
+    in backward, leaves it there until the next cast or the step's end. 0 without float8
+    steps (a float8 gather's readers cast nothing)."""
+    for i in reversed(steps):
+        step = program.steps[i]
+        if isinstance(step, Compute) and step.attr("float8") is True \
+                and step.attr("float8_gathered") is not True:
+            return math.prod(program.value(step.args[0]).local_shape)
+    return 0
 
 
 def float8_line(graph) -> str:
