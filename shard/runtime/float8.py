@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
@@ -165,7 +166,9 @@ class LastCast:
     for what a recompute in backward cast)."""
 
     def __init__(self):
-        self.source = None
+        # weakly: the source tensor would hold its autograd graph (a recompute range's second
+        # run's, to the step's end) where only its identity is wanted
+        self.source: weakref.ref | None = None
         self.cast: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def release(self) -> None:
@@ -175,8 +178,9 @@ class LastCast:
     def of(self, source: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x's e4m3 cast (x: `source` as [M, K]), made once while `source` is the input
         (and x's shape the same: matmuls contracting other dims cast afresh)."""
-        if self.source is not source or self.cast is None or self.cast[0].shape != x.shape:
-            self.source, self.cast = source, to_float8(x.detach(), E4M3)
+        if self.source is None or self.source() is not source or self.cast is None \
+                or self.cast[0].shape != x.shape:
+            self.source, self.cast = weakref.ref(source), to_float8(x.detach(), E4M3)
         return self.cast
 
 

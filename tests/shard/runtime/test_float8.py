@@ -68,7 +68,7 @@ def test_matmuls_reading_one_input_share_its_cast_and_agree_bit_for_bit():
     w1, w2 = (torch.randn(16, 16, dtype=torch.bfloat16) for _ in range(2))
     last = LastCast()
     shared = [matmul(x, w, "t", last, source=x) for w in (w1, w2)]
-    assert last.source is x  # one cast, kept for the second
+    assert last.source() is x  # one cast, kept for the second
     alone = [matmul(x, w, "t") for w in (w1, w2)]
     assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
     last.release()
