@@ -176,4 +176,10 @@ def _split_backward(ctx: Ctx, facts: Facts, kind: ScheduleKind) -> Diags:
         diags.append(ctx.diag(facts.seen["recompute"], f"recompute {facts.recompute} with "
                               f"{name}: " + why, "drop the recompute statement, or use "
                               "schedule 1f1b"))
+    if facts.overlap:
+        diags.append(ctx.diag(facts.seen["overlap"], f"overlap tensor with {name}: a ring's "
+                              "backward is one pass over its chunks (the input gradients "
+                              "travel the ring as the weight gradients are taken), which "
+                              f"{name} would run twice, as its B and its W",
+                              "drop `overlap tensor`, or schedule 1f1b with it"))
     return diags

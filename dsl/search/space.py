@@ -287,8 +287,10 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                         continue
                     # under cp, sequence parallel cuts each cp piece of the sequence again
                     sp_ok = seq_ok and all(sizes[d] % (t * cp) == 0 for d in dims.sequence)
-                    # sequence parallel with and without collective matmuls (AsyncTP)
-                    for sp, ov in ((False, False), (True, False), (True, True)) if sp_ok \
+                    # sequence parallel with and without collective matmuls (AsyncTP; not
+                    # under a split backward, which runs a ring's backward in two parts)
+                    rings = () if schedules.get(sched).split else ((True, True),)
+                    for sp, ov in ((False, False), (True, False), *rings) if sp_ok \
                             else ((False, False),):
                         for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
                             for z in (range(4 - ov) if d * cp > 1 else (0,)):  # climbs it
