@@ -445,3 +445,20 @@ def test_a_layout_the_compiler_refuses_is_skipped_with_its_reason():
     assert plan.best.candidate.tensor == 1
     refused = [r for r in plan.rejected if "no valid sharding of moe" in r.why]
     assert refused and all(" t1 " not in r.what for r in refused)
+
+
+def test_rings_are_not_searched_under_a_split_backward():
+    """A split backward (zb1p, zbv, dualpipev) would run a ring's backward twice, as its B and
+    its W: the checker refuses `overlap tensor` with one (tests/bad_specs/overlap_with_zb1p.par),
+    so plan proposes rings only under the other schedules (space.candidates; the split ones
+    are not planned today, `planned = ()`: this keeps the two apart if they become so)."""
+    from soapstone.dsl.search.plan_search import Planner
+    from soapstone.dsl.search.space import candidates
+    from soapstone.shard.plan import schedules
+
+    profile = load_profile("a100-40gb")
+    model = load(gpt(12)).model()
+    cands = list(candidates(model, Planner(model, profile).dims, 8, profile, []))
+    rings = [c for c in cands if c.overlap]
+    assert any(c.pipe > 1 for c in rings)  # 1f1b and gpipe pipelines keep theirs
+    assert not any(schedules.get(c.schedule).split for c in rings)
