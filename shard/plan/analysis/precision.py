@@ -111,13 +111,17 @@ def float8_kept(program: Program) -> tuple[dict[str, int], dict[int, int]]:
     """What `--precision float8`'s gathers (einsum.float8_gathers, in a Program as
     program_as_run marks it) hold, as explain's walks (activations.py) count it: each gathered
     value in e4m3, one byte an element (its readers keep those bytes for backward:
-    shard/runtime/float8.py `Float8Gather`), and each gather's working set beside its shard
+    shard/runtime/float8.py `Float8Gather`; a float8 gather ring's too, `Float8GatherRing`),
+    and each gather's working set beside its shard
     and result: the shard's cast (two fp32 copies at once, einsum.CAST_BYTES an element,
     before the result exists), then the shard's e4m3 copy beside the receive buffer the
     gathered bytes are concatenated from (collective_scratch.py), one byte an element.
     ({value: bytes kept}, {step: working set}); both empty for other programs."""
     from soapstone.shard.ops.einsum import CAST_BYTES
-    from soapstone.shard.parallel.ring_plan import float8_gathers_beside_rings
+    from soapstone.shard.parallel.ring_plan import (
+        float8_gathers_beside_rings,
+        float8_ring_gathers,
+    )
     from soapstone.shard.plan.analysis.collective_scratch import collective_scratch
 
     kept: dict[str, int] = {}
@@ -129,6 +133,9 @@ def float8_kept(program: Program) -> tuple[dict[str, int], dict[int, int]]:
         kept[step.out] = n
         work[i] = max(CAST_BYTES * shard - n,
                       shard + collective_scratch(step, program)[0] * n // out.nbytes)
+    for i in float8_ring_gathers(program, marked=True):  # kept whole, in e4m3 (a ring's
+        # working set is its own: ring_memory.float8_gather)
+        kept[program.steps[i].out] = math.prod(program.value(program.steps[i].out).local_shape)
     return kept, work
 
 

@@ -34,13 +34,23 @@ order (`order`). In the walks' terms (c: the shard a gather ring sends, t: the r
   exists.
 Where a ring runs its steps, the collective's own copies (collective_scratch.py), the
 matmuls' temporaries and their weight gradient (the walk's `pgrad`) are the ring's.
+
+A float8 ring (ring_plan.float8_rings, shard/runtime/float8.py) holds other things
+(`float8_gather` and `float8_scatter`, in elements: e the shard, n the gathered value, o_i
+and w_i a matmul's output and weight, each float8 copy one byte an element; CAST_BYTES an
+element while a cast runs). A gather ring keeps the gathered e4m3 value whole for backward
+(the walk counts it at one byte an element: precision.float8_kept) and its readers keep
+nothing; a scatter ring keeps x itself (bf16), no chunks.
 """
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
-from soapstone.shard.parallel.ring_plan import find_rings, ring_runs_at
+from soapstone.shard.ops.einsum import CAST_BYTES
+from soapstone.shard.parallel.ring_plan import Ring, find_rings, float8_rings, ring_runs_at
 from soapstone.shard.plan.analysis.collective_scratch import leading
 from soapstone.shard.plan.layout import RedistributeKind
 from soapstone.shard.plan.program import Program
@@ -66,6 +76,7 @@ class RingWork:
 def ring_work(program: Program) -> RingWork:
     """The working sets of `program`'s rings, by step (module doc)."""
     rings = find_rings(program)
+    f8 = float8_rings(program, marked=True)
     runs_at = ring_runs_at(program)
     order = tuple(sorted(range(len(program.steps)), key=lambda i: (runs_at.get(i, i), i)))
     fwd: dict[int, int] = {}
@@ -80,7 +91,16 @@ def ring_work(program: Program) -> RingWork:
         ws = [next(val(a).nbytes for a in s.args if a in params) for s in mms]
         t = dict(program.mesh)[ring.axis]
         ungraded.add(step.out if ring.kind is RedistributeKind.ALLGATHER else step.src)
-        if ring.kind is RedistributeKind.ALLGATHER:
+        if at in f8:
+            work = (float8_gather if ring.kind is RedistributeKind.ALLGATHER else
+                    float8_scatter)(program, ring, ws, t)
+            fwd[at], bwd[ring.matmuls[-1] if ring.kind is RedistributeKind.ALLGATHER
+                         else at] = work
+            if ring.kind is not RedistributeKind.ALLGATHER:
+                keeps[ring.matmuls[0]] = ((), 0)
+                keeps[at] = ((program.steps[ring.matmuls[0]].args[0],), 0)
+                reads[at] = (program.steps[ring.matmuls[0]].args[0],)
+        elif ring.kind is RedistributeKind.ALLGATHER:
             c = val(step.src).nbytes
             outs = [val(s.out) for s in mms]
             fwd[at] = 2 * sum(o.nbytes for o in outs) - c
@@ -103,3 +123,53 @@ def ring_work(program: Program) -> RingWork:
     members = frozenset(rings) | frozenset(runs_at)
     fwd = {i: fwd.get(i, 0) for i in members}
     return RingWork(order, fwd, bwd, members, frozenset(ungraded), keeps, reads)
+
+
+def _elems(program: Program, name: str) -> int:
+    return math.prod(program.value(name).local_shape)
+
+
+def float8_gather(program: Program, ring: Ring, ws: list[int], t: int) -> tuple[int, int]:
+    """A float8 gather ring's (forward, backward) bytes beside the walk's (module doc).
+    Forward, beside the shard and the gathered e4m3 value: x's cast, then each weight's
+    beside x's copy and the weights' before it, then the received chunks put together
+    beside the chunks' outputs, then the outputs put together beside the chunks' and x's
+    copy. Backward, beside the outputs' gradients: each gradient's e5m2 cast and weight's
+    cast, then the ring (the partial sum in flight and arriving, the chunk's two partial
+    products, the gradient rows copied), then each weight gradient beside x's gradient, the
+    gathered value's transposed copy and the gradient's column-major one."""
+    step, mms = program.steps[ring.at], [program.steps[j] for j in ring.matmuls]
+    e, n, c = _elems(program, step.src), _elems(program, step.out), program.value(step.src).nbytes
+    o = [_elems(program, s.out) for s in mms]
+    big = [program.value(s.out).nbytes for s in mms]
+    w = [b // 2 for b in ws]  # the weights' elements (bf16)
+    casts = max(sum(w[:i]) + CAST_BYTES * w[i] for i in range(len(w)))
+    fwd = max(CAST_BYTES * e - n, e + casts - n, n + sum(big) + sum(w),
+              e + 2 * sum(big) + sum(w))
+    both = sum(o) + sum(w)
+    grads = max(max(sum(o[:i]) + sum(w[:i]) + CAST_BYTES * o[i] for i in range(len(o))),
+                sum(o) + casts)
+    ring_part = both + 4 * c + max(o) // t + (2 * c if t > 2 else 0)
+    gw = both + c + n + max(o) + sum(ws)
+    return fwd, max(grads, ring_part, gw)
+
+
+def float8_scatter(program: Program, ring: Ring, ws: list[int], t: int) -> tuple[int, int]:
+    """A float8 scatter ring's (forward, backward) bytes beside the walk's (module doc).
+    Forward, beside x, the partial product and the output chunk: x's cast, the weight's beside
+    it, then per chunk x's rows copied, the partial sum arriving. Backward, beside the output
+    chunk's gradient and x's gradient: the gradient's cast, the weight's, the gradient's e5m2
+    chunks put together beside x's gradient's pieces, x's cast, the weight gradient with the
+    transposed and column-major copies, and the pieces put together."""
+    mm = program.steps[ring.matmuls[0]]
+    ex = _elems(program, mm.args[0])
+    big_x = program.value(mm.args[0]).nbytes
+    y = _elems(program, mm.out)  # the partial product's elements, e5m2 once gathered
+    big_y = program.value(mm.out).nbytes
+    w = ws[0] // 2
+    fwd = max(CAST_BYTES * ex, ex + CAST_BYTES * w, ex + w + ex // t + big_y // t) - big_y
+    bwd = max(CAST_BYTES * y // t, y // t + CAST_BYTES * w, 2 * y + big_x + w,
+              y + y // t + big_x + w + CAST_BYTES * ex,
+              2 * y + y // t + big_x + w + 2 * ex + ws[0],
+              y + y // t + 2 * big_x + w + ex + ws[0]) - big_x
+    return max(0, fwd), max(0, bwd)

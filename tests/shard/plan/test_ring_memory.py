@@ -123,3 +123,26 @@ parallel sp4async for llama on mesh(model = 4) {
     assert w.backward[at(p, "layer.0.mlp0.linear1")] == max(
         5 * c + 4 * ws, 4 * c + o // 4 + 4 * ws, 3 * c + 6 * ws) + 2 * c == 1114112
     assert w.forward[at(p, "layer.0.mlp0@model:seq")] == 2 * (2 * 64 * 256 * 2)
+
+
+def test_float8_rings_by_hand():
+    """llama sp2async float8, t = 2: the mlp's gather ring keeps its gathered input whole in
+    e4m3 (n = b s h elements, one byte each) and holds, forward, the outputs put together
+    beside their chunks and x's e4m3 shard; backward, the second gradient's cast (8 bytes an
+    element) beside the first's e5m2 copy and weight cast. Its scatter ring keeps x (bf16)
+    and, backward, casts x whole beside the gathered e5m2 gradient and x's gradient pieces."""
+    p = program("examples/llama.par", "sp2async", "float8", DIMS)
+    w = ring_work(p)
+    kept, _ = float8_kept(p)
+    e, n = 2 * 128 * 256, 2 * 256 * 256  # the shard, the gathered value (elements)
+    g = at(p, "layer.0.rmsnorm1@model:R")
+    assert kept[p.steps[g].out] == n
+    o, wt = 2 * 256 * 512, 256 * 512  # each reader's output and weight (elements)
+    assert w.forward[g] == e + 2 * (2 * 2 * o) + 2 * wt == 2424832
+    assert w.backward[at(p, "layer.0.mlp0.linear1")] == o + wt + 8 * o == 2490368
+    # the scatter ring: x = [b, s, 512] (ex), y = [b, s, 256] the partial product (elements)
+    ex, y, wb = 2 * 256 * 512, 2 * 256 * 256, 512 * 256
+    rs = at(p, "layer.0.mlp0@model:seq")
+    assert w.keeps[rs] == (("layer.0.mlp0.gate",), 0)
+    assert w.forward[rs] == 8 * ex - 2 * y == 1835008
+    assert w.backward[rs] == y + y // 2 + wb + 8 * ex == 2424832  # less x's gradient, counted
