@@ -74,16 +74,18 @@ def float8_scratch(step, program, biased: bool = False) -> tuple[int, int]:
     beside g's copy, then x beside both (x's gradient made), then the weight gradient's
     matmul with g's and x's copies and each one's transposed copy. An x a float8 gather
     brought (float8_gathered: precision.program_as_run marks it) is cast by neither: its
-    float8 copy is the gather's, kept for backward."""
+    float8 copy is the gather's, kept for backward (only its transposed copy is made)."""
     x, w = (program.value(n) for n in step.args)
     y = program.value(step.out)
     nx, nw, ny = (math.prod(v.local_shape) for v in (x, w, y))
     gx, gw = x.nbytes, w.nbytes
-    cast_x = 0 if step.attr("float8_gathered") is True else CAST_BYTES * nx
+    gathered = step.attr("float8_gathered") is True
+    cast_x = 0 if gathered else CAST_BYTES * nx
     fwd = max(cast_x - y.nbytes, nx + CAST_BYTES * nw - y.nbytes, nx + 2 * nw,
               nx + y.nbytes if biased else 0)
+    # a gathered x's copy is the gather's (kept): only its transposed copy is made here
     bwd = max(CAST_BYTES * ny - gx - gw, ny + CAST_BYTES * nw - gx - gw,
-              ny + nw + cast_x - gw, 2 * ny + nw + 2 * nx)
+              ny + nw + cast_x - gw, 2 * ny + nw + (1 if gathered else 2) * nx)
     return max(0, fwd), max(0, bwd)
 
 
