@@ -91,15 +91,12 @@ def ring_work(program: Program) -> RingWork:
         ws = [next(val(a).nbytes for a in s.args if a in params) for s in mms]
         t = dict(program.mesh)[ring.axis]
         ungraded.add(step.out if ring.kind is RedistributeKind.ALLGATHER else step.src)
-        if at in f8:
-            work = (float8_gather if ring.kind is RedistributeKind.ALLGATHER else
-                    float8_scatter)(program, ring, ws, t)
-            fwd[at], bwd[ring.matmuls[-1] if ring.kind is RedistributeKind.ALLGATHER
-                         else at] = work
-            if ring.kind is not RedistributeKind.ALLGATHER:
-                keeps[ring.matmuls[0]] = ((), 0)
-                keeps[at] = ((program.steps[ring.matmuls[0]].args[0],), 0)
-                reads[at] = (program.steps[ring.matmuls[0]].args[0],)
+        if at in f8 and ring.kind is RedistributeKind.ALLGATHER:
+            fwd[at], bwd[ring.matmuls[-1]] = float8_gather(program, ring, ws, t)
+        elif at in f8:  # a scatter ring keeps x itself (bf16), read where it runs
+            x = next(a for a in mms[0].args if a not in params)
+            fwd[at], bwd[at] = float8_scatter(program, ring, ws, t)
+            keeps[ring.matmuls[0]], keeps[at], reads[at] = ((), 0), ((x,), 0), (x,)
         elif ring.kind is RedistributeKind.ALLGATHER:
             c = val(step.src).nbytes
             outs = [val(s.out) for s in mms]
@@ -129,6 +126,11 @@ def _elems(program: Program, name: str) -> int:
     return math.prod(program.value(name).local_shape)
 
 
+def _weight_elems(program: Program, step) -> int:
+    params = {p.name: p for p in program.params}
+    return next(math.prod(params[a].local_shape) for a in step.args if a in params)
+
+
 def float8_gather(program: Program, ring: Ring, ws: list[int], t: int) -> tuple[int, int]:
     """A float8 gather ring's (forward, backward) bytes beside the walk's (module doc).
     Forward, beside the shard and the gathered e4m3 value: x's cast, then each weight's
@@ -142,7 +144,7 @@ def float8_gather(program: Program, ring: Ring, ws: list[int], t: int) -> tuple[
     e, n, c = _elems(program, step.src), _elems(program, step.out), program.value(step.src).nbytes
     o = [_elems(program, s.out) for s in mms]
     big = [program.value(s.out).nbytes for s in mms]
-    w = [b // 2 for b in ws]  # the weights' elements (bf16)
+    w = [_weight_elems(program, s) for s in mms]
     casts = max(sum(w[:i]) + CAST_BYTES * w[i] for i in range(len(w)))
     fwd = max(CAST_BYTES * e - n, e + casts - n, n + sum(big) + sum(w),
               e + 2 * sum(big) + sum(w))
@@ -162,11 +164,11 @@ def float8_scatter(program: Program, ring: Ring, ws: list[int], t: int) -> tuple
     chunks put together beside x's gradient's pieces, x's cast, the weight gradient with the
     transposed and column-major copies, and the pieces put together."""
     mm = program.steps[ring.matmuls[0]]
-    ex = _elems(program, mm.args[0])
-    big_x = program.value(mm.args[0]).nbytes
+    x = next(a for a in mm.args if a not in {p.name for p in program.params})
+    ex, big_x = _elems(program, x), program.value(x).nbytes
     y = _elems(program, mm.out)  # the partial product's elements, e5m2 once gathered
     big_y = program.value(mm.out).nbytes
-    w = ws[0] // 2
+    w = _weight_elems(program, mm)
     fwd = max(CAST_BYTES * ex, ex + CAST_BYTES * w, ex + w + ex // t + big_y // t) - big_y
     bwd = max(CAST_BYTES * y // t, y // t + CAST_BYTES * w, 2 * y + big_x + w,
               y + y // t + big_x + w + CAST_BYTES * ex,
