@@ -128,6 +128,7 @@ class Planner:
         self._compiled: dict[tuple, dict] = {}
         self.exact = not uniform(model) if exact is None else exact
         self._probes: dict[tuple[int, bool, int, str | None, int], Probes] = {}
+        self._besides: dict[tuple, object] = {}  # the probes' ZeRO buffers (Probes._beside_of)
         self._graphs: dict[Candidate, object] = {}
         # what every layout's score shares: run's model FLOPs and tokens of a step (score.py)
         single = lower(model, None)
@@ -147,7 +148,8 @@ class Planner:
                 (tensor, sequence, context, form, experts_data, overlap), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
                                        context, recompute, compiled, form or self._ranges,
-                                       experts_data, self.precision, overlap)
+                                       experts_data, self.precision, overlap,
+                                       self._besides)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:

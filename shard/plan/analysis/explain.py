@@ -107,7 +107,7 @@ from soapstone.shard.plan.analysis.activations import (
     weight_grad_bytes,
 )
 from soapstone.shard.plan.analysis.in_flight import ScheduleShape, in_flight
-from soapstone.shard.plan.analysis.zero_memory import zero_beside
+from soapstone.shard.plan.analysis.zero_memory import Beside, zero_beside
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P
@@ -201,11 +201,13 @@ class Estimate:
 
 def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adamw",
              deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
-             plain: tuple[int, int] | None = None) -> Estimate:
+             plain: tuple[int, int] | None = None, beside: Beside | None = None,
+             kept: int | None = None) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
     deferred: params with a gradient bucket of their own (pipeline tied weights);
     activations: activation_figures(program) when the caller has them already; plain: the
-    same of the program without recompute (one that has it)."""
+    same of the program without recompute (one that has it); beside, kept: zero_beside's
+    and weight_grad_bytes' answers, where the caller has them (the planner's probes)."""
     mesh = dict(program.mesh)
     z = ZeroStage.of(zero)
     dp_axes = program.zero_axes if z.shards_optimizer else ()
@@ -329,7 +331,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
-    beside = zero_beside(program, z, deferred)  # zero_memory.py
+    if beside is None:
+        beside = zero_beside(program, z, deferred)  # zero_memory.py
     end = beside.end - activations
     # per phase (in_flight.py's order): a split backward's B and W beside the buffers too
     work = phases and (phases.forward + beside.forward,
@@ -343,7 +346,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
-                    weight_grad_bytes=phases.kept if phases else weight_grad_bytes(program),
+                    weight_grad_bytes=phases.kept if phases else
+                    weight_grad_bytes(program) if kept is None else kept,
                     experts=expert_figures(program), master_bytes=masters,
                     compute_dtype=float_params[0].dtype if float_params else None)
 
