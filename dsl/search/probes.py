@@ -309,7 +309,12 @@ class Probes:
         """zero_beside of `prog` (a probe of at most 2 blocks) as a stage of n blocks."""
         key = (prog.params, prog.mesh, prog.zero_axes, max(n, 2), zero)
         if key not in self._besides:
-            self._besides[key] = zero_beside(repeat_block(prog, n) if n > 2 else prog, zero)
+            if n > 2:  # the repeated parameters are the same on every data degree and stage
+                again = ("blocks", prog.params, n)
+                if again not in self._besides:
+                    self._besides[again] = repeat_block(prog, n).params
+                prog = attrs.evolve(prog, params=self._besides[again])
+            self._besides[key] = zero_beside(prog, zero)
         return self._besides[key]
 
     def stage_estimate(self, kind: str, n: int, b: int, data: int, zero: int,
