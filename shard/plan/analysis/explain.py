@@ -446,33 +446,43 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     # each stage's working set per phase (explain's and the planner's probes' alike)
     work = {i: e.phase_transients for i, e in per_stage.items()}
     ranks = []
+    made: dict[tuple, list[Traffic]] = {}  # ranks alike (the middle of a pipeline): one tally
     for r in range(pipe):
         mine = of_rank.get(r, [])
         peak = in_flight(sched, r, act, sent, kept, work)
-        rows: dict[tuple[str, str, str, bool], Traffic] = {}
+        alike = (tuple(id(per_stage[st.index]) for st in mine),
+                 tuple((e.tensors, e.nbytes) for e in sends.get(r, ())),
+                 tuple((e.float_tensors, e.float_bytes) for e in backs.get(r, ())))
+        if alike not in made:
+            rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-        def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
-            row = rows.setdefault((phase, kind, ax, prefetched),
-                                  Traffic(phase, kind, ax, prefetched=prefetched))
-            row.calls += calls
-            row.bytes += nbytes
+            def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
+                row = rows.setdefault((phase, kind, ax, prefetched),
+                                      Traffic(phase, kind, ax, prefetched=prefetched))
+                row.calls += calls
+                row.bytes += nbytes
 
-        for st in mine:
-            for t in per_stage[st.index].traffic:
-                times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
-                    z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
-                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
-                    prefetched=t.prefetched)
-        if pipe > 1:
-            for e in sends.get(r, ()):
-                add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
-            for e in backs.get(r, ()):
-                add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
-            if tied_elements:
-                add("tied sum", "allreduce", axis, 1,
-                    bus_bytes("allreduce", 8 * tied_elements, pipe))
-            add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
-            add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            for st in mine:
+                for t in per_stage[st.index].traffic:
+                    times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
+                        z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") \
+                        else 1
+                    add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
+                        prefetched=t.prefetched)
+            if pipe > 1:
+                for e in sends.get(r, ()):
+                    add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
+                for e in backs.get(r, ()):
+                    add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
+                if tied_elements:
+                    add("tied sum", "allreduce", axis, 1,
+                        bus_bytes("allreduce", 8 * tied_elements, pipe))
+                add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+                add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            made[alike] = sorted(rows.values(),
+                                 key=lambda t: (t.phase, t.axis, t.kind, t.prefetched))
+        traffic = [Traffic(t.phase, t.kind, t.axis, t.calls, t.bytes, t.prefetched)
+                   for t in made[alike]]  # each rank's own rows
         ranks.append({
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
@@ -487,7 +497,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                                 for st in mine},
             "microbatches_in_flight": {st.index: peak.live.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
-            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
+            "traffic": traffic,
         })
     for row in ranks:
         row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",
