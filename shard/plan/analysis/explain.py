@@ -481,8 +481,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                 add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
             made[alike] = sorted(rows.values(),
                                  key=lambda t: (t.phase, t.axis, t.kind, t.prefetched))
-        traffic = [Traffic(t.phase, t.kind, t.axis, t.calls, t.bytes, t.prefetched)
-                   for t in made[alike]]  # each rank's own rows
+        traffic = made[alike]  # shared by the ranks alike: read only from here on
         ranks.append({
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
