@@ -35,6 +35,7 @@ from soapstone.shard.plan.analysis.cost import (
     step_time,
 )
 from soapstone.shard.plan.analysis.explain import (
+    EdgeFigures,
     Estimate,
     StageFigures,
     combine_pipeline,
@@ -192,8 +193,9 @@ class Planner:
             stages.append(StageFigures(i, c.rank_of(i), run, elements))
             work[c.rank_of(i)] = work[c.rank_of(i)] + w
         edge = probes.edge_at(b)
-        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=c.rank_of(i),
-                              dst_rank=c.rank_of(i + 1)) for i in range(s - 1)]
+        edges = [EdgeFigures(i, i + 1, c.rank_of(i), c.rank_of(i + 1), edge.tensors,
+                             edge.nbytes, edge.float_tensors, edge.float_bytes)
+                 for i in range(s - 1)]
         par = to_parallel(self.model, self.dims, c)
         shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
                        par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)
