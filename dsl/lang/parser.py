@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 
 import lark
@@ -35,6 +36,13 @@ def _parser() -> lark.Lark:
     if _PARSER is None:
         _PARSER = lark.Lark(grammar_text(), parser="lalr", propagate_positions=True)
     return _PARSER
+
+
+@functools.lru_cache(maxsize=256)
+def _tree(text: str) -> lark.Tree:
+    """Lark's tree of `text`, kept: the same files are loaded again and again (a run, its
+    explain, the tests' cases), and _Build makes new nodes from it without changing it."""
+    return _parser().parse(text)
 
 
 class Sources:
@@ -279,7 +287,7 @@ def parse(text: str, file: str = "<string>", sources: Sources | None = None) -> 
     sources = sources if sources is not None else Sources()
     sources.add(file, text)
     try:
-        tree = _parser().parse(text)
+        tree = _tree(text)
     except UnexpectedInput as err:
         raise _syntax_error(err, file, text, sources) from None
     try:

@@ -35,6 +35,7 @@ from soapstone.shard.plan.analysis.cost import (
     step_time,
 )
 from soapstone.shard.plan.analysis.explain import (
+    EdgeFigures,
     Estimate,
     StageFigures,
     combine_pipeline,
@@ -128,6 +129,7 @@ class Planner:
         self._compiled: dict[tuple, dict] = {}
         self.exact = not uniform(model) if exact is None else exact
         self._probes: dict[tuple[int, bool, int, str | None, int], Probes] = {}
+        self._besides: dict[tuple, object] = {}  # the probes' ZeRO buffers (Probes._beside_of)
         self._graphs: dict[Candidate, object] = {}
         # what every layout's score shares: run's model FLOPs and tokens of a step (score.py)
         single = lower(model, None)
@@ -147,7 +149,8 @@ class Planner:
                 (tensor, sequence, context, form, experts_data, overlap), {})
             self._probes[key] = Probes(self.model, self.dims, tensor, sequence, self.optimizer,
                                        context, recompute, compiled, form or self._ranges,
-                                       experts_data, self.precision, overlap)
+                                       experts_data, self.precision, overlap,
+                                       self._besides)
         return self._probes[key]
 
     def cost(self, c: Candidate, exact: bool | None = None) -> Result:
@@ -190,8 +193,9 @@ class Planner:
             stages.append(StageFigures(i, c.rank_of(i), run, elements))
             work[c.rank_of(i)] = work[c.rank_of(i)] + w
         edge = probes.edge_at(b)
-        edges = [attrs.evolve(edge, src=i, dst=i + 1, src_rank=c.rank_of(i),
-                              dst_rank=c.rank_of(i + 1)) for i in range(s - 1)]
+        edges = [EdgeFigures(i, i + 1, c.rank_of(i), c.rank_of(i + 1), edge.tensors,
+                             edge.nbytes, edge.float_tensors, edge.float_bytes)
+                 for i in range(s - 1)]
         par = to_parallel(self.model, self.dims, c)
         shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
                        par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)

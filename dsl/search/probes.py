@@ -31,7 +31,11 @@ from soapstone.dsl.model import ir
 from soapstone.dsl.search.space import Candidate, LayoutDims, to_parallel
 from soapstone.shard.parallel.regather_plan import without_recompute
 from soapstone.shard.parallel.ring_plan import find_rings
-from soapstone.shard.plan.analysis.activations import activation_figures, phase_figures
+from soapstone.shard.plan.analysis.activations import (
+    activation_figures,
+    phase_figures,
+    weight_grad_bytes,
+)
 from soapstone.shard.plan.analysis.cost import Work, program_work
 from soapstone.shard.plan.analysis.explain import EdgeFigures, Estimate, Traffic, estimate
 from soapstone.shard.plan.analysis.precision import graph_as_run, program_as_run
@@ -203,7 +207,8 @@ class Probes:
     def __init__(self, model: ir.Model, dims: LayoutDims, tensor: int, sequence: bool,
                  optimizer: str, context: int = 1, recompute: str | None = None,
                  compiled: dict | None = None, compiled_form: str | None = None,
-                 experts_data: int = 0, precision: str = "fp32", overlap: bool = False):
+                 experts_data: int = 0, precision: str = "fp32", overlap: bool = False,
+                 besides: dict | None = None):
         if recompute not in (None, compiled_form):  # the Planner's pairing: not user input
             raise ValueError(f"probes of recompute {recompute} from {compiled_form}'s")
         self.optimizer = optimizer
@@ -218,6 +223,9 @@ class Probes:
         self._model, self._dims = model, dims
         self._recompute = recompute
         self._compiled = {} if compiled is None else compiled
+        # zero_beside's answers by what it reads (parameters, mesh, ZeRO axes, stage): shared
+        # with the probes of other recompute forms and overlap, whose parameters are the same
+        self._besides = {} if besides is None else besides
         # compiled on a data axis of 2, re-estimated on the candidate's; with the experts over
         # data their shards depend on its size, so those probes are compiled on the very axis
         self.data = experts_data or 2
@@ -264,10 +272,12 @@ class Probes:
             prog = self.program(kind, n, b)
             if (kind, n, b) not in self.acts:  # the same for every data degree and ZeRO stage
                 plain = activation_figures(_plain(prog)) if prog.recompute else None
-                self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog))
-            acts, plain, work = self.acts[kind, n, b]
-            est = estimate(_remesh(prog, data), zero, self.optimizer, activations=acts,
-                           plain=plain)
+                self.acts[kind, n, b] = (activation_figures(prog), plain, program_work(prog),
+                                         weight_grad_bytes(prog))
+            acts, plain, work, kept = self.acts[kind, n, b]
+            prog = _remesh(prog, data)
+            est = estimate(prog, zero, self.optimizer, activations=acts, plain=plain,
+                           beside=self._beside_of(prog, 2, zero), kept=kept)
             self.stage[key] = _figs(est, work, sum(math.prod(p.shape) for p in prog.params))
         return self.stage[key]
 
@@ -304,8 +314,20 @@ class Probes:
         key = ("beside", kind, n, data, zero)
         if key not in self.cache:
             prog = _remesh(self.program(kind, min(n, 2), 1), data)
-            self.cache[key] = zero_beside(repeat_block(prog, n) if n > 2 else prog, zero)
+            self.cache[key] = self._beside_of(prog, n, zero)
         return self.cache[key]
+
+    def _beside_of(self, prog, n: int, zero: int) -> Beside:
+        """zero_beside of `prog` (a probe of at most 2 blocks) as a stage of n blocks."""
+        key = (prog.params, prog.mesh, prog.zero_axes, max(n, 2), zero)
+        if key not in self._besides:
+            if n > 2:  # the repeated parameters are the same on every data degree and stage
+                again = ("blocks", prog.params, n)
+                if again not in self._besides:
+                    self._besides[again] = repeat_block(prog, n).params
+                prog = attrs.evolve(prog, params=self._besides[again])
+            self._besides[key] = zero_beside(prog, zero)
+        return self._besides[key]
 
     def stage_estimate(self, kind: str, n: int, b: int, data: int, zero: int,
                        mesh: dict[str, int]) -> tuple[Estimate, Work, int]:

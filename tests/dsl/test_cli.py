@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_calls import cli
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl.cli import COMMANDS
@@ -64,8 +65,8 @@ def test_fail_prints_the_error_once_on_rank_0(capsys):
     assert capsys.readouterr().err == ""
 
 
-# (layer that finds it, argv, what stderr must say); one process each, no mpiexec needed
-@pytest.mark.parametrize("layer,argv,needle", [
+# (layer that finds it, argv, what stderr must say); one process for all, no mpiexec needed
+USER_ERRORS = [
     ("spec (dsl SpecError)", ["check", "tests/bad_specs/dim_zero_size.par"],
      "dim_zero_size.par:7:7: error: "),
     ("flag (dsl BadInput)", ["golden", "record", "examples/mlp.par", "-o", "/no/such/r.npz"],
@@ -74,13 +75,22 @@ def test_fail_prints_the_error_once_on_rank_0(capsys):
      "--data no/such.bin: no such file"),
     ("record file (shard GoldenError)", ["golden", "check", "examples/mlp.par", "README.md"],
      "not a soapstone golden record"),
-])
-def test_each_layer_user_error_exits_2_without_traceback(layer, argv, needle):
-    r = subprocess.run([sys.executable, "-m", "soapstone.dsl.cli", *argv], cwd=ROOT, text=True,
-                       capture_output=True, timeout=120)
-    assert r.returncode == 2, (layer, r.stdout, r.stderr)
-    assert needle in r.stderr, (layer, r.stderr)
-    assert "Traceback" not in r.stdout + r.stderr, (layer, r.stderr)
+]
+
+
+@pytest.fixture(scope="module")
+def user_errors() -> dict[str, dict]:
+    """Each USER_ERRORS command's outcome by its layer (cli_calls.py: one torch import)."""
+    return {layer: r for (layer, _, _), r in
+            zip(USER_ERRORS, cli(*(argv for _, argv, _ in USER_ERRORS)), strict=True)}
+
+
+@pytest.mark.parametrize("layer,argv,needle", USER_ERRORS)
+def test_each_layer_user_error_exits_2_without_traceback(user_errors, layer, argv, needle):
+    r = user_errors[layer]
+    assert r["argv"] == argv and r["rc"] == 2, (layer, r)
+    assert needle in r["stderr"], (layer, r["stderr"])
+    assert "Traceback" not in r["text"], (layer, r["text"])
 
 
 def test_progress_bar_on_a_pipe_prints_a_line_every_tenth_of_the_run():

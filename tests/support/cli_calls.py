@@ -18,14 +18,15 @@ for argv in json.loads(sys.argv[1]):
     err, std = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         rc = main(argv)
-    out.append({"argv": argv, "rc": rc, "text": std.getvalue() + err.getvalue()})
+    out.append({"argv": argv, "rc": rc, "text": std.getvalue() + err.getvalue(),
+                "stdout": std.getvalue(), "stderr": err.getvalue()})
 print(json.dumps(out))
 """
 
 
 def cli(*argvs: list[str]) -> list[dict]:
     """Run each argv through `soapstone` in one process from the repository root: [{argv, rc,
-    text (stdout + stderr)}]; the process itself must not fail."""
+    text (stdout + stderr), stdout, stderr}]; the process itself must not fail."""
     p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

@@ -108,7 +108,7 @@ from soapstone.shard.plan.analysis.activations import (
     weight_grad_bytes,
 )
 from soapstone.shard.plan.analysis.in_flight import ScheduleShape, in_flight
-from soapstone.shard.plan.analysis.zero_memory import zero_beside
+from soapstone.shard.plan.analysis.zero_memory import Beside, zero_beside
 from soapstone.shard.plan.collectives import backward_bytes, backward_op, forward_bytes, forward_op
 from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.layout import P, RedistributeKind
@@ -202,11 +202,13 @@ class Estimate:
 
 def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adamw",
              deferred: tuple[str, ...] = (), activations: tuple[int, int] | None = None,
-             plain: tuple[int, int] | None = None) -> Estimate:
+             plain: tuple[int, int] | None = None, beside: Beside | None = None,
+             kept: int | None = None) -> Estimate:
     """The estimate of one step of training `program` with `optimizer` under ZeRO `zero`.
     deferred: params with a gradient bucket of their own (pipeline tied weights);
     activations: activation_figures(program) when the caller has them already; plain: the
-    same of the program without recompute (one that has it)."""
+    same of the program without recompute (one that has it); beside, kept: zero_beside's
+    and weight_grad_bytes' answers, where the caller has them (the planner's probes)."""
     mesh = dict(program.mesh)
     z = ZeroStage.of(zero)
     dp_axes = program.zero_axes if z.shards_optimizer else ()
@@ -336,7 +338,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
     opt_bytes = held(elems * state, state, z.shards_optimizer)
     params, masters = held_params(param_bytes, sum(program.value(p.name).nbytes
                                                    for p in float_params), elems, master, held, z)
-    beside = zero_beside(program, z, deferred)  # zero_memory.py
+    if beside is None:
+        beside = zero_beside(program, z, deferred)  # zero_memory.py
     end = beside.end - activations
     # per phase (in_flight.py's order): a split backward's B and W beside the buffers too
     work = phases and (phases.forward + beside.forward,
@@ -350,7 +353,8 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
                         without_recompute(program, selective=True)))
                     if program.recompute or program.dropped else None,
                     recompute_flops=recompute_flops(program) + selective_flops(program),
-                    weight_grad_bytes=phases.kept if phases else weight_grad_bytes(program),
+                    weight_grad_bytes=phases.kept if phases else
+                    weight_grad_bytes(program) if kept is None else kept,
                     experts=expert_figures(program), master_bytes=masters,
                     compute_dtype=float_params[0].dtype if float_params else None)
 
@@ -449,33 +453,42 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
     # each stage's working set per phase (explain's and the planner's probes' alike)
     work = {i: e.phase_transients for i, e in per_stage.items()}
     ranks = []
+    made: dict[tuple, list[Traffic]] = {}  # ranks alike (the middle of a pipeline): one tally
     for r in range(pipe):
         mine = of_rank.get(r, [])
         peak = in_flight(sched, r, act, sent, kept, work)
-        rows: dict[tuple[str, str, str, bool], Traffic] = {}
+        alike = (tuple(id(per_stage[st.index]) for st in mine),
+                 tuple((e.tensors, e.nbytes) for e in sends.get(r, ())),
+                 tuple((e.float_tensors, e.float_bytes) for e in backs.get(r, ())))
+        if alike not in made:
+            rows: dict[tuple[str, str, str, bool], Traffic] = {}
 
-        def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
-            row = rows.setdefault((phase, kind, ax, prefetched),
-                                  Traffic(phase, kind, ax, prefetched=prefetched))
-            row.calls += calls
-            row.bytes += nbytes
+            def add(phase, kind, ax, calls, nbytes, rows=rows, prefetched=False):
+                row = rows.setdefault((phase, kind, ax, prefetched),
+                                      Traffic(phase, kind, ax, prefetched=prefetched))
+                row.calls += calls
+                row.bytes += nbytes
 
-        for st in mine:
-            for t in per_stage[st.index].traffic:
-                times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
-                    z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") else 1
-                add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
-                    prefetched=t.prefetched)
-        if pipe > 1:
-            for e in sends.get(r, ()):
-                add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
-            for e in backs.get(r, ()):
-                add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
-            if tied_elements:
-                add("tied sum", "allreduce", axis, 1,
-                    bus_bytes("allreduce", 8 * tied_elements, pipe))
-            add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
-            add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            for st in mine:
+                for t in per_stage[st.index].traffic:
+                    times = m if t.phase in ("forward", "backward", "loss", "recompute") or (
+                        z.shards_grads and t.phase == "grad sync" and t.kind != "allgather") \
+                        else 1
+                    add(t.phase, t.kind, t.axis, t.calls * times, t.bytes * times,
+                        prefetched=t.prefetched)
+            if pipe > 1:
+                for e in sends.get(r, ()):
+                    add("p2p", "send", axis, e.tensors * m, e.nbytes * m)
+                for e in backs.get(r, ()):
+                    add("p2p", "send", axis, e.float_tensors * m, e.float_bytes * m)
+                if tied_elements:
+                    add("tied sum", "allreduce", axis, 1,
+                        bus_bytes("allreduce", 8 * tied_elements, pipe))
+                add("grad norm", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+                add("loss", "allreduce", axis, 1, bus_bytes("allreduce", 8, pipe))
+            made[alike] = sorted(rows.values(),
+                                 key=lambda t: (t.phase, t.axis, t.kind, t.prefetched))
+        traffic = made[alike]  # shared by the ranks alike: read only from here on
         ranks.append({
             "pipe_rank": r, "stages": [st.index for st in mine],
             "blocks": [b for st in mine for b in st.blocks],
@@ -490,7 +503,7 @@ def combine_pipeline(graph, per_stage: dict[int, Estimate], stages: list[StageFi
                                                 for st in mine},
             "microbatches_in_flight": {st.index: peak.live.get(st.index, 0) for st in mine},
             "param_elements": sum(st.param_elements for st in mine),
-            "traffic": sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),
+            "traffic": traffic,
         })
     for row in ranks:
         row["total_bytes"] = sum(row[k] for k in ("param_bytes", "grad_bytes",

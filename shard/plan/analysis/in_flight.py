@@ -59,9 +59,15 @@ def in_flight(schedule, rank: int, act: dict[int, int], sent: dict[int, int] | N
     snapshots, peak_live = live_in_flight(schedule.kind, schedule.pipe,
                                           schedule.microbatches, schedule.chunks, rank)
     best = (0, 0)
+    each: dict[int, tuple[int, int]] = {}  # per stage: bytes before its B, between B and W
     for phase, stage, snap in snapshots:
-        held = sum(n * (act.get(s, 0) + sent.get(s, 0)) + w * (act.get(s, 0) + kept.get(s, 0))
-                   for s, n, w in snap)
+        held = 0
+        for s, n, w in snap:
+            if s not in each:
+                a = act.get(s, 0)
+                each[s] = (a + sent.get(s, 0), a + kept.get(s, 0))
+            before_b, before_w = each[s]
+            held += n * before_b + w * before_w
         ws = work.get(stage, (0, 0))
         ws = ws[phase] if phase < len(ws) else ws[BACKWARD]
         best = max(best, (held + ws, held))

@@ -32,6 +32,8 @@ def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) 
     """Beside for `program`'s parameters under `zero` (`deferred`: as plan_buckets): gradient
     buffers in the masters' width, padded to a multiple of the data ranks as the runtime pads."""
     z = ZeroStage.of(zero)
+    if not z.shards_grads and not deferred:
+        return Beside(0, 0, 0)  # every gradient buffer persists and no parameter is gathered
     mesh = dict(program.mesh)
     floats = [p for p in program.params if DTYPES[p.dtype].is_float]
     master = max(4, DTYPES[floats[0].dtype].nbytes) if floats else 4  # fp64 models: 8

@@ -2,7 +2,7 @@
 
 Run on every rank by tests/support/mpirun.py (see tests/shard/pipeline/test_pipeline.py). For each
 pipeline layout of tests/specs/pipe_layouts.par (and of tests/specs/pipe_residual.par: dropout in
-every block, and a stage receiving a replicated tensor that feeds tensor-parallel work), 5 AdamW
+every block, and a stage receiving a replicated tensor that feeds tensor-parallel work), 3 AdamW
 steps with global-norm clipping (0.5, so it clips): the loss of each step matches the single-rank
 run with the same global batch at rtol 1e-5 in fp32, and in float64 the loss, the clipped global
 gradient norm and the final parameters match at rtol 1e-5 (fp32 final params after Adam differ by
@@ -39,7 +39,9 @@ from soapstone.shard.runtime.executor import Executor  # noqa: E402
 from soapstone.shard.runtime.sharded_model import ShardedModel  # noqa: E402
 
 W = init("mpi")
-SEED, STEPS, RTOL, LR, CLIP = 7, 5, 1e-5, 1e-3, 0.5
+# 3 steps: the first update makes the optimizer state, two more reuse it (later steps
+# repeat the second's path)
+SEED, STEPS, RTOL, LR, CLIP = 7, 3, 1e-5, 1e-3, 0.5
 SPEC = dsl.load(ROOT / "tests/specs/pipe_layouts.par")
 RES = dsl.load(ROOT / "tests/specs/pipe_residual.par")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_calls import cli
 from mpirun import case_names, case_params, run_mpi
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,16 +54,11 @@ def test_check_names_first_diverging_step_and_tensor(tmp_path):
     assert "step 1: loss" in r.stdout and "Traceback" not in r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_INPUT = [
     (["examples/mlp.par", "no/such.npz"], "no/such.npz: no such golden record"),
     (["examples/mlp.par", "README.md"], "not a soapstone golden record"),
     (["examples/gpt.par", "tests/golden/runs/mlp.npz"], "recorded model 'mlp'"),
-])
-def test_check_bad_input_exit_2(args, needle):
-    r = run_mpi(1, [*CLI, "check", *args])
-    assert r.returncode == 2, r.report()
-    assert needle in r.stderr and "Traceback" not in r.stdout + r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+]
 
 
 def _broken(tmp_path, edit) -> Path:
@@ -79,18 +75,39 @@ def _broken(tmp_path, edit) -> Path:
     return bad
 
 
-@pytest.mark.parametrize("edit,needle", [
+BROKEN = [
     (lambda h, a: h.pop("seed"), "header lacks 'seed'"),
     (lambda h, a: a.update(loss=a["loss"][:-1]), "but the loss array has shape"),
     (lambda h, a: h.update(steps=h["steps"] + 1), "but the loss array has shape"),
     (lambda h, a: h.update(optimizer="adam"), "header optimizer 'adam' is none of adamw, sgd"),
     (lambda h, a: h.update(precision="fp16"), "header precision 'fp16' is none of"),
-])
-def test_check_broken_record_exit_2(tmp_path, edit, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> list[dict]:
+    """`golden check` of each bad input, then of each broken record, all in one process
+    (cli_calls.py: one torch import for all)."""
+    argvs = [["golden", "check", *args] for args, _ in BAD_INPUT]
+    for i, (edit, _) in enumerate(BROKEN):
+        bad = _broken(tmp_path_factory.mktemp(f"broken{i}"), edit)
+        argvs.append(["golden", "check", "examples/mlp.par", str(bad)])
+    return cli(*argvs)
+
+
+@pytest.mark.parametrize("i", range(len(BAD_INPUT)), ids=[n for _, n in BAD_INPUT])
+def test_check_bad_input_exit_2(checks, i):
+    r, needle = checks[i], BAD_INPUT[i][1]
+    assert r["rc"] == 2, r
+    assert needle in r["stderr"] and "Traceback" not in r["text"], r
+    assert len(r["stderr"].strip().splitlines()) == 1, r
+
+
+@pytest.mark.parametrize("i", range(len(BROKEN)), ids=[n for _, n in BROKEN])
+def test_check_broken_record_exit_2(checks, i):
     """A record whose header lacks a key, names a setting soapstone does not train with, or
     whose arrays disagree with its steps: one line on stderr, exit 2, no traceback."""
-    bad = _broken(tmp_path, edit)
-    r = run_mpi(1, [*CLI, "check", "examples/mlp.par", str(bad)])
-    assert r.returncode == 2, r.report()
-    assert needle in r.stderr and "Traceback" not in r.stdout + r.stderr, r.report()
-    assert len(r.stderr.strip().splitlines()) == 1
+    r, needle = checks[len(BAD_INPUT) + i], BROKEN[i][1]
+    assert r["rc"] == 2, r
+    assert needle in r["stderr"] and "Traceback" not in r["text"], r
+    assert len(r["stderr"].strip().splitlines()) == 1, r
