@@ -16,7 +16,7 @@ def init(backend: str = "auto", failure_handler: bool = True) -> Communicator:
     backend: "mpi" (CPU tensors), "nccl" (CUDA tensors; selects this rank's GPU from its
     node-local rank first), "auto" (nccl when CUDA and cupy's NCCL are usable, else mpi), or
     "mpi-staged" (CUDA tensors over MPI through host memory, for ranks sharing a GPU: the GPU
-    must be chosen already, as comm.device.pick does; backends/staged.py).
+    must be chosen already, as comm.launch.device.pick does; backends/staged.py).
     Also installs the failure handler (an uncaught exception on any rank aborts the job) and
     starts the watchdog (watchdog.py: collective deadlines, flight-recorder dumps); a bad
     SOAPSTONE_COLLECTIVE_TIMEOUT, SOAPSTONE_TRACE_DIR or SOAPSTONE_FLIGHT_RECORDER is a

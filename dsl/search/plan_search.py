@@ -21,6 +21,7 @@ from soapstone.dsl.search.space import (
     PlanError,
     Rejection,
     candidates,
+    float8_chunk_misfit,
     layout_dims,
     recompute_options,
     stage_blocks,
@@ -346,6 +347,11 @@ def search(planner: Planner, world: int) -> Plan:
                  c.experts_on_data, c.overlap) + \
             ((c.microbatches,) if c.pipe > 1 else ())
         if group in done:
+            continue
+        why = float8_chunk_misfit(planner.model, planner.dims, planner.precision, c)
+        if why:
+            rejected.append(Rejection(c.label, why))
+            done.add(group)
             continue
         plain: dict[int, Result] = {}
         top = None if planner.always_recompute else climb(ladder, plain)

@@ -33,6 +33,7 @@ import attrs
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl.model import ir
+from soapstone.shard.ops.einsum import FLOAT8_MULTIPLE
 from soapstone.shard.plan import schedules
 from soapstone.shard.plan.analysis.hardware import Profile
 from soapstone.shard.plan.sizes import divisors
@@ -323,3 +324,19 @@ def _context_pipe(dims: LayoutDims, sizes: dict[str, int], world: int, tensor: i
                 continue
         for p in divisors(world // (tensor * cp)):
             yield cp, p
+
+
+def float8_chunk_misfit(model: ir.Model, dims: LayoutDims, precision: str, c: Candidate) -> str:
+    """Why `run --precision float8` would refuse candidate `c`'s rings ('' if it would not):
+    a ring runs its float8 matmuls a 1/tensor chunk of the local tokens at a time, and
+    torch._scaled_mm needs those rows a multiple of FLOAT8_MULTIPLE (ring_plan's refusal)."""
+    if not (c.overlap and precision == "float8"):
+        return ""
+    sizes = dict(model.dims)
+    batch = sizes[dims.batch] // (c.data * c.microbatches)
+    seq = math.prod(sizes[d] for d in dims.sequence) // c.context
+    rows = batch * seq // c.tensor
+    if rows % FLOAT8_MULTIPLE == 0:
+        return ""
+    return (f"`overlap tensor` under float8 runs {rows} tokens a chunk; torch._scaled_mm needs "
+            f"a multiple of {FLOAT8_MULTIPLE}")

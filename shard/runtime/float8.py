@@ -31,6 +31,7 @@ bf16-gather-then-cast one, with half the gathered bytes.
 
 `overlap tensor`'s rings (comm/collective_matmul.py) run their float8 matmuls here, chunk by
 chunk, at the non-ring step's scales, so a ring's results are the blocking step's bit for bit
+at 2 ranks (on more, up to the order the ranks' partial sums are added, as in bf16)
 (`Float8GatherRing`, `Float8ScatterRing`): the casts are made whole, once, before the ring
 (elementwise at one scale, so a chunk of the cast is the cast of the chunk), the e4m3 / e5m2
 bytes travel, each chunk's rows are one `_scaled_mm` (row-blocked: the same rows as the whole

@@ -115,7 +115,6 @@ class LiveBytes(TorchDispatchMode):
         self.live += n
         if self.live > self.peak and settle:
             self._settle()
-            self.peak = max(self.peak, self.live)
 
     def _settle(self) -> None:
         """Follow storages resized in place that no one reported (a collective matmul's
@@ -125,6 +124,7 @@ class LiveBytes(TorchDispatchMode):
             st = cell[2]()
             if st is not None and (st.data_ptr() != ptr or st.nbytes() != self.tracked[ptr]):
                 self._moved(st, ptr, settle=False)
+        self.peak = max(self.peak, self.live)  # every storage followed: one grown counts
 
     def _moved(self, st, old: int, settle: bool = True) -> None:
         cell = self.cells.pop(old, None) if old else self.parked.pop(id(st), None)

@@ -110,6 +110,8 @@ class ShardedModel:
         self.float8_gathered = set()
         # and `overlap tensor`'s rings of float8 matmuls, at the blocking steps' scales
         self.float8_rings = float8_rings(program) if float8 else {}
+        # the dims each float8 matmul contracts, found once (a walk of the whole program)
+        self.float8_ks = float8_steps(program) if self.float8_rings else {}
         if float8:
             self.ctx.float8 = float8_matmuls(program, self.float8_last)
             self.float8_gathered = {program.steps[i].out
@@ -308,7 +310,7 @@ class ShardedModel:
         `Float8ScatterRing`): the blocking float8 step's results, bit for bit."""
         step, prog = self.program.steps[ring.at], self.program
         comm = self.mesh.comm(step.axis)
-        ks = [float8_steps(prog)[j] for j in ring.matmuls]  # the dims each contracts
+        ks = [self.float8_ks[j] for j in ring.matmuls]  # the dims each contracts
         scales = [s.attr("scale") for s in mms]
         ws = [env[w] for w in weights]
         if ring.kind is RedistributeKind.ALLGATHER:

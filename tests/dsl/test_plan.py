@@ -447,18 +447,43 @@ def test_a_layout_the_compiler_refuses_is_skipped_with_its_reason():
     assert refused and all(" t1 " not in r.what for r in refused)
 
 
-def test_rings_are_not_searched_under_a_split_backward():
+def test_rings_are_not_searched_under_a_split_backward(monkeypatch):
     """A split backward (zb1p, zbv, dualpipev) would run a ring's backward twice, as its B and
     its W: the checker refuses `overlap tensor` with one (tests/bad_specs/overlap_with_zb1p.par),
     so plan proposes rings only under the other schedules (space.candidates; the split ones
-    are not planned today, `planned = ()`: this keeps the two apart if they become so)."""
+    are not planned today, `planned = ()`, so the test plans zb1p too)."""
+    from soapstone.dsl.search import space
     from soapstone.dsl.search.plan_search import Planner
-    from soapstone.dsl.search.space import candidates
     from soapstone.shard.plan import schedules
 
+    monkeypatch.setattr(space, "SCHEDULES", (*space.SCHEDULES, ("zb1p", 1)))
     profile = load_profile("a100-40gb")
     model = load(gpt(12)).model()
-    cands = list(candidates(model, Planner(model, profile).dims, 8, profile, []))
+    cands = list(space.candidates(model, Planner(model, profile).dims, 8, profile, []))
+    split = [c for c in cands if schedules.get(c.schedule).split]
+    assert any(c.sequence for c in split)  # zb1p is searched, with sequence parallelism
     rings = [c for c in cands if c.overlap]
-    assert any(c.pipe > 1 for c in rings)  # 1f1b and gpipe pipelines keep theirs
+    assert any(c.pipe > 1 for c in rings)  # 1f1b pipelines keep theirs
     assert not any(schedules.get(c.schedule).split for c in rings)
+
+
+def test_float8_rings_whose_chunks_scaled_mm_cannot_take_are_not_planned():
+    """Under float8 a ring runs a 1/t chunk of the local tokens per `_scaled_mm`, whose rows
+    must be a multiple of 16: plan leaves out the ring layouts run would refuse, saying why."""
+    from soapstone.dsl.search.plan_search import Planner, search
+    from soapstone.dsl.search.space import Candidate, float8_chunk_misfit
+
+    model = load("examples/llama.par").model()  # batch 8 x seq 16: 128 tokens
+    planner = Planner(model, load_profile("h100-80gb"), precision="float8")
+    ring = Candidate(1, 2, 1, True, 0, "1f1b", 1, 1, 1, overlap=True)
+
+    def misfit(c, precision="float8"):
+        return float8_chunk_misfit(model, planner.dims, precision, c)
+
+    assert misfit(ring) == ""  # 64 tokens a chunk
+    small = attrs.evolve(ring, tensor=4, data=4)  # 2 samples x 16 / 4: 8 tokens a chunk
+    assert "8 tokens a chunk" in misfit(small)
+    assert misfit(small, "bf16") == ""
+    plan = search(planner, 16)
+    assert not any(misfit(r.candidate) for r in plan.ranked + plan.unfit)
+    assert any("tokens a chunk" in r.why for r in plan.rejected)

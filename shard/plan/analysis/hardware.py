@@ -206,7 +206,7 @@ def _memory_bound(data: dict, where: str) -> float:
     m = data["memory_bound"]
     if not isinstance(m, dict) or "gbs" not in m:
         raise ProfileError(f"{where}: field 'memory_bound' must be an object with 'gbs' (the "
-                           f"rate memory-bound ops reach, GB/s) and 'source', got {m!r}")
+                           f"rate memory-bound ops reach, GB/s; 'source' optional), got {m!r}")
     return float(_check(m["gbs"], "num", "memory_bound.gbs", where))
 
 
@@ -226,6 +226,10 @@ def _attention(data: dict, where: str) -> tuple[tuple[int, float], ...]:
     ratios = [_check(r, "num", "attention.vs_matmul", where) for r in a["vs_matmul"]]
     if any(k1 <= k0 for k0, k1 in zip(keys, keys[1:], strict=False)):
         raise ProfileError(f"{where}: field 'attention.keys' must ascend, got {keys}")
+    top = 1 / float(data["matmul_efficiency"])  # beyond it attention would outrun the peak
+    if any(r > top for r in ratios):
+        raise ProfileError(f"{where}: field 'attention.vs_matmul' must stay at or below 1 / "
+                           f"matmul_efficiency = {top:.3f} (the peak), got {ratios}")
     return tuple(zip(keys, (float(r) for r in ratios), strict=True))
 
 

@@ -85,7 +85,8 @@ def test_attentions_rate_is_a_curve_by_keys_attended(tmp_path):
     assert prof.attention_flops("bf16", 2048) == pytest.approx(0.75 * prof.matmul_flops("bf16"))
     assert load_profile("a100-40gb").attention_ratio(2048) == 1.0
     for curve in ({"keys": [4096, 1024], "vs_matmul": [1.0, 0.5]},
-                  {"keys": [1024], "vs_matmul": [0.5, 1.0]}):
+                  {"keys": [1024], "vs_matmul": [0.5, 1.0]},
+                  {"keys": [1024], "vs_matmul": [1.6]}):  # past the peak at 0.64 efficiency
         path = tmp_path / "bad.json"
         path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"attention": curve}))
         with pytest.raises(ProfileError, match="attention"):
