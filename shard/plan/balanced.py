@@ -75,7 +75,15 @@ def causal_prefix_work(held: list[tuple[int, int, int]], keys: int) -> float:
     query positions (`held`: runs as `rank_runs` gives them) attends only the key prefix it can
     see under a causal mask (0..its last position): sum of length x prefix over the
     queries x keys."""
+    shares = prefix_shares(held, keys)
+    return sum(share for _, share in shares) if shares else 1.0
+
+
+def prefix_shares(held: list[tuple[int, int, int]], keys: int) -> list[tuple[int, float]]:
+    """Each run of `held` as (the key prefix it attends, its share of the queries x keys
+    square): `causal_prefix_work` run by run; [] for no queries or keys."""
     queries = sum(n for _, _, n in held)
     if not queries or not keys:
-        return 1.0
-    return sum(n * min(first + n, keys) for _, first, n in held) / (queries * keys)
+        return []
+    return [(min(first + n, keys), n * min(first + n, keys) / (queries * keys))
+            for _, first, n in held]

@@ -87,7 +87,7 @@ from soapstone.shard.parallel.zero_stage import ZeroStage
 from soapstone.shard.plan.analysis.explain import OPTIMIZER_STATE, Estimate, Traffic
 from soapstone.shard.plan.analysis.hardware import Link, Profile
 from soapstone.shard.plan.analysis.precision import matmul_peaks
-from soapstone.shard.plan.balanced import causal_prefix_work, nested_runs
+from soapstone.shard.plan.balanced import causal_prefix_work, nested_runs, prefix_shares
 from soapstone.shard.plan.dtypes import DTYPE_BYTES
 from soapstone.shard.plan.program import Compute, Program
 from soapstone.shard.runtime.fusion_plan import FusedAttention, find_fusions
@@ -335,7 +335,7 @@ def _attention_runs(program: Program, f: FusedAttention) -> list[tuple[int, floa
     held = max((nested_runs(sizes[f.query], parts, r, balanced, i, pieces)
                 for r in ((0,) if balanced else (parts - 1,)) for i in range(pieces)),
                key=lambda runs: causal_prefix_work(runs, k))
-    return [(min(first + n, k), n * min(first + n, k) / (q * k)) for _, first, n in held]
+    return prefix_shares(held, k) or [(k, 1.0)]
 
 
 def _float_bytes(program: Program, names) -> float:
