@@ -86,9 +86,10 @@ class ShardedModel:
         # collective step (shard/parallel/ring_plan.py)
         self.rings = find_rings(program)
         self.ring_stash = None  # inside a `recompute R` range: its Checkpointed (recompute.py)
-        self.run_index.update(ring_runs_at(program))
+        ring_steps = ring_runs_at(program)
+        self.run_index.update(ring_steps)
         self.covered = set(self.run_index)
-        self.frees = _last_uses(program, self.run_index, frozenset(ring_runs_at(program)))
+        self.frees = _last_uses(program, self.run_index, frozenset(ring_steps))
         # the logits a loss may write its gradient over (shard/runtime/overwrite_plan.py)
         self.ctx.overwritable = overwritable(program, self.fused)
         # `recompute`: the step ranges run as checkpointed segments, by first step
