@@ -33,9 +33,9 @@ peak with their casts, the output projection in bf16 as torchtitan's converter l
 with sequence parallelism, as torchtitan's TP plan); all are torch.compile rows, whose gain the
 fit splits between eager and compiled rows as for bf16 (the model has no compile). TP's float8
 all-gathers are modelled (e4m3 sequence-parallel gathers), FSDP's are not (soapstone's ZeRO-3
-gathers bf16). AsyncTP rows score with `overlap tensor` (float8 rings: e4m3 chunks) except
-beside ZeRO-3 (row 12: soapstone refuses the pair); under balanced CP (rows 16-18, cp > 1)
-no ring forms on the zigzag sequence, so those collectives stay blocking. The Megatron-LM
+gathers bf16). AsyncTP rows score with `overlap tensor` (float8 rings: e4m3 chunks; row 12
+beside ZeRO-3); under balanced CP (rows 16-18, cp > 1) no ring forms on the zigzag sequence,
+so those collectives stay blocking. The Megatron-LM
 README's H100 rows are an image: its text states MFU ranges without layouts, nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
@@ -198,9 +198,8 @@ def titan_candidate(row: dict):
     recompute = "ops" if row["recompute"] == "selective" else "layer"
     p = row["pipeline"]
     zero = 3 if p == 1 else 2
-    # AsyncTP as `overlap tensor`, float8 rings included; not beside ZeRO-3 (row 12), which
-    # soapstone refuses (its parameters arrive step by step)
-    overlap = "AsyncTP" in row["techniques"] and row["tensor"] > 1 and zero < 3
+    # AsyncTP as `overlap tensor`, float8 rings included
+    overlap = "AsyncTP" in row["techniques"] and row["tensor"] > 1
     return Candidate(row["fsdp"], row["tensor"], p, sequence=row["tensor"] > 1,
                      zero=zero, overlap=overlap,
                      schedule="interleaved" if row.get("schedule") == "interleaved" else "1f1b",

@@ -119,14 +119,16 @@ class Checkpointed:
         self.at += 1
 
 
-def _graphs(ctx, stash: Checkpointed | None, x: torch.Tensor, grad: bool):
+def _graphs(ctx, stash: Checkpointed | None, x: torch.Tensor, grad: bool, ws):
     """(whether to build per-chunk graphs, the hooks they are built under) for a ring in or out
-    of a checkpointed range; under one, the ring saves x so that its backward unpacks it (the
-    checkpoint runs the range again there, filling the slot)."""
-    ctx.slot = None
+    of a checkpointed range. The ring saves its weights, through the saved-tensor hooks (ZeRO-3
+    stores a gathered parameter as where it lies, not its storage: `_hold`); under a range it
+    saves x too, so that its backward unpacks it (the checkpoint runs the range again there,
+    filling the slot)."""
+    ctx.slot, ctx.held = None, []
+    ctx.save_for_backward(*ws, *(() if stash is None else (x,)))
     if stash is None:
         return grad, contextlib.nullcontext()
-    ctx.save_for_backward(x)
     if not stash.replay:
         ctx.slot, ctx.stash = stash.reserve(), stash
         return False, contextlib.nullcontext()
@@ -134,12 +136,24 @@ def _graphs(ctx, stash: Checkpointed | None, x: torch.Tensor, grad: bool):
     return True, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
+def _hold(ctx, leaves: list[torch.Tensor]) -> None:
+    """After forward: the weights' leaves (which the per-chunk graphs' gradient nodes hold)
+    let go of their storage, so a ZeRO-3 bucket freed after the ring is freed; `_restore`
+    gives it back from the saved weights."""
+    ctx.held = leaves
+    for t in leaves:
+        t.data = torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape)
+
+
 def _restore(ctx):
-    """The per-chunk graphs of this ring: its own, or (checkpointed) the replay's."""
-    if ctx.slot is None:
-        return ctx.graphs
-    ctx.saved_tensors  # noqa: B018 - unpacking runs the range again, which fills the slot
-    return ctx.stash.slots[ctx.slot]
+    """The per-chunk graphs of this ring: its own (its weights' leaves given their data
+    back), or (checkpointed) the replay's."""
+    saved = ctx.saved_tensors  # under a range, unpacking x runs it again: the slot fills
+    if ctx.slot is not None:
+        return ctx.stash.slots[ctx.slot]
+    for t, w in zip(ctx.held, saved, strict=False):  # the weights first
+        t.data = w
+    return ctx.graphs
 
 
 def _forget(ctx) -> None:
@@ -164,7 +178,7 @@ class _AllGatherApply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, grad, stash, dim, fns, out_dims, *ws):
         n = comm.size
-        grad, hooks = _graphs(ctx, stash, x, grad)
+        grad, hooks = _graphs(ctx, stash, x, grad, ws)
         wl = [_leaf(w, w.requires_grad) for w in ws]
         kept = [None] * n  # per chunk: (x leaf, outputs)
         outs = [[None] * n for _ in fns]
@@ -181,6 +195,8 @@ class _AllGatherApply(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.out_dims, ctx.graphs = comm, dim, out_dims, (kept, wl)
         if stash is not None:  # the first run keeps nothing; the replay fills the slot
             ctx.graphs = stash.fill(ctx.graphs) if stash.replay else None
+        elif grad:
+            _hold(ctx, wl)
         ys = tuple(torch.cat(o, d) for o, d in zip(outs, out_dims, strict=True))  # copies
         _release([t for _, chunk in kept for t in chunk], ys[0])
         return ys
@@ -208,7 +224,7 @@ class _ApplyReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, grad, stash, dim, fn, w):
         n = comm.size
-        grad, hooks = _graphs(ctx, stash, x, grad)
+        grad, hooks = _graphs(ctx, stash, x, grad, (w,))
         # each chunk of rows its own leaf (contiguous, as the kernel takes it): its gradient
         # is that chunk's rows only, and x itself is not held
         xl = [_leaf(t.contiguous(), x.requires_grad) for t in x.chunk(n, dim)]
@@ -225,6 +241,8 @@ class _ApplyReduceScatter(torch.autograd.Function):
         ctx.comm, ctx.graphs, ctx.dim = comm, (kept, (xl, wl)), dim
         if stash is not None:  # the first run keeps nothing; the replay fills the slot
             ctx.graphs = stash.fill(ctx.graphs) if stash.replay else None
+        elif grad:
+            _hold(ctx, [wl])
         _release(kept, out)
         return out
 

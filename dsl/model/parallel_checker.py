@@ -524,19 +524,9 @@ def _zero_needs_sample(ctx: Ctx, facts: Facts) -> Diags:
                      f"add: sample {ctx.batch} -> AXIS, or use zero 0")]
 
 
-def _overlap_without_zero3(ctx: Ctx, facts: Facts) -> Diags:
-    """`overlap tensor` runs a ring's matmuls at its collective, ahead of where ZeRO-3 gathers
-    their weights step by step: the two do not combine (shard/parallel/ring_plan.py)."""
-    if not facts.overlap or facts.zero < 3:
-        return []
-    return [ctx.diag(facts.seen["overlap"], "overlap tensor does not combine with zero 3 (its "
-                     "parameter gathers are timed per step, the rings run matmuls ahead)",
-                     "use zero 2 or below, or drop `overlap tensor`")]
-
-
 # The rules across statements, in the order they report.
 _RULES = (_branch_axes, _pipe_axis_splits, _unused_axes, _one_dim_per_axis, _zero_needs_sample,
-          _overlap_without_zero3, schedule_rules)
+          schedule_rules)
 
 
 def _parallel(p: ast.ParallelDef, facts: Facts) -> Parallel:

@@ -294,7 +294,7 @@ def candidates(model: ir.Model, dims: LayoutDims, world: int, profile: Profile,
                     for sp, ov in ((False, False), (True, False), *rings) if sp_ok \
                             else ((False, False),):
                         for ep in _experts_options(dims, sizes, d):  # ZeRO innermost:
-                            for z in (range(4 - ov) if d * cp > 1 else (0,)):  # climbs it
+                            for z in (range(4) if d * cp > 1 else (0,)):  # climbs it
                                 yield Candidate(d, t, p, sp, z, sched, m, v, cp,
                                                 experts_on_data=ep, overlap=ov)
 

@@ -15,9 +15,10 @@ Two shapes qualify, on any mesh axis, by what the steps are (never by name):
 Inside a `recompute R` range a ring runs in forward without keeping its per-chunk graphs and
 again in backward's rerun of the range, which builds them (comm's Checkpointed). Steps fused
 into a kernel chain, on a branch, on a zigzag (balanced) dim, or touching a value `recompute
-selective` / `ops` rebuilds stay as they are; `overlap tensor` is refused beside ZeRO-3 (whose
-parameter gathers are timed per step). The rings' p2p traffic is the collective's: t-1
-messages of one chunk each way.
+selective` / `ops` rebuilds stay as they are. Under ZeRO-3 a ring's matmuls count as run at its
+collective step (ShardedModel.run_index), so zero.py gathers their weights' buckets before the
+ring and frees them after it. The rings' p2p traffic is the collective's: t-1 messages of one
+chunk each way.
 
 Under `--precision float8` a ring whose matmuls are float8 steps (einsum.float8_steps) runs
 them in float8 at the blocking step's scales (`float8_rings`; shard/runtime/float8.py
@@ -62,7 +63,7 @@ def _weight_matmul(program: Program, step, params: set[str], dim: str):
 
 def find_rings(program: Program) -> dict[int, Ring]:
     """The collective matmuls of `program`, keyed by their collective step (module doc)."""
-    if not program.overlap_tensor or program.zero >= 3:
+    if not program.overlap_tensor:
         return {}
     params = {p.name for p in program.params}
     outputs = {o.value for o in program.outputs}

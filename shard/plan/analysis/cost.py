@@ -59,7 +59,9 @@ time, on a `hardware.Profile`:
   max(0, ring time - matmul time) is exposed, forward (the forward matmuls), backward (their
   two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again; under
   float8 the rings' float8 chunks at 1 byte an element and their matmuls at the fp8 rate), summed
-  over the rank's rings first (per layer, for a stack of alike blocks); the ZeRO-1/2 gather of
+  over the rank's rings first (per layer, for a stack of alike blocks); the hidden part holds
+  its link class for that long, so ZeRO-3's gathers and the reduction on that class hide only
+  in the compute the rings leave (`LinkLoad.rings_forward`); the ZeRO-1/2 gather of
   the updated parameters and the grad-norm and loss reductions follow the step.
 - pipeline: a pipe rank's busy time per step (compute + blocking collectives over its
   microbatches) stretched by the schedule's bubble, busy / (1 - bubble) with explain's
@@ -422,21 +424,26 @@ class LinkLoad:
     gathers_forward: float = 0.0  # ZeRO-3 parameter gathers, prefetched ahead of forward use
     gathers_backward: float = 0.0  # and again for backward
     reduce: float = 0.0  # gradient reduction launched from backward (bucket by bucket)
+    # `overlap tensor` rings' sends while their matmuls run (the part the matmuls hide): the
+    # link is theirs for that long, so ZeRO-3's gathers and the reduction wait for it
+    rings_forward: float = 0.0
+    rings_backward: float = 0.0  # backward's rings and a recomputed range's again
 
 
 def exposed_on_link(load: LinkLoad, forward: float, backward: float, reduce_window: float,
                     buckets: int) -> tuple[float, float]:
     """(gather time, reduction time) that one link's overlapped traffic adds to the step:
     what the compute windows do not hide. Forward gathers hide behind forward compute,
-    backward gathers behind backward compute; the reduction hides only in the part of its
-    window (`reduce_window`: the whole backward under ZeRO >= 2, else the last microbatch's)
-    that the backward gathers leave the link free (they take it in proportion, spread over
-    backward), and never its last bucket (launched when backward ends). Neither is negative,
-    and no second of compute hides two transfers on one link."""
-    gathers = max(0.0, load.gathers_forward - forward) + \
-        max(0.0, load.gathers_backward - backward)
-    busy = min(1.0, load.gathers_backward / backward) if backward > 0 else \
-        (1.0 if load.gathers_backward else 0.0)
+    backward gathers behind backward compute, each in what the rings' hidden sends leave of
+    it; the reduction hides only in the part of its window (`reduce_window`: the whole
+    backward under ZeRO >= 2, else the last microbatch's) that the backward gathers and rings
+    leave the link free (they take it in proportion, spread over backward), and never its
+    last bucket (launched when backward ends). Neither is negative, and no second of compute
+    hides two transfers on one link."""
+    gathers = max(0.0, load.gathers_forward - max(0.0, forward - load.rings_forward)) + \
+        max(0.0, load.gathers_backward - max(0.0, backward - load.rings_backward))
+    taken = load.gathers_backward + load.rings_backward
+    busy = min(1.0, taken / backward) if backward > 0 else (1.0 if taken else 0.0)
     free = reduce_window * (1.0 - busy)
     reduce = max(load.reduce - free, load.reduce / max(buckets, 1), 0.0)
     return gathers, reduce
@@ -451,17 +458,21 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
     per_axis: dict[str, float] = {}
     links: dict[str, LinkLoad] = {}  # by link class: axes on one class share its links
     buckets = 1
-    # collective matmuls' sends (module doc)
+    # collective matmuls' sends (module doc), in all and by link class
     rings = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
+    ring_links: dict[str, dict[str, float]] = {}
     for t in traffic:
         s = row_seconds(t, mesh, profile)
         per_axis[t.axis] = per_axis.get(t.axis, 0.0) + s
         # ZeRO-3's gathers, prefetched over whatever axes ZeRO shards (data, context or both:
         # zero.py gathers each bucket a step ahead alike); context parallelism's own gathers
         # on those axes are other rows, and compute waits for them
-        load = links.setdefault(link_class(t.axis, mesh, profile), LinkLoad())
+        cls = link_class(t.axis, mesh, profile)
+        load = links.setdefault(cls, LinkLoad())
         if t.phase in rings and t.kind == "send":  # only rings send in these phases
             rings[t.phase] += s
+            on = ring_links.setdefault(cls, dict.fromkeys(rings, 0.0))
+            on[t.phase] += s
         elif t.phase in ("forward", "backward") and t.prefetched:
             if t.phase == "forward":
                 load.gathers_forward += s
@@ -478,9 +489,14 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
             out["after"] += s
     ring_mm = work.ring_seconds(profile, precision) * m
     again = work.again.ring_seconds(profile, precision) * m if work.again else 0.0
-    out["blocking"] += max(0.0, rings["forward"] - ring_mm) + \
-        max(0.0, rings["backward"] - BACKWARD_FACTOR * ring_mm) + \
-        max(0.0, rings["recompute"] - again)
+    windows = {"forward": ring_mm, "backward": BACKWARD_FACTOR * ring_mm, "recompute": again}
+    out["blocking"] += sum(max(0.0, rings[k] - w) for k, w in windows.items())
+    for cls, on in ring_links.items():
+        # each link holds its share of the part the matmuls hide (the rest blocks, above)
+        hidden = {k: min(rings[k], w) * on[k] / rings[k] if rings[k] else 0.0
+                  for k, w in windows.items()}
+        links[cls].rings_forward += hidden["forward"]
+        links[cls].rings_backward += hidden["backward"] + hidden["recompute"]
     # the windows overlap hides in (attention's recomputed scores are backward's)
     forward = (compute - work.rescore_seconds(profile, precision) * m) / (1 + BACKWARD_FACTOR)
     backward = compute - forward

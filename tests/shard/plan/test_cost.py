@@ -119,6 +119,29 @@ def test_collective_matmul_rings_hide_behind_their_matmuls(ring_flops, blocking)
     assert t.total == pytest.approx(12.0 + blocking + 1.0)
 
 
+@pytest.mark.parametrize("ring_gb", [0, 1])
+def test_rings_and_zero3_gathers_on_one_link_share_it(ring_gb):
+    """`overlap tensor` beside ZeRO-3 on mesh data 2 x model 2, one 8-device node: both axes
+    on the intra-node link (10 GB/s). Compute 12 s (4 forward, 8 backward); the rings'
+    matmuls 3 s forward (6 s backward) hide their sends, 2 s forward and 4 s backward, so the
+    link is theirs that long. ZeRO-3's gathers (3 s forward, 3 s backward) hide in what the
+    rings leave: forward 4 - 2 = 2 s, 1 s exposed; backward 8 - 4 = 4 s, none. The
+    reduce-scatter (2 s, 4 buckets) hides in the backward's free 1/8 (1 s): 1 s exposed.
+    Step 14 s. Without the rings' traffic: gathers hidden, the reduction in 5 s free: only
+    its last bucket (0.5 s): 12.5 s."""
+    rows = [Traffic("forward", "allgather", "data", 1, int(30 * GB), prefetched=True),
+            Traffic("backward", "allgather", "data", 1, int(30 * GB), prefetched=True),
+            Traffic("grad sync", "reduce_scatter", "data", 4, int(20 * GB)),
+            Traffic("forward", "send", "model", 4, int(ring_gb * 20 * GB)),
+            Traffic("backward", "send", "model", 4, int(ring_gb * 40 * GB))]
+    t = step_time(est({"data": 2, "model": 2}, 3, rows),
+                  [Work(matmul_flops=4e12, ring_flops=3e12)], profile())
+    assert t.blocking_comm == 0.0
+    assert t.param_gathers == pytest.approx(1.0 * ring_gb)
+    assert t.grad_sync == pytest.approx(1.0 if ring_gb else 0.5)
+    assert t.total == pytest.approx(14.0 if ring_gb else 12.5)
+
+
 # ---- the matmuls' roofline and fused chains ------------------------------------------------
 
 def test_activation_matmuls_are_held_to_the_roofline():

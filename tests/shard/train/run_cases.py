@@ -42,7 +42,7 @@ PIPE_LAYOUTS = {2: ("pp2f1b", "pp2inter"), 4: ("pp2dp2",)}
 BRANCH_SPEC = "tests/specs/branch_layouts.par"
 BRANCH_LAYOUTS = {2: ("gated_br2",), 4: ("br2tp2",)}
 ZERO_SPEC = "tests/specs/zero_layouts.par"  # ZeRO 1-3: per-bucket scatters and gathers
-ZERO_LAYOUTS = {2: ("dp2z1", "dp2z2", "dp2z3", "cp2z3"), 4: ("dp2tp2z3",)}
+ZERO_LAYOUTS = {2: ("dp2z1", "dp2z2", "dp2z3", "cp2z3"), 4: ("dp2tp2z3", "dp2sp2asyncz3")}
 # every distributed form (layernorm, rmsnorm, softmax, cross-entropy split over the dim they
 # reduce): the statistics allreduces shard/ops/kernels.py runs are the ones program.DIST_STATS lists
 OPS_SPEC = "tests/specs/ops_layouts.par"
