@@ -34,9 +34,8 @@ with sequence parallelism, as torchtitan's TP plan); all are torch.compile rows,
 fit splits between eager and compiled rows as for bf16 (the model has no compile). TP's float8
 all-gathers are modelled (e4m3 sequence-parallel gathers), FSDP's are not (soapstone's ZeRO-3
 gathers bf16). AsyncTP rows score with `overlap tensor` (float8 rings: e4m3 chunks; row 12
-beside ZeRO-3); under balanced CP (rows 16-18, cp > 1) no ring forms on the zigzag sequence,
-so those collectives stay blocking. The Megatron-LM
-README's H100 rows are an image: its text states MFU ranges without layouts, nothing to score.
+beside ZeRO-3, rows 16-18 with sequence parallel inside balanced CP). The Megatron-LM README's
+H100 rows are an image: its text states MFU ranges without layouts, nothing to score.
 
     .venv/bin/python bench/bench_plan_published.py [--fit] [--plan] [--json F] [--specs DIR]
 """

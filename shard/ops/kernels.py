@@ -16,7 +16,7 @@ import torch
 from soapstone.comm import autograd as ag
 from soapstone.shard.ops.einsum import einsum_spec, matmul_split  # noqa: F401 - ops' old names
 from soapstone.shard.ops.record import Reduce
-from soapstone.shard.plan.balanced import local_positions, nested_runs, unzigzag, zigzag
+from soapstone.shard.plan.balanced import local_positions, nested_runs, own_axes, unzigzag, zigzag
 from soapstone.shard.plan.program import Compute, Program, Value
 
 OpFn = Callable[[Compute, list[torch.Tensor], "Shards"], torch.Tensor]
@@ -89,11 +89,7 @@ class Shards:
         """Each balanced dim's own axis: the first in mesh order any value splits it over (a
         second axis, sequence parallel, cuts inside its pieces: the checker orders them)."""
         if "balanced" not in self.constants:
-            order = [a for a, _ in self.program.mesh]
-            found = {d: {a for v in self.program.values for a in v.layout.dim_axes(d)}
-                     for d in self.program.balanced}
-            self.constants["balanced"] = ({d: min(axes, key=order.index)
-                                          for d, axes in found.items() if axes},)
+            self.constants["balanced"] = (own_axes(self.program),)
         return self.constants["balanced"][0]
 
     def _inner_piece(self, value: Value, dim: str) -> tuple[int, int]:

@@ -14,11 +14,12 @@ Two shapes qualify, on any mesh axis, by what the steps are (never by name):
 
 Inside a `recompute R` range a ring runs in forward without keeping its per-chunk graphs and
 again in backward's rerun of the range, which builds them (comm's Checkpointed). Steps fused
-into a kernel chain, on a branch, on a zigzag (balanced) dim, or touching a value `recompute
-selective` / `ops` rebuilds stay as they are. Under ZeRO-3 a ring's matmuls count as run at its
-collective step (ShardedModel.run_index), so zero.py gathers their weights' buckets before the
-ring and frees them after it. The rings' p2p traffic is the collective's: t-1 messages of one
-chunk each way.
+into a kernel chain, on a branch, on a balanced dim's own (zigzag) axis, or touching a value
+`recompute selective` / `ops` rebuilds stay as they are (sequence parallel inside `cp
+balanced` rings: its axis moves the cp pieces as they lie). Under ZeRO-3 a ring's matmuls
+count as run at its collective step (ShardedModel.run_index), so zero.py gathers their
+weights' buckets before the ring and frees them after it. The rings' p2p traffic is the
+collective's: t-1 messages of one chunk each way.
 
 Under `--precision float8` a ring whose matmuls are float8 steps (einsum.float8_steps) runs
 them in float8 at the blocking step's scales (`float8_rings`; shard/runtime/float8.py
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import attrs
 
+from soapstone.shard.plan.balanced import own_axes
 from soapstone.shard.plan.layout import RedistributeKind, Split
 from soapstone.shard.plan.program import Compute, GradPlacement, Program, Redistribute
 from soapstone.shard.runtime.fusion_plan import find_fusions
@@ -78,19 +80,26 @@ def find_rings(program: Program) -> dict[int, Ring]:
     # `recompute selective` / `ops` rebuild dropped values from their inputs, which a ring
     # never holds whole: a ring touching one stays a collective
     rebuilt = set(program.dropped) | set(program.held)
+    # a balanced dim's own axis permutes it into zigzag order as it cuts and gathers; a second
+    # axis inside it (sequence parallel under `cp balanced`) moves its pieces as they lie
+    zigzag = own_axes(program)
+
+    def plain(dim: str, axis: str) -> bool:
+        return zigzag.get(dim) != axis
+
     rings: dict[int, Ring] = {}
     for i, s in enumerate(program.steps):
         if not isinstance(s, Redistribute) or i in fused or s.out in outputs \
                 or not program.value(s.src).is_float:
             continue
         if s.kind is RedistributeKind.ALLGATHER and isinstance(s.frm, Split) \
-                and s.grad is GradPlacement.PARTIAL and s.frm.dim not in program.balanced:
+                and s.grad is GradPlacement.PARTIAL and plain(s.frm.dim, s.axis):
             rs = readers.get(s.out, [])
             if rs and all(j not in fused and _weight_matmul(
                     program, program.steps[j], params, s.frm.dim) == s.out for j in rs):
                 rings[i] = Ring(i, s.kind, tuple(rs), s.frm.dim, s.axis)
         elif s.kind is RedistributeKind.REDUCE_SCATTER and isinstance(s.to, Split) \
-                and s.to.dim not in program.balanced and s.src in producer:
+                and plain(s.to.dim, s.axis) and s.src in producer:
             j = producer[s.src]
             if j not in fused and readers.get(s.src) == [i] and s.src not in outputs and \
                     _weight_matmul(program, program.steps[j], params, s.to.dim):

@@ -87,3 +87,13 @@ def prefix_shares(held: list[tuple[int, int, int]], keys: int) -> list[tuple[int
         return []
     return [(min(first + n, keys), n * min(first + n, keys) / (queries * keys))
             for _, first, n in held]
+
+
+def own_axes(program) -> dict[str, str]:
+    """Each balanced dim of a Program with its own axis: the first in mesh order any value
+    splits it over. A second axis (sequence parallel inside context parallel) cuts and
+    gathers the pieces in the order they lie, with no permutation: the checker orders them."""
+    order = [a for a, _ in program.mesh]
+    found = {d: {a for v in program.values for a in v.layout.dim_axes(d)}
+             for d in program.balanced}
+    return {d: min(axes, key=order.index) for d, axes in found.items() if axes}

@@ -23,7 +23,9 @@ from pathlib import Path
 from measure import PLUGIN, W, assert_live_as_explained, load_spec, measure, measure_pipeline
 from mpirun import ranks
 
+from soapstone.dsl.compile.lower import lower
 from soapstone.dsl.testing import assert_matches_golden
+from soapstone.shard.parallel.ring_plan import find_rings
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = tuple(p.stem for p in sorted((ROOT / "examples").glob("*.par")))
@@ -128,7 +130,9 @@ def case_sequence_inside_context_parallel_holds_what_explain_says():
     """llama.par under cp2sp2_rc (tests/specs/sp_residual.par: the sequence over cp, each cp
     piece over model, `recompute layer`) reproduces the single-rank record, and a bf16 step's
     tensors alive (bench/bench_memory.py) are explain's within 6%; so are cp2bsp2's (the
-    same, balanced)."""
+    same, balanced). With `overlap tensor` beside balanced cp (cp2bsp2async) the model
+    axis's collectives run as rings, the cp pieces moving as they lie: the run reproduces the
+    record, its calls and bytes are explain's, its tensors alive within 6%."""
     spec = str(ROOT / "tests/specs/sp_residual.par")
     assert_matches_golden(spec, "cp2sp2_rc", str(ROOT / "tests/golden/runs/llama.npz"))
     dims = {"batch": 8, "seq": 128, "hidden": 128, "ffn": 256, "vocab": 256}
@@ -136,3 +140,9 @@ def case_sequence_inside_context_parallel_holds_what_explain_says():
     # balanced (zigzag) cp with sequence parallel inside: its run is checked against the
     # record with every example layout (case_examples_match_their_records)
     assert_live_as_explained(str(ROOT / "examples/llama.par"), dims, "cp2bsp2")
+    loaded = load_spec(spec)
+    rings = find_rings(lower(loaded.model(), loaded.parallel("cp2bsp2async")))
+    assert {r.axis for r in rings.values()} == {"model"} and len(rings) >= 6, rings
+    assert_matches_golden(spec, "cp2bsp2async", str(ROOT / "tests/golden/runs/llama.npz"))
+    measure(spec, "cp2bsp2async", "adamw")
+    assert_live_as_explained(spec, dims, "cp2bsp2async")
