@@ -1,4 +1,5 @@
-"""Shared fixtures: one MPI launch per world size for the comm cases, cached per session."""
+"""Shared fixtures: one MPI launch per world size for every case file the session's tests run,
+cached per session."""
 
 from __future__ import annotations
 
@@ -10,20 +11,32 @@ import pytest
 # the shared helpers (mpirun, measure, golden_show, hf_models) import by their own names
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from mpirun import run_cases  # noqa: E402
+from mpirun import planned, run_cases  # noqa: E402
 
 COMM_CASES = "tests/comm/comm_cases.py"
 
 
 @pytest.fixture(scope="session")
 def comm_runs():
-    """`comm_runs(n)`: the CaseResults of running every comm case on n ranks (launched once)."""
-    cache = {}
+    """`comm_runs(n, cases_file)`: the CaseResults of that file's cases on n ranks (default the
+    comm cases). The first call for n launches every case file the collected tests plan at n
+    (mpirun.planned) together, so the session pays one launch per world size, not one per
+    file and size (~100 s of process starts and imports on 2 cores); a call with `env` (a
+    backend to select) launches its file alone."""
+    merged: dict[int, object] = {}
+    alone: dict[tuple, object] = {}
 
     def get(n: int, cases_file: str = COMM_CASES, env: dict | None = None):
+        if not env:
+            if n not in merged:
+                files = planned(n)
+                merged[n] = run_cases(n, files or [cases_file])
+            res = merged[n].of(cases_file)
+            if res is not None:
+                return res
         key = (n, cases_file, tuple(sorted((env or {}).items())))
-        if key not in cache:
-            cache[key] = run_cases(n, cases_file, env=env)
-        return cache[key]
+        if key not in alone:
+            alone[key] = run_cases(n, cases_file, env=env)
+        return alone[key]
 
     return get

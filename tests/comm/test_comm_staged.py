@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import COMM_CASES
-from mpirun import case_params, run_cases, run_mpi
+from mpirun import case_params, run_mpi
 
 from soapstone.comm.launch.device import backend, comm_error, gpus_per_node_error
 
@@ -26,14 +26,9 @@ def test_comm_case_staged(comm_runs, case, n):
     comm_runs(n, env={"SOAPSTONE_TEST_BACKEND": "staged"}).check(case)
 
 
-@pytest.fixture(scope="module")
-def staged_runs():
-    return run_cases(2, "tests/comm/staged_cases.py")
-
-
 @pytest.mark.parametrize("case,n", case_params("tests/comm/staged_cases.py"))
-def test_staged_case(staged_runs, case, n):
-    staged_runs.check(case)
+def test_staged_case(comm_runs, case, n):
+    comm_runs(n, "tests/comm/staged_cases.py").check(case)
 
 
 def test_which_backend_serves_which_choice():

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpirun import ROOT, case_params, mpiexec, run_cases, run_mpi
+from mpirun import ROOT, case_params, mpiexec, run_mpi
 
 RECORDER_CASES = "tests/comm/recorder_cases.py"
 JOBS = "tests/comm/hang_jobs.py"
@@ -24,21 +24,9 @@ PLUGIN = "tests/comm/hang_plugin.py"
 SOAPSTONE = "import sys; from soapstone.dsl.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
-@pytest.fixture(scope="module")
-def recorder_runs():
-    cache = {}
-
-    def get(n):
-        if n not in cache:
-            cache[n] = run_cases(n, RECORDER_CASES)
-        return cache[n]
-
-    return get
-
-
 @pytest.mark.parametrize("case,n", case_params(RECORDER_CASES))
-def test_recorder_case(recorder_runs, case, n):
-    recorder_runs(n).check(case)
+def test_recorder_case(comm_runs, case, n):
+    comm_runs(n, RECORDER_CASES).check(case)
 
 
 def ended(res) -> str:

@@ -3,16 +3,19 @@
 Two halves in one file:
 - pytest side: `run_mpi(n, args)` runs `mpiexec -n N <python> args...` under a timeout and
   returns an MPIResult; `run_cases(n, "tests/comm/comm_cases.py")` runs, in one launch (each
-  process pays the torch import once), every `case_*` function of a module that declares world
-  size n, and returns per-case, per-rank results. Each case declares its world sizes with
-  `@ranks(2, 4)`; `case_sizes(path)` reads the declarations without importing the module (no
-  torch at collection) and `case_params(path)` turns them into pytest parameters. A case
+  process pays the torch import once), every `case_*` function of a module (or of several:
+  a list) that declares world size n, and returns per-case, per-rank results. Each case
+  declares its world sizes with `@ranks(2, 4)`; `case_sizes(path)` reads the declarations
+  without importing the module (no torch at collection) and `case_params(path)` turns them
+  into pytest parameters, noting the file and sizes a session will launch (`planned`), so
+  that conftest's `comm_runs` launches every planned file of one world size together. A case
   without a declaration is an error, so none is silently left out.
-- rank side: `python tests/support/mpirun.py CASES_FILE OUT_DIR` is what each rank runs.
-  It calls each case declared for its world size in file order, writes one JSON line per case
-  to OUT_DIR/rank<R>.jsonl and prints `PASS|FAIL|SKIP name` per case. A case raises `Skip`
-  when it does not apply here for another reason (a backend, a device). A per-case watchdog
-  (faulthandler) kills a rank that hangs, dumping its stack.
+- rank side: `python tests/support/mpirun.py CASES_FILE[,CASES_FILE...] OUT_DIR` is what each
+  rank runs. For each file in turn it imports it and calls each case declared for its world
+  size in file order, writes one JSON line per case to OUT_DIR/rank<R>.jsonl and prints
+  `PASS|FAIL|SKIP name` per case; a file that fails to import fails its cases. A case raises
+  `Skip` when it does not apply here for another reason (a backend, a device). A per-case
+  watchdog (faulthandler) kills a rank that hangs, dumping its stack.
 """
 
 from __future__ import annotations
@@ -34,8 +37,21 @@ ROOT = SUPPORT.parents[1]
 CASE_TIMEOUT_S = float(os.environ.get("SOAPSTONE_CASE_TIMEOUT", "60"))
 
 
+_PLANNED: dict[str, set[int]] = {}  # case file -> the world sizes this session's tests run it at
+
+
 class Skip(Exception):
     """Raised by a case that does not apply here (its world sizes are declared, not skipped)."""
+
+
+def case_key(cases_file: str | Path) -> str:
+    """One name per case file, however the caller spells its path."""
+    return str(Path(ROOT, cases_file).resolve())
+
+
+def planned(n: int) -> list[str]:
+    """The case files this session's collected tests run at world size n, in collection order."""
+    return [f for f, sizes in _PLANNED.items() if n in sizes]
 
 
 def ranks(*sizes: int):
@@ -114,10 +130,17 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, env: dict | None = No
 
 @attrs.define
 class CaseResults:
-    """Per-case outcomes of one `run_cases` launch: `cases[name][rank] = (status, message)`."""
+    """Per-case outcomes of one `run_cases` launch: `cases[name][rank] = (status, message)`
+    for the first file; `by_file[case_key(file)]` likewise for each file it ran."""
 
     launch: MPIResult
     cases: dict[str, dict[int, tuple[str, str]]]
+    by_file: dict[str, dict[str, dict[int, tuple[str, str]]]] = attrs.Factory(dict)
+
+    def of(self, cases_file: str | Path) -> CaseResults | None:
+        """The outcomes of one of the launch's files (None if it did not run that file)."""
+        cases = self.by_file.get(case_key(cases_file))
+        return None if cases is None else CaseResults(self.launch, cases, self.by_file)
 
     def check(self, name: str) -> None:
         """Assert case `name` passed on every rank; pytest.skip if every rank skipped it."""
@@ -165,59 +188,81 @@ def case_params(cases_file: str | Path, cases=None, sizes=None) -> list[tuple[st
     unknown = sorted(set(cases or ()) - set(declared))
     if unknown:
         raise ValueError(f"{cases_file} has no cases {unknown}")
-    return [(c, n) for c, ns in declared.items() if cases is None or c in cases
-            for n in ns if sizes is None or n in sizes]
+    params = [(c, n) for c, ns in declared.items() if cases is None or c in cases
+              for n in ns if sizes is None or n in sizes]
+    key = case_key(cases_file)
+    if Path(key).is_relative_to(ROOT):  # the repo's case files (not a test's scratch one)
+        _PLANNED.setdefault(key, set()).update(n for _, n in params)
+    return params
 
 
-def run_cases(n: int, cases_file: str | Path, timeout: float = 180,
+def run_cases(n: int, cases_file: str | Path | list, timeout: float | None = None,
               env: dict | None = None) -> CaseResults:
-    """Run every case of `cases_file` (path from the repo root) that declares world size `n` on
-    `n` ranks, in one launch."""
+    """Run every case of `cases_file` (path from the repo root; or a list of them, one after
+    the other) that declares world size `n` on `n` ranks, in one launch. timeout: of the
+    launch (default 180 s a file; each case has its own watchdog besides)."""
+    files = [case_key(f) for f in (cases_file if isinstance(cases_file, list) else [cases_file])]
     with tempfile.TemporaryDirectory(prefix="soapstone-cases-") as out:
-        args = [str(Path(__file__).resolve()), str(cases_file), out]
-        launch = run_mpi(n, args, timeout=timeout, env=env)
-        cases: dict[str, dict[int, tuple[str, str]]] = {}
+        args = [str(Path(__file__).resolve()), ",".join(files), out]
+        launch = run_mpi(n, args, timeout=timeout or 180 * len(files), env=env)
+        by_file: dict[str, dict[str, dict[int, tuple[str, str]]]] = {f: {} for f in files}
         for f in Path(out).glob("rank*.jsonl"):
             rank = int(f.stem[4:])
             for line in f.read_text().splitlines():
                 row = json.loads(line)
-                cases.setdefault(row["case"], {})[rank] = (row["status"], row["message"])
-    return CaseResults(launch, cases)
+                by_file[row["file"]].setdefault(row["case"], {})[rank] = \
+                    (row["status"], row["message"])
+    return CaseResults(launch, by_file[files[0]], by_file)
 
 
 # ------------------------------------------------------------------------------ rank side --
 def _rank_main(argv: list[str]) -> int:
-    import faulthandler
-    import importlib.util
-    import traceback
-
-    cases_file, out_dir = argv[0], Path(argv[1])
+    files, out_dir = argv[0].split(","), Path(argv[1])
     sys.path[:0] = [str(ROOT), str(SUPPORT)]
     from mpi4py import MPI
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    spec = importlib.util.spec_from_file_location("_cases", ROOT / cases_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    names = [name for name, sizes in case_sizes(cases_file).items() if size in sizes]
     with open(out_dir / f"rank{rank}.jsonl", "w") as log:
-        for name in names:
-            # a hung collective cannot be interrupted from Python: dump the stack and exit,
-            # so mpiexec tears the job down and the report names the case
-            faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
-            try:
-                getattr(module, name)()
-                status, message = "PASS", ""
-            except Skip as e:
-                status, message = "SKIP", str(e)
-            except Exception:
-                status, message = "FAIL", traceback.format_exc()
-            faulthandler.cancel_dump_traceback_later()
-            log.write(json.dumps({"case": name, "status": status, "message": message}) + "\n")
-            log.flush()
-            print(f"[rank {rank}] {status} {name}", flush=True)
+        for cases_file in files:
+            _run_file(cases_file, rank, size, log)
     MPI.COMM_WORLD.Barrier()
     return 0
+
+
+def _run_file(cases_file: str, rank: int, size: int, log) -> None:
+    """Import one case file and run its cases declared for this world size (module doc)."""
+    import faulthandler
+    import importlib.util
+    import traceback
+
+    names = [name for name, sizes in case_sizes(cases_file).items() if size in sizes]
+    faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # its import too
+    try:
+        spec = importlib.util.spec_from_file_location(f"_cases_{Path(cases_file).stem}",
+                                                      cases_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:
+        module, why = None, "importing the case file failed:\n" + traceback.format_exc()
+    faulthandler.cancel_dump_traceback_later()
+    for name in names:
+        # a hung collective cannot be interrupted from Python: dump the stack and exit,
+        # so mpiexec tears the job down and the report names the case
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+        try:
+            if module is None:
+                raise AssertionError(why)
+            getattr(module, name)()
+            status, message = "PASS", ""
+        except Skip as e:
+            status, message = "SKIP", str(e)
+        except Exception:
+            status, message = "FAIL", traceback.format_exc()
+        faulthandler.cancel_dump_traceback_later()
+        log.write(json.dumps({"file": cases_file, "case": name, "status": status,
+                              "message": message}) + "\n")
+        log.flush()
+        print(f"[rank {rank}] {status} {name}", flush=True)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,21 @@ def test_a_launch_runs_the_cases_declared_for_its_size(cases_file):
     assert res.launch.ok, res.launch.report()
     assert sorted(res.cases) == ["case_one", "case_one_and_two"]
     res.check("case_one")
+
+
+def test_one_launch_runs_several_files_and_keeps_them_apart(cases_file, tmp_path):
+    """Several case files in one launch (conftest launches every planned file of a world size
+    together): each file's outcomes on their own, a file that fails to import fails its own
+    cases and no other file's."""
+    broken = tmp_path / "broken_cases.py"
+    broken.write_text("from mpirun import ranks\nimport no_such_module\n\n"
+                      "@ranks(1)\ndef case_one():\n    pass\n")
+    res = run_cases(1, [cases_file, broken], timeout=60)
+    assert res.launch.ok, res.launch.report()
+    mine = res.of(cases_file)
+    assert sorted(mine.cases) == ["case_one", "case_one_and_two"]
+    mine.check("case_one")
+    other = res.of(broken)
+    assert other.cases["case_one"][0][0] == "FAIL"
+    assert "no_such_module" in other.cases["case_one"][0][1]
+    assert res.of(tmp_path / "never_ran.py") is None
