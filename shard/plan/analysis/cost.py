@@ -132,10 +132,15 @@ class Work:
     # fused attention by the keys its queries attend: ((keys, forward FLOPs computed, of
     # act_flops less skipped_flops; rescored FLOPs, of rescore_flops), ...), ascending keys
     attention: tuple[tuple[int, float, float], ...] = ()
+    ring_f8_flops: float = 0.0  # of ring_flops, the float8 steps' (of f8_flops too)
 
     def ring_seconds(self, profile: Profile, precision: str) -> float:
-        """The rings' matmuls' forward time at the weight matmuls' rate."""
-        return self.ring_flops / profile.matmul_flops(matmul_peaks(precision)[0])
+        """The rings' matmuls' forward time, each at its own rate: a float8 step's at the
+        fp8 peak's under float8, the rest at the weight matmuls' rate of the other dtype."""
+        weight_peak, act_peak = matmul_peaks(precision)
+        f8 = self.ring_f8_flops if weight_peak != act_peak else 0.0
+        return f8 / profile.matmul_flops(weight_peak) + \
+            (self.ring_flops - f8) / profile.matmul_flops(act_peak)
 
     def __add__(self, other: Work) -> Work:
         again = (self.again or Work()) + other.again if other.again else self.again
@@ -308,10 +313,13 @@ def _work(program: Program, indices) -> Work:
             sf = record_of(scores.kind).flops(scores, program)
             rescore += sf * done
             attention += [(keys, f * share, sf * share) for keys, share in runs]
-    rings = sum(record_of("einsum").flops(program.steps[j], program)
-                for r in find_rings(program).values() for j in r.matmuls if j in indices)
+    in_rings = [j for r in find_rings(program).values() for j in r.matmuls if j in indices]
+    rings = sum(record_of("einsum").flops(program.steps[j], program) for j in in_rings)
+    f8_steps = float8_steps(program)
+    ring_f8 = sum(record_of("einsum").flops(program.steps[j], program) for j in in_rings
+                  if j in f8_steps)
     return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd,
-                skipped, rescore, rings, by_keys(attention))
+                skipped, rescore, rings, by_keys(attention), ring_f8)
 
 
 def _attention_runs(program: Program, f: FusedAttention) -> list[tuple[int, float]]:

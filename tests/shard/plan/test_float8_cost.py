@@ -55,6 +55,16 @@ def test_float8_runs_its_matmuls_at_the_fp8_peak_and_pays_its_casts():
     assert r.seconds(profile(), "float8") == pytest.approx(3 * 0.5 + 0.003 + 0.5 + 0.001)
 
 
+def test_a_rings_matmuls_hide_its_sends_at_their_own_rates():
+    """Under float8 a ring's float8 steps run at the fp8 peak, its `float8 = false` ones at
+    bf16's: 3 TFLOP of ring matmuls, 2 of them float8: 2/4 + 1/2 = 1 s (all at the fp8
+    rate, as before: 0.75 s); under bf16 all at 2 TFLOP/s: 1.5 s."""
+    w = Work(matmul_flops=4e12, f8_flops=3e12, ring_flops=3e12, ring_f8_flops=2e12)
+    assert w.ring_seconds(profile(), "float8") == pytest.approx(1.0)
+    assert w.ring_seconds(profile(), "bf16") == pytest.approx(1.5)
+    assert (w + w).ring_seconds(profile(), "float8") == pytest.approx(2.0)
+
+
 def test_a_profile_without_an_fp8_peak_refuses_float8():
     with pytest.raises(ProfileError, match="'fp8'"):
         Work(matmul_flops=1.0, f8_flops=1.0).seconds(profile(fp8=False), "float8")
@@ -248,3 +258,20 @@ def test_what_float8_still_refuses_beside_rings():
     assert "a 1/2 chunk of rows at a time" in why and "a chunk has 8;" in why, why
     why = refusal("true", hidden=24)
     assert "runs this weight matmul with torch._scaled_mm" in why, why
+
+
+def test_a_ring_of_bf16_matmuls_is_priced_at_the_bf16_rate():
+    """MIXED with both readers of h `float8 = false`: their gather ring runs bf16 matmuls
+    under float8 (the gathered h [8, 16, 32] times this rank's w [32, 64 / 2], twice:
+    2 x 2 x 128 x 32 x 32 FLOPs), so `ring_f8_flops` leaves them out; the reduce-scatter
+    ring's matmul (ffn -> hidden) and the output projection's stay float8."""
+    from soapstone.shard.parallel.ring_plan import find_rings
+
+    text = MIXED.replace("OPT", "false").replace("hidden -> ffn, bias = false)",
+                                                  "hidden -> ffn, bias = false, float8 = false)")
+    spec = dsl.load(text)
+    program = program_as_run(lower_graph(spec.model(), spec.parallel("r")).program, "float8")
+    work = program_work(program)
+    assert len(find_rings(program)) == 3
+    assert work.ring_flops - work.ring_f8_flops == 2 * 2 * 128 * 32 * 32
+    assert work.ring_f8_flops > 0
