@@ -299,19 +299,20 @@ class Float8GatherRing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         whole, xi, *ws = ctx.saved_tensors
-        n, dim, lead = ctx.comm.size, ctx.dim, whole.dim() - ctx.ks[0]
-        casts = []  # per matmul: its output gradient's e5m2 cast (shaped as y), w's cast
+        n, dim = ctx.comm.size, ctx.dim
+        casts = []  # per matmul: its output gradient's e5m2 cast (shaped as y), w's cast, x's
+        # leading (uncontracted) dims
         for g, w, k, scale in zip(gs, ws, ctx.ks, ctx.scales, strict=True):
             if g is None:
                 g = whole.new_zeros(*whole.shape[:whole.dim() - k], *w.shape[k:],
                                     dtype=ctx.dtype)
             g = g if scale is None else g * scale
             gq, gi = to_float8(g.reshape(-1, math.prod(w.shape[k:])), E5M2)
-            casts.append((gq.view(g.shape), gi, _cast_weight(w, k)))
+            casts.append((gq.view(g.shape), gi, _cast_weight(w, k), whole.dim() - k))
 
         def part(c):  # chunk c's rows of x's gradient: this rank's partial sum
             total = None
-            for gq, gi, (wq, wi) in reversed(casts):
+            for gq, gi, (wq, wi), lead in reversed(casts):
                 rows = gq.chunk(n, dim)[c].contiguous()
                 gx = _mm(rows.reshape(-1, wq.shape[1]), gi, wq.t(), wi, ctx.dtype)
                 gx = gx.reshape(*rows.shape[:lead], *whole.shape[lead:])
@@ -320,7 +321,7 @@ class Float8GatherRing(torch.autograd.Function):
 
         gx = ring_reduce_scatter(ctx.comm, part)
         gws = []
-        for (gq, gi, _), w, k in zip(casts, ws, ctx.ks, strict=True):
+        for (gq, gi, _, _), w, k in zip(casts, ws, ctx.ks, strict=True):
             xs = _rows(whole, k)
             gws.append(_mm(xs.t(), xi, gq.reshape(xs.shape[0], -1), gi,
                            w.dtype).reshape(w.shape))
