@@ -56,9 +56,11 @@ time, on a `hardware.Profile`:
   waits for the busiest. Tensor-parallel collectives (forward and backward rows on the other
   axes) block and are paid in full, except under `overlap tensor` (shard/parallel/ring_plan.py):
   a collective matmul's ring of sends runs while its matmuls compute chunk by chunk, so only
-  max(0, ring time - matmul time) is exposed, forward (the forward matmuls), backward (their
-  two gradients, 2x) and a recomputed range's forward again (its rings' matmuls again; under
-  float8 the rings' float8 chunks at 1 byte an element and their matmuls at the fp8 rate), summed
+  max(0, ring time - matmul time) is exposed where the profile's `ring_overlap` is 1 (the
+  ideal; it hides that share of the shorter of the two), forward (the forward matmuls),
+  backward (their two gradients, 2x) and a recomputed range's forward again (its rings'
+  matmuls again; under float8 the rings' float8 chunks at 1 byte an element and their float8
+  matmuls at the fp8 rate), summed
   over the rank's rings first (per layer, for a stack of alike blocks); the hidden part holds
   its link class for that long, so ZeRO-3's gathers and the reduction on that class hide only
   in the compute the rings leave (`LinkLoad.rings_forward`); the ZeRO-1/2 gather of
@@ -498,13 +500,14 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
     ring_mm = work.ring_seconds(profile, precision) * m
     again = work.again.ring_seconds(profile, precision) * m if work.again else 0.0
     windows = {"forward": ring_mm, "backward": BACKWARD_FACTOR * ring_mm, "recompute": again}
-    out["blocking"] += sum(max(0.0, rings[k] - w) for k, w in windows.items())
+    # the matmuls hide the profile's share of what they could: the shorter of the two
+    hidden = {k: profile.ring_overlap * min(rings[k], w) for k, w in windows.items()}
+    out["blocking"] += sum(rings[k] - hidden[k] for k in windows)
     for cls, on in ring_links.items():
         # each link holds its share of the part the matmuls hide (the rest blocks, above)
-        hidden = {k: min(rings[k], w) * on[k] / rings[k] if rings[k] else 0.0
-                  for k, w in windows.items()}
-        links[cls].rings_forward += hidden["forward"]
-        links[cls].rings_backward += hidden["backward"] + hidden["recompute"]
+        share = {k: hidden[k] * on[k] / rings[k] if rings[k] else 0.0 for k in windows}
+        links[cls].rings_forward += share["forward"]
+        links[cls].rings_backward += share["backward"] + share["recompute"]
     # the windows overlap hides in (attention's recomputed scores are backward's)
     forward = (compute - work.rescore_seconds(profile, precision) * m) / (1 + BACKWARD_FACTOR)
     backward = compute - forward

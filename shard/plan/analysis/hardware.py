@@ -5,9 +5,11 @@ The presets live in profiles.json beside this module (its `_doc` says what each 
 same format. `load_profile(ref)` takes a preset's name or a file's path; a file holds one
 profile object, or `{"profiles": [...]}` with exactly one. Every field is required but `fit`
 (which constants were fitted to published runs, and the fit's error), `attention`
-(attention's rate over the weight matmuls', by the keys a query attends) and `memory_bound`
-(the rate eager memory-bound ops reach, as the cost model counts their bytes): a missing or
-malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch here.
+(attention's rate over the weight matmuls', by the keys a query attends), `memory_bound`
+(the rate eager memory-bound ops reach, as the cost model counts their bytes) and
+`ring_overlap` (the share of a collective matmul ring's traffic its matmuls hide): a missing
+or malformed one is bad input (ProfileError, exit 2) naming the file and the field. No torch
+here.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class Profile:
     # `memory_bound`); 0 where not measured: they run at memory_bandwidth
     memory_bound_bandwidth: float = 0.0
     memory_bound_source: str = attrs.field(default="", eq=False)
+    # the share of an `overlap tensor` ring's sends that its matmuls hide, of what they could
+    # (the shorter of the two; profiles.json's `ring_overlap`): 1 where not given, the ideal
+    ring_overlap: float = 1.0
+    ring_overlap_source: str = attrs.field(default="", eq=False)
 
     @property
     def memory_bound_rate(self) -> float:
@@ -133,6 +139,9 @@ class Profile:
           | ({"memory_bound": {"gbs": self.memory_bound_bandwidth / 1e9,
                                "source": self.memory_bound_source}}
              if self.memory_bound_bandwidth else {}) \
+          | ({"ring_overlap": {"fraction": self.ring_overlap,
+                               "source": self.ring_overlap_source}}
+             if self.ring_overlap != 1.0 else {}) \
           | ({"fit": self.fit} if self.fit else {})
 
 
@@ -196,7 +205,23 @@ def profile_from_data(data: dict, where: str) -> Profile:
         attention=_attention(data, where), attention_source=str(
             data.get("attention", {}).get("source", "")),
         memory_bound_bandwidth=_memory_bound(data, where) * 1e9,
-        memory_bound_source=str(data.get("memory_bound", {}).get("source", "")))
+        memory_bound_source=str(data.get("memory_bound", {}).get("source", "")),
+        ring_overlap=_ring_overlap(data, where),
+        ring_overlap_source=str(data.get("ring_overlap", {}).get("source", "")))
+
+
+def _ring_overlap(data: dict, where: str) -> float:
+    """The optional `ring_overlap`: an object whose `fraction` lies in [0, 1]; 1 if absent."""
+    if "ring_overlap" not in data:
+        return 1.0
+    r = data["ring_overlap"]
+    if not isinstance(r, dict) or "fraction" not in r or \
+            not isinstance(r["fraction"], int | float) or isinstance(r["fraction"], bool) or \
+            not 0.0 <= r["fraction"] <= 1.0:
+        raise ProfileError(f"{where}: field 'ring_overlap' must be an object with a "
+                           "'fraction' from 0 to 1 (the share of a ring's traffic its matmuls "
+                           f"hide; 'source' optional), got {r!r}")
+    return float(r["fraction"])
 
 
 def _memory_bound(data: dict, where: str) -> float:

@@ -119,6 +119,21 @@ def test_collective_matmul_rings_hide_behind_their_matmuls(ring_flops, blocking)
     assert t.total == pytest.approx(12.0 + blocking + 1.0)
 
 
+@pytest.mark.parametrize("overlap,blocking", [(1.0, 0.0), (0.5, 0.5 + 1.0)])
+def test_a_profile_hides_its_share_of_a_rings_traffic(overlap, blocking):
+    """ring_overlap: the share of the shorter of a ring's sends and its matmuls that is
+    hidden. Sends 1 s forward, 2 s backward behind 4 s / 8 s of ring matmuls: all hidden at
+    1; at 0.5 half of each: 0.5 + 1 s exposed (the link held the other half)."""
+    import attrs
+
+    rows = [Traffic("forward", "send", "model", 4, int(10 * GB)),
+            Traffic("backward", "send", "model", 4, int(20 * GB))]
+    prof = attrs.evolve(profile(), ring_overlap=overlap)
+    t = step_time(est({"model": 2}, 0, rows), [Work(matmul_flops=4e12, ring_flops=4e12)], prof)
+    assert t.blocking_comm == pytest.approx(blocking)
+    assert t.total == pytest.approx(12.0 + blocking)
+
+
 @pytest.mark.parametrize("ring_gb", [0, 1])
 def test_rings_and_zero3_gathers_on_one_link_share_it(ring_gb):
     """`overlap tensor` beside ZeRO-3 on mesh data 2 x model 2, one 8-device node: both axes

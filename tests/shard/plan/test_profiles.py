@@ -35,6 +35,8 @@ def test_a_profile_file_round_trips(tmp_path):
     assert again.memory_bytes == load_profile("h100-80gb").memory_bytes
     assert again.attention == load_profile("h100-80gb").attention != ()
     assert again.memory_bound_rate == load_profile("h100-80gb").memory_bound_rate == 1089e9
+    assert again.ring_overlap == load_profile("h100-80gb").ring_overlap == 0.19
+    assert "ring_overlap" not in load_profile("a100-40gb").to_data()  # the ideal, 1
 
 
 @pytest.mark.parametrize("drop, field", [
@@ -70,6 +72,10 @@ def test_bad_values_and_unknown_names_are_user_errors(tmp_path):
     for bad in ({"gbs": 0}, {"source": "x"}, 1089):
         path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"memory_bound": bad}))
         with pytest.raises(ProfileError, match="memory_bound"):
+            load_profile(str(path))
+    for bad in ({"fraction": 1.5}, {"fraction": -0.1}, {"fraction": True}, {"source": "x"}, 0.5):
+        path.write_text(json.dumps(load_profile("a100-40gb").to_data() | {"ring_overlap": bad}))
+        with pytest.raises(ProfileError, match="ring_overlap.*from 0 to 1"):
             load_profile(str(path))
 
 
