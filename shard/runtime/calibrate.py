@@ -11,7 +11,12 @@ communicator is). One host has one link class: both intra_node and inter_node ge
 measured link (edit inter_node for a cluster). matmul_efficiency is 1: the peaks are what
 matmuls achieve here. Memory per device: the host's memory over the ranks on it. The ops'
 fixed cost: a model too small to compute (PROBE_SPEC) trained on each rank alone, its
-forward-backward time over its op count.
+forward-backward time over its op count. ring_overlap (`overlap tensor`'s rings): one
+all-gather ring of fp32 chunks with a matmul per chunk (comm/collective_matmul.py), its
+output width chosen from the measured rates so that a chunk's send and its matmul take about
+as long (else the shorter is lost in the longer's noise), timed against its matmuls alone and
+its sends alone: the share of the shorter the ring hid, (matmuls + sends - ring) /
+min(matmuls, sends), within [0, 1].
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ model probe {
 }
 """
 MATMUL_SIZES = (256, 512, 1024)
+RING_CHUNK = (256, 1024)  # a ring chunk's rows and width (fp32)
+RING_ITERS = 25
 LINK_SIZES = (8, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 # the compute dtypes a run's --precision offers, each measured
 DTYPES = {p: getattr(torch, PRECISIONS[p].torch_name) for p in RUN_PRECISIONS}
@@ -129,6 +136,55 @@ def link(world) -> Link:
     return Link(1 / inv_beta, alpha)
 
 
+def ring_output_width(flops: float, bandwidth: float) -> int:
+    """The matmul output width at which a ring chunk's matmul (2 x rows x width x out FLOPs)
+    takes as long as its send (4 x rows x width bytes): 2 x flops / bandwidth, in [16, 16384]."""
+    return int(min(16384, max(16, round(2 * flops / bandwidth))))
+
+
+def ring_overlap(world, out: int) -> float:
+    """The share of the shorter of a ring's sends and its matmuls that the ring hides here,
+    each chunk's matmul `out` wide (module doc; every rank calls it; each kind timed as the
+    slowest rank took it)."""
+    from soapstone.comm.collective_matmul import ring_all_gather
+
+    rows, width = RING_CHUNK
+    x, w = torch.randn(rows, width), torch.randn(width, out)
+    n = world.size
+
+    def ring(apply: bool, send: bool):
+        def use(c, chunk):
+            if apply:
+                torch.matmul(chunk, w)
+
+        def run():
+            world.barrier()
+            if send:
+                ring_all_gather(world, x, use)
+            else:
+                for c in range(n):
+                    use(c, x)
+        return run
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    # a fixed count (every rank makes the same calls), the three kinds interleaved so that a
+    # busy moment of a shared machine falls on all three alike
+    kinds = [ring(a, s) for a, s in ((True, False), (False, True), (True, True))]
+    for fn in kinds:
+        fn()  # warm-up
+    samples = [[timed(fn) for fn in kinds] for _ in range(RING_ITERS)]
+    mine = torch.tensor([statistics.median(col) for col in zip(*samples, strict=True)],
+                        dtype=torch.float64)
+    mm, sends, both = world.allreduce(mine, op="max").tolist()
+    shorter = min(mm, sends)
+    got = (mm + sends - both) / shorter if shorter > 0 else 0.0
+    return min(1.0, max(0.0, got))
+
+
 def calibrate(world, probe=None) -> Profile:
     """This machine's profile, measured by every rank of `world` (collective); `probe`: the
     one-rank StageGraph of PROBE_SPEC, for the ops' fixed cost (0 without)."""
@@ -147,6 +203,8 @@ def calibrate(world, probe=None) -> Profile:
     bw = torch.tensor([memory_bandwidth()], dtype=torch.float64)
     bw = world.allreduce(bw, op="min").item() if world.size > 1 else bw.item()
     measured = link(world) if world.size > 1 else Link(1e12, 0.0)
+    out = ring_output_width(peaks["fp32"], measured.bandwidth)
+    overlap = ring_overlap(world, out) if world.size > 1 else 1.0
     memory, _ = host_memory_per_rank(world.size)
     host = socket.gethostname()
     return Profile(
@@ -155,4 +213,8 @@ def calibrate(world, probe=None) -> Profile:
                     f"({time.strftime('%Y-%m-%d')}): one rank per device, one thread each",
         memory_bytes=memory, usable_fraction=0.9, devices_per_node=world.size,
         peak_flops=peaks, matmul_efficiency=1.0, memory_bandwidth=bw,
-        intra_node=measured, inter_node=measured, op_overhead_s=overhead.item())
+        intra_node=measured, inter_node=measured, op_overhead_s=overhead.item(),
+        ring_overlap=round(overlap, 2), ring_overlap_source=(
+            f"measured: `soapstone bench calibrate`, one ring of {RING_CHUNK[0]} x "
+            f"{RING_CHUNK[1]} fp32 chunks, a matmul to {out} wide each"
+            if world.size > 1 else ""))

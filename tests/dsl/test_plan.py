@@ -431,6 +431,12 @@ def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
     prof = load_profile(str(out))
     assert prof.devices_per_node == 2 and prof.matmul_efficiency == 1.0
     assert prof.peak_flops["fp32"] > 1e8 and prof.intra_node.bandwidth > 1e6
+    # the share of a ring's traffic its matmuls hide, measured (a fraction, by definition);
+    # its chunks' matmuls as wide as make them take as long as their sends
+    assert 0.0 <= prof.ring_overlap <= 1.0 and "measured" in prof.ring_overlap_source
+    from soapstone.shard.runtime.calibrate import ring_output_width
+    assert ring_output_width(82e9, 0.5e9) == 328 and ring_output_width(7e14, 3.6e11) == 3889
+    assert ring_output_width(1e9, 1e12) == 16 and ring_output_width(1e15, 1e9) == 16384
     r = run_mpi(1, ["-m", "soapstone.dsl.cli", "bench", "calibrate"])
     assert r.returncode == 2 and "needs -o PROFILE.json" in r.stderr
 

@@ -141,7 +141,7 @@ class Profile:
              if self.memory_bound_bandwidth else {}) \
           | ({"ring_overlap": {"fraction": self.ring_overlap,
                                "source": self.ring_overlap_source}}
-             if self.ring_overlap != 1.0 else {}) \
+             if self.ring_overlap != 1.0 or self.ring_overlap_source else {}) \
           | ({"fit": self.fit} if self.fit else {})
 
 
