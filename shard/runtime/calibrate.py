@@ -12,11 +12,11 @@ measured link (edit inter_node for a cluster). matmul_efficiency is 1: the peaks
 matmuls achieve here. Memory per device: the host's memory over the ranks on it. The ops'
 fixed cost: a model too small to compute (PROBE_SPEC) trained on each rank alone, its
 forward-backward time over its op count. ring_overlap (`overlap tensor`'s rings): one
-all-gather ring of fp32 chunks with a matmul per chunk (comm/collective_matmul.py), its
-output width chosen from the measured rates so that a chunk's send and its matmul take about
-as long (else the shorter is lost in the longer's noise), timed against its matmuls alone and
-its sends alone: the share of the shorter the ring hid, (matmuls + sends - ring) /
-min(matmuls, sends), within [0, 1].
+all-gather ring of fp32 chunks with a matmul per chunk (comm/collective_matmul.py), the
+chunk's rows chosen from the measured link so that a send takes RING_SEND_S and the matmul's
+output width so that it takes as long (else the shorter is lost in the longer's noise, or
+both in a barrier's), timed against its matmuls alone and its sends alone: the share of the
+shorter the ring hid, (matmuls + sends - ring) / min(matmuls, sends), within [0, 1].
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ model probe {
 }
 """
 MATMUL_SIZES = (256, 512, 1024)
-RING_CHUNK = (256, 1024)  # a ring chunk's rows and width (fp32)
+RING_WIDTH = 1024  # a ring chunk's width (fp32)
+RING_SEND_S = 0.005  # how long a chunk's send is made to take
 RING_ITERS = 25
 LINK_SIZES = (8, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 # the compute dtypes a run's --precision offers, each measured
@@ -136,20 +137,22 @@ def link(world) -> Link:
     return Link(1 / inv_beta, alpha)
 
 
-def ring_output_width(flops: float, bandwidth: float) -> int:
-    """The matmul output width at which a ring chunk's matmul (2 x rows x width x out FLOPs)
-    takes as long as its send (4 x rows x width bytes): 2 x flops / bandwidth, in [16, 16384]."""
-    return int(min(16384, max(16, round(2 * flops / bandwidth))))
+def ring_shape(flops: float, bandwidth: float) -> tuple[int, int]:
+    """(rows, matmul output width) of a ring chunk RING_WIDTH wide whose send (4 x rows x
+    width bytes) takes RING_SEND_S at `bandwidth` (rows in [64, 16384]) and whose matmul
+    (2 x rows x width x out FLOPs) as long at `flops`: out = 2 x flops / bandwidth, in
+    [16, 16384]."""
+    rows = round(RING_SEND_S * bandwidth / (4 * RING_WIDTH))
+    return (int(min(16384, max(64, rows))), int(min(16384, max(16, round(2 * flops / bandwidth)))))
 
 
-def ring_overlap(world, out: int) -> float:
+def ring_overlap(world, rows: int, out: int) -> float:
     """The share of the shorter of a ring's sends and its matmuls that the ring hides here,
-    each chunk's matmul `out` wide (module doc; every rank calls it; each kind timed as the
-    slowest rank took it)."""
+    for chunks of `rows` whose matmul is `out` wide (module doc; every rank calls it; each
+    kind timed as the slowest rank took it)."""
     from soapstone.comm.collective_matmul import ring_all_gather
 
-    rows, width = RING_CHUNK
-    x, w = torch.randn(rows, width), torch.randn(width, out)
+    x, w = torch.randn(rows, RING_WIDTH), torch.randn(RING_WIDTH, out)
     n = world.size
 
     def ring(apply: bool, send: bool):
@@ -203,8 +206,8 @@ def calibrate(world, probe=None) -> Profile:
     bw = torch.tensor([memory_bandwidth()], dtype=torch.float64)
     bw = world.allreduce(bw, op="min").item() if world.size > 1 else bw.item()
     measured = link(world) if world.size > 1 else Link(1e12, 0.0)
-    out = ring_output_width(peaks["fp32"], measured.bandwidth)
-    overlap = ring_overlap(world, out) if world.size > 1 else 1.0
+    rows, out = ring_shape(peaks["fp32"], measured.bandwidth)
+    overlap = ring_overlap(world, rows, out) if world.size > 1 else 1.0
     memory, _ = host_memory_per_rank(world.size)
     host = socket.gethostname()
     return Profile(
@@ -215,6 +218,6 @@ def calibrate(world, probe=None) -> Profile:
         peak_flops=peaks, matmul_efficiency=1.0, memory_bandwidth=bw,
         intra_node=measured, inter_node=measured, op_overhead_s=overhead.item(),
         ring_overlap=round(overlap, 2), ring_overlap_source=(
-            f"measured: `soapstone bench calibrate`, one ring of {RING_CHUNK[0]} x "
-            f"{RING_CHUNK[1]} fp32 chunks, a matmul to {out} wide each"
+            f"measured: `soapstone bench calibrate`, one ring of {rows} x {RING_WIDTH} fp32 "
+            f"chunks, a matmul to {out} wide each"
             if world.size > 1 else ""))

@@ -434,9 +434,11 @@ def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
     # the share of a ring's traffic its matmuls hide, measured (a fraction, by definition);
     # its chunks' matmuls as wide as make them take as long as their sends
     assert 0.0 <= prof.ring_overlap <= 1.0 and "measured" in prof.ring_overlap_source
-    from soapstone.shard.runtime.calibrate import ring_output_width
-    assert ring_output_width(82e9, 0.5e9) == 328 and ring_output_width(7e14, 3.6e11) == 3889
-    assert ring_output_width(1e9, 1e12) == 16 and ring_output_width(1e15, 1e9) == 16384
+    from soapstone.shard.runtime.calibrate import ring_shape
+    # 5 ms sends of 1024-wide fp32 rows: 4.4 GB/s -> 5371 rows; 82 GFLOP/s matmuls as long
+    # -> 2 x 82e9 / 4.4e9 = 37 wide; the bounds
+    assert ring_shape(82e9, 4.4e9) == (5371, 37)
+    assert ring_shape(1e9, 1e12) == (16384, 16) and ring_shape(1e15, 1e6) == (64, 16384)
     r = run_mpi(1, ["-m", "soapstone.dsl.cli", "bench", "calibrate"])
     assert r.returncode == 2 and "needs -o PROFILE.json" in r.stderr
 
