@@ -139,8 +139,12 @@ def _graphs(ctx, stash: Checkpointed | None, x: torch.Tensor, grad: bool, ws):
 def _hold(ctx, leaves: list[torch.Tensor]) -> None:
     """After forward: the weights' leaves (which the per-chunk graphs' gradient nodes hold)
     let go of their storage, so a ZeRO-3 bucket freed after the ring is freed; `_restore`
-    gives it back from the saved weights."""
+    gives it back from the saved weights, `_forget` takes it again."""
     ctx.held = leaves
+    _let_go(leaves)
+
+
+def _let_go(leaves: list[torch.Tensor]) -> None:
     for t in leaves:
         t.data = torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape)
 
@@ -151,7 +155,7 @@ def _restore(ctx):
     saved = ctx.saved_tensors  # under a range, unpacking x runs it again: the slot fills
     if ctx.slot is not None:
         return ctx.stash.slots[ctx.slot]
-    for t, w in zip(ctx.held, saved, strict=False):  # the weights first
+    for t, w in zip(ctx.held, saved[:len(ctx.held)], strict=True):  # the weights first
         t.data = w
     return ctx.graphs
 
@@ -160,6 +164,8 @@ def _forget(ctx) -> None:
     """Drop this ring's per-chunk graphs once its backward is done, the checkpoint's slot too
     (the stash lives to the step's end)."""
     ctx.graphs = None
+    _let_go(ctx.held)  # a ctx lives as long as the step's graph: the bucket must not
+    ctx.held = []
     if ctx.slot is not None:
         ctx.stash.slots[ctx.slot] = None
 

@@ -11,7 +11,14 @@ import pytest
 # the shared helpers (mpirun, measure, golden_show, hf_models) import by their own names
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from mpirun import planned, run_cases  # noqa: E402
+from mpirun import keep_planned, planned, run_cases  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """Plan the merged launches for the case parameters left after deselection only."""
+    keep_planned({(item.module.__name__, item.callspec.params["case"], item.callspec.params["n"])
+                  for item in session.items if hasattr(item, "callspec")
+                  and {"case", "n"} <= set(item.callspec.params)})
 
 COMM_CASES = "tests/comm/comm_cases.py"
 

@@ -15,8 +15,9 @@ forward-backward time over its op count. ring_overlap (`overlap tensor`'s rings)
 all-gather ring of fp32 chunks with a matmul per chunk (comm/collective_matmul.py), the
 chunk's rows chosen from the measured link so that a send takes RING_SEND_S and the matmul's
 output width so that it takes as long (else the shorter is lost in the longer's noise, or
-both in a barrier's), timed against its matmuls alone and its sends alone: the share of the
-shorter the ring hid, (matmuls + sends - ring) / min(matmuls, sends), within [0, 1].
+both in a barrier's), timed against its matmuls alone and its sends alone, each less a bare
+barrier's time (every kind starts with one): the share of the shorter the ring hid
+(`hidden_share`).
 """
 
 from __future__ import annotations
@@ -146,6 +147,16 @@ def ring_shape(flops: float, bandwidth: float) -> tuple[int, int]:
     return (int(min(16384, max(64, rows))), int(min(16384, max(16, round(2 * flops / bandwidth)))))
 
 
+def hidden_share(matmuls: float, sends: float, ring: float) -> float:
+    """The share of the shorter of `matmuls` and `sends` (seconds, each alone) that the ring
+    running both (`ring`) hid: (matmuls + sends - ring) / min(matmuls, sends), held to
+    [0, 1] (a shared machine's noise can put a sample outside)."""
+    shorter = min(matmuls, sends)
+    if shorter <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (matmuls + sends - ring) / shorter))
+
+
 def ring_overlap(world, rows: int, out: int) -> float:
     """The share of the shorter of a ring's sends and its matmuls that the ring hides here,
     for chunks of `rows` whose matmul is `out` wide (module doc; every rank calls it; each
@@ -176,16 +187,14 @@ def ring_overlap(world, rows: int, out: int) -> float:
 
     # a fixed count (every rank makes the same calls), the three kinds interleaved so that a
     # busy moment of a shared machine falls on all three alike
-    kinds = [ring(a, s) for a, s in ((True, False), (False, True), (True, True))]
+    kinds = [ring(a, s) for a, s in ((False, False), (True, False), (False, True), (True, True))]
     for fn in kinds:
         fn()  # warm-up
     samples = [[timed(fn) for fn in kinds] for _ in range(RING_ITERS)]
     mine = torch.tensor([statistics.median(col) for col in zip(*samples, strict=True)],
                         dtype=torch.float64)
-    mm, sends, both = world.allreduce(mine, op="max").tolist()
-    shorter = min(mm, sends)
-    got = (mm + sends - both) / shorter if shorter > 0 else 0.0
-    return min(1.0, max(0.0, got))
+    bare, mm, sends, both = world.allreduce(mine, op="max").tolist()
+    return hidden_share(mm - bare, sends - bare, both - bare)
 
 
 def calibrate(world, probe=None) -> Profile:

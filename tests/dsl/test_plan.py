@@ -431,10 +431,13 @@ def test_bench_calibrate_writes_a_profile_plan_reads(tmp_path):
     prof = load_profile(str(out))
     assert prof.devices_per_node == 2 and prof.matmul_efficiency == 1.0
     assert prof.peak_flops["fp32"] > 1e8 and prof.intra_node.bandwidth > 1e6
-    # the share of a ring's traffic its matmuls hide, measured (a fraction, by definition);
-    # its chunks' matmuls as wide as make them take as long as their sends
-    assert 0.0 <= prof.ring_overlap <= 1.0 and "measured" in prof.ring_overlap_source
-    from soapstone.shard.runtime.calibrate import ring_shape
+    # the share of a ring's traffic its matmuls hide, measured; its chunks' matmuls as wide
+    # as make them take as long as their sends
+    assert "measured" in prof.ring_overlap_source
+    from soapstone.shard.runtime.calibrate import hidden_share, ring_shape
+    # matmuls 4 ms, sends 2 ms: a ring of 5 ms hid 1 of the 2 ms; 6 ms none; 4 ms all
+    assert hidden_share(4.0, 2.0, 5.0) == 0.5 and hidden_share(4.0, 2.0, 6.0) == 0.0
+    assert hidden_share(4.0, 2.0, 4.0) == 1.0 and hidden_share(0.0, 2.0, 2.0) == 0.0
     # 5 ms sends of 1024-wide fp32 rows: 4.4 GB/s -> 5371 rows; 82 GFLOP/s matmuls as long
     # -> 2 x 82e9 / 4.4e9 = 37 wide; the bounds
     assert ring_shape(82e9, 4.4e9) == (5371, 37)

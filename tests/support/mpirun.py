@@ -38,6 +38,8 @@ CASE_TIMEOUT_S = float(os.environ.get("SOAPSTONE_CASE_TIMEOUT", "60"))
 
 
 _PLANNED: dict[str, set[int]] = {}  # case file -> the world sizes this session's tests run it at
+# case file -> the (test module, case, size) parameters that ask for it
+_ASKED: dict[str, set[tuple[str, str, int]]] = {}
 
 
 class Skip(Exception):
@@ -52,6 +54,13 @@ def case_key(cases_file: str | Path) -> str:
 def planned(n: int) -> list[str]:
     """The case files this session's collected tests run at world size n, in collection order."""
     return [f for f, sizes in _PLANNED.items() if n in sizes]
+
+
+def keep_planned(chosen: set[tuple[str, str, int]]) -> None:
+    """After collection: plan only the (test module, case, size) parameters left selected
+    (-k, --lf, a node id), so a launch runs no file that no chosen test reads."""
+    for f, asked in _ASKED.items():
+        _PLANNED[f] = {n for (mod, case, n) in asked if (mod, case, n) in chosen}
 
 
 def ranks(*sizes: int):
@@ -192,7 +201,9 @@ def case_params(cases_file: str | Path, cases=None, sizes=None) -> list[tuple[st
               for n in ns if sizes is None or n in sizes]
     key = case_key(cases_file)
     if Path(key).is_relative_to(ROOT):  # the repo's case files (not a test's scratch one)
+        module = sys._getframe(1).f_globals.get("__name__", "")  # the test module asking
         _PLANNED.setdefault(key, set()).update(n for _, n in params)
+        _ASKED.setdefault(key, set()).update((module, c, n) for c, n in params)
     return params
 
 
@@ -231,18 +242,34 @@ def _rank_main(argv: list[str]) -> int:
 
 def _run_file(cases_file: str, rank: int, size: int, log) -> None:
     """Import one case file and run its cases declared for this world size (module doc)."""
+    names = [name for name, sizes in case_sizes(cases_file).items() if size in sizes]
+    # what a file sets for its own cases (SOAPSTONE_P2P, its sys.path) ends with them
+    env, path = dict(os.environ), list(sys.path)
+    try:
+        _run_cases(cases_file, names, rank, log)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+
+
+def _run_cases(cases_file: str, names: list[str], rank: int, log) -> None:
+    """Import the case file and run `names`, one JSON line each (a failed import fails them,
+    a `Skip` raised at import skips them)."""
     import faulthandler
     import importlib.util
     import traceback
 
-    names = [name for name, sizes in case_sizes(cases_file).items() if size in sizes]
     faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # its import too
+    skip = None
     try:
         spec = importlib.util.spec_from_file_location(f"_cases_{Path(cases_file).stem}",
                                                       cases_file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except Exception:
+    except Skip as e:
+        module, skip = None, str(e)
+    except (Exception, SystemExit):  # noqa: BLE001 - any failure fails this file's cases only
         module, why = None, "importing the case file failed:\n" + traceback.format_exc()
     faulthandler.cancel_dump_traceback_later()
     for name in names:
@@ -250,6 +277,8 @@ def _run_file(cases_file: str, rank: int, size: int, log) -> None:
         # so mpiexec tears the job down and the report names the case
         faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
         try:
+            if skip is not None:
+                raise Skip(skip)
             if module is None:
                 raise AssertionError(why)
             getattr(module, name)()
