@@ -11,7 +11,7 @@ import pytest
 # the shared helpers (mpirun, measure, golden_show, hf_models) import by their own names
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-from mpirun import keep_planned, planned, run_cases  # noqa: E402
+from mpirun import case_sizes, keep_planned, planned, run_cases  # noqa: E402
 
 
 def pytest_collection_finish(session):
@@ -29,7 +29,8 @@ def comm_runs():
     comm cases). The first call for n launches every case file the collected tests plan at n
     (mpirun.planned) together, so the session pays one launch per world size, not one per
     file and size (~100 s of process starts and imports on 2 cores); a call with `env` (a
-    backend to select) launches its file alone."""
+    backend to select) launches its file alone, as does a file the merged launch did not
+    finish (a crash or hang elsewhere in it: each file then reports on its own)."""
     merged: dict[int, object] = {}
     alone: dict[tuple, object] = {}
 
@@ -39,7 +40,7 @@ def comm_runs():
                 files = planned(n)
                 merged[n] = run_cases(n, files or [cases_file])
             res = merged[n].of(cases_file)
-            if res is not None:
+            if res is not None and (merged[n].launch.ok or _complete(res, n, cases_file)):
                 return res
         key = (n, cases_file, tuple(sorted((env or {}).items())))
         if key not in alone:
@@ -47,3 +48,9 @@ def comm_runs():
         return alone[key]
 
     return get
+
+
+def _complete(res, n: int, cases_file: str) -> bool:
+    """Every case `cases_file` declares at size n reported on every rank."""
+    return all(len(res.cases.get(c, {})) == n
+               for c, sizes in case_sizes(cases_file).items() if n in sizes)
