@@ -13,14 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from mpirun import case_sizes, keep_planned, planned, run_cases  # noqa: E402
 
+COMM_CASES = "tests/comm/comm_cases.py"
+
 
 def pytest_collection_finish(session):
     """Plan the merged launches for the case parameters left after deselection only."""
     keep_planned({(item.module.__name__, item.callspec.params["case"], item.callspec.params["n"])
                   for item in session.items if hasattr(item, "callspec")
                   and {"case", "n"} <= set(item.callspec.params)})
-
-COMM_CASES = "tests/comm/comm_cases.py"
 
 
 @pytest.fixture(scope="session")

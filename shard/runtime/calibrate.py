@@ -185,8 +185,9 @@ def ring_overlap(world, rows: int, out: int) -> float:
         fn()
         return time.perf_counter() - t0
 
-    # a fixed count (every rank makes the same calls), the three kinds interleaved so that a
-    # busy moment of a shared machine falls on all three alike
+    # a fixed count (every rank makes the same calls), the four kinds (a bare barrier, the
+    # matmuls, the sends, the ring) interleaved so that a busy moment of a shared machine
+    # falls on all of them alike
     kinds = [ring(a, s) for a, s in ((False, False), (True, False), (False, True), (True, True))]
     for fn in kinds:
         fn()  # warm-up
