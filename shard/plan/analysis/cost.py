@@ -419,6 +419,10 @@ class StepTime:
     optimizer: float
     comm_per_axis: dict[str, float] = attrs.field(factory=dict)  # the busiest rank's, seconds
     param_gathers: float = 0.0  # exposed ZeRO-3 parameter gathers (what compute does not hide)
+    # `overlap tensor`: the busiest rank's ring sends, and the part their matmuls hide (the
+    # rest is in blocking_comm)
+    ring_sends: float = 0.0
+    ring_hidden: float = 0.0
 
     def to_data(self) -> dict:
         """JSON-ready."""
@@ -503,6 +507,7 @@ def _rank_time(traffic: list[Traffic], work: Work, est: Estimate, profile: Profi
     # the matmuls hide the profile's share of what they could: the shorter of the two
     hidden = {k: profile.ring_overlap * min(rings[k], w) for k, w in windows.items()}
     out["blocking"] += sum(rings[k] - hidden[k] for k in windows)
+    out["rings"] = (sum(rings.values()), sum(hidden.values()))
     for cls, on in ring_links.items():
         # each link holds its share of the part the matmuls hide (the rest blocks, above)
         share = {k: hidden[k] * on[k] / rings[k] if rings[k] else 0.0 for k in windows}
@@ -559,4 +564,5 @@ def step_time(est: Estimate, work: list[Work], profile: Profile,
                     blocking_comm=busiest["blocking"], bubble=pipe - busy,
                     grad_sync=max(r["reduce"] for r in rows),
                     after_step=max(r["after"] for r in rows), optimizer=opt,
-                    comm_per_axis=busiest["per_axis"], param_gathers=busiest["zero3"])
+                    comm_per_axis=busiest["per_axis"], param_gathers=busiest["zero3"],
+                    ring_sends=busiest["rings"][0], ring_hidden=busiest["rings"][1])

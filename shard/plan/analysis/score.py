@@ -112,4 +112,9 @@ def format_time(t: StepTime) -> str:
              ("bubble", t.bubble), ("exposed param gathers", t.param_gathers),
              ("exposed grad sync", t.grad_sync), ("after the step", t.after_step),
              ("optimizer", t.optimizer)]
-    return "  step time: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts if v)
+    text = "  step time: " + ", ".join(f"{k} {v:.4g} s" for k, v in parts if v)
+    if t.ring_sends:
+        text += (f"\n  rings (overlap tensor): sends {t.ring_sends:.4g} s, {t.ring_hidden:.4g} s "
+                 f"of it hidden behind their matmuls, {t.ring_sends - t.ring_hidden:.4g} s in "
+                 "blocking comm")
+    return text

@@ -132,6 +132,11 @@ def test_a_profile_hides_its_share_of_a_rings_traffic(overlap, blocking):
     t = step_time(est({"model": 2}, 0, rows), [Work(matmul_flops=4e12, ring_flops=4e12)], prof)
     assert t.blocking_comm == pytest.approx(blocking)
     assert t.total == pytest.approx(12.0 + blocking)
+    # explain shows the rings apart: their sends, the part hidden, the part that blocks
+    assert (t.ring_sends, t.ring_hidden) == pytest.approx((3.0, 3.0 * overlap))
+    from soapstone.shard.plan.analysis.score import format_time
+    assert f"rings (overlap tensor): sends 3 s, {3.0 * overlap:.4g} s of it hidden" in \
+        format_time(t)
 
 
 @pytest.mark.parametrize("ring_gb", [0, 1])
