@@ -365,22 +365,20 @@ def plan_rows(rows: Rows) -> list[dict]:
 
 
 def memory_bounds(plan, tensor: int, pipe: int) -> tuple[float | None, float | None]:
-    """The headroom (fraction of usable memory) under which plan keeps the row's tensor x
-    pipeline split: at least its leanest layout within the error band, below every simpler
-    layout of the band (plan_search.winner_first); None where the row sets no bound."""
-    from soapstone.dsl.search.plan_search import model_parallel
+    """The headroom (fraction of usable memory, `fit.memory_fraction`) at which plan keeps the
+    row's tensor x pipeline split (plan_search.winner_first on the row's costed layouts): the
+    least and the most on a grid 0.50..1.00, step 0.005; None where no value keeps it."""
+    from soapstone.dsl.search.plan_search import winner_first
 
     ranked = sorted(plan.ranked, key=lambda r: r.time.total)
-    blocks = len(plan.model.blocks)
-    band = [r for r in ranked
-            if r.time.total <= ranked[0].time.total * (1 + plan.profile.step_error)]
-    usable = plan.profile.usable_bytes
-    own = [r for r in band if (r.candidate.tensor, r.candidate.pipe) == (tensor, pipe)]
-    if not own:
-        return None, None
-    key = min(model_parallel(r.candidate, blocks) for r in own)
-    simpler = [r.memory for r in band if model_parallel(r.candidate, blocks) < key]
-    return min(r.memory for r in own) / usable, (min(simpler) / usable if simpler else None)
+    keeps = []
+    for i in range(101):
+        f = round(0.5 + 0.005 * i, 3)
+        prof = attrs.evolve(plan.profile, fit=plan.profile.fit | {"memory_fraction": f})
+        c = winner_first(ranked, prof, len(plan.model.blocks))[0].candidate
+        if (c.tensor, c.pipe) == (tensor, pipe):
+            keeps.append(f)
+    return (min(keeps), max(keeps)) if keeps else (None, None)
 
 
 def table_text(scored: list[dict]) -> str:

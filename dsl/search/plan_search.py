@@ -386,19 +386,23 @@ def model_parallel(c: Candidate, blocks: int = 0) -> tuple[int, bool, int, int]:
 
 def winner_first(ranked: list[Result], profile: Profile, blocks: int = 0) -> list[Result]:
     """`ranked` (fastest first) with the winner moved to the front. The cost model's measured
-    error (the profile's `step_error`) is the margin it can tell layouts apart by: among the
-    layouts within it of the fastest, plan keeps the simplest (`model_parallel`: no ZeRO,
-    even stages, then Megatron's takeaway: t x p just large enough to fit, tensor first
-    inside a node; `blocks`: the model's repeat blocks),
-    counting as fitting only what leaves the profile's fitted memory headroom (`fit.
-    memory_fraction` of usable memory: the memory estimate's own margin) where any does,
-    and the fastest layout of that split. Without a fit (error 0) the fastest wins."""
+    error (the profile's `step_error`) is the margin it can tell layouts apart by, so plan
+    departs from a simpler layout only for one faster by more than that: from the simplest
+    (`model_parallel`: no ZeRO, even stages, then Megatron's takeaway: t x p just large enough
+    to fit, tensor first inside a node; `blocks`: the model's repeat blocks; the fastest of a
+    kind first) it walks to ever less simple layouts and takes one only where it beats the
+    one it holds by more than the error, counting as fitting only what leaves the profile's
+    fitted memory headroom (`fit.memory_fraction` of usable memory: the memory estimate's own
+    margin) where any does. Without a fit (error 0) the fastest wins."""
     if not ranked or profile.step_error <= 0:
         return ranked
-    band = [r for r in ranked if r.time.total <= ranked[0].time.total * (1 + profile.step_error)]
     cap = profile.usable_bytes * float(profile.fit.get("memory_fraction", 1.0))
-    roomy = [r for r in band if r.memory <= cap] or band
-    win = min(roomy, key=lambda r: model_parallel(r.candidate, blocks))  # stable: fastest
+    roomy = [r for r in ranked if r.memory <= cap] or ranked
+    order = sorted(roomy, key=lambda r: (model_parallel(r.candidate, blocks), r.time.total))
+    win = order[0]
+    for r in order[1:]:
+        if r.time.total * (1 + profile.step_error) < win.time.total:
+            win = r
     return [win] + [r for r in ranked if r is not win]
 
 
