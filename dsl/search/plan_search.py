@@ -485,8 +485,8 @@ def why(plan: Plan, r: Result) -> str:
     if r is plan.best:
         faster = [x for x in plan.ranked if x.time.total < r.time.total]
         if faster:
-            return (f"chosen: within the model's error (±{plan.profile.step_error:.0%}) of "
-                    f"the fastest, the simplest; {top} {share:.0%}{rc}")
+            return (f"chosen: no less simple layout is faster by more than the model's "
+                    f"error (±{plan.profile.step_error:.0%}); {top} {share:.0%}{rc}")
         return f"fastest; {top} {share:.0%} of the step{rc}"
     slower = t.total / plan.best.time.total - 1
     return f"{slower:+.0%} vs best; {top} {share:.0%}{rc}"
