@@ -270,7 +270,8 @@ def _work(program: Program, indices) -> Work:
     gathered = {program.steps[j].out: mesh[a]  # a float8 gather's or ring's (cast as shards)
                 for j, a in (float8_gathers_beside_rings(program, marked=True)
                              | float8_ring_gathers(program, marked=True)).items()}
-    for i in sorted(float8_steps(program).keys() & indices):
+    f8_steps = float8_steps(program)
+    for i in sorted(f8_steps.keys() & indices):
         x, w, y = (program.value(n) for n in (*program.steps[i].args, program.steps[i].out))
         f8_flops += record_of("einsum").flops(program.steps[i], program)
         fwd, bwd = float8_casts(*(math.prod(v.local_shape) for v in (x, w, y)),
@@ -317,7 +318,6 @@ def _work(program: Program, indices) -> Work:
             attention += [(keys, f * share, sf * share) for keys, share in runs]
     in_rings = [j for r in find_rings(program).values() for j in r.matmuls if j in indices]
     rings = sum(record_of("einsum").flops(program.steps[j], program) for j in in_rings)
-    f8_steps = float8_steps(program)
     ring_f8 = sum(record_of("einsum").flops(program.steps[j], program) for j in in_rings
                   if j in f8_steps)
     return Work(flops, moved, ops, None, act_flops, act_bytes, f8_flops, f8_fwd, f8_bwd,
