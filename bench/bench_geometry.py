@@ -25,7 +25,7 @@ mismatch errors tell a user to write):
      fp32; the full 32 do not fit a 24 GiB machine): the directory written
      tensor by tensor (a streaming safetensors writer, normal(0, 0.02) weights and norms
      around 1: no full model in memory; the mapping is hf_tensors' own, checked against
-     transformers on small configs in tests/dsl/test_hf*.py); `generate --init hf:DIR
+     transformers on small configs in tests/dsl/interop/test_hf*.py); `generate --init hf:DIR
      --temperature 0` in each layout whose weights, summed over its ranks, fit --budget-gb
      (each rank holds its layout's shares; a replicated layout holds more): its greedy
      tokens equal one rank's. The rest are listed as skipped, with the bytes they need.

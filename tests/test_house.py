@@ -1,7 +1,7 @@
 """House rules that the source itself can be checked for, read statically (ast, no imports):
 no import circles between soapstone's modules, no private name used outside its own file, no
-module over 600 lines, no room over 15 modules, every package in the wheel, a docstring on every
-public function."""
+module over 600 lines, no room over 15 modules (the tests' folders too), every package in the
+wheel, a docstring on every public function."""
 
 from __future__ import annotations
 
@@ -173,6 +173,16 @@ def test_no_room_over_15_modules():
             counts[room] = counts.get(room, 0) + 1
     big = {room: n for room, n in counts.items() if n > MAX_MODULES}
     assert not big, f"rooms over {MAX_MODULES} modules (split one concept into a sub-room): {big}"
+
+
+def test_no_room_of_the_tests_over_15_modules():
+    """The suite mirrors the package room by room, so its folders keep the same bound."""
+    counts: dict[str, int] = {}
+    for f in (ROOT / "tests").rglob("*.py"):
+        room = str(f.parent.relative_to(ROOT))
+        counts[room] = counts.get(room, 0) + 1
+    big = {room: n for room, n in counts.items() if n > MAX_MODULES}
+    assert not big, f"test folders over {MAX_MODULES} modules (give a room its folder): {big}"
 
 
 def test_the_wheel_lists_every_package():

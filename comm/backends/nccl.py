@@ -11,9 +11,9 @@ run on a GPU.
 Set-up goes over MPI: rank 0's `nccl.get_unique_id()` is broadcast unchanged (bytes in cupy 14,
 a tuple in cupy 13). cupy is imported lazily: soapstone imports and runs without it.
 
-Testing: tests/comm/test_comm_nccl.py runs the comm cases at world size 1 by default, which moves
-no bytes between GPUs (near-trivial); only SOAPSTONE_NCCL_RANKS=2 (or 4) on a machine with that
-many GPUs exercises real NCCL traffic.
+Testing: tests/comm/backends/test_comm_nccl.py runs the comm cases at world size 1 by default, which
+moves no bytes between GPUs (near-trivial); only SOAPSTONE_NCCL_RANKS=2 (or 4) on a machine with
+that many GPUs exercises real NCCL traffic.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ four minutes on an H100), written to a JSON report (README, "On a GPU: make gpu-
 
 In order, each a check of the report (name, ok, detail, seconds):
 1. the CUDA tests of the suite, which skip on a machine without CUDA: tests/comm/test_gpu.py,
-   tests/comm/test_comm_nccl.py, tests/comm/test_device.py (pytest, in a child process);
+   tests/comm/backends/test_comm_nccl.py, tests/comm/test_device.py (pytest, in a child process);
 2. `golden check` of every example with a record in tests/golden/runs, on cuda, one rank; then
    of tp2, pp2, dp2 ZeRO-3, a MoE layout, balanced CP and AsyncTP's rings with two ranks
    sharing the GPU (`--comm mpi`);
@@ -35,7 +35,8 @@ from pathlib import Path
 from soapstone.dsl.app.gpu_probe import Outcome
 from soapstone.dsl.lang.errors import BadInput
 
-CUDA_TESTS = ("tests/comm/test_gpu.py", "tests/comm/test_comm_nccl.py", "tests/comm/test_device.py")
+CUDA_TESTS = ("tests/comm/test_gpu.py", "tests/comm/backends/test_comm_nccl.py",
+              "tests/comm/test_device.py")
 PLUGINS = {"swiglu": ("--plugin", "examples/custom_layer.py")}  # examples that need one
 # two ranks on the one GPU (`--comm mpi`): tensor parallel, pipeline's grouped p2p, ZeRO-3,
 # experts, load-balanced context parallel's per-chunk attention, AsyncTP's rings of async p2p

@@ -15,8 +15,8 @@ are in the saved bytes, which grow with n. Data-parallel degree and ZeRO stage d
 compiled Programs, only their estimate: the probes are compiled once on a data axis of 2 and
 re-estimated on the candidate's (with a mixture's experts over the data axis the shards do
 depend on it: those probes are compiled on the candidate's data degree); recompute does, so
-the probes are per recompute form. tests/dsl/test_plan_probes.py checks the extrapolation against a
-full compile. Other models (branching, several repeats, fewer than 6 blocks) compile each
+the probes are per recompute form. tests/dsl/search/test_plan_probes.py checks the extrapolation
+against a full compile. Other models (branching, several repeats, fewer than 6 blocks) compile each
 layout.
 """
 

@@ -18,7 +18,7 @@ no new bytes (`grad_in_place`, shard/runtime/overwrite_plan.py). `activation_fig
 Program forward then backward, freeing each value after its last use (the runtime does) and
 each saved tensor after the backward of the step that saved it, and returns the saved bytes
 and the peak above them (`transient`).
-tests/dsl/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
+tests/dsl/search/test_plan.py and bench/bench_memory.py compare both with what a real step holds.
 
 Under `recompute R` (Program.recompute) a range of steps keeps only its float inputs; in
 backward its own saves come back for as long as backward runs through it: from where backward

@@ -19,7 +19,8 @@ Memory (bytes per rank):
   after its last use as the runtime does; beside it ZeRO-3's gathered buckets (in use and
   prefetched) and ZeRO-2/3's gradient buffers in flight (zero_memory.py), never every
   bucket's. activations + transient is the step's peak above the parameter state (within a few
-  percent of the measured peak on the examples: bench/bench_memory.py, tests/dsl/test_plan.py).
+  percent of the measured peak on the examples: bench/bench_memory.py,
+  tests/dsl/search/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce

@@ -143,7 +143,7 @@ def test_explain_matches_a_measured_tp2_step(tmp_path):
     """One training step of the vocab-parallel layout at fp32 and bf16 on each of 2 ranks
     (bench/bench_memory.py: the tensors alive, counted by shard/runtime/memory.LiveBytes):
     saved within 1%, peak within 3%. One rank is bench_memory's --small case, measured by
-    tests/dsl/test_plan.py's two memory tests with the same bound."""
+    tests/dsl/search/test_plan.py's two memory tests with the same bound."""
     out = tmp_path / "m.json"
     r = subprocess.run([mpiexec(), "-n", "2", sys.executable, "bench/bench_memory.py", "--spec",
                         SPEC, "--parallel", "tp2", "--precision", "fp32", "--precision", "bf16",

@@ -3,7 +3,8 @@ sizes). The params, the model FLOPs and explain's activations follow heads x D, 
 the fused attention chain is found (one rank, tp2, sp2); a head_dim that is the input's or the
 heads' dim is a located error. Each layout equals one rank: numerics_cases.py
 (case_head_dim_*); explain equals the counters: tests/shard/train/run_cases.py; against
-transformers (Qwen3, LLaMA): tests/dsl/test_hf_fields.py and tests/dsl/hf_cases.py."""
+transformers (Qwen3, LLaMA): tests/dsl/interop/test_hf_fields.py and
+tests/dsl/interop/hf_cases.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 - every comm case (tests/comm/comm_cases.py) at 2 ranks through the staging path, host
   tensors standing in for the GPU's (each message really is copied out and back);
 - training layouts on a mesh of staged communicators reproduce the plain MPI run's losses
-  exactly (tests/comm/staged_cases.py);
+  exactly (tests/comm/backends/staged_cases.py);
 - the choice: which --device / --comm / ranks-per-GPU combinations are allowed, and the
   messages (exit 2) of those that are not. The CUDA run itself is in make gpu-check.
 """
@@ -26,9 +26,9 @@ def test_comm_case_staged(comm_runs, case, n):
     comm_runs(n, env={"SOAPSTONE_TEST_BACKEND": "staged"}).check(case)
 
 
-@pytest.mark.parametrize("case,n", case_params("tests/comm/staged_cases.py"))
+@pytest.mark.parametrize("case,n", case_params("tests/comm/backends/staged_cases.py"))
 def test_staged_case(comm_runs, case, n):
-    comm_runs(n, "tests/comm/staged_cases.py").check(case)
+    comm_runs(n, "tests/comm/backends/staged_cases.py").check(case)
 
 
 def test_which_backend_serves_which_choice():

@@ -1,6 +1,6 @@
 """The flight recorder's ring and the hang diagnosis, in-process (no MPI: pure data).
 
-Real communicators recording real ops: tests/comm/recorder_cases.py (under mpiexec)."""
+Real communicators recording real ops: tests/comm/observe/recorder_cases.py (under mpiexec)."""
 
 from __future__ import annotations
 

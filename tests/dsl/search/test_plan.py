@@ -1,5 +1,5 @@
 """`soapstone plan` and what it stands on: the cost model (shard/plan/analysis/cost.py), the search
-(dsl/search/plan_search.py) and the command (the probes: tests/dsl/test_plan_probes.py; the
+(dsl/search/plan_search.py) and the command (the probes: tests/dsl/search/test_plan_probes.py; the
 profiles: tests/shard/plan/test_profiles.py)."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from soapstone.dsl.model.ir import Output
 from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 REAL, PADDED = 63, 64
 PADDED_SPEC = (ROOT / "examples/gpt2.par").read_text().replace(
     "classes = classes)", f"classes = {REAL})")  # the file's --dim classes=63, written

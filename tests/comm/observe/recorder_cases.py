@@ -1,6 +1,6 @@
 """Flight-recorder cases, run on every rank by tests/support/mpirun.py (see
-tests/comm/test_watchdog.py): every op of a real MPICommunicator leaves one entry, with the right
-fields and state."""
+tests/comm/observe/test_watchdog.py): every op of a real MPICommunicator leaves one
+entry, with the right fields and state."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Hugging Face weight files that cannot be loaded are exit 2 before training starts, naming the
 file and the tensor, on every rank alike, never a traceback (dsl/interop/hf_files.py reads the
 safetensors headers before launch); each rank then reads only the slices it holds
-(dsl/interop/hf_reader.py), which the layouts of tests/dsl/hf_cases.py prove exact.
+(dsl/interop/hf_reader.py), which the layouts of tests/dsl/interop/hf_cases.py prove exact.
 
 The directories are real save_pretrained output (tests/support/hf_models.py), then damaged
 the way downloads and conversions damage them: a tensor missing, a tensor of another shape,
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from soapstone import dsl
 from soapstone.dsl.interop import hf
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

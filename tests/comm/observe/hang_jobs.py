@@ -1,4 +1,4 @@
-"""Jobs that hang in plain code, for tests/comm/test_watchdog.py (2 ranks, a few seconds of
+"""Jobs that hang in plain code, for tests/comm/observe/test_watchdog.py (2 ranks, a few seconds of
 SOAPSTONE_COLLECTIVE_TIMEOUT): `skip` (rank 1 skips an allreduce and goes on to a barrier) or
 `mismatch` (rank 0 calls allgather where rank 1 calls allreduce). The watchdog must end each
 with a report naming rank 1 and the op; never a hang.

@@ -1,6 +1,6 @@
 """`soapstone plan`'s probes (dsl/search/probes.py): the figures of a model of many alike blocks,
 extrapolated from compiles of 1 and 2 blocks, are what compiling the whole layout gives (the
-rest of plan: tests/dsl/test_plan.py)."""
+rest of plan: tests/dsl/search/test_plan.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A --plugin for tests/comm/test_watchdog.py's `soapstone run` hangs; SOAPSTONE_TEST_HANG picks
-one:
+"""A --plugin for tests/comm/observe/test_watchdog.py's `soapstone run` hangs;
+SOAPSTONE_TEST_HANG picks one:
 
 - sleep_layer: the `swiglu` layer of examples/swiglu.par (the example's math) sleeps on world
   rank 1 at its first call, as a stuck custom layer or data loader would;

@@ -1,6 +1,6 @@
-"""Hugging Face MoE weights under real mpiexec (tests/dsl/test_hf_moe.py): every rank saves the same
-seeded Mixtral, Qwen2-MoE and Qwen3-MoE (tests/support/hf_models.py) in a directory of its own
-and imports it with `hf.load_init`, the path `run --init hf:DIR` takes.
+"""Hugging Face MoE weights under real mpiexec (tests/dsl/interop/test_hf_moe.py): every rank saves
+the same seeded Mixtral, Qwen2-MoE and Qwen3-MoE (tests/support/hf_models.py) in a directory of its
+own and imports it with `hf.load_init`, the path `run --init hf:DIR` takes.
 
 - every layout examples/mixtral.par declares (dp2, tp2, tpep2, dpep, pp2 on 2 ranks; dp2tpep2
   on 4, Mixtral only), given to each family's own model (`hf.spec_text` of its config:
@@ -31,7 +31,7 @@ from soapstone.dsl.interop import hf, hf_config
 from soapstone.shard.data.source import make_task
 from soapstone.shard.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 W = init("mpi")
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 DIRS = {k: hf_models.save(k, Path(tempfile.mkdtemp(prefix=f"hf-{k}-"))) for k in FAMILIES}

@@ -1,5 +1,5 @@
-"""Hugging Face weights under real mpiexec (tests/dsl/test_hf.py): every rank saves the same seeded
-GPT-2 and LLaMA (tests/support/hf_models.py) in a directory of its own and imports it with
+"""Hugging Face weights under real mpiexec (tests/dsl/interop/test_hf.py): every rank saves the same
+seeded GPT-2 and LLaMA (tests/support/hf_models.py) in a directory of its own and imports it with
 `hf.load_init`, the path `run --init hf:DIR` takes.
 
 - each 2-rank layout of examples/gpt2.par and examples/llama.par, started
@@ -29,7 +29,7 @@ from soapstone.dsl.interop import hf
 from soapstone.shard.data.source import make_task
 from soapstone.shard.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 W = init("mpi")
 KINDS = ("gpt2", "llama")
 DIRS = {k: hf_models.save(k, Path(tempfile.mkdtemp(prefix=f"hf-{k}-"))) for k in KINDS}

@@ -6,7 +6,7 @@ shipped examples/gpt2.par and examples/llama.par: logits and loss match transfor
 1e-5 in fp32 on one rank; exported weights load back into transformers with the same logits;
 `run --init hf:DIR` starts from exactly transformers' loss; bad configs and weights exit 2
 naming the field or the tensor. Layouts under mpiexec and tp2 training against transformers'
-own AdamW steps: tests/dsl/hf_cases.py.
+own AdamW steps: tests/dsl/interop/hf_cases.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from soapstone.dsl.model.ir import Output
 from soapstone.shard.data.source import make_task
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
-ROOT = Path(__file__).resolve().parents[2]
-CASES = "tests/dsl/hf_cases.py"
+ROOT = Path(__file__).resolve().parents[3]
+CASES = "tests/dsl/interop/hf_cases.py"
 KINDS = ("gpt2", "llama")
 CLI = ["-m", "soapstone.dsl.cli"]
 

@@ -1,8 +1,8 @@
 """Layouts on ranks that exchange through host memory (`--device cuda --comm mpi`,
-comm/backends/staged.py), host tensors standing in for the GPU's (tests/comm/test_comm_staged.py):
-a layout trained on a mesh of staged communicators takes the same steps, to the bit, as on
-plain MPI communicators: data, tensor + sequence and pipeline (grouped p2p, as on a GPU)
-parallel, AdamW, 3 steps."""
+comm/backends/staged.py), host tensors standing in for the GPU's
+(tests/comm/backends/test_comm_staged.py): a layout trained on a mesh of staged communicators takes
+the same steps, to the bit, as on plain MPI communicators: data, tensor + sequence and pipeline
+(grouped p2p, as on a GPU) parallel, AdamW, 3 steps."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from soapstone.dsl.compile.stages import lower_graph
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.runtime.executor import Executor
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 W = init("mpi")
 STAGED = StagedMPICommunicator(MPI.COMM_WORLD, device_type="cpu")
 

@@ -29,7 +29,7 @@ from soapstone import dsl
 from soapstone.dsl.compile.lower import lower
 from soapstone.shard.data.source import make_task
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LLAMA3_8B = {"vocab": 128256, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336}
 GPT2_124M = {"vocab": 50304, "classes": 50257, "hidden": 768, "heads": 12, "ffn": 3072,
              "max_seq": 1024}

@@ -35,7 +35,7 @@ from soapstone.dsl.interop import hf, hf_config
 from soapstone.dsl.model.ir import Output
 from soapstone.shard.runtime.sharded_model import ShardedModel
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # LLaMA-3.1's rope, its original context shrunk so the 16 positions of the test see the
 # scaling: wavelengths over 64 positions are stretched 8x, those between 16 and 64 blended
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -39,8 +39,8 @@ from soapstone.shard.runtime.executor import Executor
 from soapstone.shard.runtime.sharded_model import ShardedModel
 from soapstone.shard.train.generate import generate
 
-ROOT = Path(__file__).resolve().parents[2]
-CASES = "tests/dsl/hf_moe_cases.py"
+ROOT = Path(__file__).resolve().parents[3]
+CASES = "tests/dsl/interop/hf_moe_cases.py"
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 CLI = ["-m", "soapstone.dsl.cli"]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from mpirun import ROOT, case_params, mpiexec, run_mpi
 
-RECORDER_CASES = "tests/comm/recorder_cases.py"
-JOBS = "tests/comm/hang_jobs.py"
-PLUGIN = "tests/comm/hang_plugin.py"
+RECORDER_CASES = "tests/comm/observe/recorder_cases.py"
+JOBS = "tests/comm/observe/hang_jobs.py"
+PLUGIN = "tests/comm/observe/hang_plugin.py"
 SOAPSTONE = "import sys; from soapstone.dsl.cli import main; sys.exit(main(sys.argv[1:]))"
 
 

@@ -1,5 +1,5 @@
 """Node-shared buffers (comm/backends/shm.py), run on every rank by tests/support/mpirun.py (see
-tests/comm/test_shm.py): a shared buffer's sum allreduce gives every rank the same bits as
+tests/comm/backends/test_shm.py): a shared buffer's sum allreduce gives every rank the same bits as
 MPI's at 2 ranks, the same bits on every rank at 4, and queued launches run in launch order."""
 
 from __future__ import annotations
