@@ -7,6 +7,7 @@ is measured on every rank after a first step has allocated gradients and optimiz
   storage once, parameters left out): explain's `activation_bytes`. Storage that forward
   empties after packing (selective recompute's dropped values, sequence parallelism's
   gathered linear inputs) is counted at its packed size, so there "live" is the measure;
+  under ZeRO-3 its own hooks take every save and the column shows "-";
 - peak: the forward and backward's peak resident memory above what the rank held before
   (VmHWM reset through /proc/self/clear_refs; allocations over 64 KiB each get their own
   mmap, returned at free, so resident memory follows the live tensors): explain's
@@ -140,6 +141,9 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ex.forward_backward(task.batch(1), step=1)
+    # ZeRO-3's own hooks (shard/parallel/zero.py) sit inside these and take every save: none
+    # reaches `pack`, so "saved" is not measured there ("live" is the measure)
+    unseen = not saved and est.activation_bytes > 0
     ex.step()
     batch = task.batch(2)
     before = _status("VmRSS")
@@ -166,7 +170,8 @@ def measure(spec: str, dims: dict[str, int], layout: str | None = None, comm=Non
             "peak_step_bytes": peak, "input_bytes": inputs, "live_step_bytes": live.peak,
             "live_error": est_peak / max(1, live.peak) - 1, "malloc_step_bytes": malloc,
             "malloc_error": est_peak / max(1, malloc) - 1,
-            "saved_error": est.activation_bytes / max(1, sum(saved.values())) - 1,
+            "saved_error": None if unseen else
+            est.activation_bytes / max(1, sum(saved.values())) - 1,
             "peak_error": est_peak / max(1, peak) - 1}
 
 
@@ -179,8 +184,10 @@ def table(rows: list[dict]) -> str:
         case = r["spec"] + (f" / {r['layout']}" if r["layout"] else "")
         est_peak = r["explain_activation_bytes"] + r["explain_transient_bytes"] - \
             r["input_bytes"]
-        out.append(f"{case:<34} {r['rank']:>4} {r['saved_bytes'] / 2**20:>9.1f} "
-                   f"{r['explain_activation_bytes'] / 2**20:>8.1f} {r['saved_error']:>+6.1%} "
+        saved = ("-", "-") if r["saved_error"] is None else \
+            (f"{r['saved_bytes'] / 2**20:.1f}", f"{r['saved_error']:+.1%}")
+        out.append(f"{case:<34} {r['rank']:>4} {saved[0]:>9} "
+                   f"{r['explain_activation_bytes'] / 2**20:>8.1f} {saved[1]:>6} "
                    f"{r['peak_step_bytes'] / 2**20:>8.1f} {est_peak / 2**20:>8.1f} "
                    f"{r['peak_error']:>+6.1%} {r['live_step_bytes'] / 2**20:>8.1f} "
                    f"{r['live_error']:>+6.1%} {r['malloc_step_bytes'] / 2**20:>8.1f} "
