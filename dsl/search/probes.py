@@ -94,6 +94,9 @@ def _work_of(f: Figs, prefix: str, again: Work | None = None) -> Work:
 # in in_flight.py's order (activations.py's Phases.working)
 PLAIN_PEAK = ("plain_working_set",)
 WORKING = (("working_fwd",), ("working_bwd",), ("working_b",), ("working_w",))
+# a whole backward's parts (Phases.head, .last, .rest, .tail), each beside ZeRO's buffers
+# then; the tail's above nothing (what it holds does not grow with the blocks, the saved do)
+PARTS = (("working_head",), ("working_last",), ("working_rest",), ("working_tail_abs",))
 
 
 def _lin(*terms: tuple[float, Figs]) -> Figs:
@@ -110,8 +113,12 @@ def _from_figs(f: Figs, model: str, mesh: dict[str, int], zero: int,
     # each phase's working set (in_flight.py's order: forward, backward, a split one's B
     # and W) and ZeRO's buffers beside it, as explain adds them
     end = g[("beside_end",)] - g[("activation_bytes",)]
+    head, last, rest, tail = (round(f[key]) for key in PARTS)  # below zero, maybe
+    tail -= g[("activation_bytes",)]
     work = (g[("working_fwd",)] + g[("beside_fwd",)],
-            *(max(g[key] + g[("beside",)], end) for key in WORKING[1:]))
+            max(head + g[("beside_head",)], last + g[("beside_last",)],
+                max(rest, tail) + g[("beside",)], end),
+            *(max(g[key] + g[("beside",)], end) for key in WORKING[2:]))
     traffic = [Traffic(*k[1:4], g[k], g[("bytes", *k[1:])], prefetched=k[4])
                for k in sorted(g) if k[0] == "calls" and (g[k] or g[("bytes", *k[1:])])]
     rc = ("again_matmul_flops",) in f
@@ -299,12 +306,13 @@ class Probes:
                    ((b - lo) * (n - 1), s2), ((b - lo) * (1 - n), s1))
         if self.program(kind, min(n, 2), 1).recompute:
             out[PLAIN_PEAK] = self.working_set(kind, min(n, 2), b)
-        out |= dict(zip(WORKING, self.phases(kind, min(n, 2), b), strict=True))
+        out |= dict(zip(WORKING + PARTS, self.phases(kind, min(n, 2), b), strict=True))
         # B's peak is where it has walked back to the stage's first block, holding the
         # gradients it keeps for W of every block: those grow with the blocks
         out[WORKING[2]] += out[("weight_grad_bytes",)]
         beside = self.beside(kind, n, data, zero)
         out[("beside_fwd",)], out[("beside",)] = beside.forward, beside.backward
+        out[("beside_head",)], out[("beside_last",)] = beside.head, beside.last
         out[("beside_end",)] = beside.end
         return out
 
@@ -349,15 +357,16 @@ class Probes:
             self.peaks[key] = activation_figures(_plain(prog))[1]
         return self.peaks[key]
 
-    def phases(self, kind: str, n: int, b: int) -> tuple[int, int, int, int]:
+    def phases(self, kind: str, n: int, b: int) -> tuple[int, ...]:
         """The working sets of a stage of n <= 2 blocks and b samples per phase (forward, a
         whole backward, a split one's B less the gradients it keeps for W, and W:
-        activations.py's Phases.working), walked as `working_set` is."""
+        activations.py's Phases.working), then a whole backward's four parts (head, last
+        block, rest, and the tail's above nothing), walked as `working_set` is."""
         key = ("phases", kind, n, b)
         if key not in self.peaks:
             ph = phase_figures(_with_batch(self.program(kind, n, 1), self.batch, b))
             self.peaks[key] = (ph.forward, ph.backward, ph.input_grad - ph.kept,
-                               ph.weight_grad)
+                               ph.weight_grad, ph.head, ph.last, ph.rest, ph.tail + ph.saved)
         return self.peaks[key]
 
     def edge_at(self, b: int) -> EdgeFigures:

@@ -105,7 +105,7 @@ def activation_figures(program: Program) -> tuple[int, int]:
     """(bytes saved for backward, peak working set above them) of one forward and backward
     of `program` (module doc)."""
     sv = _saves_of(program)
-    return sv.total, max(0, _forward_peak(sv) - sv.total, _backward_peak(sv) - sv.total)
+    return sv.total, max(0, _forward_peak(sv) - sv.total, max(_backward_peak(sv)) - sv.total)
 
 
 @attrs.frozen
@@ -121,6 +121,14 @@ class Phases:
     input_grad: int
     weight_grad: int
     kept: int
+    # a whole backward's peak in four parts, in the order it runs them: its head (the steps
+    # after the last block's: the loss, the output layer), the last block, the others, the
+    # tail; ZeRO holds different buffers beside the first two (zero_memory.py's Beside);
+    # `backward` is the largest. A part with no step: -saved (nothing)
+    head: int
+    last: int  # the last block's (the first backward runs through)
+    rest: int  # the other blocks' (below the saved, maybe)
+    tail: int  # what comes before the first block (the embedding): last in backward
 
     @property
     def working(self) -> tuple[int, int, int, int]:
@@ -166,6 +174,25 @@ class _Saves:
         steps, val = self.program.steps, self.program.value
         return {i: self.r(steps[i].out) for i in self.saves
                 if self.r(steps[i].out) == steps[i].out and val(steps[i].out).is_float}
+
+    def parts(self) -> dict[int, int]:
+        """Step -> the part of backward it is in (Phases), by run order, each step in the
+        block of the last block parameter read at or before it: 0 the head, the steps after
+        the last read of a block's parameter; 1 the last block; 3 the first block and the
+        tail before it; 2 the blocks between. All are 2 where no parameter is a block's."""
+        block = {p.name: p.block for p in self.program.params}
+        order = list(self.saves)
+        label, at, end = [], None, None
+        for k, i in enumerate(order):
+            read = [block[a] for a in self.reads(i) if block.get(a) is not None]
+            if read:
+                at, end = read[-1], k
+            label.append(at)
+        if end is None:
+            return dict.fromkeys(order, 2)
+        first = next(b for b in label if b is not None)
+        return {i: 0 if k > end else 1 if label[k] == label[end] else
+                3 if label[k] in (None, first) else 2 for k, i in enumerate(order)}
 
     def loss_grads(self) -> dict[str, int]:
         """The gradient backward starts from: the loss's (a stage's received ones are its
@@ -329,8 +356,10 @@ def phase_figures(program: Program) -> Phases:
     sv = _saves_of(program)
     saved = sv.total
     b, w, kept = _split_peaks(sv)
-    return Phases(saved, max(0, _forward_peak(sv) - saved), max(0, _backward_peak(sv) - saved),
-                  max(0, b - saved), max(0, w - saved - kept), kept)
+    # a part with no step counts as nothing (-saved: below whatever else is held)
+    head, last, rest, tail = (x - saved if x >= 0 else -saved for x in _backward_peak(sv))
+    return Phases(saved, max(0, _forward_peak(sv) - saved), max(0, head, last, rest, tail),
+                  max(0, b - saved), max(0, w - saved - kept), kept, head, last, rest, tail)
 
 
 def _scratch(program: Program, fused: dict, i: int, over: dict[int, int]) -> int:
@@ -386,23 +415,27 @@ def _forward_peak(sv: _Saves) -> int:
     return peak
 
 
-def _backward_peak(sv: _Saves) -> int:
-    """A whole backward: what is still saved + gradients in flight (+ a parameter's,
-    briefly). Gradients are counted by storage: an add's backward hands its output's
-    gradient to its same-sized args as one tensor (`grad_passes`), as does an allreduce's
-    (identity backward)."""
+def _backward_peak(sv: _Saves) -> tuple[int, int, int, int]:
+    """A whole backward's peaks in its four parts (`_Saves.parts`; -1 for a part with no
+    step): what is still saved + gradients in flight (+ a parameter's, briefly). Gradients
+    are counted by storage: an add's backward hands its output's gradient to its same-sized
+    args as one tensor (`grad_passes`), as does an allreduce's (identity backward)."""
     val, r = sv.program.value, sv.r
     held = sv.total
     grads = {k: (k, b) for k, b in sv.loss_grads().items()}  # value -> (storage, bytes)
     makes = sv.makes()
-    peak = 0
+    part = sv.parts()
+    peaks = [-1, -1, -1, -1]
+    entry: dict[int, int] = {}  # part -> what is held as backward enters it
     for i in reversed(list(sv.saves)):
+        at = part[i]
+        entry.setdefault(at, held)
         names, extra = sv.saves[i]
         if i in sv.again:  # the range runs again, then its saves are held
-            peak = max(peak, held + _in_flight(grads) + sv.rerun[i])
+            peaks[at] = max(peaks[at], held + _in_flight(grads) + sv.rerun[i])
             held += sv.again[i][1]
         held += sv.rebuilt.get(i, 0)
-        peak = max(peak, held + _in_flight(grads) + sv.scratch_at.get(i, 0))
+        peaks[at] = max(peaks[at], held + _in_flight(grads) + sv.scratch_at.get(i, 0))
         pgrad = 0
         step = sv.program.steps[i]
         rec = record_of(step.kind) if isinstance(step, Compute) and i not in sv.fused else None
@@ -425,7 +458,7 @@ def _backward_peak(sv: _Saves) -> int:
             rec.backward_scratch(step, sv.program) if rec is not None else \
             collective_scratch(step, sv.program)[1] if isinstance(step, Redistribute) else \
             _fused_float8(sv.program, sv.fused[i])[1] if i in sv.fused else 0
-        peak = max(peak, held + _in_flight(grads) + pgrad + work)
+        peaks[at] = max(peaks[at], held + _in_flight(grads) + pgrad + work)
         held -= sum(sv.size(n) for n in names if sv.first_saver[n] == i) + extra
         if into is not None:  # the saved logits live on as their gradient
             grads[into] = (into, val(into).nbytes)
@@ -433,7 +466,12 @@ def _backward_peak(sv: _Saves) -> int:
         out = makes.get(i)
         if out is not None:
             grads.pop(out, None)
-    return peak
+    # the blocks between run as the last does, holding less by what the last let go: the
+    # second-last's peak (a stage of n alike blocks and its 2-block probe agree on it)
+    after = entry.get(2, entry.get(3))
+    if peaks[1] >= 0 and after is not None:
+        peaks[2] = max(peaks[2], peaks[1] - (entry[1] - after))
+    return peaks[0], peaks[1], peaks[2], peaks[3]
 
 
 def _in_flight(grads: dict[str, tuple[str, int]]) -> int:

@@ -18,9 +18,9 @@ Memory (bytes per rank):
   forward, gradients in flight in backward), from a walk of the Program that frees each value
   after its last use as the runtime does; beside it ZeRO-3's gathered buckets (in use and
   prefetched) and ZeRO-2/3's gradient buffers in flight (zero_memory.py), never every
-  bucket's. activations + transient is the step's peak above the parameter state (within a few
-  percent of the measured peak on the examples: bench/bench_memory.py,
-  tests/dsl/search/test_plan.py).
+  bucket's, each part of backward (head, last block, the others) beside what it holds then.
+  activations + transient is the step's peak above the parameter state (within a few percent
+  of the measured peak on the examples: bench/bench_memory.py, tests/dsl/search/test_plan.py).
 
 Communication (bytes this rank sends per training step, per mesh axis and collective kind):
 the comm layer's convention (`soapstone.comm.bus_bytes`: ring algorithms, allreduce
@@ -343,8 +343,11 @@ def estimate(program: Program, zero: int | ZeroStage = 0, optimizer: str = "adam
         beside = zero_beside(program, z, deferred)  # zero_memory.py
     end = beside.end - activations
     # per phase (in_flight.py's order): a split backward's B and W beside the buffers too
+    # a whole backward in its parts (activations.py's Phases), each beside ZeRO's buffers then
     work = phases and (phases.forward + beside.forward,
-                       *(max(w + beside.backward, end) for w in phases.working[1:]))
+                       max(phases.head + beside.head, phases.last + beside.last,
+                           max(phases.rest, phases.tail) + beside.backward, end),
+                       *(max(w + beside.backward, end) for w in phases.working[2:]))
     return Estimate(program.model, program.parallel, program.world_size, mesh, z.level,
                     optimizer, params, grad_bytes, opt_bytes, activations,
                     sorted(rows.values(), key=lambda t: (t.phase, t.axis, t.kind, t.prefetched)),

@@ -4,6 +4,14 @@ prefetched) and its compute-dtype copies of the master shards (bf16: kept all st
 ZeRO-2/3's gradient buffers in flight (shard/parallel/bucket_plan.py's full_grad_peak: the
 bucket filling, the reduce-scatter running and its output; never every bucket's).
 
+Backward meets them part by part (activations.py's Phases: the head, the last block, the
+others): the head's buckets and the last block's gradients come before any other block's,
+so beside the head and the last block ZeRO holds less than its steady state (a block's
+bucket and the one before gathered, the previous block's reduce-scatter in flight), which
+only the blocks after them meet, holding less activation by then. Each part's bytes go beside
+its own working set (explain.estimate); added to backward's largest they over-counted
+ZeRO-3 steps by 4-10% (bench_memory.py's live figure, gpt at 2 and 4 ranks).
+
 A function of the parameters alone (not of the batch): `soapstone plan`'s probes compute it
 for a stage of any number of blocks from a probe's parameters repeated (`repeat_block`)."""
 
@@ -26,6 +34,12 @@ class Beside:
     forward: int
     backward: int
     end: int
+    # beside the first two parts of backward (activations.py's Phases): its head (the steps
+    # after the last block's) and the last block. Each part's buckets gathered, the one
+    # before them (in forward order) prefetched, the gradient buffers up to the part's end;
+    # 0 where no parameter is a block's (backward is one part: `backward` beside it)
+    head: int = 0
+    last: int = 0
 
 
 def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) -> Beside:
@@ -44,8 +58,9 @@ def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) 
              z.on(math.prod(mesh[a] for a in p.dp)).shards_grads else p
              for p in plan_buckets(program, z, program.zero_axes, deferred)]
     full, out, transient, gathers = [], [], [], []
+    gathered: dict[int, int] = {}  # bucket -> its gathered bytes (ZeRO-3)
     cached = 0
-    for plan in plans:
+    for k, plan in enumerate(plans):
         n = math.prod(mesh[a] for a in plan.dp)
         padded = -(-plan.numel // n) * n
         full.append(padded * master)
@@ -54,15 +69,60 @@ def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) 
         if z.on(n).shards_params:
             item = DTYPES[dtype[plan.names[0]]].nbytes
             gathers.append(padded * item)
+            gathered[k] = padded * item
             cached += padded // n * item if item != master else 0
-    grads = full_grad_peak(plans, [p.name for p in reversed(floats)], full, out, transient)
+    arrival = [p.name for p in reversed(floats)]
+    grads = full_grad_peak(plans, arrival, full, out, transient)
     # a bucket in use and the next one (in bucket order, backward's), gathered at once; at a
     # launch ZeRO-3 has freed that bucket's own (zero.py's grad_done): one is left
     pair = max((a + b for a, b in zip(gathers, [*gathers[1:], 0], strict=False)), default=0)
     one = max(gathers, default=0)
+    head = head_params(program)
+    parts = (0, 0)
+    if head is not None:
+        # backward's first parts: the head's gradients arrive first, then the last block's;
+        # a part's buckets are gathered, and a bucket's first unpack prefetches the one
+        # before it in forward order (zero.py)
+        place = {p.name: k for k, p in enumerate(program.params)}
+        forward = sorted(range(len(plans)), key=lambda k: min(place[n] for n in plans[k].names))
+        last = [p for p in program.params if p.block is not None][-1].block
+        mine = {p.name for p in program.params if p.block == last}
+        parts = tuple(cached + _part(plans, forward, gathered, names, [
+            n for n in arrival if n in seen], full, out, transient)
+            for names, seen in ((head, head), (mine, head | mine)))
     return Beside(pair + cached + grads.left,
                   cached + max(pair + grads.at_make, one + grads.at_launch),
-                  cached + grads.at_end)
+                  cached + grads.at_end, *parts)
+
+
+def _part(plans, forward: list[int], gathered: dict[int, int], names: set[str],
+          arrival: list[str], full, out, transient) -> int:
+    """ZeRO's bytes beside a part of backward that reads `names`, as the gradients of
+    `arrival` (the part's and those before it) arrive (full_grad_peak): its buckets and the
+    one before them gathered when a buffer is made; at a launch the part's own are freed
+    (zero.py's grad_done), the one before is left."""
+    mine = [k for k in forward if names & set(plans[k].names)]
+    ahead = forward.index(mine[0]) - 1 if mine else -1
+    before = gathered.get(forward[ahead], 0) if ahead >= 0 and forward[ahead] not in mine \
+        else 0
+    grads = full_grad_peak(plans, arrival, full, out, transient) if arrival else None
+    if grads is None:
+        return sum(gathered.get(k, 0) for k in mine) + before
+    return max(sum(gathered.get(k, 0) for k in mine) + before + grads.at_make,
+               before + max(grads.at_launch, grads.at_end))
+
+
+def head_params(program) -> set[str] | None:
+    """The float parameters the head reads: the steps after the last one that reads a
+    block's parameter (activations.py's `_Saves.head`); None where no parameter is a
+    block's."""
+    blocks = {p.name for p in program.params if p.block is not None}
+    floats = {p.name for p in program.params if DTYPES[p.dtype].is_float}
+    reads = [set(s.args) if hasattr(s, "args") else {s.src} for s in program.steps]
+    last = max((i for i, r in enumerate(reads) if r & blocks), default=None)
+    if last is None:
+        return None
+    return {a for r in reads[last + 1:] for a in r if a in floats}
 
 
 def repeat_block(program, n: int):

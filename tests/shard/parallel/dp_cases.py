@@ -241,8 +241,9 @@ def case_gpt_dp2sp2async_zero3():
     ZeRO-3 gathers, so the provider gathers each bucket before its first ring and frees it
     after its last. It trains as the single rank does (losses, gradient norms, float64
     parameters), with rings formed, at most 3 gathered buckets alive and none left after, and
-    none held by a ring after backward; a bf16 step's tensors alive are explain's within 12%
-    (+9.7%, as dp2sp2 under ZeRO-3 without rings, +9.3%: explain's ZeRO-3 working set; while
+    none held by a ring after backward; a bf16 step's tensors alive are explain's within 6%
+    (+3.9%; +9.7% while explain added ZeRO-3's worst buffers to backward's largest working
+    set wherever it fell, now each part of backward beside its own: zero_memory.py; while
     the rings' weight leaves held every gathered bucket to the step's end, 12.3 MiB against
     explain's 10.6: comm/collective_matmul.py `_hold`, `_forget`)."""
     import gc
@@ -277,8 +278,7 @@ def case_gpt_dp2sp2async_zero3():
     assert released and not alive, f"{len(alive)} of {len(released)} released buckets alive"
     del out
     dims = {"batch": 4, "seq": 64, "hidden": 256, "ffn": 1024, "vocab": 512}
-    assert_live_as_explained(str(ROOT / "tests/specs/zero_layouts.par"), dims, "dp2sp2asyncz3",
-                             within=0.12)
+    assert_live_as_explained(str(ROOT / "tests/specs/zero_layouts.par"), dims, "dp2sp2asyncz3")
 
 
 @ranks(2)

@@ -184,7 +184,11 @@ def test_split_backward_working_sets_by_hand():
     halves beside saved + kept (320): at L1's, its weight gradient 512 (the head's 128 came
     with x1 still saved: 320 + 128; then x1 goes, 288 + 512 = 800), 480 above both. A whole
     backward's peak is at L1: saved 160 left + gradients 96 (the add hands x1's gradient to
-    x and L1 as one tensor, 32, + g 64) + 512 = 768, 560 above the saved.
+    x and L1 as one tensor, 32, + g 64) + 512 = 768, 560 above the saved: in the last (here
+    the only) block. Its head (the steps after the last block's: the output linear and the
+    loss, which backward runs first) peaks at the output linear: x1's gradient 32 + Wh's 128
+    beside the saved (the logits' gradient is written over the saved logits), 160; no other
+    block, and no step before it (the rest and the tail: -208, nothing).
 
     Forward's working set, 24, is the loss's: one chunk of log-probabilities 16 and a float
     per token 4 (cross_entropy_scratch) beside the loss 4.
@@ -202,7 +206,7 @@ def test_split_backward_working_sets_by_hand():
     graph = lower_pipeline(spec.model(), spec.parallel("pp2"))
     ph = phase_figures(graph.stages[1].program)
     assert ph == Phases(saved=208, forward=24, backward=560, input_grad=208, weight_grad=480,
-                        kept=112), ph
+                        kept=112, head=160, last=560, rest=-208, tail=-208), ph
     sched = build("zb1p", 2, 2)
     assert [str(a) for a in sched.ranks[1]] == ["F0@1", "B0@1", "F1@1", "B1@1", "W0@1",
                                                 "W1@1"]
@@ -278,29 +282,48 @@ def test_full_grad_peak_walks_the_buckets_by_hand():
 
 
 def test_zero3_working_set_counts_the_buckets_in_flight_by_hand():
-    """dp2z3 with 3 MiB blocks: every layer's bucket holds f bytes of fp32 gradient (its
-    reduce-scatter's output o = f / 2, its gathered parameters f too). Backward's peak: the
-    previous bucket in flight (f + o), this one's buffer (f) and two gathered buckets (2f),
-    when its first gradient arrives; at a launch, 2(f + o) and one gathered bucket (f): 4.5f
-    against 4f (every bucket's buffer until the step would be 4f + 2f at the last launch)."""
+    """dp2z3 with 3 MiB blocks, fp32: every layer's bucket holds f bytes of gradient (its
+    reduce-scatter's output o = f / 2, its gathered parameters f too), the head's (final
+    layernorm and output linear) h. Backward runs the head, the last block, the rest, and
+    ZeRO holds different buffers beside each (zero_memory.py):
+    - the head: its bucket gathered and the last block's prefetched (h + f), the head's
+      buffer made (h): 2h + f (at its launch h + h / 2, its own bucket freed: less);
+    - the last block: its bucket and the one before gathered (2f), the head's in flight
+      (1.5h), its own buffer made (f): 3f + 1.5h (at its launch one bucket gathered, both
+      buffers: f + 1.5h + 1.5f, less);
+    - the rest: the previous bucket in flight (f + o), this one's buffer (f) and two gathered
+      (2f) when its first gradient arrives; at a launch 2(f + o) and one gathered: 4.5f
+      against 4f (every bucket's buffer until the step would be 4f + 2f at the last launch).
+    Each beside its own part's working set, the largest is the step's."""
     from soapstone import dsl
     from soapstone.dsl.compile.lower import lower
     from soapstone.shard.plan.analysis.activations import phase_figures
     from soapstone.shard.plan.analysis.explain import estimate
+    from soapstone.shard.plan.analysis.zero_memory import zero_beside
 
     dims = {"batch": 4, "seq": 32, "hidden": 256, "heads": 4, "ffn": 1024, "vocab": 512}
     spec = dsl.load(ROOT / "tests/specs/zero_layouts.par", dims=dims)
     par = spec.parallel("dp2z3")
     program = lower(spec.model(par.model), par)
-    layer = sum(4 * math.prod(p.local_shape) for p in program.params if p.block == "layer.0")
-    f = -(-layer // 8) * 8  # padded to an even element count
+
+    def padded(numel: int) -> int:  # fp32 bytes, padded to an even element count
+        return -(-numel // 2) * 2 * 4
+
+    f = padded(sum(math.prod(p.local_shape) for p in program.params if p.block == "layer.0"))
     o = f // 2
+    last = max(i for i, p in enumerate(program.params) if p.block is not None)
+    h = padded(sum(math.prod(p.local_shape) for p in program.params[last + 1:]))
+    beside = zero_beside(program, 3)
+    assert (beside.head, beside.last, beside.backward) == \
+        (2 * h + f, 3 * f + 3 * h // 2, max(2 * f + (f + o + f), f + 2 * (f + o)))
     ph = phase_figures(program)
-    saved, fwd, bwd = ph.saved, ph.forward, ph.backward
     est = estimate(program, 3)
-    assert est.activation_bytes == saved
-    assert est.transient_bytes == max(bwd + max(2 * f + (f + o + f), f + 2 * (f + o)),
-                                      fwd + 2 * f)
+    assert est.activation_bytes == ph.saved
+    assert ph.backward == max(ph.head, ph.last, ph.rest, ph.tail) and ph.rest < ph.last
+    assert est.transient_bytes == max(ph.head + 2 * h + f, ph.last + 3 * f + 3 * h // 2,
+                                      max(ph.rest, ph.tail) + max(2 * f + (f + o + f),
+                                                                  f + 2 * (f + o)),
+                                      ph.forward + 2 * f)
 
 
 def test_an_alltoalls_and_a_slices_copies_by_hand():
