@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import signal
 import sys
@@ -52,6 +53,7 @@ SUPERVISED = ("run", "golden", "generate")
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; return its exit code."""
+    whole_writes()
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="soapstone", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
@@ -78,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return stdout_closed()
     return code
+
+
+def whole_writes() -> None:
+    """Under `python -u` (PYTHONUNBUFFERED) stdout's text layer writes straight to the file,
+    and what a pipe takes only part of (its reader gone mid-write: `| head`) is dropped with
+    exit 0. Give it a buffer that writes all or fails (exit 141), flushed at every line as
+    -u asks."""
+    raw = getattr(sys.stdout, "buffer", None)
+    if isinstance(raw, io.FileIO):
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=sys.stdout.encoding,
+                                      errors=sys.stdout.errors, line_buffering=True)
 
 
 def stdout_closed() -> int:

@@ -7,6 +7,7 @@ as with any Unix tool)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -21,6 +22,18 @@ from closed_pipe import CLI, ROOT, closed_stdout, quiet_141
 ])
 def test_closed_stdout_exits_141_quietly(args):
     quiet_141(closed_stdout(*args))
+
+
+def test_a_reader_gone_mid_write_is_141_under_python_u():
+    """Under PYTHONUNBUFFERED a pipe whose reader leaves mid-write takes part of a long write
+    and the text layer dropped the rest with exit 0; now the rest fails, exit 141."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([*CLI, "show", "examples/llama.par", "--parallel", "ptd8", "--json"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert len(p.stdout.read(1000)) == 1000  # more than a pipe holds is still to come
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and err == "", (p.returncode, err)
 
 
 def test_without_a_closed_pipe_nothing_changes():
