@@ -55,8 +55,9 @@ class Spec:
         if name in self.refused:
             raise SpecError(self.refused[name])
         if name not in self.parallels:
+            near = did_you_mean(name, self.parallels) if isinstance(name, str) else None
             raise SpecError([Diagnostic(self.file, 0, 0, f"no parallel block named '{name}'",
-                                        did_you_mean(name, self.parallels) or
+                                        near or
                                         f"parallel blocks: {', '.join(self.parallels) or '(none)'}"
                                         )])
         return self.parallels[name]

@@ -183,9 +183,13 @@ def index_header(executor, step: int, seed: int, settings: dict, size: int) -> d
 
 
 def write_index_from(tmp: Path, header: dict, size: int) -> None:
-    """Rank 0: every rank's part in `tmp` and `header` merged into tmp/index.json (fsynced)."""
-    parts = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(size)]
+    """Rank 0: every rank's part in `tmp` and `header` merged into tmp/index.json (fsynced);
+    the parts go once merged (a checkpoint is its rank files and index.json, nothing else)."""
+    files = [tmp / f"rank{r:05d}.json" for r in range(size)]
+    parts = [json.loads(f.read_text()) for f in files]
     ix.write_json_atomic(tmp / ix.INDEX, ix.merge(parts, header))
+    for f in files:  # before the directory's fsync and rename: gone in the whole checkpoint
+        f.unlink()
 
 
 def prune(root: str | Path, keep: int | None, current: int) -> None:

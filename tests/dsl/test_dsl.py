@@ -423,6 +423,14 @@ def test_show_command(capsys):
     assert "no parallel block named 'nope'" in capsys.readouterr().err
 
 
+def test_the_api_names_a_layout_by_its_block():
+    """Spec.parallel(None) is a SpecError listing the blocks (was a TypeError from the
+    did-you-mean search)."""
+    spec = load(EXAMPLES / "gpt.par")
+    with pytest.raises(SpecError, match="(?s)no parallel block named 'None'.*single, dp2"):
+        spec.parallel(None)
+
+
 def test_check_does_not_import_torch():
     code = ("import sys\nfrom soapstone.dsl.cli import main\n"
             f"rc = main(['check', {str(EXAMPLES / 'gpt.par')!r}, {str(EXAMPLES / 'swiglu.par')!r},"

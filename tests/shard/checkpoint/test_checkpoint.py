@@ -100,6 +100,8 @@ def test_index_is_plain_json_naming_layout_shape_dtype(tmp_path):
     assert entry["dtype"] == "float32" and entry["kind"] == "param"
     assert entry["pieces"][0]["file"] == "rank00000.safetensors"
     assert {"exp_avg/linear0.bias", "exp_avg_sq/linear0.bias"} <= set(index["tensors"])
+    # the checkpoint is its rank files and the index: the ranks' parts go once merged
+    assert sorted(f.name for f in d.iterdir()) == ["index.json", "rank00000.safetensors"]
 
 
 CASES = "tests/shard/checkpoint/ckpt_cases.py"
