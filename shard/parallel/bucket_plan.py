@@ -95,13 +95,10 @@ class GradBuffers:
     at_launch: int
     at_end: int
     left: int
-    held: int = 0  # with `gathers`: the most of buffers and gathered buckets at once
 
 
 def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
-                   out: list[int], transient: list[bool],
-                   gathers: tuple[list[int], list[int | None]] | None = None,
-                   start: int = 0) -> GradBuffers:
+                   out: list[int], transient: list[bool]) -> GradBuffers:
     """The gradient buffers GradReducer holds in backward beside the kept shards: the full
     buffer of each bucket whose buffer lives only until its reduce-scatter (`transient[i]`:
     ZeRO-2/3 over several data ranks; `full[i]` bytes, padded) and the reduce-scatter's output
@@ -109,32 +106,17 @@ def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
     buffer, until the step. Gradients arrive in `arrival` order (reverse program order); a
     buffer is made at its bucket's first gradient; full buckets launch in index order; a
     transient bucket's launch waits the one launched REDUCTIONS_IN_FLIGHT before it; the end of
-    backward waits the rest. `gathers` (ZeRO-3: each bucket's gathered bytes, and the bucket
-    its first unpack prefetches): a bucket is gathered where its first gradient arrives (the
-    step that unpacks its weights) with the one before it, and freed once full (zero.py's
-    grad_done); `held` is the most of both at once from arrival `start` on."""
+    backward waits the rest."""
     where = {name: i for i, plan in enumerate(plans) for name in plan.names}
     filled = [0] * len(plans)
     window: list[int] = []
-    got: set[int] = set()
-    live = at_make = at_launch = at_end = nxt = held = 0
-
-    def moment(k: int) -> int:
-        if gathers is None or k < start:
-            return held
-        return max(held, live + sum(gathers[0][g] for g in got))
-
+    live = at_make = at_launch = at_end = nxt = 0
     for k, name in enumerate(arrival):
         i = where[name]
-        if gathers is not None and filled[i] == 0:
-            got.update(g for g in (i, gathers[1][i]) if g is not None)
         if filled[i] == 0 and (transient[i] or plans[i].deferred):
             live += full[i]
             at_make = max(at_make, live)
-        held = moment(k)
         filled[i] += 1
-        if filled[i] == len(plans[i].names):
-            got.discard(i)
         while nxt < len(plans) and filled[nxt] == len(plans[nxt].names):
             if transient[nxt] and not plans[nxt].deferred:
                 window.append(nxt)
@@ -143,11 +125,10 @@ def full_grad_peak(plans: list[BucketPlan], arrival: list[str], full: list[int],
                     at_end = max(at_end, live)
                 else:
                     at_launch = max(at_launch, live)
-                held = moment(k)
                 if len(window) > REDUCTIONS_IN_FLIGHT:
                     done = window.pop(0)
                     live -= full[done] + out[done]
             nxt += 1
     return GradBuffers(at_make, at_launch, at_end,
-                       live - sum(full[i] + out[i] for i in window), held)
+                       live - sum(full[i] + out[i] for i in window))
 

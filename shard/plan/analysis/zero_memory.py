@@ -80,24 +80,36 @@ def zero_beside(program, zero: int | ZeroStage, deferred: tuple[str, ...] = ()) 
     head = head_params(program)
     parts = (0, 0)
     if head is not None:
-        # backward's first parts, walked with the buckets they gather: the head's gradients
-        # arrive first, then the last block's
+        # backward's first parts: the head's gradients arrive first, then the last block's;
+        # a part's buckets are gathered, and a bucket's first unpack prefetches the one
+        # before it in forward order (zero.py)
         place = {p.name: k for k, p in enumerate(program.params)}
         forward = sorted(range(len(plans)), key=lambda k: min(place[n] for n in plans[k].names))
-        before = [forward[forward.index(k) - 1] if forward.index(k) > 0 else None
-                  for k in range(len(plans))]
-        sizes = ([gathered.get(k, 0) for k in range(len(plans))], before)
         last = [p for p in program.params if p.block is not None][-1].block
         mine = {p.name for p in program.params if p.block == last}
-        first = [n for n in arrival if n in head]
-        parts = tuple(cached + full_grad_peak(plans, names, full, out, transient, sizes,
-                                              start).held
-                      for names, start in ((first, 0),
-                                           (first + [n for n in arrival if n in mine],
-                                            len(first))))
+        parts = tuple(cached + _part(plans, forward, gathered, names, [
+            n for n in arrival if n in seen], full, out, transient)
+            for names, seen in ((head, head), (mine, head | mine)))
     return Beside(pair + cached + grads.left,
                   cached + max(pair + grads.at_make, one + grads.at_launch),
                   cached + grads.at_end, *parts)
+
+
+def _part(plans, forward: list[int], gathered: dict[int, int], names: set[str],
+          arrival: list[str], full, out, transient) -> int:
+    """ZeRO's bytes beside a part of backward that reads `names`, as the gradients of
+    `arrival` (the part's and those before it) arrive (full_grad_peak): its buckets and the
+    one before them gathered when a buffer is made; at a launch the part's own are freed
+    (zero.py's grad_done), the one before is left."""
+    mine = [k for k in forward if names & set(plans[k].names)]
+    ahead = forward.index(mine[0]) - 1 if mine else -1
+    before = gathered.get(forward[ahead], 0) if ahead >= 0 and forward[ahead] not in mine \
+        else 0
+    grads = full_grad_peak(plans, arrival, full, out, transient) if arrival else None
+    if grads is None:
+        return sum(gathered.get(k, 0) for k in mine) + before
+    return max(sum(gathered.get(k, 0) for k in mine) + before + grads.at_make,
+               before + max(grads.at_launch, grads.at_end))
 
 
 def head_params(program) -> set[str] | None:

@@ -279,14 +279,6 @@ def test_full_grad_peak_walks_the_buckets_by_hand():
     got = full_grad_peak(plans, ["a1", "a2", "b1", "c1", "d1", "c2"], [8, 4, 8, 2],
                          [4, 2, 4, 0], [True, True, True, False])
     assert got == GradBuffers(at_make=16, at_launch=18, at_end=20, left=2)
-    # ZeRO-3: gathered A 3, B 1, C 5, D 0, each first unpack prefetching the bucket after it
-    # in this order (backward's next). From b1 on: b1 gathers B, prefetches C (A is freed,
-    # full): 16 + 1 + 5 = 22 at B's make, then B is full: 18 + 5 = 23 at its launch; c1
-    # finds C gathered, prefetches D (0): 14 + 5, 16 + 5 at d1; c2 frees C: 20
-    held = full_grad_peak(plans, ["a1", "a2", "b1", "c1", "d1", "c2"], [8, 4, 8, 2],
-                          [4, 2, 4, 0], [True, True, True, False],
-                          ([3, 1, 5, 0], [1, 2, 3, None]), start=2)
-    assert held == GradBuffers(at_make=16, at_launch=18, at_end=20, left=2, held=23)
 
 
 def test_zero3_working_set_counts_the_buckets_in_flight_by_hand():
