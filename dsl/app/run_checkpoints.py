@@ -27,6 +27,7 @@ import sys
 import attrs
 
 from soapstone.dsl.app.build import default_lr
+from soapstone.dsl.app.outputs import check_dir
 from soapstone.dsl.lang.errors import BadInput
 
 
@@ -99,18 +100,7 @@ CHANGEABLE = ("lr", "weight_decay", "grad_clip", "precision", "accumulate", "dat
 
 def check_save_dir(path: str) -> None:
     """--save DIR must be a directory this process can create and write (BadInput)."""
-    import os
-    from pathlib import Path
-
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise BadInput(f"--save {path}: exists and is not a directory")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"--save {path}: cannot create it ({e.strerror})") from None
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise BadInput(f"--save {path}: not writable; give a directory you can write")
+    check_dir(path, "--save")
 
 
 def settings(args: argparse.Namespace, graph) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import check_train_flags, parse_dims, pick_device, world
 from soapstone.dsl.app.golden_run import DEFAULT_STEPS
+from soapstone.dsl.app.outputs import cannot_write, check_file, spec_inputs, writes_to
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import (
     add_device_options,
@@ -64,6 +65,8 @@ def _record(args: argparse.Namespace) -> int:
         dims = parse_dims(args.dim)
         if not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
+        check_file(args.output, "-o", "record.npz",
+                   spec_inputs(args) + [("--data", args.data)])
         comm = world(pick_device(args.device, args.comm), args.comm)
         if comm.size != 1:
             raise BadInput(f"golden record runs on one rank; this run has {comm.size} "
@@ -74,7 +77,15 @@ def _record(args: argparse.Namespace) -> int:
                          data=args.data, parallel=args.parallel, device=args.device,
                          comm=args.comm)
     except UserError as e:
-        return fail(e)
+        from soapstone.comm.launch.supervisor import launched_rank
+
+        # under mpiexec every rank finds the same error, some before MPI starts: the
+        # launcher's rank says which one prints it
+        return fail(e, launched_rank() or 0)
+    except OSError as e:
+        if not writes_to(e, args.output):  # not the record's write: not a path's fault
+            raise
+        return fail(cannot_write("-o", args.output, e))
     except NonFinite as e:  # nothing worth recording
         print(e.format(), file=sys.stderr, flush=True)
         return EXIT_NONFINITE

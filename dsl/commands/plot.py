@@ -2,18 +2,25 @@
 
 Two panels per image: the training loss and the eval loss (when the run evaluated) against the
 step, and tokens/s. Several files are drawn over each other, labelled by file name. Needs
-matplotlib (imported only here); a file that is not run's metrics is bad input (exit 2).
+matplotlib (imported only here); a file that is not run's metrics is bad input (exit 2), and
+so is an image path that cannot be written or has an extension matplotlib cannot write. Without
+an extension the image gets matplotlib's default one, and the path printed is the one written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
+from soapstone.dsl.app.outputs import cannot_write, check_file
 from soapstone.dsl.commands import fail
 from soapstone.dsl.lang.errors import BadInput
+
+# the keys drawn: each a number (run writes null for a non-finite loss); `step` an integer
+DRAWN = ("loss", "eval_loss", "tokens_per_s")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,23 +48,59 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
                 not ("loss" in row or "eval_loss" in row):
             raise BadInput(f"{path}:{n}: not a metrics line (no step and loss/eval_loss); "
                            "give the file `run --metrics` wrote")
-        (evals if "eval_loss" in row else steps).append(row)
+        (evals if "eval_loss" in row else steps).append(checked_row(row, f"{path}:{n}"))
     if not steps:
         raise BadInput(f"{path}: no training steps in it")
     return steps, evals
+
+
+def checked_row(row: dict, where: str) -> dict:
+    """A metrics line whose step is an integer and whose drawn figures are numbers (null: NaN,
+    a gap in the curve); BadInput naming the line otherwise."""
+    step = row["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise BadInput(f"{where}: step {json.dumps(step)} is not a step number; give the file "
+                       "`run --metrics` wrote")
+    out = dict(row)
+    for key in DRAWN:
+        value = row.get(key, 0)
+        if value is None:
+            out[key] = math.nan
+        elif not isinstance(value, int | float) or isinstance(value, bool):
+            raise BadInput(f"{where}: {key} {json.dumps(value)} is not a number; give the "
+                           "file `run --metrics` wrote")
+    return out
+
+
+def image_path(output: str) -> str:
+    """The file savefig writes for -o OUTPUT: OUTPUT, or OUTPUT with matplotlib's default
+    extension when it has none (BadInput: an extension matplotlib cannot write)."""
+    import matplotlib
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    p = Path(output)
+    if p.is_dir():  # check_file refuses it
+        return output
+    if not p.suffix:  # what savefig itself does with a bare name
+        return f"{output.rstrip('.')}.{matplotlib.rcParams['savefig.format']}"
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if p.suffix[1:].lower() not in kinds:
+        raise BadInput(f"-o {output}: matplotlib cannot write {p.suffix} images; give one of "
+                       f"{', '.join('.' + k for k in sorted(kinds))}, e.g. -o "
+                       f"{p.with_suffix('.png')}")
+    return output
 
 
 def main(args: argparse.Namespace) -> int:
     """Read every file, draw, write the image."""
     try:
         runs = [(Path(m).stem, *read_metrics(m)) for m in args.metrics]
-        if not Path(args.output).resolve().parent.is_dir():
-            raise BadInput(f"-o {args.output}: the directory {Path(args.output).parent} "
-                           "does not exist")
         try:
             import matplotlib
         except ImportError:
             raise BadInput("plot needs matplotlib: pip install matplotlib") from None
+        out = image_path(args.output)
+        check_file(out, "-o", "loss.png", [("the metrics file", m) for m in args.metrics])
     except UserError as e:
         return fail(e)
     matplotlib.use("Agg")
@@ -79,6 +122,9 @@ def main(args: argparse.Namespace) -> int:
     ax_speed.set_xlabel("step")
     ax_speed.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.output, dpi=110)
-    print(f"plot: {args.output}")
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        return fail(cannot_write("-o", out, e))
+    print(f"plot: {out}")
     return 0

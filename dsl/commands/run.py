@@ -8,6 +8,9 @@ Errors during training are not caught here: one rank's exception aborts the whol
 exception: a checkpoint's load or save that fails (a damaged byte, a full disk) raises the same
 CheckpointError on every rank at once (shard/checkpoint/agree.py), so all exit 2 together.
 Rank 0 draws the progress bar and writes --metrics; other ranks print only when failing.
+Rank 0's outputs (--metrics, --trace, --tensorboard) are checked on rank 0 before launch and
+opened before the first step, its verdict shared with every rank (dsl/app/outputs.py): a
+path that cannot be written, or names an input, ends every rank with exit 2 at once.
 A NaN or infinite loss or gradient norm never updates (shard/train/nonfinite.py): the run
 stops with one message on rank 0 and exit 3 on every rank (EXIT_NONFINITE), or under
 --on-nonfinite skip drops that step's update and goes on (--max-skips in a row at most).
@@ -21,6 +24,7 @@ and SIGTERM/SIGINT to mpiexec end every rank promptly with one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -40,6 +44,14 @@ from soapstone.dsl.app.build import (
     single_program,
     world,
 )
+from soapstone.dsl.app.outputs import (
+    cannot_write,
+    check_dir,
+    check_file,
+    rank0_verdict,
+    same_file,
+    spec_inputs,
+)
 from soapstone.dsl.app.run_checkpoints import after_step, begin, checkpoint_plan
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import (
@@ -50,6 +62,7 @@ from soapstone.dsl.commands.flags import (
     add_schedule_options,
     add_train_options,
 )
+from soapstone.dsl.lang.errors import BadInput
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +137,7 @@ def main(args: argparse.Namespace) -> int:
             check_graph(program)
         schedule = lr_schedule(args, args.lr if args.lr is not None else default_lr(args.optimizer))
         check_tensorboard(args.tensorboard)
+        rank0_verdict(comm, lambda: check_outputs(args))  # rank 0 writes them: its verdict
         task = make_task(single_program(model, program), args.seed, args.data, args.val_data,
                          args.data_dtype)
         speed = throughput(args, model, comm.device)
@@ -140,6 +154,50 @@ def main(args: argparse.Namespace) -> int:
         if comm.rank == 0:
             print(e.format(), file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except UserError as e:  # rank 0's write failed mid-run (a full disk)
+        if comm.size > 1:  # the others wait in a collective: the failure handler ends the job
+            raise
+        return fail(e)
+
+
+def check_outputs(args) -> None:
+    """The files rank 0 writes (--metrics, --trace and its image) and --tensorboard's
+    directory: writable, none the same as another or as an input of the run (BadInput)."""
+    inputs = spec_inputs(args) + [(flag, value) for flag, value in (
+        ("--data", args.data), ("--val-data", args.val_data), ("--init", args.init),
+        ("--resume", args.resume), ("--profile", args.profile)) if value]
+    trace = getattr(args, "trace", None)
+    files = [(flag, path, example) for flag, path, example in (
+        ("--metrics", args.metrics, "metrics.jsonl"), ("--trace", trace, "trace.json"),
+        ("--trace's image", trace and str(Path(trace).with_suffix(".png")), "trace.png"))
+        if path]
+    for i, (flag, path, example) in enumerate(files):
+        for other, written, _ in files[:i]:
+            if same_file(path, written) and not (other == "--trace" and path == written):
+                raise BadInput(f"{flag} {path}: the same file as {other} {written}; give each "
+                               "its own path")
+        check_file(path, flag, example, inputs)
+    if args.tensorboard:
+        check_dir(args.tensorboard, "--tensorboard")
+
+
+def open_outputs(args) -> tuple:
+    """(the --metrics file, the TensorBoard writer), each None without its flag (rank 0);
+    BadInput naming the path that cannot be written."""
+    metrics = board = None
+    try:
+        if args.metrics:
+            metrics = open(args.metrics, "w")  # noqa: SIM115 - train() closes it
+    except OSError as e:
+        raise cannot_write("--metrics", args.metrics, e) from None
+    try:
+        if args.tensorboard:
+            board = tensorboard_writer(args.tensorboard)
+    except OSError as e:
+        if metrics is not None:
+            metrics.close()
+        raise cannot_write("--tensorboard", args.tensorboard, e) from None
+    return metrics, board
 
 
 def launch_nodes(par, world: int) -> list[str]:
@@ -192,8 +250,6 @@ def check_tensorboard(logdir: str | None) -> None:
     loads it) and a directory it can create."""
     import importlib.util
 
-    from soapstone.dsl.lang.errors import BadInput
-
     if not logdir:
         return
     if importlib.util.find_spec("tensorboardX") is None:
@@ -241,6 +297,8 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                   file=sys.stderr, flush=True)
     try:  # a damaged checkpoint or a full disk: every rank raises the same error together
         start = begin(trainer, ckpt, args, rank) if ckpt is not None else 0
+        # rank 0's files, opened before the first step; a failure ends every rank (collective)
+        metrics, board = rank0_verdict(comm, lambda: open_outputs(args)) or (None, None)
     except UserError as e:
         return fail(e, rank)
     if rank == 0 and par is not None and par.offload and comm.device.type != "cuda":
@@ -255,8 +313,6 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
         expected.expect(expected_calls(graph_as_run(program, args.precision), comm.rank))
     stopped = None
     bar = progress_bar(args.steps - start) if rank == 0 and not args.quiet else None
-    metrics = open(args.metrics, "w") if rank == 0 and args.metrics else None  # noqa: SIM115
-    board = tensorboard_writer(args.tensorboard) if rank == 0 and args.tensorboard else None
     first = last = None
     total_t = total_tok = 0.0
     every = args.eval_every
@@ -276,8 +332,11 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                              f"({e.batches} held-out batches)")
             for row in rows:
                 if metrics:
-                    metrics.write(json.dumps(row.to_json()) + "\n")
-                    metrics.flush()
+                    try:
+                        metrics.write(json.dumps(row.to_json()) + "\n")
+                        metrics.flush()
+                    except OSError as e:
+                        raise cannot_write("--metrics", args.metrics, e) from None
                 if board:
                     log_scalars(board, row)
             if m.skipped and rank == 0:
@@ -299,7 +358,10 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
                 break
     finally:
         if metrics:
-            metrics.close()
+            # every line is flushed as written: a close that fails follows a failed write,
+            # already reported
+            with contextlib.suppress(OSError):
+                metrics.close()
         if bar:
             bar.close()
         if board:
@@ -315,7 +377,10 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
               + (f", {trainer.skipped} non-finite steps skipped" if trainer.skipped else ""),
               flush=True)
     if trace:
-        write_trace(trainer.executor, trace, rank)
+        try:  # rank 0 writes, after the last collective: the others have finished
+            write_trace(trainer.executor, trace, rank)
+        except UserError as e:
+            return fail(e, rank)
     return 128 + stopped if stopped else 0
 
 
@@ -336,10 +401,13 @@ def write_trace(pipe, path: str, rank: int) -> None:
     if rank != 0:
         return
     g = pipe.graph
-    tr.write_chrome_trace(path, events, f"{g.model}/{g.parallel}")
     png = str(Path(path).with_suffix(".png"))
-    drew = tr.write_png(png, events, f"{g.model}/{g.parallel} {g.schedule}, "
-                        f"bubble {measured:.1%}")
+    try:
+        tr.write_chrome_trace(path, events, f"{g.model}/{g.parallel}")
+        drew = tr.write_png(png, events, f"{g.model}/{g.parallel} {g.schedule}, "
+                            f"bubble {measured:.1%}")
+    except OSError as e:
+        raise cannot_write("--trace", str(e.filename or path), e) from None
     print(f"trace: {path}" + (f" and {png}" if drew else
                               " (no .png: matplotlib is not installed)"), flush=True)
     formula = (f"(p-1)/(v*m+p-1) = {g.pipe - 1}/({g.chunks}*{g.microbatches}+{g.pipe - 1})"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,10 +27,13 @@ import attrs
 from soapstone.comm.dtype_table import COMMAND_PRECISIONS
 from soapstone.comm.errors import UserError
 from soapstone.dsl.app.build import load_plugins, parse_dims
+from soapstone.dsl.app.outputs import cannot_write, check_file, spec_inputs
 from soapstone.dsl.commands import fail
 from soapstone.dsl.commands.flags import add_nodes_option, add_spec_options
 from soapstone.dsl.lang.errors import BadInput
 from soapstone.shard.plan.sizes import MAX_DIM, MAX_RANKS
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # grammar/par.lark's NAME
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,10 +83,14 @@ def main(args: argparse.Namespace) -> int:
             raise BadInput(f"--top {args.top}: give at least 1 row")
         if args.global_batch is not None and not 1 <= args.global_batch <= MAX_DIM:
             raise BadInput(f"--global-batch {args.global_batch}: give 1 to {MAX_DIM}")
-        if not args.name.isidentifier():
-            raise BadInput(f"--name {args.name!r}: a block name is an identifier")
+        if not NAME.fullmatch(args.name):  # str.isidentifier takes é, which specs do not
+            raise BadInput(f"--name {args.name!r}: a block name is a spec's name: ASCII "
+                           "letters, digits and _, not starting with a digit (e.g. planned)")
         if args.output and not Path(args.output).resolve().parent.is_dir():
             raise BadInput(f"-o {args.output}: the directory does not exist")
+        if args.output:  # the spec is read after this: never written over
+            check_file(args.output, "-o", "planned.par",
+                       spec_inputs(args) + [("--profile", args.profile)])
         profile = load_profile(args.profile)
         if args.devices_per_node is not None:  # the search's links and the placement alike
             if args.devices_per_node < 1:
@@ -90,7 +98,12 @@ def main(args: argparse.Namespace) -> int:
             profile = attrs.evolve(profile, devices_per_node=args.devices_per_node)
         dims = parse_dims(args.dim)
         load_plugins(args.plugin)
-        model = load(args.spec, dims=dims, filename=args.spec).model(args.model)
+        spec = load(args.spec, dims=dims, filename=args.spec)
+        if args.name in spec.parallels or args.name in spec.refused:
+            raise BadInput(f"--name {args.name}: {args.spec} already has a parallel block "
+                           f"'{args.name}', so the planned one would be defined twice; give "
+                           "--name another name")
+        model = spec.model(args.model)
         planner = _planner(model, profile, args)
         batch = planner.dims.batch
         if args.global_batch is not None and args.global_batch != model.size(batch):
@@ -108,7 +121,10 @@ def main(args: argparse.Namespace) -> int:
                       "--devices-per-node" if args.devices_per_node else
                       f"{profile.name}'s devices per node")
     if args.output:
-        Path(args.output).write_text(spec_file(args, block, dims))
+        try:
+            Path(args.output).write_text(spec_file(args, block, dims))
+        except OSError as e:
+            return fail(cannot_write("-o", args.output, e))
     if args.json:
         print(json.dumps(plan.to_data(planner, args.top, args.name) | {
             "seconds": seconds, "dims": dims, "placement": nodes[0]}, indent=1))
