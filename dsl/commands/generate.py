@@ -5,14 +5,17 @@ SOURCE is what `run --init` takes (dsl/app/init_weights.py: a checkpoint directo
 file of full parameters, or a registered scheme such as hf:DIR). The prompt is encoded as
 UTF-8 bytes (a model trained on byte-level data, vocab 256) or by a Hugging Face
 tokenizer.json: --tokenizer's, else the one beside hf:DIR's weights (a model of more than 256
-ids without either is exit 2 naming --tokenizer); the continuation printed as text (rank 0).
+ids without either is exit 2 naming --tokenizer); the continuation printed as text (rank 0)
+as each token is drawn: generation reads only the last `seq` ids, so --tokens has no bound
+but time, and a long run shows its text as it goes rather than all at the end.
 Every rank checks the flags on its own and reaches the same verdict, so bad input exits 2 on
-all of them at once.
+all of them at once; weights whose logits are NaN or infinite are exit 2 naming --init.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 
 from soapstone.comm.errors import UserError
@@ -90,7 +93,7 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
     """Build the layout, load --init, generate, print the text on rank 0."""
     from soapstone.comm import Mesh
     from soapstone.shard.runtime.executor import Executor
-    from soapstone.shard.train.generate import generate
+    from soapstone.shard.train.generate import NonFiniteLogits, generate_ids
 
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None
     ex = Executor(graph, mesh, seed=args.seed, custom=custom_layers(), draw=False)  # --init fills
@@ -100,13 +103,61 @@ def sample(args, comm, par, graph, lm, tok, prompt, load_init) -> int:
         return fail(e, comm.rank)
     dims = next(i.type.dims for i in lm.model.inputs if i.name == lm.ids)
     rows = lm.model.size(dims[0]) if len(dims) == 2 else 1
-    new = generate(ex, lm.ids, lm.targets, lm.logits_output, prompt, args.tokens,
-                   args.temperature, args.top_k, args.seed, (rows, lm.seq),
-                   comm if comm.size > 1 else None, classes=lm.real)
+    new = generate_ids(ex, lm.ids, lm.targets, lm.logits_output, prompt, args.tokens,
+                       args.temperature, args.top_k, args.seed, (rows, lm.seq),
+                       comm if comm.size > 1 else None, classes=lm.real)
+    text = TextStream(tok)
+    try:
+        for i, pick in enumerate(new):
+            if comm.rank == 0 and i == 0:  # with the first token: bad weights print one line
+                print(f"soapstone generate: {lm.model.name}"
+                      f"{' / ' + par.name if par is not None else ''} on {comm.size} rank"
+                      f"{'s' if comm.size > 1 else ''}, {loaded}, {args.tokens} tokens, "
+                      f"temperature {args.temperature:g}", file=sys.stderr, flush=True)
+                sys.stdout.write(args.prompt)
+            if comm.rank == 0:
+                sys.stdout.write(text.push(pick))
+                sys.stdout.flush()
+    except NonFiniteLogits as e:  # every rank holds the same logits: all stop together
+        return fail(BadInput(f"--init {args.init}: {e}; train again from a finite checkpoint, "
+                             "or check what wrote the file"), comm.rank)
     if comm.rank == 0:
-        print(f"soapstone generate: {lm.model.name}"
-              f"{' / ' + par.name if par is not None else ''} on {comm.size} rank"
-              f"{'s' if comm.size > 1 else ''}, {loaded}, {args.tokens} tokens, temperature "
-              f"{args.temperature:g}", file=sys.stderr, flush=True)
-        print(args.prompt + tok.decode(new), flush=True)
+        print(text.end(), flush=True)
     return 0
+
+
+class TextStream:
+    """Generated ids to text piece by piece, each character printed once: bytes through an
+    incremental UTF-8 decoder (a character split over tokens waits for its last byte); a
+    tokenizer's ids decoded beside the ids before them, since a token's text may depend on its
+    left neighbour (a leading space, a character split over tokens), and held back while they
+    end in a broken character. Holds a few ids, whatever the length."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") \
+            if tok.name == "bytes" else None
+        self.ids: list[int] = []
+        self.read = 0  # ids[:read]: printed already, kept as the left context of the rest
+
+    def push(self, i: int) -> str:
+        """The text that id `i` completes ('' while it cannot be told yet)."""
+        if self.utf8 is not None:
+            return self.utf8.decode(bytes([i]))
+        self.ids.append(i)
+        piece = self.pending()
+        # a character's bytes span at most 4 tokens: past 8 held, what is broken stays broken
+        if (not piece or piece.endswith("\ufffd")) and len(self.ids) - self.read < 8:
+            return ""
+        self.ids = self.ids[self.read:]  # the newest printed ids are the next one's context
+        self.read = len(self.ids)
+        return piece
+
+    def pending(self) -> str:
+        """The text of the ids not printed yet, read beside the ones before them."""
+        before = self.tok.decode(self.ids[:self.read])
+        return self.tok.decode(self.ids)[len(before):]
+
+    def end(self) -> str:
+        """What is still held back (a broken character at the very end)."""
+        return self.utf8.decode(b"", final=True) if self.utf8 is not None else self.pending()

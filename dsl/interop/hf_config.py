@@ -7,12 +7,14 @@ a .par model (`config_of`), and written (`config_json`). No transformers import.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
 
 from soapstone.comm.errors import UserError
 from soapstone.dsl.model import ir
+from soapstone.shard.plan.sizes import MAX_DIM
 
 
 class HFError(UserError):
@@ -74,12 +76,23 @@ _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": 
 _ACT_NAME = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 
 
-def _field(conf: dict, key: str, path: str, default=None, kind=int):
+def _field(conf: dict, key: str, path: str, default=None, kind=int, noun="integer"):
+    """A numeric field: an int is a size or a count (>= 1), a float an epsilon (> 0, finite);
+    anything else is an HFError naming the field before a layer divides by it."""
     value = conf.get(key, default)
-    if value is None or (kind is int and (isinstance(value, bool) or not isinstance(value, int))) \
+    if value is None or isinstance(value, bool) \
+            or (kind is int and not isinstance(value, int)) \
             or (kind is float and not isinstance(value, int | float)):
         raise HFError(f"{path}: field {key!r} is {value!r}; soapstone needs "
                       f"{'an integer' if kind is int else 'a number'} there")
+    if kind is int and not 1 <= value <= MAX_DIM:
+        raise HFError(f"{path}: field {key!r} = {json.dumps(value)} must be a positive {noun} "
+                      f"(at most {MAX_DIM}): it is a size or a count",
+                      f"fix {key!r} in {path}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        raise HFError(f"{path}: field {key!r} = {json.dumps(value)} must be a finite number "
+                      "above 0: it is an epsilon added before a root",
+                      f"fix {key!r} in {path}, e.g. {json.dumps(default)}")
     return value
 
 
@@ -160,6 +173,9 @@ def _window(conf: dict, path: str, family: str, layers: int) -> int | None:
     kinds = conf.get("layer_types")
     if kinds is None and window is not None and family in QWEN:
         first = conf.get("max_window_layers", layers)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise HFError(f"{path}: field 'max_window_layers' = {json.dumps(first)} must be a "
+                          "number of layers (0 or more)")
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if family == "qwen2_moe":  # every other layer below max_window_layers slides
             kinds = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention"
@@ -173,9 +189,9 @@ def _window(conf: dict, path: str, family: str, layers: int) -> int | None:
         if kinds and kinds[0] != "sliding_attention":
             window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):
+                               or not 1 <= window <= MAX_DIM):
         raise HFError(f"{path}: field 'sliding_window' = {json.dumps(window)} must be a "
-                      "positive number of positions (or null)")
+                      f"positive number of positions, at most {MAX_DIM} (or null)")
     return window
 
 
@@ -189,9 +205,8 @@ def _llama_config(conf: dict, path: str, family: str = "llama") -> HFConfig:
     if head_dim is None and hidden % heads:
         raise HFError(f"{path}: hidden_size = {hidden} does not divide over "
                       f"num_attention_heads = {heads}, and no head_dim says each head's width")
-    head_dim = hidden // heads if head_dim is None else _field(conf, "head_dim", path)
-    if head_dim < 1:
-        raise HFError(f"{path}: field 'head_dim' = {head_dim} must be a positive width")
+    head_dim = hidden // heads if head_dim is None else _field(conf, "head_dim", path,
+                                                               noun="width")
     if heads % kv:
         raise HFError(f"{path}: num_key_value_heads = {kv} does not divide "
                       f"num_attention_heads = {heads}")
@@ -233,9 +248,6 @@ def _moe_config(cfg: HFConfig, conf: dict) -> HFConfig:
     sizes = {"experts": experts}
     if has_shared:
         sizes["shared"] = _field(conf, "shared_expert_intermediate_size", path)
-        if sizes["shared"] < 1:
-            raise HFError(f"{path}: shared_expert_intermediate_size = {sizes['shared']} must "
-                          "be positive (Qwen2-MoE's shared expert)")
     ffn = _field(conf, width, path)
     dims = tuple((d, ffn if d == "ffn" else n) for d, n in cfg.dims if d != "layers")
     moe = MoE(top_k, family == "mixtral" or bool(conf.get("norm_topk_prob", False)),
@@ -268,8 +280,10 @@ def _rope(conf: dict, path: str) -> tuple[float, tuple | None]:
                           "head_dim (partial_rotary_factor 1)")
         if kind == "llama3":
             scaling = _llama3(rope, key, path)
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a positive number")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) \
+            or not (math.isfinite(theta) and theta > 0):
+        raise HFError(f"{path}: rope_theta = {json.dumps(theta)} must be a finite positive "
+                      "number")
     return float(theta), scaling
 
 
@@ -279,9 +293,10 @@ def _llama3(rope: dict, key: str, path: str) -> tuple[float, float, float, int]:
     vals = []
     for name in names:
         v = rope.get(name)
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int | float) \
+                or not (math.isfinite(v) and 0 < v <= MAX_DIM):
             raise HFError(f"{path}: field {key!r} has {name} = {json.dumps(v)}; the llama3 "
-                          "rope type needs a positive number there")
+                          f"rope type needs a finite positive number there (at most {MAX_DIM})")
         vals.append(v)
     factor, low, high, original = vals
     if not low < high or factor < 1:

@@ -5,8 +5,15 @@ from __future__ import annotations
 import math
 
 from soapstone.dsl.layers.positions import rope_op, scaling_attrs
-from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, need_float
-from soapstone.shard.plan.sizes import divisors
+from soapstone.dsl.layers.registry import (
+    Arg,
+    Operand,
+    builtin,
+    dims_text,
+    finite_number,
+    need_float,
+)
+from soapstone.shard.plan.sizes import MAX_DIM, divisors
 
 
 @builtin("attention", Arg("x", "tensor"), Arg("heads", "dim"), Arg("causal", "bool", True),
@@ -38,6 +45,13 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
     if window is not None and window <= 0:
         ctx.error(f"attention window = {window} must be a positive number of positions",
                   "window = N lets each query see itself and the N - 1 positions before it")
+    if window is not None and window > MAX_DIM:
+        # positions are int64 and the mask compares their differences with the window, so a
+        # larger one cannot run; any window of seq positions or more masks nothing more than
+        # causal does, so a sound spec never needs one (a smaller seq under --dim keeps it)
+        ctx.error(f"attention window = {window} is more positions than a sequence can hold "
+                  f"(at most {MAX_DIM})", "a window at least as long as the sequence is "
+                  "the same as none: leave window out, or give the window the model uses")
     if not 0.0 <= dropout < 1.0:
         ctx.error(f"attention dropout = {dropout} is not in [0, 1)",
                   "the probability of dropping an attention weight, e.g. dropout = 0.1")
@@ -70,6 +84,7 @@ def _attention(ctx, x, heads, causal, kv_heads, rope, bias, qkv_bias, window, ro
         return ctx.op("add", (y, b), y.dims, dt, name=name)
 
     q, k, v = project(wq, H, "q"), project(wk, KV, "k"), project(wv, KV, "v")
+    finite_number(ctx, qk_norm, "attention qk_norm", "Qwen3 uses its rms_norm_eps, 1e-06")
     if qk_norm < 0:
         ctx.error(f"attention qk_norm = {qk_norm}: give the norm's eps (> 0), or 0 for none",
                   "Qwen3 uses its rms_norm_eps, 1e-06")

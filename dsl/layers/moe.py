@@ -19,7 +19,15 @@ sigmoid(x . g) per token (Qwen2-MoE's shared_expert_gate, a param g[hidden]).
 
 from __future__ import annotations
 
-from soapstone.dsl.layers.registry import PARAM_DTYPE, Arg, builtin, dims_text, last_dim, need_float
+from soapstone.dsl.layers.registry import (
+    PARAM_DTYPE,
+    Arg,
+    builtin,
+    dims_text,
+    finite_number,
+    last_dim,
+    need_float,
+)
 
 
 @builtin("moe", Arg("x", "tensor"), Arg("experts", "dim"), Arg("ffn", "dim"),
@@ -54,6 +62,9 @@ def _moe(ctx, x, experts, ffn, top_k, capacity, aux, activation, shared, normali
     if not 1 <= top_k <= n:
         ctx.error(f"moe top_k = {top_k} must be between 1 and {experts} = {n}",
                   f"write top_k = {min(max(top_k, 1), n)}, or more experts")
+    # capacity scales a token count (ceil of it) and aux the loss: inf is neither
+    finite_number(ctx, capacity, "moe capacity", "1.25 is Switch's; 0 drops no token")
+    finite_number(ctx, aux, "moe aux", "0.01 is Switch's; 0 turns the balance loss off")
     if capacity < 0:
         ctx.error(f"moe capacity = {capacity} must not be negative",
                   "1.0 fits a perfectly balanced load; larger drops fewer tokens; 0 drops none")

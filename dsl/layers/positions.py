@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from soapstone.dsl.layers.registry import Arg, Operand, builtin, dims_text, last_dim, need_float
+from soapstone.shard.plan.sizes import MAX_DIM
 
 
 @builtin("positions", Arg("dim", "dim"))
@@ -20,14 +21,16 @@ def scaling_attrs(ctx, factor: float, low: float, high: float, original: int) ->
     original_max_position_embeddings."""
     if factor == 1.0:
         return {}
-    if not factor > 1.0:
-        ctx.error(f"rope factor = {factor} must be at least 1 (1: no scaling)",
+    if not (factor > 1.0 and math.isfinite(factor)):
+        ctx.error(f"rope factor = {factor} must be a finite number, at least 1 (1: no scaling)",
                   "LLaMA-3.1 uses factor = 8.0")
-    if not 0 < low < high:
-        ctx.error(f"rope low_freq = {low}, high_freq = {high}: need 0 < low_freq < high_freq",
+    if not 0 < low < high < math.inf:
+        ctx.error(f"rope low_freq = {low}, high_freq = {high}: need 0 < low_freq < high_freq, "
+                  "both finite",
                   "LLaMA-3.1 uses low_freq = 1.0, high_freq = 4.0")
-    if original < 1:
-        ctx.error(f"rope original_max = {original} must be a positive number of positions",
+    if not 1 <= original <= MAX_DIM:  # a context length: positions are int64
+        ctx.error(f"rope original_max = {original} must be a positive number of positions "
+                  f"(at most {MAX_DIM})",
                   "LLaMA-3.1 uses original_max = 8192")
     return {"factor": float(factor), "low_freq": float(low), "high_freq": float(high),
             "original_max": int(original)}

@@ -15,6 +15,7 @@ The built-in layers register themselves here, one module each in this room.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import attrs
@@ -74,6 +75,21 @@ def need_float(ctx, x: Operand, what: str) -> None:
     """Refuse a non-float tensor where a layer computes in floating point."""
     if x.dtype not in FLOATS:
         ctx.error(f"{what} must be a float tensor, got {x.dtype}", "convert ids with embedding()")
+
+
+def positive_number(ctx, value: float, what: str, hint: str | None = None) -> float:
+    """Refuse a float argument that is no finite number above 0 (an eps, a scale): such a
+    value checks fine and only shows in a run as a non-finite loss."""
+    if not (math.isfinite(value) and value > 0):
+        ctx.error(f"{what} = {value} must be a finite number above 0", hint)
+    return value
+
+
+def finite_number(ctx, value: float, what: str, hint: str | None = None) -> float:
+    """Refuse a float argument that is infinite (a literal like 1e400 reads as inf)."""
+    if not math.isfinite(value):
+        ctx.error(f"{what} = {value} must be a finite number", hint)
+    return value
 
 
 def dims_text(dims) -> str:

@@ -311,9 +311,16 @@ class ModelBuilder:
             if e.id in self.dims:
                 return e.id
             self.fail(e.loc, f"unknown dim '{e.id}'", did_you_mean(e.id, self.dims))
-        if isinstance(e, ast.Num) and isinstance(e.value, int):
-            # a literal size: the dim is named after the argument (heads = 8 -> dim heads)
-            return self.derive(argname, e.value, None, "a literal", e.loc)
+        literal = e.operand if isinstance(e, ast.Neg) else e
+        if isinstance(literal, ast.Num) and isinstance(literal.value, int):
+            # a literal size: the dim is named after the argument (heads = 8 -> dim heads);
+            # checked as a declared dim's size is, before any layer divides by it
+            size = -literal.value if literal is not e else literal.value
+            if not 1 <= size <= MAX_DIM:
+                self.fail(e.loc, f"argument '{argname}' = {size} is no dim size: sizes must be "
+                          f">= 1 and at most {MAX_DIM}",
+                          f"give {argname} a positive size, or the name of a declared dim")
+            return self.derive(argname, size, None, "a literal", e.loc)
         self.fail(getattr(e, "loc", None), f"argument '{argname}' must name a dim")
 
     def arg(self, name: str, kind: str, e, choices, func: str):

@@ -6,11 +6,25 @@ position read), runs `Executor.infer` (forward only, the logits gathered to thei
 every rank) and reads row 0 at the last real position. Temperature 0 is greedy (argmax);
 otherwise softmax(logits / temperature) over the top_k ids, drawn from a generator seeded by
 `seed`. Rank 0's choice is broadcast, so every rank extends the same sequence.
+
+Logits that are NaN or infinite mean the weights are (NonFiniteLogits, bad input): every rank
+holds the same gathered logits, so every rank raises at the same step. A temperature so small
+that logits / temperature overflows samples the limit (the largest logit, ties drawn evenly).
+`generate_ids` yields each id as it is drawn (a caller prints them as they come) and keeps only
+the last `seq` ids, so any number of tokens runs in bounded memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+
+from soapstone.comm.errors import UserError
+
+
+class NonFiniteLogits(UserError, ValueError):
+    """The model's logits hold NaN or infinity: so do its weights (bad input, exit 2)."""
 
 
 def generate(executor, ids: str, targets: str, logits: str, prompt: list[int], tokens: int,
@@ -20,22 +34,41 @@ def generate(executor, ids: str, targets: str, logits: str, prompt: list[int], t
     """`tokens` new ids after `prompt` (collective: every rank calls it with the same
     arguments). shape: (rows, seq) of the model's token input; world: the world communicator
     (None on one rank); classes: the real ids of a padded vocab (the rest never picked)."""
+    return list(generate_ids(executor, ids, targets, logits, prompt, tokens, temperature, top_k,
+                             seed, shape, world, classes))
+
+
+def generate_ids(executor, ids: str, targets: str, logits: str, prompt: list[int], tokens: int,
+                 temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
+                 shape: tuple[int, int] = (1, 1), world=None,
+                 classes: int | None = None) -> Iterator[int]:
+    """`generate`'s ids one at a time, as each is drawn (collective, as `generate`)."""
     rows, seq = shape
     g = torch.Generator().manual_seed(seed)
-    out = list(prompt)
-    for _ in range(tokens):
-        ctx = out[-seq:]
+    ctx = list(prompt)[-seq:]
+    for step in range(tokens):
         row = torch.zeros(seq, dtype=torch.long)
         row[:len(ctx)] = torch.tensor(ctx, dtype=torch.long)
         batch = {ids: row.expand(rows, seq).clone(), targets: torch.zeros(rows, seq,
                                                                            dtype=torch.long)}
         _, full = executor.infer(batch, gather=(logits,))
         scores = full[logits][0, len(ctx) - 1, :classes].double()
+        check_finite(scores, step)
         pick = torch.tensor([next_id(scores, temperature, top_k, g)], dtype=torch.long)
         if world is not None and world.size > 1:
             world.broadcast(pick, src=0)
-        out.append(int(pick))
-    return out[len(prompt):]
+        ctx = (ctx + [int(pick)])[-seq:]
+        yield int(pick)
+
+
+def check_finite(scores: torch.Tensor, step: int) -> None:
+    """NonFiniteLogits naming the first id whose logit is NaN or infinite, if one is."""
+    bad = (~torch.isfinite(scores)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise NonFiniteLogits(f"the logits of new token {step + 1} are not finite (id {i}: "
+                              f"{float(scores[i])}, {len(bad)} of {scores.numel()} ids): the "
+                              "weights hold NaN or infinity")
 
 
 def next_id(scores: torch.Tensor, temperature: float, top_k: int | None,
@@ -43,7 +76,14 @@ def next_id(scores: torch.Tensor, temperature: float, top_k: int | None,
     """The next id from one position's logits: argmax at temperature 0, else a draw."""
     if temperature == 0:
         return int(scores.argmax())
-    scores = scores / temperature
+    scaled = scores / temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # a temperature so small that a logit / T overflows (inf - inf is NaN in the softmax):
+        # shifted by the largest logit first, each is 0 (the largest) or below, and / T tends
+        # to -inf, never +inf: the draw is the limit T -> 0 (the largest, ties evenly). Only
+        # here, so a draw at any other temperature is the one it always was.
+        scaled = (scores - scores.max()) / temperature
+    scores = scaled
     if top_k is not None and top_k < scores.numel():
         floor = torch.topk(scores, top_k).values[-1]
         scores = scores.masked_fill(scores < floor, float("-inf"))
