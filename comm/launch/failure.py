@@ -7,12 +7,20 @@ flight recorder and answers, rank 0 prints a one-line summary naming the failed 
 failing rank's state goes to SOAPSTONE_TRACE_DIR. Before MPI.COMM_WORLD.Abort(1) (which makes
 mpiexec kill every rank) the rank waits, bounded, until the launcher has read what it printed:
 output still in a pipe when the job is torn down is lost (watchdog.drain_stdio).
+
+Bad input met mid-run is not a crash: a UserError reaching the hook (a token file over 256 MiB
+is checked as its windows are read, so one rank may meet an id out of the vocab while the others
+wait for it in a collective) ends the job with exit 2 and the error's one line, printed once by
+rank 0 whichever rank met it (`end_on_bad_input`), no traceback and no dumps. A CommError keeps
+the traceback: a collective called wrongly is the program's error, found where it called it.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
+
+from soapstone.comm.errors import CommError, UserError
 
 _installed = False
 
@@ -25,7 +33,11 @@ def world_rank() -> int:
 
 
 def abort_on_exception(exc_type, exc, tb) -> None:
-    """sys.excepthook: print `[rank R]`-prefixed traceback to stderr, then MPI Abort(1)."""
+    """sys.excepthook: print `[rank R]`-prefixed traceback to stderr, then MPI Abort(1); bad
+    input (a UserError) ends the job with its one line and exit 2 instead."""
+    if isinstance(exc, UserError) and not isinstance(exc, CommError):
+        end_on_bad_input(exc)
+        return
     try:
         rank = world_rank()
         text = "".join(traceback.format_exception(exc_type, exc, tb))
@@ -48,6 +60,25 @@ def abort_on_exception(exc_type, exc, tb) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+
+
+def end_on_bad_input(exc: UserError) -> None:
+    """End the whole job with exit 2 and `exc`'s one line, printed once: by rank 0, which the
+    watchdog's side channel tells when another rank met it (see the module doc)."""
+    from mpi4py import MPI
+
+    from soapstone.comm.observe import watchdog
+
+    line = exc.format()
+    try:
+        dog = watchdog.get()
+        if dog is not None:
+            dog.report_bad_input(line)  # never returns: rank 0 prints the line and aborts
+        sys.stderr.write(line + "\n")
+        watchdog.drain_stdio()
+    finally:
+        watchdog.quiet_stderr()  # MPICH's own `Abort(2) on node ...` line is not ours to add
+        MPI.COMM_WORLD.Abort(watchdog.EXIT_BAD_INPUT)
 
 
 def install_failure_handler() -> None:

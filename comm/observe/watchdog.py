@@ -23,6 +23,9 @@ four things, waking every `poll_s` seconds (and at once on a signal):
   mpiexec, which forwards it), a rank writes its flight recorders and Python stacks (faulthandler,
   all threads) to `SOAPSTONE_TRACE_DIR/rank<R>.json` (or `run --debug-dir`) and a short form to
   stderr. `soapstone debug hang DIR` reads them (diagnose.py).
+- Bad input met mid-run (a UserError reaching the failure handler, comm/launch/failure.py):
+  the rank that met it tells rank 0 over the side channel; rank 0 prints its one line, once,
+  and ends the job with exit 2 (EXIT_BAD_INPUT), no dumps.
 - Signals: with `exit_on_signals()` (the run command), SIGTERM/SIGINT end every rank promptly,
   rank 0 printing one line, even when a rank is blocked inside MPI where Python signal handlers
   cannot run (signal.set_wakeup_fd wakes this thread).
@@ -65,6 +68,7 @@ from soapstone.comm.observe.status import dump_lines, sample_blocked, say, statu
 DEFAULT_TIMEOUT_S = 600.0
 TAG_NOTICE, TAG_REPLY = 30571, 30572
 EXIT_CODE = 1  # the job's exit code after a watchdog or failure Abort
+EXIT_BAD_INPUT = 2  # ... and after bad input met mid-run (report_bad_input)
 DRAIN_S = 5.0  # at most this long for the launcher to read our stdout/stderr before Abort
 GATHER_S = 5.0  # at most this long for the other ranks' statuses
 
@@ -172,6 +176,15 @@ def drain_stdio(deadline_s: float = DRAIN_S) -> None:
             continue
 
 
+def quiet_stderr() -> None:
+    """Point stderr at /dev/null (after drain_stdio): what MPI prints as it aborts for bad input
+    would add lines to the one the user needs."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
 # -- the watchdog ------------------------------------------------------------------------------
 class Watchdog:
     """The per-process watchdog thread over the side channel `side` (see the module doc)."""
@@ -190,6 +203,7 @@ class Watchdog:
         self._dumped = False
         self._notified_at = 0.0
         self._summary_printed = False
+        self._line_lock = threading.Lock()  # the main thread and this one may both print it
         self._sends: list = []
         self._stop = False
         self._signal_exit: str | None = None  # exit_on_signals(): what to call the program
@@ -326,6 +340,12 @@ class Watchdog:
             self._on_notice(msg)
 
     def _on_notice(self, msg: dict) -> None:
+        if msg["kind"] == "bad input":  # rank 0: another rank met it; no dumps, one line
+            self.ending = True
+            if self._claim_line():
+                print(msg["what"], file=sys.stderr, flush=True)
+                self._end_bad_input()
+            return
         src = msg["rank"]
         if self.reporter is None:
             self.reporter = src
@@ -432,6 +452,40 @@ class Watchdog:
         self._notify("failure", summary)
         self._gather(GATHER_S, serve=False)
         self.abort()
+
+    def report_bad_input(self, line: str) -> None:
+        """The failure handler's part for bad input met mid-run (failure.end_on_bad_input):
+        the job ends with exit 2 and `line` printed once, by rank 0. Another rank sends it to
+        rank 0 and waits, bounded, for rank 0's Abort; if none comes it prints the line
+        itself. Never returns."""
+        self.ending, self.reporter = True, self.rank  # no deadline reports from now on
+        if self.rank != 0:
+            sent = self.side.isend({"kind": "bad input", "rank": self.rank, "what": line}, 0,
+                                   TAG_NOTICE)
+            self._sends.append(sent)
+            # rank 0's watchdog answers within a poll and its drain; its Abort ends us too
+            time.sleep(self.poll_s + GATHER_S + DRAIN_S)
+            sent.Test()  # held (and so its message) until here, whatever the loop drops
+            say_it = True  # rank 0 did not end the job: the line must come from here
+        else:
+            say_it = self._claim_line()
+            if not say_it:  # this rank's watchdog printed another rank's line and aborts
+                time.sleep(DRAIN_S + 1.0)
+        if say_it:
+            print(line, file=sys.stderr, flush=True)
+        self._end_bad_input()
+
+    def _claim_line(self) -> bool:
+        """True for the first caller only: the one line of bad input is printed once."""
+        with self._line_lock:
+            first = not self._summary_printed
+            self._summary_printed = True
+        return first
+
+    def _end_bad_input(self) -> None:
+        drain_stdio()
+        quiet_stderr()
+        self._MPI.COMM_WORLD.Abort(EXIT_BAD_INPUT)
 
     def abort(self) -> None:
         """Let the launcher read everything printed, then MPI Abort the whole job."""

@@ -149,10 +149,12 @@ def prepare_check(spec_path: str, parallel: str | None, record_file: str, *,
         what = f"layout '{par.name}'" if par else f"model '{model.name}' on one rank"
         raise BadInput(f"{what} needs {graph.world_size} ranks, but this run has "
                        f"{comm.size}: launch it with `mpiexec -n {graph.world_size} ...`")
-    names = {p.name for s in graph.stages for p in s.program.params}
+    shapes = {p.name: tuple(p.shape) for s in graph.stages for p in s.program.params}
+    names = set(shapes)
     if names != set(header["params"]):
         raise golden.GoldenError(f"{record_file}: the record's parameters differ from the "
-                                 f"model's (e.g. {sorted(set(names) ^ set(header['params']))[:1]})")
+                                 f"model's (e.g. {sorted(names ^ set(header['params']))[:1]})")
+    golden.check_shapes(record, shapes, record_file)  # a record that fits the model, or exit 2
     prove_layout(model, graph, header["optimizer"])  # every rank's calls match, statically
     check_memory(model, graph, comm, header["optimizer"], spec_path, header["precision"])
     mesh = Mesh(comm, **dict(par.mesh)) if par is not None and graph.world_size > 1 else None

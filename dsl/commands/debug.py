@@ -17,11 +17,8 @@ import sys
 from pathlib import Path
 
 from soapstone.comm.errors import UserError
+from soapstone.comm.observe.dump_schema import DumpError, check_dumps
 from soapstone.dsl.commands import fail
-
-
-class DumpError(UserError):
-    """A dump directory without dumps, or a dump that is not one."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,18 +32,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def load_dumps(folder: str) -> dict[int, dict]:
-    """{world rank: its dump} from `folder`/rank<R>.json (DumpError if there are none)."""
+    """{world rank: its dump} from `folder`/rank<R>.json, each checked field by field and
+    against the others (comm/observe/dump_schema.py); DumpError if there are none, or one
+    is damaged or disagrees with another."""
     path = Path(folder)
     if not path.is_dir():
         raise DumpError(f"{folder}: no such directory; pass the directory given as "
                         "SOAPSTONE_TRACE_DIR or run --debug-dir")
-    dumps = {}
+    files = {}
     for f in sorted(path.glob("rank*.json")):
         try:
-            data = json.loads(f.read_text())
-            dumps[int(data["rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            files[f] = json.loads(f.read_text())
+        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSON's errors too
             raise DumpError(f"{f}: not a soapstone flight-recorder dump ({e})") from None
+    dumps = check_dumps(files)
     if not dumps:
         raise DumpError(f"{folder}: no rank<R>.json dumps; they are written on a collective "
                         "timeout, an exception or SIGUSR1 when SOAPSTONE_TRACE_DIR (or run "

@@ -5,8 +5,9 @@
 Every field a reader uses is checked for presence, type and range, and the fields are checked
 against each other: each piece names a listed file, lies inside its tensor, the pieces of a
 tensor tile it exactly, each piece has one checksum per chunk of its bytes, each file is one
-rank's, the optimizer state matches the optimizer. A malformed index is a CheckpointError
-naming the field (`tensors["param/w"].pieces[0].offset: missing`), never a KeyError later.
+rank's, the optimizer state matches the optimizer, the data position agrees with the seed
+and settings. A malformed index is a CheckpointError naming the field
+(`tensors["param/w"].pieces[0].offset: missing`), never a KeyError later.
 Pure Python (no torch).
 """
 
@@ -207,7 +208,7 @@ def parse(data, where: str) -> Index:
     settings = f.get(data, "settings", "", f.obj)
     if "dims" in settings:
         f.obj(settings["dims"], "settings.dims")
-    return Index(
+    index = Index(
         model=f.get(data, "model", "", f.text),
         parallel=f.get(data, "parallel", "", f.maybe_text, default=None),
         zero=f.get(data, "zero", "", f.whole, default=0),
@@ -215,6 +216,23 @@ def parse(data, where: str) -> Index:
         world_size=world, step=f.get(data, "step", "", f.whole),
         seed=f.get(data, "seed", "", f.whole, None), settings=settings,
         optimizer=optimizer, files=files, tensors=tensors, chunk_bytes=chunk, raw=data)
+    check_data(f, f.get(data, "data", "", f.obj), index.seed, settings)
+    return index
+
+
+def check_data(f: Fields, data: dict, seed: int, settings: dict) -> None:
+    """The data position (`data`: next_batch, seed, source) is well typed and agrees with
+    the seed and settings it was saved with (save.index_header writes them all at once)."""
+    f.get(data, "next_batch", "data", f.whole)
+    data_seed = f.get(data, "seed", "data", f.whole, None)
+    source = f.get(data, "source", "data", f.text)
+    # next_batch is not held to step x accumulate here: an edited step has its own, sharper
+    # checks (the directory's name, every rank file's header) that this would pre-empt
+    if data_seed != seed:
+        raise f.fail("data.seed", f"{data_seed}, but seed is {seed}")
+    want = settings.get("data") or "synthetic"
+    if isinstance(want, str) and source != want:
+        raise f.fail("data.source", f"{source!r}, but the run read {want!r} (settings.data)")
 
 
 def parse_files(f: Fields, files: dict, world: int) -> dict[str, File]:

@@ -12,6 +12,12 @@ File format (`.npz`, written and read with allow_pickle=False, so loading runs n
                                             then the values at the k sampled flat indices
     final/<param>     the full final tensor (only when the model has <= FULL_LIMIT elements)
 
+A record is read whole and checked before a check trains (`check_record`: every header field's
+type and range, every array present, finite and of its shape; `check_shapes`: against the
+model's parameters): a damaged or inconsistent record is a GoldenError (exit 2) naming the file
+and what is wrong, never a traceback or a FAIL; exit 1 is kept for a layout that does not
+reproduce a sound record.
+
 Tolerances (`Tolerance`): losses rtol 1e-5. Parameters are compared against their own scale:
 |got - want| <= rtol * (|want| + scale) where scale is the tensor's abs-max (abs-sum for the
 sum). That holds for SGD (the default optimizer of golden runs): an update is lr * gradient,
@@ -28,6 +34,10 @@ scale can judge.
 from __future__ import annotations
 
 import json
+import math
+import numbers
+import zipfile
+import zlib
 from pathlib import Path
 
 import attrs
@@ -43,6 +53,27 @@ SAMPLES = 8
 FULL_LIMIT = 1 << 20
 # header keys the checker reads (the others are optional: "data", "dims", "full", ...)
 REQUIRED = ("model", "steps", "seed", "optimizer", "lr", "precision", "params")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# (header key, its check, what it must be) for every key a check reads, where present
+HEADER_FIELDS = (
+    ("model", lambda v: isinstance(v, str) and v != "", "a model name"),
+    ("steps", lambda v: _whole(v) and v >= 1, "a whole number of steps >= 1"),
+    ("seed", _whole, "a whole number (the run's --seed)"),
+    ("lr", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
+     and math.isfinite(v) and v > 0, "a positive number (the run's --lr)"),
+    ("params", lambda v: isinstance(v, list) and v and all(isinstance(n, str) for n in v)
+     and len(set(v)) == len(v), "a list of distinct parameter names"),
+    ("dims", lambda v: v is None or isinstance(v, dict) and all(
+        isinstance(k, str) and _whole(n) and n >= 1 for k, n in v.items()),
+     "an object of --dim sizes (name -> whole number >= 1)"),
+    ("data", lambda v: v is None or isinstance(v, str), "null or the --data file"),
+    ("full", lambda v: isinstance(v, bool), "true or false"),
+)
 
 
 class GoldenError(UserError, ValueError):
@@ -147,41 +178,114 @@ def save(record: Record, path: str | Path) -> None:
 
 
 def load(path: str | Path) -> Record:
-    """Read a record; GoldenError when the file is missing or not a soapstone record."""
+    """Read a record and check it whole (`check_record`); GoldenError when the file is
+    missing, not a soapstone record, or damaged."""
     p = Path(path)
     if not p.is_file():
         raise GoldenError(f"{path}: no such golden record")
     try:
-        with np.load(p, allow_pickle=False) as z:
-            header = json.loads(bytes(z["header"]).decode())
-            if header.get("format") != FORMAT:
-                raise GoldenError(f"{path}: format {header.get('format')!r}, expected {FORMAT}")
-            missing = [k for k in REQUIRED if k not in header]
-            if missing:
-                raise GoldenError(f"{path}: header lacks {', '.join(map(repr, missing))}")
-            for key, known in (("optimizer", OPTIMIZERS),
-                               ("precision", (*PRECISIONS, *MIXED_PRECISIONS))):
-                if header[key] not in known:
-                    raise GoldenError(f"{path}: header {key} {header[key]!r} is none of "
-                                      f"{', '.join(known)}; record it again with `soapstone "
-                                      "golden record`")
-            steps = header["steps"]
-            loss = z["loss"]
-            if loss.shape != (steps,):
-                raise GoldenError(f"{path}: header says {steps} steps, but the loss array has "
-                                  f"shape {loss.shape}")
-            digests = {n: z[f"digest/{n}"] for n in header["params"]}
-            for n, d in digests.items():
-                if d.ndim != 2 or d.shape[0] != steps:
-                    raise GoldenError(f"{path}: digest/{n} has shape {d.shape}, expected "
-                                      f"{steps} rows")
-            final = {n: z[f"final/{n}"] for n in header["params"]} if header.get("full") else {}
-            return Record(header, loss, digests, final)
+        z = np.load(p, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise GoldenError(f"{path}: one array (.npy), not a soapstone golden record (.npz "
+                              "written by `soapstone golden record`)")
+        with z:  # every member read now: a damaged one fails its CRC-32 here, not mid-check
+            arrays = {name: z[name] for name in z.files}
     except GoldenError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise GoldenError(f"{path}: not a soapstone golden record ({type(e).__name__}: {e})") \
-            from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        why = f"{type(e).__name__}: {e}"
+        try:
+            with open(p, "rb") as f:
+                zipped = f.read(4) == b"PK\x03\x04"  # what every .npz starts with
+        except OSError:
+            zipped = False
+        if not zipped:
+            raise GoldenError(f"{path}: not a soapstone golden record ({why})") from None
+        if not zipfile.is_zipfile(p):  # the zip's directory is at the end: gone when cut
+            why = "cut short: its zip directory is missing"
+        raise GoldenError(f"{path}: a damaged record ({why}); {rerecord(path)}") from None
+    return check_record(arrays, path)
+
+
+def rerecord(path, header: dict | None = None) -> str:
+    """The fix for a damaged record: record it again (naming its spec when the header does)."""
+    spec = (header or {}).get("spec")
+    return (f"re-record it with `soapstone golden record "
+            f"{spec if isinstance(spec, str) else 'SPEC'} -o {path}`")
+
+
+def check_record(arrays: dict[str, np.ndarray], path) -> Record:
+    """The Record of a record file's arrays, every header field and array checked against
+    the format (module doc) and each other; GoldenError naming the field or array."""
+    raw = arrays.get("header")
+    if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
+        raise GoldenError(f"{path}: not a soapstone golden record (no JSON header)")
+    try:
+        header = json.loads(bytes(raw).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenError(f"{path}: its header is not JSON ({e}); {rerecord(path)}") from None
+    if not isinstance(header, dict):
+        raise GoldenError(f"{path}: its header is not a JSON object; {rerecord(path)}")
+
+    def bad(what: str) -> GoldenError:
+        return GoldenError(f"{path}: {what}; {rerecord(path, header)}")
+
+    if header.get("format") != FORMAT:
+        raise GoldenError(f"{path}: format {header.get('format')!r}, expected {FORMAT}")
+    missing = [k for k in REQUIRED if k not in header]
+    if missing:
+        raise bad(f"header lacks {', '.join(map(repr, missing))}")
+    for key, known in (("optimizer", OPTIMIZERS),
+                       ("precision", (*PRECISIONS, *MIXED_PRECISIONS))):
+        if header[key] not in known:
+            raise bad(f"header {key} {header[key]!r} is none of {', '.join(known)}")
+    for key, ok, want in HEADER_FIELDS:
+        if key in header and not ok(header[key]):
+            raise bad(f"header {key} {header[key]!r}: want {want}")
+    steps, names = header["steps"], header["params"]
+    full = header.get("full", False)
+    expected = {"header", "loss", *(f"digest/{n}" for n in names),
+                *(f"final/{n}" for n in names if full)}
+    lacking, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+    if lacking:
+        raise bad(f"no array {lacking[0]}, which its header's params (and full) ask for")
+    if extra:
+        raise bad(f"array {extra[0]}, which its header's params (and full) do not name")
+    loss = arrays["loss"]
+    if loss.shape != (steps,):
+        raise bad(f"header says {steps} steps, but the loss array has shape {loss.shape}")
+    for name, a in arrays.items():
+        if name == "header":
+            continue
+        if not np.issubdtype(a.dtype, np.floating):
+            raise bad(f"{name} holds {a.dtype} values, not floating point")
+        if not np.isfinite(a).all():  # a run that met a NaN stops (exit 3) and records nothing
+            raise bad(f"{name} holds a value that is not finite")
+    for n in names:
+        d = arrays[f"digest/{n}"]
+        if d.ndim != 2 or d.shape[0] != steps or not 4 <= d.shape[1] <= 3 + SAMPLES:
+            raise bad(f"digest/{n} has shape {d.shape}, expected {steps} rows of sum, abs-sum, "
+                      f"abs-max and 1 to {SAMPLES} sampled values")
+    return Record(header, loss, {n: arrays[f"digest/{n}"] for n in names},
+                  {n: arrays[f"final/{n}"] for n in names} if full else {})
+
+
+def check_shapes(record: Record, shapes: dict[str, tuple[int, ...]], path) -> None:
+    """The record fits the model whose parameters have these (global) shapes: each digest
+    samples as many values as the parameter has samples, each final tensor has its shape;
+    GoldenError naming the tensor (a record of another model, or edited)."""
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        cols = 3 + len(sample_indices(numel))
+        d = record.digests[name]
+        if d.shape[1] != cols:
+            raise GoldenError(f"{path}: digest/{name} has {d.shape[1]} columns, but the model's "
+                              f"{name} ({numel} elements) has {cols}: sum, abs-sum, abs-max and "
+                              f"{cols - 3} sampled values; {rerecord(path, record.header)}")
+        final = record.final.get(name)
+        if final is not None and tuple(final.shape) != tuple(shape):
+            raise GoldenError(f"{path}: final/{name} has shape {list(final.shape)}, but the "
+                              f"model's {name} is {list(shape)}; {rerecord(path, record.header)}")
 
 
 def compare_step(record: Record, step: int, loss: float, state: dict[str, torch.Tensor],
