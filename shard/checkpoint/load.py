@@ -123,6 +123,34 @@ def exported_crcs(path: Path, metadata: dict) -> dict[str, tuple[int, ...]] | No
                                  "checksum lists; the file is damaged") from None
 
 
+def source_of(reader, name: str) -> str:
+    """Where tensor `name` is read from, for messages: its first piece's file."""
+    meta = reader.index.tensors.get(name) if hasattr(reader, "index") else None
+    if meta is None or not meta.pieces:
+        return str(getattr(reader, "dir", "the weights"))
+    return str(Path(reader.dir) / meta.pieces[0].file)
+
+
+def check_kind(reader, name: str, into) -> None:
+    """CheckpointError where a float tensor of the model would be filled from integers (a
+    file from elsewhere: cast, they would train silently)."""
+    meta = reader.index.tensors.get(name) if hasattr(reader, "index") else None
+    if meta is not None and into.is_floating_point() and not meta.dtype.startswith(
+            ("float", "bfloat")):
+        raise ix.CheckpointError(f"{source_of(reader, name)}: {name} is {meta.dtype}, but "
+                                 f"the model's {name.split('/', 1)[1]} is a float tensor; give "
+                                 "weights saved as floats")
+
+
+def check_finite(reader, name: str, share) -> None:
+    """CheckpointError where what was read holds NaN or infinity: such weights or state would
+    only show in training as a non-finite loss (a checkpoint's own saves refuse them)."""
+    if share.is_floating_point() and not bool(share.isfinite().all()):
+        raise ix.CheckpointError(f"{source_of(reader, name)}: {name} holds NaN or infinity; "
+                                 "load finite weights (a checkpoint of a run that stopped on "
+                                 "a non-finite step is not one)")
+
+
 def fill_shares(executor, reader, kinds: tuple[str, ...]) -> int:
     """Read every share this rank holds of the given kinds (`reader.read(tensor, box, dtype)`),
     agree with the other ranks that every read succeeded (else the same CheckpointError on
@@ -137,14 +165,16 @@ def fill_shares(executor, reader, kinds: tuple[str, ...]) -> int:
                     if kind not in kinds:
                         continue
                     at = 0
+                    name = f"{kind}/{h.name}"
+                    check_kind(reader, name, view)
                     for box in h.boxes:
                         dest = view[at:at + box.numel]
                         if hasattr(reader, "read_into"):  # a checkpoint: straight in
-                            reader.read_into(f"{kind}/{h.name}", box, dest)
+                            reader.read_into(name, box, dest)
                         else:
-                            dest.copy_(reader.read(f"{kind}/{h.name}", box, view.dtype)
-                                       .reshape(-1))
+                            dest.copy_(reader.read(name, box, view.dtype).reshape(-1))
                         at += box.numel
+                    check_finite(reader, name, view[:at])
         except ix.CheckpointError as e:
             problem = str(e)
         except OSError as e:  # a disk that fails under the read

@@ -91,6 +91,23 @@ def test_load_params_from_a_full_safetensors_file(tmp_path):
     assert "linear0.bias" in text and "stray" in text, text
 
 
+def test_weights_of_integers_or_not_finite_are_refused_at_load(tmp_path):
+    """A full safetensors file (from elsewhere, no checksums) whose float parameter is stored
+    as int32 would be cast and trained on; one holding NaN or infinity would train until the
+    loss went non-finite: both are a CheckpointError naming the tensor, at load."""
+    from safetensors.torch import save_file
+
+    full = trainer().full_state_dict()
+    for name, bad, needle in (
+            ("ints", full["linear0.weight"].round().to(torch.int32), "is int32"),
+            ("nan", full["linear0.weight"].clone().fill_(float("nan")), "holds NaN"),
+            ("inf", full["linear0.bias"].clone().fill_(float("inf")), "holds NaN")):
+        key = "linear0.bias" if name == "inf" else "linear0.weight"
+        save_file({**full, key: bad}, str(tmp_path / f"{name}.safetensors"))
+        with pytest.raises(CheckpointError, match=f"{name}.safetensors: param/{key} {needle}"):
+            load_params(trainer(draw=False).executor, tmp_path / f"{name}.safetensors")
+
+
 def test_index_is_plain_json_naming_layout_shape_dtype(tmp_path):
     t = trainer()
     list(t.run(1))
