@@ -466,7 +466,8 @@ class Watchdog:
             # rank 0's watchdog answers within a poll and its drain; its Abort ends us too
             time.sleep(self.poll_s + GATHER_S + DRAIN_S)
             sent.Test()  # held (and so its message) until here, whatever the loop drops
-            say_it = True  # rank 0 did not end the job: the line must come from here
+            say_it = True  # rank 0 did not end the job: the line must come from here,
+            line = f"[rank {self.rank}] {line}"  # and say whose it is
         else:
             say_it = self._claim_line()
             if not say_it:  # this rank's watchdog printed another rank's line and aborts

@@ -65,6 +65,14 @@ def check_file(path: str, flag: str, example: str,
                inputs: Iterable[tuple[str, str]] = ()) -> None:
     """An output file: not a directory, in a directory that exists and can be written, itself
     writable if it exists, and none of `inputs` ((what, path) pairs) (BadInput)."""
+    try:
+        file_checks(path, flag, example, inputs)
+    except OSError as e:  # a stat that fails (a name too long, a directory not searchable)
+        raise cannot_write(flag, path, e) from None
+
+
+def file_checks(path: str, flag: str, example: str, inputs) -> None:
+    """check_file's checks, whose stat calls may raise OSError."""
     p = Path(path)
     if p.is_dir():
         raise BadInput(f"{flag} {path}: is a directory; give a file in it, e.g. "
@@ -97,9 +105,9 @@ def check_file(path: str, flag: str, example: str,
 def check_dir(path: str, flag: str) -> None:
     """An output directory: created if missing, and writable (BadInput), as --save's is."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise BadInput(f"{flag} {path}: exists and is not a directory")
     try:
+        if p.exists() and not p.is_dir():
+            raise BadInput(f"{flag} {path}: exists and is not a directory")
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BadInput(f"{flag} {path}: cannot create it ({e.strerror}); give a directory you "

@@ -167,13 +167,17 @@ def check_outputs(args) -> None:
         ("--data", args.data), ("--val-data", args.val_data), ("--init", args.init),
         ("--resume", args.resume), ("--profile", args.profile)) if value]
     trace = getattr(args, "trace", None)
+    if trace and Path(trace).suffix.lower() == ".png":  # the image would overwrite the JSON
+        raise BadInput(f"--trace {trace}: the trace is chrome://tracing JSON and its image is "
+                       f"written beside it as .png; give --trace "
+                       f"{Path(trace).with_suffix('.json')}")
     files = [(flag, path, example) for flag, path, example in (
         ("--metrics", args.metrics, "metrics.jsonl"), ("--trace", trace, "trace.json"),
         ("--trace's image", trace and str(Path(trace).with_suffix(".png")), "trace.png"))
         if path]
     for i, (flag, path, example) in enumerate(files):
         for other, written, _ in files[:i]:
-            if same_file(path, written) and not (other == "--trace" and path == written):
+            if same_file(path, written):
                 raise BadInput(f"{flag} {path}: the same file as {other} {written}; give each "
                                "its own path")
         check_file(path, flag, example, inputs)

@@ -1,7 +1,6 @@
 """The checkpoint index: one JSON file that makes a directory of safetensors shards a checkpoint.
 
     DIR/step-00000003/rank00000.safetensors   each rank's own pieces (no pickle anywhere)
-    DIR/step-00000003/rank00000.json          that rank's list of its pieces (its half of the index)
     DIR/step-00000003/index.json              the whole index, with every piece's checksums
 
 A save writes all of it into DIR/step-00000003.tmp-XXXXXXXX and renames that into place: a

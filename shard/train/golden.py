@@ -65,7 +65,7 @@ HEADER_FIELDS = (
     ("steps", lambda v: _whole(v) and v >= 1, "a whole number of steps >= 1"),
     ("seed", _whole, "a whole number (the run's --seed)"),
     ("lr", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)
-     and math.isfinite(v) and v > 0, "a positive number (the run's --lr)"),
+     and 0 < v < math.inf, "a positive number (the run's --lr)"),
     ("params", lambda v: isinstance(v, list) and v and all(isinstance(n, str) for n in v)
      and len(set(v)) == len(v), "a list of distinct parameter names"),
     ("dims", lambda v: v is None or isinstance(v, dict) and all(
@@ -192,7 +192,10 @@ def load(path: str | Path) -> Record:
             arrays = {name: z[name] for name in z.files}
     except GoldenError:
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+    # zipfile also raises NotImplementedError (a compression method or version a flipped
+    # byte names) and RuntimeError (a flag bit that says encrypted)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error,
+            NotImplementedError, RuntimeError) as e:
         why = f"{type(e).__name__}: {e}"
         try:
             with open(p, "rb") as f:

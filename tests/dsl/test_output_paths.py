@@ -1,4 +1,4 @@
-"""What a command writes is checked before a byte is written (dsl/commands/outputs.py): an
+"""What a command writes is checked before a byte is written (dsl/app/outputs.py): an
 output that names one of the command's inputs, a directory, or a place that cannot be written
 is bad input (exit 2, one line naming the flag and the path), never a traceback, and the input
 is left as it was. What cannot be told before is turned into the same error when it is met."""
@@ -92,6 +92,9 @@ def test_outputs_that_cannot_be_written_exit_2_naming_the_path(tmp_path):
         (["plot", str(bad), "-o", str(tmp_path / "p.png")],
          "bad.jsonl:1: step \"x\" is not a step number"),
         (["plot", f["metrics"], "-o", str(tmp_path)], f"-o {tmp_path}: is a directory"),
+        # a name too long for the filesystem: its stat fails (ENAMETOOLONG), not only its open
+        ([*plan, "-o", str(tmp_path / ("a" * 300 + ".par"))], "cannot write it (File name too"),
+        (["tokenize", f["text"], "-o", str(tmp_path / ("a" * 300))], "cannot write it (File"),
     ]
     for (_, needle), r in zip(cases, cli(*(argv for argv, _ in cases)), strict=True):
         assert r["rc"] == 2 and needle in r["stderr"], r
@@ -129,6 +132,8 @@ def test_tokenize_refuses_texts_that_give_no_token(tmp_path):
     # the JSON (a non-root user) or its image (root) cannot be written
     (["--trace", "/proc/version"], ["error: --trace", "/proc/version", ": cannot write it"]),
     (["--metrics", "{t}", "--trace", "{t}"], ["error: --trace {t}: the same file as --metrics"]),
+    # the trace's image goes beside it as .png: a .png trace would be overwritten by it
+    (["--trace", "{t}.png"], ["error: --trace {t}.png: the trace is chrome://tracing JSON"]),
 ])
 def test_under_mpiexec_every_rank_stops_at_once_with_rank_0s_message(tmp_path, flags, needles):
     from mpirun import run_mpi

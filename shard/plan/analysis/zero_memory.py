@@ -114,7 +114,7 @@ def _part(plans, forward: list[int], gathered: dict[int, int], names: set[str],
 
 def head_params(program) -> set[str] | None:
     """The float parameters the head reads: the steps after the last one that reads a
-    block's parameter (activations.py's `_Saves.head`); None where no parameter is a
+    block's parameter (activations.py's `_Saves.parts`' head); None where no parameter is a
     block's."""
     blocks = {p.name for p in program.params if p.block is not None}
     floats = {p.name for p in program.params if DTYPES[p.dtype].is_float}

@@ -62,7 +62,9 @@ print("unreachable", flush=True)
 
 @pytest.mark.parametrize("who", [1, 0])
 def test_the_rank_that_meets_it_ends_the_job_and_rank_0_says_it_once(who):
-    """Only rank `who` meets the bad id; the other waits in a collective and does not hang."""
+    """Only rank `who` meets the bad id; the other waits in a collective and does not hang.
+    Rank 0 says it: a rank whose notice rank 0 never acts on prints it itself, prefixed with
+    its `[rank R]`, which ended_with_one_line refuses."""
     res = run_mpi(2, ["-c", ONE_RANK, str(who)], timeout=60)
     ended_with_one_line(res, "error: big.bin: token id 300 at token offset 7")
     assert "unreachable" not in res.stdout, res.report()
