@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, not at exit, where a closed pipe is a message and 120
     except BrokenPipeError:
         return stdout_closed()
+    except SystemExit as e:  # sys.excepthook never sees it: one rank leaving alone hangs a job
+        from soapstone.comm.launch.failure import end_on_exit
+
+        end_on_exit(e, name)  # under a job of several ranks: never returns
+        raise
     return code
 
 

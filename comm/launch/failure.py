@@ -13,6 +13,11 @@ is checked as its windows are read, so one rank may meet an id out of the vocab 
 wait for it in a collective) ends the job with exit 2 and the error's one line, printed once by
 rank 0 whichever rank met it (`end_on_bad_input`), no traceback and no dumps. A CommError keeps
 the traceback: a collective called wrongly is the program's error, found where it called it.
+
+A SystemExit never reaches sys.excepthook: the interpreter just exits, and a rank that leaves
+mid-run alone leaves the others waiting in their next collective until its timeout. The CLI
+hands one escaping a command's main to `end_on_exit`, which ends the whole job at once, naming
+the rank and the code.
 """
 
 from __future__ import annotations
@@ -79,6 +84,33 @@ def end_on_bad_input(exc: UserError) -> None:
     finally:
         watchdog.quiet_stderr()  # MPICH's own `Abort(2) on node ...` line is not ours to add
         MPI.COMM_WORLD.Abort(watchdog.EXIT_BAD_INPUT)
+
+
+def end_on_exit(exc: SystemExit, command: str) -> None:
+    """Under a job of more than one rank, end it for the SystemExit `exc` that left `command`
+    on this rank, with one line naming the rank and the code; return where there is none."""
+    # only a world MPI already runs: the preflight commands never import mpi4py for this
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() \
+            or mpi.COMM_WORLD.Get_size() < 2:
+        return
+    from soapstone.comm.observe import watchdog
+
+    code = exc.code
+    # a rank leaving mid-run is no success, whatever it said: 0 and None end the job with 1,
+    # a message (sys.exit("text")) with 1 too, as Python itself exits for it
+    status = code if isinstance(code, int) and not isinstance(code, bool) and code != 0 else 1
+    rank = mpi.COMM_WORLD.Get_rank()
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(f"soapstone: rank {rank} raised SystemExit({code!r}) in the middle of "
+                         f"`soapstone {command}`; the other ranks would wait for it, so "
+                         f"the job ends with exit {status}\n")
+        sys.stderr.flush()
+        watchdog.drain_stdio()
+    finally:
+        watchdog.quiet_stderr()  # MPICH's own `Abort(N) on node ...` line adds nothing
+        mpi.COMM_WORLD.Abort(status)
 
 
 def install_failure_handler() -> None:

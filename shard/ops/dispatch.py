@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from soapstone.shard.ops.custom import PREFIX
+from soapstone.shard.ops.custom import PREFIX, checked_result
 from soapstone.shard.ops.kernels import OpFn, Shards
 from soapstone.shard.ops.registry import RECORDS
 from soapstone.shard.plan.program import Compute
@@ -21,7 +21,7 @@ def run_op(step: Compute, args: list[torch.Tensor], ctx: Shards, custom: dict) -
             name = step.kind.split(":", 1)[1]
             raise KeyError(f"custom layer {name!r} has no implementation here: pass "
                            f"custom={{{name!r}: fn}} to ShardedModel (--plugin does it)")
-        return custom[step.kind](*args)
+        return checked_result(step, args, custom[step.kind](*args))
     fn = REGISTRY.get(step.kind)
     if fn is None:
         raise KeyError(f"no local implementation for primitive {step.kind!r}")
