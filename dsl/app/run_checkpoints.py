@@ -43,6 +43,7 @@ class CheckpointPlan:
     skipped: tuple[tuple[str, str], ...] = ()  # step directories passed over, and why
     init: str | None = None
     saved: tuple[tuple[str, object], ...] = ()  # the resumed checkpoint's run settings
+    seed_given: int | None = None  # --seed as given, which the checkpoint's seed replaced
     async_save: bool = False
     background: Background = attrs.field(factory=lambda: Background(), eq=False)
 
@@ -85,11 +86,11 @@ def checkpoint_plan(args: argparse.Namespace, graph, model=None) -> CheckpointPl
     if index.step >= args.steps:
         raise BadInput(f"--resume {args.resume}: the checkpoint is at step {index.step}, "
                        f"--steps {args.steps} is the total; give more steps")
-    args.seed = index.seed
+    given, args.seed = args.seed, index.seed
     return CheckpointPlan(save, every, keep, str(d), index.step,
                           tuple((str(p), why) for p, why in skipped),
                           saved=tuple(sorted(index.settings.items())),
-                          async_save=background)
+                          seed_given=given, async_save=background)
 
 
 # settings a resumed run may change on purpose (each change is noted); the model's dims and
@@ -133,6 +134,12 @@ def begin(trainer, plan: CheckpointPlan, args: argparse.Namespace, rank: int) ->
                 if key in CHANGEABLE and key in now and now[key] != was:
                     print(f"checkpoint: note: {key} is {now[key]!r} now, {was!r} when saved",
                           file=sys.stderr, flush=True)
+            if plan.seed_given is not None and plan.seed_given != args.seed:
+                # unlike the settings above, the new value is not used: data and dropout
+                # are functions of (seed, step), so only the saved seed continues the run
+                print(f"checkpoint: note: seed is {plan.seed_given} now, {args.seed} when saved; "
+                      f"the run continues with the saved seed {args.seed}",
+                      file=sys.stderr, flush=True)
     elif plan.init:
         from soapstone.dsl.app.init_weights import load_init
 

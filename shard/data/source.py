@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from soapstone.shard.data.errors import DataError
 from soapstone.shard.data.tasks import SyntheticTask
-from soapstone.shard.data.token_memmap import TokenMemmap
+from soapstone.shard.data.token_memmap import TokenMemmap, check_dtype_applies
 from soapstone.shard.plan.program import Program
 
 
@@ -17,5 +17,6 @@ def make_task(program: Program, seed: int = 0, data: str | None = None,
         if val_data:
             raise DataError(f"--val-data {val_data}: give --data too (the synthetic task "
                             "has its own held-out batches)")
+        check_dtype_applies(data_dtype, [])
         return SyntheticTask(program, seed)
     return TokenMemmap(program, data, seed, val_path=val_data, dtype=data_dtype)

@@ -75,6 +75,16 @@ def open_tokens(path: str | Path, dtype: str | None = None, flag: str = "--data"
     return arr
 
 
+def check_dtype_applies(dtype: str | None, paths: list[str | Path]) -> None:
+    """DataError when --data-dtype is given but no token file is raw .bin ids, the only files
+    it is read for: a .npy carries its own dtype and any other file is bytes."""
+    if dtype is not None and not any(Path(p).suffix == ".bin" for p in paths):
+        given = (f"not to {', '.join(str(p) for p in paths)} (a .npy carries its own dtype, "
+                 "any other file is bytes)" if paths else "and no --data file is given")
+        raise DataError(f"--data-dtype {dtype}: it applies to raw .bin token files only, "
+                        f"{given}; leave it out")
+
+
 class TokenMemmap(SyntheticTask):
     """Batches of windows cut from a memory-mapped token file (see the module doc)."""
 
@@ -86,6 +96,9 @@ class TokenMemmap(SyntheticTask):
             raise DataError(f"--data {path}: model {program.model} has no token input and "
                             "next-token targets of the same shape to feed from a token file")
         self.path, self.val_path = str(path), str(val_path) if val_path else None
+        # with a .bin and another file, the dtype is read for the .bin: refused only when
+        # no file reads it
+        check_dtype_applies(dtype, [path] + ([val_path] if val_path else []))
         tokens = open_tokens(path, dtype)
         ids, _, self.vocab = self.lm
         self.seq = input_shape(program, ids)[-1]
@@ -103,8 +116,10 @@ class TokenMemmap(SyntheticTask):
                                 + ("" if val_path or what == "training" else
                                    "; give a longer file or --val-data"))
         for arr, where in ((tokens, self.path), (self.val if val_path else None, val_path)):
+            # a dtype whose ids all fit needs no scan, but a signed one can still hold a
+            # negative id (an int8 .npy)
             if arr is not None and arr.nbytes <= SCAN_BYTES \
-                    and np.iinfo(arr.dtype).max >= self.vocab:
+                    and (np.iinfo(arr.dtype).max >= self.vocab or np.iinfo(arr.dtype).min < 0):
                 self._scan(arr, where)
         self.rows: list[int] | None = None  # None: every row of the batch
         self.inputs: dict[str, list[int] | None] = {}
@@ -161,9 +176,13 @@ class TokenMemmap(SyntheticTask):
         if top >= self.vocab or int(win.min()) < 0:
             r, c = np.argwhere((win >= self.vocab) | (win < 0))[0]
             bad = int(win[r, c])
-            raise DataError(f"{name}: token id {bad} at token offset {int(starts[r]) + int(c)} "
-                            f"does not fit the vocab of {self.vocab}; raise it (e.g. --dim "
-                            f"vocab={_pow2(max(bad, top) + 1)}) or check --data-dtype")
+            where = f"{name}: token id {bad} at token offset {int(starts[r]) + int(c)}"
+            if bad < 0:  # no vocab fits a negative id: the file's ids are wrong, not the model
+                raise DataError(f"{where} is negative; token ids run from 0 to "
+                                f"{self.vocab - 1}: the file was written with a signed dtype "
+                                "that overflowed, or holds something other than token ids")
+            raise DataError(f"{where} does not fit the vocab of {self.vocab}; raise it (e.g. "
+                            f"--dim vocab={_pow2(max(bad, top) + 1)}) or check --data-dtype")
 
 
 def _pow2(n: int) -> int:

@@ -52,6 +52,7 @@ import math
 import attrs
 import torch
 
+from soapstone.shard.data.batch_check import check_ranges, index_ranges
 from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.schedules import ActionKind
@@ -100,6 +101,8 @@ class Executor:
             check_graph(graph)
         self.graph = graph
         self.mesh = mesh
+        # every stage's, not this rank's: each rank then refuses a bad batch alike
+        self.index_ranges = index_ranges([s.program for s in graph.stages])
         # where parameters, activations and every buffer sent between ranks live
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         check_device(graph, self.device)
@@ -266,6 +269,7 @@ class Executor:
             else:
                 for piece in out:
                     piece[n] = t
+        check_ranges(self.index_ranges, batch)
         return out
 
     def input_rows(self) -> dict[str, list[int] | None]:

@@ -470,7 +470,7 @@ def _backward_peak(sv: _Saves) -> tuple[int, int, int, int]:
     # second-last's peak (a stage of n alike blocks and its 2-block probe agree on it)
     after = entry.get(2, entry.get(3))
     if peaks[1] >= 0 and after is not None:
-        peaks[2] = max(peaks[2], peaks[1] - (entry[1] - after))
+        peaks[2] = max(peaks[2], peaks[1] - max(0, entry[1] - after))  # never above it
     return peaks[0], peaks[1], peaks[2], peaks[3]
 
 

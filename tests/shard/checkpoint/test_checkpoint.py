@@ -191,10 +191,14 @@ def test_cli_save_inspect_export_init_and_bad_input(tmp_path):
         [*gpt, "--save", str(d), "--save-every", "1", "--keep", "2"],
         ["ckpt", "inspect", str(d)], ["ckpt", "export", str(d), "-o", str(f)],
         ["ckpt", "export", str(d / "step-00000002"), "-o", str(half), "--dtype", "bfloat16"],
-        [*gpt[:-1], "1", "--init", str(f)], [*gpt[:-1], "4", "--resume", str(d), "--lr", "1e-3"],
+        [*gpt[:-1], "1", "--init", str(f)],
+        [*gpt[:-1], "4", "--resume", str(d), "--lr", "1e-3", "--seed", "7"],
         *[a for a, _ in bad])
     assert resumed["rc"] == 0 and "at step 3, seed 0" in resumed["text"], resumed["text"]
     assert "note: lr is 0.001 now, 0.01 when saved" in resumed["text"]
+    # --seed is not taken (the saved seed is, as "seed 0" above says), but not silently
+    assert "note: seed is 7 now, 0 when saved; the run continues with the saved seed 0" \
+        in resumed["text"], resumed["text"]
     assert saved["rc"] == 0, saved["text"]
     assert sorted(p.name for p in d.iterdir()) == ["step-00000002", "step-00000003"]
     assert inspected["rc"] == 0 and "step 3  seed 0  optimizer adamw" in inspected["text"]
