@@ -28,7 +28,9 @@ four things, waking every `poll_s` seconds (and at once on a signal):
   and ends the job with exit 2 (EXIT_BAD_INPUT), no dumps.
 - Signals: with `exit_on_signals()` (the run command), SIGTERM/SIGINT end every rank promptly,
   rank 0 printing one line, even when a rank is blocked inside MPI where Python signal handlers
-  cannot run (signal.set_wakeup_fd wakes this thread).
+  cannot run (signal.set_wakeup_fd wakes this thread). The ranks meet in a barrier on the side
+  channel (bounded) and then exit together, so the job exits 128+signal (Hydra SIGKILLs the
+  ranks still alive once one has exited).
 
 Output that arrives: before Abort, a reporting rank flushes stdout/stderr and waits (bounded)
 until the launcher has read its pipes (FIONREAD on the pipe reaches 0), so the report is not lost
@@ -71,6 +73,8 @@ EXIT_CODE = 1  # the job's exit code after a watchdog or failure Abort
 EXIT_BAD_INPUT = 2  # ... and after bad input met mid-run (report_bad_input)
 DRAIN_S = 5.0  # at most this long for the launcher to read our stdout/stderr before Abort
 GATHER_S = 5.0  # at most this long for the other ranks' statuses
+MEET_S = 2.0  # at most this long for every rank to reach its exit on SIGTERM/SIGINT
+MEET_MARGIN_S = 0.05  # ... then they exit together, this long after the last one got there
 
 
 class WatchdogError(UserError):
@@ -252,6 +256,11 @@ class Watchdog:
         exits at once, as before."""
         self._deferred = True
 
+    @property
+    def deferring(self) -> bool:
+        """Whether defer_signals() is in force (the first SIGTERM/SIGINT sets stop_signal)."""
+        return self._deferred
+
     def _on_signals(self, data: bytes) -> None:
         for signum in data:
             if signum == signal.SIGUSR1:
@@ -270,7 +279,32 @@ class Watchdog:
                     print(f"{self._signal_exit}: stopped by {name}; every rank exits",
                           file=sys.stderr, flush=True)
                 drain_stdio(1.0)
+                self._meet(MEET_S)
                 os._exit(128 + signum)
+
+    def _meet(self, wait_s: float) -> bool:
+        """Wait until every rank has called this (bounded by `wait_s`: False when one did not),
+        then until one wall-clock instant they agreed on: Hydra SIGKILLs a job's live ranks the
+        moment one of them exits without MPI_Finalize, and a rank killed so makes the job's
+        exit code 9, not 128+signal; ranks that exit at one instant all reach their exit."""
+        sys.setswitchinterval(1e-4)  # the main thread must not keep this one waiting for ms
+        if self.size == 1:
+            return True
+        import array
+
+        mine = array.array("d", [time.time() + MEET_MARGIN_S])
+        when = array.array("d", [0.0])
+        req = self.side.Iallreduce(mine, when, op=self._MPI.MAX)
+        end = time.monotonic() + wait_s
+        while not req.Test():  # spin, no sleep: any delay here is a rank left behind
+            if time.monotonic() > end:
+                return False
+        left = when[0] - time.time()
+        if left > 0.002:
+            time.sleep(left - 0.002)  # the rest spun: a sleep may overshoot by a timeslice
+        while time.time() < when[0]:
+            pass
+        return True
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:

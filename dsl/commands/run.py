@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -329,11 +330,18 @@ def train(args, comm, par, program, task, schedule=None, ckpt=None, speed=None) 
             rows = [m]
             if every and ((m.step + 1) % every == 0 or m.step + 1 == args.steps):
                 e = trainer.evaluate(args.eval_steps, m.step)  # collective: every rank
-                rows.append(e)
-                if rank == 0:
-                    ppl = f", perplexity {e.perplexity:.3f}" if e.perplexity is not None else ""
-                    say(bar, f"step {m.step + 1}: eval loss {e.loss:.4f}{ppl} "
-                             f"({e.batches} held-out batches)")
+                if e.stopped:  # a partial loss is no eval loss: say so, log nothing
+                    if rank == 0:
+                        say(bar, f"step {m.step + 1}: evaluation stopped by "
+                                 f"{signal.Signals(e.stopped).name} after {e.batches} of "
+                                 f"{args.eval_steps} held-out batches")
+                else:
+                    rows.append(e)
+                    if rank == 0:
+                        ppl = (f", perplexity {e.perplexity:.3f}" if e.perplexity is not None
+                               else "")
+                        say(bar, f"step {m.step + 1}: eval loss {e.loss:.4f}{ppl} "
+                                 f"({e.batches} held-out batches)")
             for row in rows:
                 if metrics:
                     try:

@@ -72,6 +72,7 @@ class EvalMetrics:
     loss: float
     batches: int
     perplexity: float | None = None
+    stopped: int = 0  # the signal that ended it before all its batches (0: it ran them all)
 
     def to_json(self) -> dict:
         """The --metrics line of an evaluation: step, eval_loss, eval_batches (+ perplexity)."""
@@ -79,6 +80,34 @@ class EvalMetrics:
         if self.perplexity is not None:
             out["eval_perplexity"] = self.perplexity
         return out
+
+
+# how many eval batches between checks for a pending stop signal (each check is one tiny
+# allreduce; a batch is one forward, so the stop waits at most this many forwards)
+EVAL_STOP_EVERY = 4
+
+
+def stop_deferred() -> bool:
+    """Whether a SIGTERM/SIGINT only asks the run to stop (the watchdog defers it: run --save)
+    rather than ending every rank at once; alike on every rank."""
+    from soapstone.comm.observe import watchdog
+
+    dog = watchdog.get()
+    return dog is not None and dog.deferring
+
+
+def agreed_stop(mesh) -> int:
+    """The stop signal any rank has received (0: none), the same on every rank: one max
+    allreduce over the world (collective), so every rank stops at the same point."""
+    from soapstone.comm.observe import watchdog
+
+    dog = watchdog.get()
+    got = dog.stop_signal if dog is not None else 0
+    if mesh is None or mesh.world.size == 1:
+        return got
+    t = torch.tensor([got], dtype=torch.float64)
+    mesh.world.allreduce(t, op="max")
+    return int(t[0])
 
 
 def rank_memory(comm=None) -> tuple[int, str]:
@@ -183,11 +212,22 @@ class Trainer:
 
     def evaluate(self, batches: int, step: int = 0) -> EvalMetrics:
         """The mean loss of held-out batches 0..batches-1 (`task.eval_batch`), forward only,
-        after training step `step`; perplexity for a language model (collective)."""
-        loss = sum(self.executor.infer(self.task.eval_batch(j))[0]
-                   for j in range(batches)) / batches
+        after training step `step`; perplexity for a language model (collective). A pending
+        SIGTERM/SIGINT (the watchdog's deferred stop) ends it early, on every rank at the same
+        batch: then `stopped` is the signal and the loss covers the batches done."""
+        total, done, signum = 0.0, 0, 0
+        watch = stop_deferred()
+        for j in range(batches):
+            if watch and j and j % EVAL_STOP_EVERY == 0:
+                signum = agreed_stop(self.executor.mesh)
+                if signum:
+                    break
+            total += self.executor.infer(self.task.eval_batch(j))[0]
+            done += 1
+        loss = total / done
         lm = getattr(self.task, "lm", None)
-        return EvalMetrics(step, loss, batches, math.exp(min(loss, 700.0)) if lm else None)
+        return EvalMetrics(step, loss, done, math.exp(min(loss, 700.0)) if lm else None,
+                           signum)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as its full tensor, on every rank (collective)."""
