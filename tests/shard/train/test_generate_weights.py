@@ -39,17 +39,26 @@ def weights(tmp_path_factory) -> dict[str, str]:
     bad = dict(good, **{"embedding0.table": torch.full_like(good["embedding0.table"],
                                                             float("nan"))})
     save_file(bad, str(d / "nan.safetensors"))
-    return {"good": str(d / "good.safetensors"), "nan": str(d / "nan.safetensors")}
+    # finite, but past what float32 arithmetic holds: the logits come out NaN or infinite
+    save_file({k: v * 1e37 for k, v in good.items()}, str(d / "huge.safetensors"))
+    return {"good": str(d / "good.safetensors"), "nan": str(d / "nan.safetensors"),
+            "huge": str(d / "huge.safetensors")}
 
 
 def test_nonfinite_logits_are_exit_2_naming_the_weights(weights):
-    for r in cli([*GEN, "--init", weights["nan"], "--tokens", "3"],
-                 [*GEN, "--init", weights["nan"], "--tokens", "3", "--temperature", "0"]):
+    """Finite weights whose logits overflow are refused as the first token is drawn; weights
+    holding NaN already when they are loaded (shard/checkpoint/load.py)."""
+    runs = cli([*GEN, "--init", weights["huge"], "--tokens", "3"],
+               [*GEN, "--init", weights["huge"], "--tokens", "3", "--temperature", "0"],
+               [*GEN, "--init", weights["nan"], "--tokens", "3"])
+    for r in runs:
         assert r["rc"] == 2, r
         assert r["stdout"] == "", r  # no prompt and NUL bytes
         assert "Traceback" not in r["text"] and len(r["stderr"].strip().splitlines()) == 1, r
-        assert f"--init {weights['nan']}: the logits of new token 1 are not finite" in \
+    for r in runs[:2]:
+        assert f"--init {weights['huge']}: the logits of new token 1 are not finite" in \
             r["stderr"], r
+    assert f"{weights['nan']}: param/embedding0.table holds NaN" in runs[2]["stderr"], runs
 
 
 def test_a_vanishing_temperature_samples_the_largest_logit(weights):
