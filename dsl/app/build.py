@@ -236,6 +236,9 @@ def lr_schedule(args: argparse.Namespace, lr: float):
                                ("--eval-steps", args.eval_steps, 1)):
         if value < least:
             raise BadInput(f"{flag} {value}: give at least {least}")
+    if getattr(args, "val_data", None) and args.eval_every == 0:  # read by nothing: say so
+        raise BadInput(f"--val-data {args.val_data}: nothing evaluates without --eval-every K; "
+                       "add it, or leave --val-data out")
     return LRSchedule(lr, args.steps, args.warmup, args.lr_schedule, min_lr)
 
 

@@ -170,7 +170,9 @@ BAD = [
                            "--dim vocab=512"]),
     (["--data", "{small}", "--eval-every", "1"], ["held-out tokens, fewer than the 17",
                                                  "--val-data"]),
-    (["--val-data", "{small}"], ["--val-data", "give --data too"]),
+    (["--val-data", "{small}", "--eval-every", "1"], ["--val-data", "give --data too"]),
+    (["--data", "{small}", "--val-data", "{small}"], ["--val-data", "nothing evaluates without "
+                                                      "--eval-every K"]),
     (["--warmup", "9"], ["--warmup 9: give 0 to --steps (3) steps"]),
     (["--lr-schedule", "cosine", "--min-lr", "1"], ["--min-lr 1: the floor must be between"]),
     (["--accumulate", "0"], ["--accumulate 0: give at least 1"]),
