@@ -200,24 +200,11 @@ def check_train_flags(args: argparse.Namespace) -> None:
     wd = getattr(args, "weight_decay", 0.0)
     if not (math.isfinite(wd) and wd >= 0):
         raise BadInput(f"--weight-decay {wd}: give a number >= 0 (0: none)")
-    check_output_file(getattr(args, "metrics", None), "--metrics", "metrics.jsonl")
     skips = getattr(args, "max_skips", None)
     if skips is not None and getattr(args, "on_nonfinite", "stop") != "skip":
         raise BadInput(f"--max-skips {skips}: only with --on-nonfinite skip")
     if skips is not None and skips < 0:
         raise BadInput(f"--max-skips {skips}: give 0 or more skipped steps in a row")
-
-
-def check_output_file(path: str | None, flag: str, example: str) -> None:
-    """A file a run will write at `path`: its directory exists and it is not one (BadInput,
-    before training rather than a traceback after it)."""
-    if not path:
-        return
-    if Path(path).is_dir():
-        raise BadInput(f"{flag} {path}: is a directory; give a file in it, e.g. "
-                       f"{flag} {Path(path) / example}")
-    if not Path(path).resolve().parent.is_dir():
-        raise BadInput(f"{flag} {path}: the directory {Path(path).parent} does not exist")
 
 
 def lr_schedule(args: argparse.Namespace, lr: float):
@@ -243,8 +230,8 @@ def lr_schedule(args: argparse.Namespace, lr: float):
 
 
 def check_trace_flag(path: str, par) -> None:
-    """--trace needs a pipeline layout and a writable directory (BadInput)."""
+    """--trace needs a pipeline layout (BadInput); its path is one of the outputs rank 0
+    checks (dsl/app/outputs.py, run's check_outputs)."""
     if par is None or not par.operator:
         raise BadInput(f"--trace {path}: only pipeline layouts (an operator statement) have "
                        "a schedule timeline to trace")
-    check_output_file(path, "--trace", "trace.json")
