@@ -137,10 +137,14 @@ def test_grouped_p2p_that_the_simulator_refuses_hangs_on_mpi_too():
 
 def test_a_1f1b_rank_mallocs_what_explain_counts(tmp_path):
     """1F1B at pipe 2 under bf16 (bench/bench_memory.py, the BENCHMARKS.md row's dims): every
-    pipe rank's peak of malloc'd bytes over one step (every tensor, MPI's and Python's
-    allocations too, wherever glibc places them) within 6% of explain's, and its tensors
-    too. The resident peak is not asserted: glibc serves big tensors from free heap chunks
-    when it has them, which moves it run to run."""
+    pipe rank's tensors over one step peak within 6% of explain's, and its peak of malloc'd
+    bytes (every tensor, MPI's and Python's allocations too, wherever glibc places them) is
+    at least explain's less 6% and at most the tensors' peak plus 1 MiB. That last MiB is the
+    runtime's own (MPI's requests and buffers, Python's objects), which explain does not
+    count: 0.23-0.42 MiB here, a fixed sum that varies with the machine's MPI, not with the
+    model (6.8% of rank 1's 5.4 MiB on CI's machine). The resident peak is not asserted:
+    glibc serves big tensors from free heap chunks when it has them, which moves it run to
+    run."""
     import json
 
     out = tmp_path / "rows.json"
@@ -153,5 +157,7 @@ def test_a_1f1b_rank_mallocs_what_explain_counts(tmp_path):
     rows = json.loads(out.read_text())
     assert sorted(row["rank"] for row in rows) == [0, 1]
     for row in rows:
-        assert abs(row["malloc_error"]) < 0.06, row
         assert abs(row["live_error"]) < 0.06, row
+        explain = row["malloc_step_bytes"] * (1 + row["malloc_error"])
+        assert row["malloc_step_bytes"] > 0.94 * explain, row
+        assert row["malloc_step_bytes"] - row["live_step_bytes"] < 2**20, row
