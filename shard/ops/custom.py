@@ -1,7 +1,7 @@
 """The record every custom layer's op (kind "custom:<name>", dsl/layers/custom.py) shares: its
 sharding comes from the op itself, its kernel is the layer's Python function (the runtime's
 `custom=` argument), its saves are bounded, and what the function returns is checked
-(`checked_result`)."""
+(`checked_result`; its shape, which only the runtime knows, by `wrong_shape`'s error)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def checked_result(step, args: list, y):
     where = f" computing {step.source}" if step.source else ""
     raise LayerResultError(f"custom layer {name!r}{where} returned {got}; it must return "
                            f"{should}{fix}")
+
+
+def wrong_shape(step, got: list[int], want: list[int], dims) -> LayerResultError:
+    """The LayerResultError for custom layer `step` returning a local shape `got` where the
+    compiled one is `want` (over `dims`)."""
+    name = step.kind.removeprefix(PREFIX)
+    where = f" computing {step.source}" if step.source else ""
+    return LayerResultError(
+        f"custom layer {name!r}{where} returned a tensor of local shape {got}; it must return "
+        f"the compiled local shape {want} (dims {', '.join(dims)}): a layer's function gets "
+        "this rank's shards and returns this rank's shard of its result")
 
 
 def _short(y) -> str:

@@ -17,6 +17,8 @@ from soapstone.comm import autograd as ag
 from soapstone.comm import collective_matmul as cm
 from soapstone.comm.errors import UserError
 from soapstone.comm.launch.device import check_placement
+from soapstone.shard.ops.custom import PREFIX as CUSTOM_PREFIX
+from soapstone.shard.ops.custom import wrong_shape
 from soapstone.shard.ops.dispatch import run_op
 from soapstone.shard.ops.einsum import float8_steps
 from soapstone.shard.ops.kernels import Shards
@@ -50,6 +52,11 @@ from soapstone.shard.runtime.overwrite_plan import overwritable
 
 class ShapeMismatch(UserError, RuntimeError):
     """A tensor's shape differs from the one the Program was compiled with."""
+
+
+class OpShapeError(RuntimeError):
+    """A built-in op produced a local shape other than the compiled one: soapstone's own
+    error, so not a UserError: it keeps its traceback, mid-run too (comm/launch/failure.py)."""
 
 
 def check_mesh(mesh, want: tuple[tuple[str, int], ...], what: str) -> None:
@@ -329,11 +336,14 @@ class ShardedModel:
 
     def _checked(self, step: Compute, y: torch.Tensor, name: str) -> torch.Tensor:
         v = self.program.value(name)
-        if tuple(y.shape) != v.local_shape:
-            raise ShapeMismatch(
-                f"{step.kind} producing {name}: local shape {list(y.shape)} differs "
-                f"from the compiled {list(v.local_shape)} (dims {', '.join(v.dims)})")
-        return y
+        if tuple(y.shape) == v.local_shape:
+            return y
+        if step.kind.startswith(CUSTOM_PREFIX):  # a plugin's bug: one line naming its layer
+            raise wrong_shape(step, list(y.shape), list(v.local_shape), v.dims)
+        raise OpShapeError(
+            f"{step.kind} producing {name}: local shape {list(y.shape)} differs from the "
+            f"compiled {list(v.local_shape)} (dims {', '.join(v.dims)}); this is soapstone's "
+            "error, not the input's: please report it with the spec and layout")
 
     def _placeholder(self, step: Compute, env: dict[str, torch.Tensor]) -> torch.Tensor:
         """What a rank off a branch holds for the branch's op: zeros, wired to the op's inputs

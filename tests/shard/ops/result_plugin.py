@@ -2,7 +2,7 @@
 (the example's math) whose function misbehaves on one world rank, as a buggy plugin would.
 SOAPSTONE_TEST_RESULT=RANK:MODE picks the rank (-1: every rank) and what it does instead of
 returning the example's float tensor: long, double (a tensor of the wrong dtype), none, tuple,
-or exit (raise SystemExit(3))."""
+short (its last dim one shorter) or exit (raise SystemExit(3))."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def swiglu(x, w1, w3, w2):
     if MODE == "exit":
         raise SystemExit(3)
     return {"long": lambda: out.long(), "double": lambda: out.double(), "none": lambda: None,
-            "tuple": lambda: (out,), "ok": lambda: out}[MODE]()
+            "tuple": lambda: (out,), "short": lambda: out[..., :-1], "ok": lambda: out}[MODE]()
 
 
 # what `--plugin` registers (load_plugin takes the layers a module's functions carry)

@@ -13,7 +13,8 @@ import torch
 from mpirun import run_mpi
 
 from soapstone.comm.errors import UserError
-from soapstone.shard.ops.custom import LayerResultError, checked_result
+from soapstone.shard.ops.custom import LayerResultError, checked_result, wrong_shape
+from soapstone.shard.runtime.sharded_model import OpShapeError
 
 CLI = ["-m", "soapstone.dsl.cli"]
 RUN = ["run", "examples/swiglu.par", "--plugin", "tests/shard/ops/result_plugin.py", "--quiet"]
@@ -55,6 +56,17 @@ def test_anything_else_is_refused_naming_the_layer_and_the_fix(result, said):
     assert ("cast it, e.g. `.to(torch.float32)`" in text) == isinstance(result, torch.Tensor)
 
 
+def test_a_wrong_local_shape_is_the_layers_error_and_a_built_in_ops_is_soapstones():
+    """A custom layer's wrong shape is its plugin's bug: a UserError naming the layer, exit 2.
+    A built-in op's is soapstone's: not bad input, so mid-run it keeps its traceback."""
+    e = wrong_shape(Step(), [2, 2], [2, 3], ("batch", "hidden"))
+    assert isinstance(e, LayerResultError) and isinstance(e, UserError)
+    assert str(e).startswith("custom layer 'swiglu' computing layer.0.swiglu0 returned a tensor "
+                             "of local shape [2, 2]; it must return the compiled local shape "
+                             "[2, 3] (dims batch, hidden)"), str(e)
+    assert not issubclass(OpShapeError, UserError)
+
+
 def ended(r, code: int) -> str:
     """The job's output, after asserting it ended with `code`, on its own, with no traceback."""
     assert r.returncode == code and not r.timed_out, r.report()
@@ -79,6 +91,14 @@ def test_a_wrong_dtype_on_one_rank_ends_the_job_with_one_line():
     out = ended(r, 2)
     assert out.count("error: custom layer 'swiglu'") == 1, out
     assert "returned a tensor of dtype torch.float64" in out, out
+
+
+def test_a_short_result_on_one_rank_ends_the_job_naming_the_layer():
+    r = run_mpi(2, [*CLI, *RUN, "--parallel", "tp2", "--steps", "3"], timeout=180,
+                env={"SOAPSTONE_TEST_RESULT": "1:short"})
+    out = ended(r, 2)
+    assert out.count("error: custom layer 'swiglu'") == 1, out
+    assert "returned a tensor of local shape [" in out, out
 
 
 def test_a_system_exit_on_one_rank_ends_the_job_naming_rank_and_code():
