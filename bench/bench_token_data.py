@@ -1,10 +1,10 @@
-"""The memory-mapped token loader against nanoGPT's get_batch, on the same .bin file.
+"""The token file loader against nanoGPT's get_batch, on the same .bin file.
 
 - nanoGPT: train.py's get_batch as it stands (a new np.memmap per batch, a Python loop of
   slices, torch.stack of per-row int64 copies, x and y stacked apart);
-- soapstone: TokenMemmap.batch (shard/data/token_memmap.py), one fancy-index read of every row's
-  window, reading every row (one rank of one), and as one of 8 data-parallel ranks reads it
-  (its 1/8 of the rows).
+- soapstone: TokenMemmap.batch (shard/data/token_memmap.py), one os.pread of every row's
+  window (shard/data/token_reader.py), reading every row (one rank of one), and as one of 8
+  data-parallel ranks reads it (its 1/8 of the rows).
 
 Same uint16 file, same batch shape (batch x seq), offsets drawn per batch; the two loaders are
 timed alternately in rounds, in one process, and the medians compared as ratios. The file is

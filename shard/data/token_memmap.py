@@ -1,4 +1,4 @@
-"""Language-model batches from a flat token file, memory-mapped: any size, never read whole.
+"""Language-model batches from a flat token file read by offset: any size, never read whole.
 
 The formats people store tokens in:
 
@@ -19,6 +19,9 @@ are drawn from (seed, "eval", j), so every evaluation sees the same held-out bat
 Ids are checked against the vocab: a file up to SCAN_BYTES once when it is opened (in chunks,
 so memory stays bounded), before any training; a larger one as its windows are read (a bad id
 then ends the job mid-run). Either way a DataError names the file and the offset.
+The windows are read with os.pread (shard/data/token_reader.py), never through the memory map
+open_tokens checks the file with: a file truncated while the run reads it is then a DataError
+(its size now and at opening), where a mapped page past the new end would be SIGBUS.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from soapstone.shard.data.errors import DataError
 from soapstone.shard.data.tasks import SyntheticTask, input_dtype, input_shape, seeded_generator
+from soapstone.shard.data.token_reader import TokenFile, TokenSpan
 from soapstone.shard.plan.program import Program
 
 BIN_DTYPES = ("uint16", "uint32", "uint8", "int32", "int64")
@@ -39,7 +43,8 @@ SCAN_CHUNK = 4 << 20  # ids per chunk of the opening scan
 
 
 def open_tokens(path: str | Path, dtype: str | None = None, flag: str = "--data") -> np.ndarray:
-    """A read-only memory map of a token file's ids (one dimension); DataError if unusable."""
+    """A read-only memory map of a token file's ids (one dimension); DataError if unusable.
+    TokenMemmap reads through TokenFile.of_map, not the map (see token_reader.py)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{flag} {path}: no such file")
@@ -99,14 +104,16 @@ class TokenMemmap(SyntheticTask):
         # with a .bin and another file, the dtype is read for the .bin: refused only when
         # no file reads it
         check_dtype_applies(dtype, [path] + ([val_path] if val_path else []))
-        tokens = open_tokens(path, dtype)
+        tokens = TokenFile.of_map(open_tokens(path, dtype), "--data")
         ids, _, self.vocab = self.lm
         self.seq = input_shape(program, ids)[-1]
+        whole = tokens.span(0, tokens.size)
         if val_path:
-            self.train, self.val = tokens, open_tokens(val_path, dtype, "--val-data")
+            val = TokenFile.of_map(open_tokens(val_path, dtype, "--val-data"), "--val-data")
+            self.train, self.val = whole, val.span(0, val.size)
         else:
             cut = tokens.size - int(tokens.size * val_fraction)
-            self.train, self.val = tokens[:cut], tokens[cut:]
+            self.train, self.val = tokens.span(0, cut), tokens.span(cut, tokens.size)
         for what, arr, where in (("training", self.train, f"--data {path}"),
                                  ("held-out", self.val, f"--val-data {val_path}" if val_path
                                   else f"--data {path} (its last {val_fraction:.0%})")):
@@ -115,7 +122,7 @@ class TokenMemmap(SyntheticTask):
                                 f"{self.seq + 1} one sequence needs"
                                 + ("" if val_path or what == "training" else
                                    "; give a longer file or --val-data"))
-        for arr, where in ((tokens, self.path), (self.val if val_path else None, val_path)):
+        for arr, where in ((whole, self.path), (self.val if val_path else None, val_path)):
             # a dtype whose ids all fit needs no scan, but a signed one can still hold a
             # negative id (an int8 .npy)
             if arr is not None and arr.nbytes <= SCAN_BYTES \
@@ -145,7 +152,7 @@ class TokenMemmap(SyntheticTask):
         return self._cut(self.val, seeded_generator(self.seed, "eval", j), -1 - j,
                          self.val_path or self.path)
 
-    def _cut(self, data: np.ndarray, g: torch.Generator, step: int, name: str):
+    def _cut(self, data: TokenSpan, g: torch.Generator, step: int, name: str):
         ids, targets, _ = self.lm
         shape = input_shape(self.program, ids)
         nrows, seq = int(np.prod(shape[:-1])), self.seq
@@ -154,8 +161,7 @@ class TokenMemmap(SyntheticTask):
         win = np.zeros((nrows, seq + 1), dtype=np.int64)
         if rows:
             picked = starts[rows]
-            # fancy indexing on the map touches only the pages under these windows
-            win[rows] = data[picked[:, None] + np.arange(seq + 1)]
+            win[rows] = data.windows(picked, seq + 1)
             self._check(win[rows], picked, name)
         self.last_read = rows
         win_t = torch.from_numpy(win)
@@ -166,9 +172,9 @@ class TokenMemmap(SyntheticTask):
         out[targets] = win_t[:, 1:].reshape(shape).to(input_dtype(self.program, targets))
         return out
 
-    def _scan(self, arr: np.ndarray, name: str) -> None:
+    def _scan(self, arr: TokenSpan, name: str) -> None:
         for at in range(0, arr.size, SCAN_CHUNK):
-            chunk = np.asarray(arr[at:at + SCAN_CHUNK])
+            chunk = arr.ids(at, SCAN_CHUNK)
             self._check(chunk[None, :], np.array([at]), name)
 
     def _check(self, win: np.ndarray, starts: np.ndarray, name: str) -> None:
