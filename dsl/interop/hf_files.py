@@ -131,7 +131,9 @@ def check_tensors(directory: Path, cfg: HFConfig, entries: dict[str, TensorEntry
         e = entries[name]
         if e.dtype not in FLOAT_DTYPES:
             raise HFError(f"{e.file}: tensor {name} is {e.dtype}; a parameter needs one of "
-                          f"{', '.join(FLOAT_DTYPES)}")
+                          f"{', '.join(FLOAT_DTYPES)}",
+                          "give weights saved as floats (integers would be cast and train "
+                          "silently; a quantized export needs its unquantized weights)")
         if e.shape != want:
             shape_error(e.file, name, e.shape, want, labels)
 

@@ -8,6 +8,11 @@ reads about a quarter of each split weight, never a full tensor; a rank holding 
 stack of experts reads only its experts' tensors. The only bytes read beyond
 the box are the inner dims of a flattened pair a box splits inside (head_dim, which no layout
 splits).
+
+What it reads is checked where the file and the tensor are known: integers (the headers were
+checked before launch; a file changed since) and NaN or infinity are a CheckpointError naming
+the safetensors file, the Hugging Face tensor and the param it fills (fill_shares' own checks
+know only the param).
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ class HFReader:
             x = self._slice(t.name, (slice(0, 1), slice(o[0], o[0] + n[0])))[0]
         else:
             raise AssertionError(t.how)
+        check_read(x, f"{self.entries[t.name].file}: tensor {t.name} (param/{t.params[k]})",
+                   t.params[k])  # still in the file's dtype, cut to the box
         return x.to(dtype).contiguous()
 
     def read_into(self, tensor: str, box, dest) -> None:
@@ -155,6 +162,22 @@ class HFReader:
 
     def close(self) -> None:
         """Nothing stays open between reads (see _slice)."""
+
+
+def check_read(part, where: str, param: str) -> None:
+    """CheckpointError naming `where` (file, tensor and param) when what was read of a float
+    param is not floats, or holds NaN or infinity."""
+    import torch
+
+    from soapstone.shard.checkpoint.index import CheckpointError
+
+    if not part.is_floating_point():
+        raise CheckpointError(f"{where} is {str(part.dtype).removeprefix('torch.')}, but the "
+                              f"model's {param} is a float tensor; give weights saved as "
+                              "floats (integers would be cast and train silently)")
+    if not bool(torch.isfinite(part).all()):
+        raise CheckpointError(f"{where} holds NaN or infinity; load finite weights: download "
+                              "the file again, or fix the tensor where the weights were made")
 
 
 def _rest(x, o, n, first: int):

@@ -34,8 +34,9 @@ from soapstone.shard.checkpoint.schema import (  # noqa: F401  (re-exported)
 
 INDEX = "index.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# what a save in progress (tmp) or a replaced checkpoint being swapped out (old) is called
-UNFINISHED = re.compile(r"^step-(\d+)\.(tmp|old)-\w+$")
+# what a save in progress (tmp), a replaced checkpoint being swapped out (old) or a pruned
+# one being deleted (del: renamed before its files go, save.drop) is called
+UNFINISHED = re.compile(r"^step-(\d+)\.(tmp|old|del)-\w+$")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -84,6 +85,9 @@ def scan(root: str | Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str
         elif u.group(2) == "tmp":
             skipped.append((p, f"an unfinished save of step {int(u.group(1))}: it was never "
                                "renamed into place"))
+        elif u.group(2) == "del":
+            skipped.append((p, f"a pruned checkpoint of step {int(u.group(1))} whose deletion "
+                               "was cut short: the next save removes it"))
         else:
             skipped.append((p, f"an earlier save of step {int(u.group(1))} set aside while a "
                                "new one replaced it"))
@@ -96,9 +100,9 @@ def find(path: str | Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     p = Path(path)
     u = UNFINISHED.match(p.name)
     if u:
-        raise CheckpointError(f"checkpoint {path}: an unfinished or replaced save (its name "
-                              f"ends .{u.group(2)}-...); give its --save DIR, whose complete "
-                              "checkpoints are step-NNNNNNNN")
+        raise CheckpointError(f"checkpoint {path}: an unfinished, replaced or pruned save (its "
+                              f"name ends .{u.group(2)}-...); give its --save DIR, whose "
+                              "complete checkpoints are step-NNNNNNNN")
     if (p / INDEX).is_file():
         return [p], []
     if not p.exists():

@@ -133,7 +133,8 @@ def source_of(reader, name: str) -> str:
 
 def check_kind(reader, name: str, into) -> None:
     """CheckpointError where a float tensor of the model would be filled from integers (a
-    file from elsewhere: cast, they would train silently)."""
+    file from elsewhere: cast, they would train silently). A reader without an index (a
+    Hugging Face directory's) checks what it reads itself, naming the file and its tensor."""
     meta = reader.index.tensors.get(name) if hasattr(reader, "index") else None
     if meta is not None and into.is_floating_point() and not meta.dtype.startswith(
             ("float", "bfloat")):

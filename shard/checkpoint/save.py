@@ -12,8 +12,9 @@
    complete checkpoint, after rank 0 removed the temp directory;
 4. rank 0 merges the parts into index.json (fsynced), fsyncs the directory and renames it to
    DIR/step-NNNNNNNN (an existing one is swapped out whole and then deleted: durable.py); it
-   then drops checkpoints beyond the newest `keep` and what crashed saves of steps up to this
-   one left;
+   then drops checkpoints beyond the newest `keep` (each renamed step-N.del-XXXXXXXX, the
+   directory fsynced, before its files are deleted: a kill mid-delete leaves no half step-N)
+   and what crashed saves of steps up to this one, or earlier prunes, left;
    the ranks agree again, so none runs ahead of a checkpoint in progress or past a failure.
 A rank killed before the rename leaves only a .tmp directory, which readers pass over.
 """
@@ -21,8 +22,10 @@ A rank killed before the rename leaves only a .tmp directory, which readers pass
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import attrs
@@ -195,17 +198,36 @@ def write_index_from(tmp: Path, header: dict, size: int) -> None:
 def prune(root: str | Path, keep: int | None, current: int) -> None:
     """Keep the newest `keep` complete checkpoints under root (None: all); drop what crashes
     left of saves up to `current` (unfinished saves; replaced checkpoints whose replacement is
-    in place). Housekeeping: what it cannot delete stays, for the next save."""
+    in place) and of earlier prunes (any step). Housekeeping: what it cannot delete stays, for
+    the next save."""
     try:
         done, skipped = ix.scan(root)
     except OSError:
         return
     if keep is not None:
         for _, d in done[:-keep] if keep > 0 else done:
-            shutil.rmtree(d, ignore_errors=True)
+            drop(d)
     complete = {s for s, _ in done}
     for d, _ in skipped:
+        m = ix.UNFINISHED.match(d.name)
+        how = m.group(2) if m else "step"  # step: a step-N without its index
         step = int(re.match(r"step-(\d+)", d.name).group(1))
-        replaced = ".old-" in d.name
-        if step <= current and (not replaced or step in complete):
-            shutil.rmtree(d, ignore_errors=True)
+        # nothing writes into a .del- directory again: garbage whatever its step
+        if how == "del" or step <= current and (how != "old" or step in complete):
+            if how == "step":
+                drop(d)  # a step-N name: readers must never see it half deleted
+            else:
+                shutil.rmtree(d, ignore_errors=True)  # a name readers already pass over
+
+
+def drop(d: Path) -> None:
+    """Delete the checkpoint directory `d` as readers see it at once: renamed to
+    step-N.del-XXXXXXXX (durably) before its files go, so a kill mid-delete leaves a name
+    index.scan passes over and the next prune removes, never a half step-N."""
+    gone = d.with_name(f"{d.name}.del-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(d, gone)
+        ix.fsync_dir(d.parent)
+    except OSError:
+        return  # still whole under its own name: the next prune tries again
+    shutil.rmtree(gone, ignore_errors=True)

@@ -78,7 +78,19 @@ CASES = {
                         "pytorch_model.bin", "safe_serialization=True"]),
     "sharded": (_sharded_missing_file, ["model-00002-of-00002.safetensors: no such file",
                                         "model.norm.weight"]),
+    "ints": (_edit_tensors(lambda t: t.update({"model.norm.weight": _ints(t)})),
+             ["model.safetensors: tensor model.norm.weight is I32", "hint: give weights saved "
+              "as floats (integers would be cast and train silently"]),
 }
+
+
+def _ints(tensors: dict) -> torch.Tensor:
+    return tensors["model.norm.weight"].round().to(torch.int32)
+
+
+def _poisoned(tensors: dict, name: str, value: float, at: int = 7) -> None:
+    """Element `at` (flat) of tensor `name` set to `value` (NaN or infinity)."""
+    tensors[name].view(-1)[at] = value
 
 
 def test_bad_weights_stop_run_and_generate_before_launch(llama, tmp_path):
@@ -146,3 +158,69 @@ def test_any_box_read_in_pieces_is_that_box_of_the_full_tensor(tmp_path, kind):
             want = full[name][tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape,
                                                                      strict=True))]
             assert torch.equal(dest.view(box.shape), want), (name, box)
+
+
+def test_weights_not_finite_exit_2_naming_the_file_and_tensor(llama, tmp_path):
+    """A NaN in a LLaMA weight, an infinity in GPT-2's fused q/k/v: `run` and `generate` with
+    --init hf:DIR exit 2 naming the safetensors file, the Hugging Face tensor, the param it
+    fills and the fix (what a soapstone checkpoint's NaN says), on the only rank that reads
+    it or on every rank alike."""
+    nan = _damaged(llama, tmp_path / "nan", _edit_tensors(
+        lambda t: _poisoned(t, "model.layers.1.mlp.up_proj.weight", float("nan"))))
+    gpt2 = hf_models.save("gpt2", tmp_path / "inf")
+    # row 0, column 37: among k's columns (q's are 0..31)
+    _edit_tensors(lambda t: _poisoned(t, "transformer.h.0.attn.c_attn.weight", float("inf"),
+                                      37))(gpt2)
+    says = {nan: "tensor model.layers.1.mlp.up_proj.weight (param/layer.1.mlp0.linear1.weight)",
+            gpt2: "tensor transformer.h.0.attn.c_attn.weight (param/layer.0.attention0.wk)"}
+    runs = cli(["run", "examples/llama.par", "--init", f"hf:{nan}", "--steps", "1"],
+               ["generate", "examples/llama.par", "--init", f"hf:{nan}", "--dim", "vocab=64",
+                "--prompt", "0", "--tokens", "2"],
+               ["run", "examples/gpt2.par", "--init", f"hf:{gpt2}", "--steps", "1"])
+    for d, r in zip((nan, nan, gpt2), runs, strict=True):
+        assert r["rc"] == 2, (r["argv"], r["text"])
+        assert "Traceback" not in r["text"]
+        assert f"error: {d / 'model.safetensors'}: {says[d]} holds NaN or infinity; load " \
+            "finite weights: download the file again" in r["text"], (r["argv"], r["text"])
+    r = run_mpi(2, ["-m", "soapstone.dsl.cli", "run", "examples/llama.par", "--parallel", "tp2",
+                    "--init", f"hf:{nan}", "--steps", "1"], timeout=240)
+    assert r.returncode == 2, r.report()
+    assert r.stderr.count(f"{says[nan]} holds NaN or infinity") == 1, r.stderr
+
+
+def test_a_not_finite_expert_names_its_own_tensor(tmp_path):
+    """In a stack of experts read from one tensor per expert, the one holding the NaN."""
+    from soapstone.dsl.interop import hf_config
+    from soapstone.shard.checkpoint import CheckpointError
+
+    d = hf_models.save("mixtral", tmp_path / "mixtral")
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    _edit_tensors(lambda t: _poisoned(t, name, float("nan")))(d)
+    text = hf.spec_text(hf_config.read_config(d), "moe")
+    with pytest.raises(CheckpointError) as e:
+        hf.load(d, dsl.load(text, filename="<config>").model())
+    assert str(e.value).startswith(f"{d / 'model.safetensors'}: tensor {name} (param/"), e.value
+
+
+def test_integers_swapped_in_after_the_header_check_name_the_file_and_tensor(llama, tmp_path):
+    """The headers are checked before launch; a file replaced by one of integers after that is
+    a CheckpointError at the read, naming the file, the tensor and the fix (it was cast)."""
+    from soapstone.dsl.compile.lower import resolve_ties
+    from soapstone.dsl.interop import hf_config
+    from soapstone.shard.checkpoint import CheckpointError
+    from soapstone.shard.checkpoint.boxes import Box
+
+    d = tmp_path / "swapped"
+    shutil.copytree(llama, d)
+    model = dsl.load(ROOT / "examples/llama.par").model("llama")
+    sizes = dict(model.dims)
+    params = {p.name: (p.type.dims, tuple(sizes[x] for x in p.type.dims))
+              for p in resolve_ties(model).params}
+    reader = hf.open_weights(d, hf_config.read_config(d), params)
+    _edit_tensors(lambda t: t.update({"model.norm.weight": _ints(t)}))(d)
+    with pytest.raises(CheckpointError) as e:
+        reader.read_into("param/rmsnorm0.gamma", Box((0,), (32,)), torch.zeros(32))
+    assert str(e.value) == (f"{d / 'model.safetensors'}: tensor model.norm.weight "
+                            "(param/rmsnorm0.gamma) is int32, but the model's rmsnorm0.gamma "
+                            "is a float tensor; give weights saved as floats (integers would "
+                            "be cast and train silently)")
