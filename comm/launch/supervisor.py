@@ -20,15 +20,30 @@ supervisor
 (no PMI_RANK, PMIX_RANK, OMPI_COMM_WORLD_RANK or SLURM_PROCID), or in a process that has
 loaded MPI already (the CLI called from Python under mpiexec), nothing forks;
 SOAPSTONE_SUPERVISE=0 turns it off. Torch-free, MPI-free.
+
+A signal sent to the job is a stop, not a death. Until the child sets up its own handling
+(the run's watchdog, `exit_on_signals`, seconds into its start) a forwarded SIGTERM ends it
+by the default action; the supervisor, which forwarded it, then says "stopped by SIGTERM"
+(rank 0, once) instead of naming a crash, and exits 128 + the signal all the same.
+
+A rank that leaves early with exit code 0 (os._exit(0) in a plugin, a library calling exit)
+would pass for success: hydra presets the other ranks' codes to 0 as it kills them, so the
+job can exit 0 with no word. The child marks a normal end of its interpreter (atexit) in a
+page shared with the supervisor, and the trainer notes each step there (`note_step`); code 0
+without that mark is named, with the step, and the supervisor exits 1.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import mmap
 import os
 import signal
 import socket
+import struct
 import sys
+import time
 
 RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
@@ -37,6 +52,13 @@ WHY = {signal.SIGKILL: "kill -9, or the kernel's out-of-memory killer",
        signal.SIGSEGV: "a crash in native code", signal.SIGBUS: "a crash in native code",
        signal.SIGABRT: "an abort in native code"}
 PR_SET_PDEATHSIG = 1
+EXIT_EARLY = 1  # the job's exit code when a rank left with 0 before its end
+# a stopped rank other than 0 waits this long before exiting: hydra kills every rank the
+# moment the first one exits, and rank 0's supervisor must get its line out first
+STOP_WAIT_S = 1.0
+# the page shared by supervisor and child: [ended normally, step + 1 (0: none yet)]
+_LAYOUT = struct.Struct("qq")
+_shared: mmap.mmap | None = None  # the child's view of it (None: not supervised)
 
 
 def launched_rank() -> int | None:
@@ -48,9 +70,17 @@ def launched_rank() -> int | None:
     return None
 
 
+def note_step(step: int) -> None:
+    """Record the training step this rank is in, for its supervisor to name if it leaves."""
+    if _shared is not None:
+        _shared[8:16] = struct.pack("q", step + 1)
+
+
 def supervise() -> None:
     """Under a launcher: fork, return in the child (which does the work) and never return in
-    the parent, which waits, reports a death by signal, and exits with the child's status."""
+    the parent, which waits, reports a death, a stop or an early exit, and exits with the
+    child's status."""
+    global _shared
     rank = launched_rank()
     if rank is None or os.environ.get("SOAPSTONE_SUPERVISE", "1").strip() == "0":
         return
@@ -59,19 +89,35 @@ def supervise() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     parent = os.getpid()
+    shared = mmap.mmap(-1, _LAYOUT.size)  # anonymous and MAP_SHARED: both sides see writes
+    # blocked across the fork: a signal before the forwarding is in place waits, not kills
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     child = os.fork()
     if child == 0:
         _die_with(parent)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _shared = shared
+        atexit.register(_mark_ended, os.getpid())  # before MPI's: runs after it (LIFO)
         return
+    sent: set[int] = set()
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, frame: _forward(child, signum))
+        signal.signal(sig, lambda signum, frame: _forward(child, signum, sent))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     status = os.waitpid(child, 0)[1]  # retried after each forwarded signal (PEP 475)
+    host = socket.gethostname()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        sys.stderr.write(death_line(rank, child, socket.gethostname(), sig) + "\n")
-        sys.stderr.flush()
+        if sig in sent:  # the job was sent it: the child had no handler yet, not a crash
+            _say_stopped(rank, sig)
+        else:
+            _say(death_line(rank, child, host, sig))
         os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
+    code = os.waitstatus_to_exitcode(status)
+    ended, step = _LAYOUT.unpack(shared[:_LAYOUT.size])
+    if code == 0 and not ended:
+        _say(early_exit_line(rank, child, host, code, step - 1 if step else None))
+        os._exit(EXIT_EARLY)
+    os._exit(code)
 
 
 def death_line(rank: int, pid: int, host: str, sig: int) -> str:
@@ -85,9 +131,40 @@ def death_line(rank: int, pid: int, host: str, sig: int) -> str:
             f"({name}{why}); the launcher ends the job")
 
 
-def _forward(child: int, signum: int) -> None:
+def early_exit_line(rank: int, pid: int, host: str, code: int, step: int | None) -> str:
+    """What the supervisor of a rank that exited before the job ended prints."""
+    where = f", in step {step}" if step is not None else ""
+    return (f"soapstone: rank {rank} (pid {pid} on {host}) exited (code {code}) before the "
+            f"job ended{where}; the launcher ends the job")
+
+
+def stopped_line(sig: int) -> str:
+    """What rank 0's supervisor prints when a signal sent to the job ended its rank."""
+    return f"soapstone: stopped by {signal.Signals(sig).name}; every rank exits"
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _say_stopped(rank: int, sig: int) -> None:
+    if rank == 0:
+        _say(stopped_line(sig))
+    else:
+        time.sleep(STOP_WAIT_S)  # usually ended sooner by hydra, once rank 0 has exited
+
+
+def _forward(child: int, signum: int, sent: set[int]) -> None:
+    sent.add(signum)
     with contextlib.suppress(ProcessLookupError):
         os.kill(child, signum)
+
+
+def _mark_ended(pid: int) -> None:
+    """atexit in the child: its interpreter ends normally (not a forked grandchild's)."""
+    if _shared is not None and os.getpid() == pid:
+        _shared[0:8] = struct.pack("q", 1)
 
 
 def _die_with(parent: int) -> None:

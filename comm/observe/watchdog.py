@@ -30,7 +30,9 @@ four things, waking every `poll_s` seconds (and at once on a signal):
   rank 0 printing one line, even when a rank is blocked inside MPI where Python signal handlers
   cannot run (signal.set_wakeup_fd wakes this thread). The ranks meet in a barrier on the side
   channel (bounded) and then exit together, so the job exits 128+signal (Hydra SIGKILLs the
-  ranks still alive once one has exited).
+  ranks still alive once one has exited). A signal that comes before exit_on_signals ends a
+  rank by its default action; the rank's supervisor, which forwarded it, reports that as the
+  stop it is (comm/launch/supervisor.py), not as a death.
 
 Output that arrives: before Abort, a reporting rank flushes stdout/stderr and waits (bounded)
 until the launcher has read its pipes (FIONREAD on the pipe reaches 0), so the report is not lost

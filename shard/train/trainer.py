@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from soapstone.comm.dtype_table import MIXED_PRECISIONS, PRECISIONS
+from soapstone.comm.launch.supervisor import note_step
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.plan.stage_graph import StageGraph
 from soapstone.shard.runtime.executor import Executor
@@ -236,5 +237,6 @@ class Trainer:
     def run(self, steps: int, start: int = 0) -> Iterator[StepMetrics]:
         """Train `steps` steps, yielding each step's metrics."""
         for i in range(start, start + steps):
+            note_step(i)  # a rank that leaves mid-run is named with its step (supervisor.py)
             yield self.step(i)
 
