@@ -38,8 +38,8 @@ from soapstone.shard.plan import schedules
 from soapstone.shard.plan.schedules.placement import cut
 from soapstone.shard.plan.stage_graph import Edge, Stage, StageGraph
 
-__all__ = ["StageModel", "batch_dim", "inner_parallel", "lower_graph", "lower_pipeline",
-           "resolve_ties", "split", "stage_runs"]
+__all__ = ["StageModel", "batch_dim", "check_pair", "inner_parallel", "lower_graph",
+           "lower_pipeline", "resolve_ties", "split", "stage_runs"]
 
 
 @attrs.frozen
@@ -134,10 +134,28 @@ def inner_parallel(parallel: ir.Parallel) -> ir.Parallel:
                         operator=(), schedule=ir.Schedule())
 
 
+def check_pair(model: ir.Model, parallel: ir.Parallel | None) -> None:
+    """LoweringError unless `model` is a checked model and `parallel` None or a parallel block
+    written for it: another model's block would lower silently where their dims agree."""
+    if not isinstance(model, ir.Model):
+        raise LoweringError.at(f"model: {type(model).__name__} {model!r} is no checked model",
+                               None, hint="pass spec.model(NAME) (spec = soapstone.dsl.load)")
+    if parallel is not None and not isinstance(parallel, ir.Parallel):
+        raise LoweringError.at(f"parallel: {type(parallel).__name__} {parallel!r} is no "
+                               "parallel block", None,
+                               hint="pass spec.parallel(NAME), or None for one rank")
+    if parallel is not None and parallel.model != model.name:
+        raise LoweringError.at(f"parallel block '{parallel.name}' is for model "
+                               f"{parallel.model}, not {model.name}", parallel.loc,
+                               hint=f"pass spec.model('{parallel.model}'), or a parallel "
+                               f"block written for {model.name}")
+
+
 def lower_graph(model: ir.Model, parallel: ir.Parallel | None = None) -> StageGraph:
     """Compile any layout (None: one rank) into the StageGraph the executor runs: a pipeline
     layout's stages, else one stage holding lower()'s Program. Without stages, the schedule's
     microbatches are gradient accumulation: the Program is compiled for one microbatch."""
+    check_pair(model, parallel)
     if parallel is not None and parallel.operator:
         return lower_pipeline(model, parallel)
     sched = parallel.schedule if parallel is not None else ir.Schedule()
@@ -168,6 +186,7 @@ def _microbatch_dims(model: ir.Model, parallel: ir.Parallel | None, mb: int):
 
 def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
     """Compile a pipeline layout: split, lower every stage for one microbatch, link them."""
+    check_pair(model, parallel)
     if not parallel.operator:
         raise LoweringError.at(f"parallel block '{parallel.name}' has no operator statement",
                                parallel.loc, hint="use lower() for layouts without stages")

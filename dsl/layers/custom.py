@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextvars
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -131,8 +132,19 @@ def define(
     fn: Callable | None = None,
 ) -> CustomLayer:
     """A custom layer's checked definition (LayerError if the signature is malformed)."""
-    if not _IDENT.match(name):
+    if not isinstance(name, str) or not _IDENT.match(name):
         raise LayerError(f"layer name {name!r} is not an identifier; use letters, digits and _")
+    # a lone string is a sequence of one-letter patterns or dims: say so, not what it makes
+    for arg, value in (("inputs", inputs), ("dims", dims)):
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise LayerError(f"layer {name}: {arg}={value!r}; give a list of strings, e.g. "
+                             + ("inputs=['x[..., hidden]']" if arg == "inputs"
+                                else "dims=['ffn']"))
+    if not isinstance(params or {}, Mapping) or not all(
+            isinstance(v, tuple | list) and len(v) == 2 and all(isinstance(x, str) for x in v)
+            for v in (params or {}).values()):
+        raise LayerError(f"layer {name}: params={params!r}; give a dict of name -> (shape, "
+                         "init), e.g. {'w': ('[hidden, ffn]', 'normal(0.02)')}")
     if name in LAYERS:
         raise LayerError(f"{name!r} is a built-in layer; give yours another name")
     ins = tuple(parse_pattern(p, f"layer {name} input") for p in inputs)
@@ -182,6 +194,28 @@ def define(
     return CustomLayer(name, ins, tuple(ps), out, tuple(dims), tuple(sorted(sh.items())), fn)
 
 
+def check_function(layer: CustomLayer, fn) -> None:
+    """LayerError unless `fn` can be called as `layer`'s function: with its inputs, then its
+    params, positionally. Checked at the decorator, where a wrong signature is written: at the
+    first forward it would be a TypeError from deep inside the runtime, mid-step."""
+    args = [p.name for p in layer.inputs] + [p.name for p in layer.params]
+    want = f"{layer.name}({', '.join(args)})"
+    if not callable(fn):
+        raise LayerError(f"layer {layer.name}: @layer decorates {type(fn).__name__} {fn!r}; "
+                         f"decorate a function `def {want}: ...`")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: nothing to check against
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise LayerError(f"layer {layer.name}: its function {getattr(fn, '__name__', fn)}"
+                         f"{sig} cannot take the layer's {len(args)} arguments ({e}); the "
+                         f"runtime calls it as `{want}`: its inputs, then its params in "
+                         "declared order") from None
+
+
 @attrs.define
 class LayerRegistry:
     """The layers a spec may call: the built-ins and the custom layers added here."""
@@ -228,6 +262,7 @@ class LayerRegistry:
         checked = define(name, **signature)  # a bad signature fails at the decorator line
 
         def register(fn: Callable) -> Callable:
+            check_function(checked, fn)
             defn = attrs.evolve(checked, fn=fn)
             fn.__soapstone_layer__ = defn  # lets load_plugin find it in an imported module
             self.add(defn)

@@ -70,6 +70,7 @@ from soapstone.shard.checkpoint import durable, tensorfile
 from soapstone.shard.checkpoint import index as ix
 from soapstone.shard.checkpoint.agree import Verdict, agree, share
 from soapstone.shard.checkpoint.save import (
+    check_args,
     index_header,
     plan_part,
     prune,
@@ -103,6 +104,7 @@ class AsyncSaver:
     Made on every rank together (collective)."""
 
     def __init__(self, executor, root: str | Path, keep: int | None = None):
+        check_args(0, 0, {}, keep)
         self.executor, self.root, self.keep = executor, Path(root), keep
         mesh = executor.mesh
         self.world = mesh.world if mesh is not None else None
@@ -136,6 +138,7 @@ class AsyncSaver:
         """Start the checkpoint of `step`: plan it on this thread, copy and write it on
         another (no collective; a save in flight is waited for first, collectively: call
         wait() before, to learn what it published)."""
+        check_args(step, seed, settings, self.keep)  # on every rank, before a collective
         if self.job is not None:
             self.wait()
         tmp = self.root / f"{ix.step_dir(self.root, step).name}.tmp-{self.token}"

@@ -52,6 +52,7 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
     """Write the checkpoint after `step` optimizer steps under `root` (collective); its
     directory. settings: the run's settings, recorded as they are (JSON-ready). A failed write
     on any rank is a CheckpointError on every rank, the partial save removed."""
+    check_args(step, seed, settings, keep)
     mesh = executor.mesh
     world = mesh.world if mesh is not None else None
     rank = world.rank if world is not None else 0
@@ -86,6 +87,30 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
             prune(root, keep, step)
     raise_agreed(agree(world, problem, tally.bytes), root, step, tmp, rank)
     return final
+
+
+def check_args(step: int, seed: int, settings: dict, keep: int | None) -> None:
+    """CheckpointError naming the argument of save() (or AsyncSaver) that cannot work, on
+    every rank alike before a byte is written: a negative or non-int step names no step
+    directory, settings that are no JSON object fail on rank 0 alone mid-save, and keep=0
+    would prune the checkpoint just written."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not whole(step) or step < 0:
+        raise ix.CheckpointError(f"save: step={step!r}; give an int >= 0 (optimizer steps done)")
+    if not whole(seed):
+        raise ix.CheckpointError(f"save: seed={seed!r}; give the run's int seed")
+    if keep is not None and (not whole(keep) or keep < 1):
+        raise ix.CheckpointError(f"save: keep={keep!r}; give at least 1 (the newest "
+                                 "checkpoints kept), or None to keep every one")
+    try:
+        ok = isinstance(settings, dict) and bool(json.dumps(settings))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ix.CheckpointError(f"save: settings={settings!r:.60}; give a dict of JSON "
+                                 "values (the run's settings, recorded in the index)")
 
 
 def raise_agreed(verdict, root: Path, step: int, tmp: Path | None, rank: int) -> None:

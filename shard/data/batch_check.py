@@ -1,4 +1,11 @@
-"""A batch's integer inputs checked against the range the model indexes with them.
+"""A batch checked before it is cut into microbatches: its keys, types, dtypes and shapes
+(`check_batch`), and its integer inputs against the range the model indexes with them.
+
+Every rank holds the same full batch, so every rank refuses a bad one alike, before any
+collective: a missing input would be a KeyError on the ranks whose stage reads it while the
+others wait for them, an extra one would be silently ignored (a misspelt name among them),
+float ids and int32 targets are torch's errors deep in a kernel, and a numpy array or a list
+an AttributeError.
 
 An embedding's ids index its table's rows and a cross-entropy's targets its classes. On one
 rank a value outside that range is torch's IndexError deep in a kernel; under a split vocab
@@ -13,7 +20,9 @@ import attrs
 import torch
 
 from soapstone.shard.data.errors import DataError
+from soapstone.shard.plan.dtypes import DTYPES
 from soapstone.shard.plan.program import Compute, CopyTo, Program, Redistribute
+from soapstone.shard.plan.stage_graph import StageGraph
 
 
 @attrs.frozen
@@ -64,3 +73,36 @@ def check_ranges(ranges: dict[str, IndexRange], batch: dict[str, torch.Tensor]) 
         value = int(t[at])
         raise DataError(f"input {name}: value {value} at {list(at)} is outside the valid range "
                         f"0..{r.limit - 1} ({r.what}: {r.limit})")
+
+
+def check_batch(graph: StageGraph, batch, what: str = "batch") -> None:
+    """DataError unless `batch` is a dict holding exactly the data inputs of `graph`'s stages,
+    each a torch.Tensor of its declared dtype (an integer input's exactly; a float input's any
+    float dtype, cast to the model's) and full global shape; the message names the input."""
+    if not isinstance(batch, dict):
+        raise DataError(f"{what} is of type {type(batch).__name__}; pass a dict of input name -> "
+                        "torch.Tensor (the full global batch)")
+    values = {n: s.program.value(n) for s in graph.stages for n in s.data_inputs}
+    sizes = {d: n for s in graph.stages for d, n in s.program.dims}
+    missing = [n for n in values if n not in batch]
+    extra = sorted(str(k) for k in batch if k not in values)
+    if missing or extra:
+        said = [f"missing {', '.join(missing)}"] if missing else []
+        said += [f"no input named {', '.join(extra)}"] if extra else []
+        raise DataError(f"{what}: {'; '.join(said)}; the model's inputs are "
+                        f"{', '.join(values)}")
+    for name, v in values.items():
+        t = batch[name]
+        # the batch dim is cut into microbatches: each stage's Program holds one of them
+        want = [graph.batch if d == graph.batch_dim else sizes[d] for d in v.dims]
+        shape = ", ".join(f"{d}={n}" for d, n in zip(v.dims, want, strict=True))
+        if not isinstance(t, torch.Tensor):
+            raise DataError(f"{what}: input {name} is of type {type(t).__name__}; pass a "
+                            f"torch.Tensor of {v.dtype}[{shape}] (torch.as_tensor(...))")
+        dtype = getattr(torch, DTYPES[v.dtype].torch_name)
+        if not (t.is_floating_point() if v.is_float else t.dtype == dtype):
+            raise DataError(f"{what}: input {name} is {t.dtype}, the spec declares {v.dtype}; "
+                            f"pass it as {dtype} (`.to({dtype})`)")
+        if list(t.shape) != want:
+            raise DataError(f"{what}: input {name} has shape {list(t.shape)}, the layout "
+                            f"takes the full global batch [{shape}]")

@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 
 import attrs
 import torch
 
-from soapstone.shard.data.batch_check import check_ranges, index_ranges
+from soapstone.shard.data.batch_check import check_batch, check_ranges, index_ranges
+from soapstone.shard.data.errors import DataError
 from soapstone.shard.plan import p2p_groups, schedules
 from soapstone.shard.plan.program import Value
 from soapstone.shard.plan.schedules import ActionKind
@@ -62,9 +64,10 @@ from soapstone.shard.runtime import trace as tr
 from soapstone.shard.runtime.float8 import check_graph
 from soapstone.shard.runtime.p2p_mode import P2PModeError, check_device, p2p_mode
 from soapstone.shard.runtime.pipe_p2p import PipeP2P
-from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel, check_mesh
+from soapstone.shard.runtime.sharded_model import ShardedModel, check_mesh
 from soapstone.shard.runtime.split_backward import WeightPass, backward_input
 from soapstone.shard.runtime.sub_mesh import SubMesh
+from soapstone.shard.train.errors import SettingError
 
 # the compute kinds the step loops dispatch on, read once: an enum member read through its
 # class costs ~0.2 us on Python 3.11, and the loops ask for every action of every step
@@ -254,16 +257,12 @@ class Executor:
         for s in g.stages:
             for n in s.data_inputs:
                 dims[n] = s.program.value(n).dims
+        check_batch(g, batch)  # keys, types, dtypes and full shapes, on every rank alike
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(g.microbatches)]
         for n, d in dims.items():
-            if n not in batch:
-                raise KeyError(f"missing input {n!r}")
             t = batch[n]
             if g.batch_dim in d:
                 k = d.index(g.batch_dim)
-                if t.shape[k] != g.batch:
-                    raise ShapeMismatch(f"input {n}: {g.batch_dim} is {t.shape[k]}, the stage "
-                                        f"graph was compiled for {g.batch}")
                 for i, piece in enumerate(t.chunk(g.microbatches, k)):
                     out[i][n] = piece
             else:
@@ -303,6 +302,13 @@ class Executor:
         masks use step k * step + j."""
         batches = batch if isinstance(batch, list) else [batch]
         k = len(batches)
+        if not k:
+            raise DataError("train_step([]): give a batch, or a non-empty list of batches")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):  # seeds dropout
+            raise SettingError(f"train_step(step={step!r}): step is an int (the step's number)")
+        step = int(step)
+        for j, b in enumerate(batches):  # all before any runs: no half-accumulated update
+            check_batch(self.graph, b, f"batch {j} of {k}" if k > 1 else "batch")
         loss = sum(self.forward_backward(b, k * step + j, scale=k, sync=j == k - 1)
                    for j, b in enumerate(batches)) / k
         if self.optimizers:
@@ -457,6 +463,10 @@ class Executor:
         (collective). Parameters, gradients and optimizer state are left as they were."""
         g = self.graph
         wire = self.wire
+        outputs = [o.name for o in g.stages[-1].program.outputs]  # known to every rank
+        if isinstance(gather, str) or not set(gather) <= set(outputs):
+            raise DataError(f"infer(gather={gather!r}): give a tuple of the last stage's "
+                            f"output names: {', '.join(outputs)}")
         mbs = self.microbatches(batch)
         pending: dict[tuple[str, int, int], list] = {}
         kept: dict[tuple[int, int], list] = {}

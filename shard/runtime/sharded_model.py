@@ -51,7 +51,8 @@ from soapstone.shard.runtime.overwrite_plan import overwritable
 
 
 class ShapeMismatch(UserError, RuntimeError):
-    """A tensor's shape differs from the one the Program was compiled with."""
+    """A tensor's shape differs from the one the Program was compiled with (or a dict of
+    them, its names or kinds from the Program's)."""
 
 
 class OpShapeError(RuntimeError):
@@ -179,13 +180,32 @@ class ShardedModel:
         return {n: self.gather(p, self.program.value(n)) for n, p in self.params.items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full (unsharded) tensors, keeping this rank's slices."""
+        """Load full (unsharded) tensors, keeping this rank's slices; ShapeMismatch unless
+        `state` holds exactly this Program's parameters, each a float tensor of its shape."""
+        # a caller's argument (the commands load checkpoints through shard/checkpoint): a key
+        # left over is a misspelt or another model's parameter, never one to skip silently
         missing = sorted(set(self.params) - set(state))
-        if missing:  # a caller's argument (the commands load checkpoints through shard/checkpoint)
-            raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[0]}")
+        extra = sorted(str(k) for k in set(state) - set(self.params))
+        if missing or extra:
+            said = [f"missing {len(missing)} of its parameters ({', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''})"] if missing else []
+            said += [f"{len(extra)} key(s) naming none ({', '.join(extra[:3])}"
+                     f"{', ...' if len(extra) > 3 else ''})"] if extra else []
+            raise ShapeMismatch(f"load_full_state_dict (program {self.program.model}): "
+                                f"{'; '.join(said)}; the keys are the parameter names "
+                                "full_state_dict() gives")
+        for n, p in self.params.items():
+            t = state[n]
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() != p.is_floating_point():
+                got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) \
+                    else f"of type {type(t).__name__}"
+                raise ShapeMismatch(f"load_full_state_dict: {n} is {got}; pass a torch.Tensor "
+                                    f"of its kind ({p.dtype}), cast on purpose if at all")
+        # every shape checked (by local) before the first copy: no half-loaded model
+        pieces = {n: self.local(state[n], self.program.value(n)) for n in self.params}
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.local(state[n].to(p.dtype), self.program.value(n)))
+                p.copy_(pieces[n].to(p.dtype))
 
     # --- forward and backward --------------------------------------------------------------
 
@@ -210,7 +230,8 @@ class ShardedModel:
                 env[name] = self._cast(self.local(inputs[name], self.program.value(name))
                                        .to(self.device))
             else:  # a caller's argument: the commands' tasks make every input
-                raise KeyError(f"missing input {name!r}")
+                raise ShapeMismatch(f"forward: missing input {name!r}; the program's inputs "
+                                    f"are {', '.join(self.program.inputs)}")
         env.update(self.params)  # under ZeRO-3 the provider gathers their data step by step
         self._dropping = self.drop_plan.begin(self, provider) \
             if self.drop_plan and torch.is_grad_enabled() else None

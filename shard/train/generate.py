@@ -16,11 +16,15 @@ the last `seq` ids, so any number of tokens runs in bounded memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+import numbers
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from soapstone.comm.errors import UserError
+from soapstone.shard.data.errors import DataError
+from soapstone.shard.train.errors import SettingError
 
 
 class NonFiniteLogits(UserError, ValueError):
@@ -42,7 +46,47 @@ def generate_ids(executor, ids: str, targets: str, logits: str, prompt: list[int
                  temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
                  shape: tuple[int, int] = (1, 1), world=None,
                  classes: int | None = None) -> Iterator[int]:
-    """`generate`'s ids one at a time, as each is drawn (collective, as `generate`)."""
+    """`generate`'s ids one at a time, as each is drawn (collective, as `generate`); its
+    arguments are checked at the call, not at the first id drawn."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+        prompt = prompt.tolist()
+    check_args(prompt, tokens, temperature, top_k, classes)
+    return _draw(executor, ids, targets, logits, list(prompt), tokens, temperature, top_k,
+                 seed, shape, world, classes)
+
+
+def check_args(prompt, tokens: int, temperature: float, top_k: int | None,
+               classes: int | None) -> None:
+    """DataError for a prompt that is not a non-empty list of ids (below `classes`, where
+    given), SettingError for a count, temperature or top_k that cannot work. Every rank
+    passes the same arguments, so every rank raises alike, before any collective."""
+    def whole(v) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence) or not prompt \
+            or not all(whole(i) and i >= 0 for i in prompt):
+        # an empty one would read the logits after the padding, at position -1
+        raise DataError(f"prompt={_short(prompt)}: give a non-empty list of token ids >= 0 "
+                        "(text encoded by the model's tokenizer)")
+    if classes is not None and max(prompt) >= classes:
+        raise DataError(f"prompt: id {max(prompt)} does not fit the model's {classes} ids")
+    if not whole(tokens) or tokens < 1:
+        raise SettingError(f"tokens={tokens!r}: give at least 1 (how many ids to draw)")
+    if not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        # a negative one would silently favour the least likely ids
+        raise SettingError(f"temperature={temperature!r}: give 0 (greedy) or more")
+    if top_k is not None and (not whole(top_k) or top_k < 1):
+        raise SettingError(f"top_k={top_k!r}: give at least 1, or None for every id")
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _draw(executor, ids: str, targets: str, logits: str, prompt: list[int], tokens: int,
+          temperature: float, top_k: int | None, seed: int, shape: tuple[int, int], world,
+          classes: int | None) -> Iterator[int]:
     rows, seq = shape
     g = torch.Generator().manual_seed(seed)
     ctx = list(prompt)[-seq:]

@@ -22,6 +22,8 @@ the single-rank optimizer computes:
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 
 import torch
 
@@ -166,7 +168,7 @@ class Optimizer:
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the following updates (a schedule's value for the step)."""
-        self.rule.lr = lr
+        self.rule.lr = check_setting("lr", lr)
 
     def zero_grad(self) -> None:
         """Clear the gradients (the flat buffers are zeroed, not freed)."""
@@ -177,6 +179,18 @@ class Optimizer:
         model.full_state_dict() or evaluation); a no-op otherwise."""
         return self.reducer.gathered() if self.reducer.zero.shards_params \
             else contextlib.nullcontext()
+
+
+def check_setting(name: str, value, positive: bool = False) -> float:
+    """`value` as a float where it is a finite real number >= 0 (> 0 where `positive`); else
+    SettingError naming the setting. A NaN, negative or string rate would reach the update
+    kernels and train silently on NaN weights, or against the gradient."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise SettingError(f"{name}={value!r}: give a finite number {bound}")
+    return float(value)
 
 
 def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
@@ -200,6 +214,11 @@ def build_optimizer(model, name: str = "adamw", lr: float = 1e-3, weight_decay: 
     track_norm=False: step() computes the global gradient norm only when grad_clip needs it
     (opt.grad_norm is None otherwise), as a loop that neither clips nor logs it would.
     """
+    lr = check_setting("lr", lr)
+    weight_decay = check_setting("weight_decay", weight_decay)
+    momentum = check_setting("momentum", momentum)
+    if grad_clip is not None:  # 0 would zero every gradient, a negative one reverse them
+        grad_clip = check_setting("grad_clip", grad_clip, positive=True)
     if name == "adamw":
         rule = FlatAdamW(lr, betas, eps, weight_decay)
     elif name == "sgd":

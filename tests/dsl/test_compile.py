@@ -272,3 +272,19 @@ def test_one_table_of_collective_kinds():
     assert collectives.transition_cost("allreduce", 1 << 16, 4) == \
         collectives.LATENCY_BYTES + 2 * 3 * (1 << 16) // 4
     assert collectives.transition_cost("slice", 1 << 16, 4) == 0.0
+
+
+def test_a_parallel_block_of_another_model_is_refused_where_it_is_written():
+    """mlp's ffn happens to be a dim of gpt too: gpt's tp2 lowered mlp silently, its heads and
+    vocab statements dropped; a name where a block goes was an AttributeError inside."""
+    gpt, mlp = dsl.load(ROOT / "examples/gpt.par"), dsl.load(ROOT / "examples/mlp.par")
+    with pytest.raises(LoweringError) as e:
+        lower_graph(mlp.model(), gpt.parallel("tp2"))
+    text = e.value.format()
+    assert "gpt.par:" in text and "parallel block 'tp2' is for model gpt, not mlp" in text, text
+    assert "pass spec.model('gpt')" in text, text
+    with pytest.raises(LoweringError, match="parallel: str 'tp2' is no parallel block"):
+        lower_graph(gpt.model(), "tp2")
+    with pytest.raises(LoweringError, match="model: str 'gpt' is no checked model"):
+        lower_graph("gpt", None)
+    assert lower_graph(mlp.model(), mlp.parallel("tp2")).parallel == "tp2"

@@ -381,6 +381,31 @@ def test_custom_layer_validation():
         custom.parse_pattern("x[h, h]", "an input")
 
 
+def test_a_layer_function_that_cannot_take_its_arguments_is_refused_at_the_decorator():
+    """The runtime calls fn(inputs..., params...): a function of another arity was registered
+    and failed at the first forward with a TypeError from deep inside the runtime; a value
+    that is no function failed with an AttributeError; a lone string as `inputs` or a list as
+    `params` with errors about what it had been read as."""
+    reg = custom.LayerRegistry()
+    sig = {"inputs": ["x[..., h]"], "params": {"w": ("[h, f]", "zeros"), "v": ("[f, h]", "zeros")},
+           "output": "[..., h]", "dims": ("f",)}
+    for fn, said in ((lambda x, w: x, r"its function <lambda>\(x, w\) cannot take the layer's "
+                                      r"3 arguments \(too many "),
+                     (lambda x, w, v, u: x, r".* 3 arguments \(missing a required argument: 'u'"),
+                     (None, r"@layer decorates NoneType None; decorate a function")):
+        with pytest.raises(custom.LayerError, match=r"^layer lin: " + said) as e:
+            reg.layer("lin", **sig)(fn)
+        assert "lin(x, w, v)" in str(e.value) and reg.registered() == {}
+    for bad, said in (({"inputs": "x[..., h]"}, "inputs='x[..., h]'; give a list of strings"),
+                      ({"dims": "f"}, "dims='f'; give a list of strings"),
+                      ({"params": {"w": "[h, f]"}}, "params={'w': '[h, f]'}; give a dict of")):
+        with pytest.raises(custom.LayerError) as e:
+            reg.layer("lin", **{**sig, **bad})
+        assert str(e.value).startswith(f"layer lin: {said}"), str(e.value)
+    reg.layer("lin", **sig)(lambda *args: args[0])  # any function that binds them is fine
+    assert list(reg.registered()) == ["lin"]
+
+
 def test_a_bad_plugin_layer_is_exit_2_at_its_line(tmp_path):
     plugin = tmp_path / "twice.py"
     plugin.write_text("from soapstone.dsl import layer\n\n\n"

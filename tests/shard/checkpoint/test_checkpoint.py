@@ -91,6 +91,32 @@ def test_load_params_from_a_full_safetensors_file(tmp_path):
     assert "linear0.bias" in text and "stray" in text, text
 
 
+@pytest.mark.parametrize("args,said", [
+    ({"keep": 0}, "save: keep=0; give at least 1"),
+    ({"step": -1}, "save: step=-1; give an int >= 0"),
+    ({"step": "2"}, "save: step='2'; give an int >= 0"),
+    ({"settings": None}, "save: settings=None; give a dict of JSON values"),
+    ({"settings": {"lr": object()}}, "save: settings={'lr': <object"),
+])
+def test_save_arguments_that_cannot_work_are_refused_before_a_byte(tmp_path, args, said):
+    """keep=0 pruned the checkpoint just written (save returned a directory that was gone),
+    step -1 wrote step--0000001, and settings that are no JSON object failed on rank 0 alone
+    in the middle of the save; AsyncSaver refuses them alike."""
+    from soapstone.shard.checkpoint.async_save import AsyncSaver
+
+    ex = trainer().executor
+    kw = {"step": 2, "seed": 0, "settings": {"accumulate": 1}, "keep": None, **args}
+    with pytest.raises(CheckpointError) as e:
+        save(ex, tmp_path / "ckpt", kw["step"], kw["seed"], kw["settings"], kw["keep"])
+    assert str(e.value).startswith(said), str(e.value)
+    with pytest.raises(CheckpointError, match=rf"^{said[:12]}"):
+        AsyncSaver(ex, tmp_path / "async", kw["keep"]).start(kw["step"], kw["seed"],
+                                                             kw["settings"])
+    assert not (tmp_path / "ckpt").exists() and not list((tmp_path / "async").glob("step-*"))
+    d = save(ex, tmp_path / "ckpt", 2, 0, {"accumulate": 1}, keep=1)
+    assert (d / "index.json").is_file()
+
+
 def test_weights_of_integers_or_not_finite_are_refused_at_load(tmp_path):
     """A full safetensors file (from elsewhere, no checksums) whose float parameter is stored
     as int32 would be cast and trained on; one holding NaN or infinity would train until the

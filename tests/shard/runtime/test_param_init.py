@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,40 @@ def test_inverse_cdf_and_log_accuracy():
 @pytest.mark.parametrize("case,n", case_params(CASES))
 def test_sharded_init_case(comm_runs, case, n):
     comm_runs(n, CASES).check(case)
+
+
+def test_load_full_state_dict_takes_exactly_the_programs_parameters():
+    """ShardedModel.load_full_state_dict's state dict is checked whole before the first copy:
+    a missing key was a KeyError, a misspelt or another model's key skipped silently, an
+    integer tensor cast silently, a numpy array an AttributeError, and a wrong shape after
+    the first parameter left the model half loaded. Each is a ShapeMismatch naming the key;
+    the model keeps its weights; what full_state_dict() gives loads back unchanged."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.lower import lower
+    from soapstone.shard.runtime.sharded_model import ShapeMismatch, ShardedModel
+
+    spec = dsl.load(Path(__file__).resolve().parents[3] / "examples/mlp.par")
+    m = ShardedModel(lower(spec.model(), None), None, seed=0)
+    full = m.full_state_dict()
+    w = "linear0.weight"
+    moved = {k: v + 1 for k, v in full.items()}
+    for bad, said in (
+            ({k: v for k, v in moved.items() if k != w}, "missing 1 of its parameters "
+                                                         "(linear0.weight); the keys are"),
+            ({("x" + k if k == w else k): v for k, v in moved.items()},
+             "missing 1 of its parameters (linear0.weight); 1 key(s) naming none "
+             "(xlinear0.weight)"),
+            ({**moved, "stray": torch.zeros(1)}, "1 key(s) naming none (stray)"),
+            ({**moved, w: moved[w].long()}, "load_full_state_dict: linear0.weight is a "
+                                            "torch.int64 tensor"),
+            ({**moved, w: moved[w].numpy()}, "load_full_state_dict: linear0.weight is of "
+                                             "type ndarray"),
+            ({**moved, "linear1.bias": torch.zeros(3)}, "linear1.bias: expected global shape")):
+        with pytest.raises(ShapeMismatch) as e:
+            m.load_full_state_dict(bad)
+        assert said in str(e.value), str(e.value)
+        now = m.full_state_dict()
+        assert all(torch.equal(now[k], full[k]) for k in full), said
+    m.load_full_state_dict(moved)
+    now = m.full_state_dict()
+    assert all(torch.equal(now[k], moved[k]) for k in full)

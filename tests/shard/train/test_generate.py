@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 from mpirun import run_mpi
 
+from soapstone.shard.data.errors import DataError
+from soapstone.shard.train.errors import SettingError
+
 ROOT = Path(__file__).resolve().parents[3]
 CLI = ["-m", "soapstone.dsl.cli"]
 BYTES = ["--dim", "vocab=256"]
@@ -74,6 +77,37 @@ def test_next_id():
     assert {next_id(scores, 1.0, 2, g) for _ in range(200)} == {1, 3}  # top-2 only
     draws = [next_id(scores, 1.0, None, torch.Generator().manual_seed(s)) for s in range(50)]
     assert len(set(draws)) > 1
+
+
+@pytest.mark.parametrize("args,error,said", [
+    ({"prompt": []}, DataError, "prompt=[]: give a non-empty list of token ids >= 0"),
+    ({"prompt": "the cat"}, DataError, "prompt='the cat': give a non-empty list"),
+    ({"prompt": [1.5]}, DataError, "prompt=[1.5]: give a non-empty list"),
+    ({"prompt": [70]}, DataError, "prompt: id 70 does not fit the model's 64 ids"),
+    ({"tokens": 0}, SettingError, "tokens=0: give at least 1"),
+    ({"temperature": -1.0}, SettingError, "temperature=-1.0: give 0 (greedy) or more"),
+    ({"temperature": float("nan")}, SettingError, "temperature=nan: give 0"),
+    ({"top_k": 0}, SettingError, "top_k=0: give at least 1, or None for every id"),
+])
+def test_the_python_api_refuses_what_the_flags_refuse(args, error, said):
+    """generate()'s own arguments, checked at the call on every rank alike (the command
+    checks its flags first): an empty prompt read the logits at position -1 of the padding,
+    a negative temperature favoured the least likely ids, top_k 0 was an IndexError."""
+    from soapstone import dsl
+    from soapstone.dsl.compile.stages import lower_graph
+    from soapstone.dsl.model.language_model import language_model
+    from soapstone.shard.runtime.executor import Executor
+    from soapstone.shard.train import generate as gen
+
+    lm = language_model(dsl.load(ROOT / "examples/gpt.par").model(), "examples/gpt.par")
+    ex = Executor(lower_graph(lm.model, None), None, seed=0)
+    kw = {"prompt": [1, 2], "tokens": 2, **args}
+    with pytest.raises(error) as e:
+        gen.generate_ids(ex, lm.ids, lm.targets, lm.logits_output, kw.pop("prompt"),
+                         kw.pop("tokens"), shape=(8, lm.seq), classes=lm.real, **kw)
+    assert str(e.value).startswith(said), str(e.value)
+    assert len(gen.generate(ex, lm.ids, lm.targets, lm.logits_output, [1, 2], 2,
+                            shape=(8, lm.seq), classes=lm.real)) == 2
 
 
 BAD = [

@@ -87,6 +87,29 @@ def test_set_lr_is_the_rate_of_the_update():
     assert not all(torch.equal(exs[0][k], exs[2][k]) for k in exs[0])
 
 
+@pytest.mark.parametrize("setting,value", [
+    ("lr", -0.1), ("lr", float("nan")), ("lr", float("inf")), ("lr", "0.1"),
+    ("weight_decay", -1.0), ("grad_clip", 0.0), ("grad_clip", -1.0), ("momentum", None)])
+def test_an_optimizer_setting_that_cannot_work_is_a_setting_error(setting, value):
+    """Refused where it is given (build_optimizer, set_lr), naming it: a NaN or negative rate,
+    or a clip of 0 or less, would update every weight to NaN or against its gradient."""
+    s = dsl.load(ROOT / "examples/mlp.par")
+    graph = lower_graph(s.model(), None)
+    batch = SyntheticTask(graph.program, 0).batch(0)
+    ex = Executor(graph, None, seed=0)
+    with pytest.raises(SettingError, match=rf"^{setting}={value!r:.4}.*: give a finite number"):
+        ex.use_optimizer(name="sgd", **{"lr": 0.1, setting: value})
+    ex.use_optimizer(name="sgd", lr=0.1)
+    before = ex.full_state_dict()
+    if setting == "lr":
+        with pytest.raises(SettingError, match=r"^lr=.*: give a finite number >= 0"):
+            ex.set_lr(value)
+        ex.set_lr(0.0)  # a schedule's warmup may start at 0: no update, not an error
+        ex.train_step(batch)
+        after = ex.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_run_logs_the_schedule_and_evaluations(tmp_path):
     metrics, board = tmp_path / "m.jsonl", tmp_path / "tb"
     r = run_mpi(1, [*CLI, "run", "examples/gpt.par", "--steps", "6", "--lr", "1e-2",
