@@ -23,6 +23,7 @@ from soapstone.dsl.search.space import (
     candidates,
     float8_chunk_misfit,
     layout_dims,
+    pipeline_shape,
     recompute_options,
     stage_blocks,
     to_parallel,
@@ -46,27 +47,6 @@ from soapstone.shard.plan.analysis.hardware import Profile
 from soapstone.shard.plan.analysis.precision import graph_as_run
 from soapstone.shard.plan.analysis.score import Score, model_flops, peak_of, tokens_per_step
 from soapstone.shard.plan.units import format_bytes
-
-
-@attrs.frozen
-class _Shape:
-    """What combine_pipeline reads of a layout (a StageGraph's fields), without compiling."""
-
-    model: str
-    parallel: str
-    mesh: tuple[tuple[str, int], ...]
-    axis: str | None
-    schedule: str
-    microbatches: int
-    chunks: int
-
-    @property
-    def pipe(self) -> int:
-        return dict(self.mesh).get(self.axis, 1) if self.axis else 1
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(n for _, n in self.mesh)
 
 
 @attrs.frozen
@@ -185,23 +165,21 @@ class Planner:
         s = len(runs)
         kinds = ["only"] if s == 1 else \
             ["first"] + ["middle"] * (s - 2) + ["last"]
-        per_stage, stages, work = {}, [], [Work()] * c.pipe
+        # a rank's first stage's Work is its sum (adding it to Work() changes no value)
+        per_stage, stages, work, rank = {}, [], [None] * c.pipe, [c.rank_of(i) for i in range(s)]
         inner = {"data": c.data, "cp": c.context, "model": c.tensor}
         inner = {a: n for a, n in inner.items() if a in probes.axes}
         for i, (kind, run) in enumerate(zip(kinds, runs, strict=True)):
             est, w, elements = probes.stage_estimate(kind, len(run), b, c.data, c.zero, inner)
             per_stage[i] = est
-            stages.append(StageFigures(i, c.rank_of(i), run, elements))
-            work[c.rank_of(i)] = work[c.rank_of(i)] + w
-        edge = probes.edge_at(b)
-        edges = [EdgeFigures(i, i + 1, c.rank_of(i), c.rank_of(i + 1), edge.tensors,
-                             edge.nbytes, edge.float_tensors, edge.float_bytes)
-                 for i in range(s - 1)]
-        par = to_parallel(self.model, self.dims, c)
-        shape = _Shape(self.model.name, par.name, par.mesh, "pipe" if c.pipe > 1 else None,
-                       par.schedule.kind, par.schedule.microbatches, par.schedule.chunks)
+            stages.append(StageFigures(i, rank[i], run, elements))
+            work[rank[i]] = w if work[rank[i]] is None else work[rank[i]] + w
+        edge = probes.edge_at(b) if s > 1 else None  # one stage: no edge, no pipeline probes
+        edges = [EdgeFigures(i, i + 1, rank[i], rank[i + 1], edge.tensors, edge.nbytes,
+                             edge.float_tensors, edge.float_bytes) for i in range(s - 1)]
+        shape = pipeline_shape(self.model.name, c)
         est = combine_pipeline(shape, per_stage, stages, edges, 0, c.zero, self.optimizer)
-        return est, work
+        return est, [Work() if w is None else w for w in work]
 
 
 # ---- the search --------------------------------------------------------------------------

@@ -101,9 +101,10 @@ PARTS = (("working_head",), ("working_last",), ("working_rest",), ("working_tail
 
 def _lin(*terms: tuple[float, Figs]) -> Figs:
     out: Figs = {}
+    get = out.get  # bound once: the search's innermost loop
     for k, f in terms:
         for key, v in f.items():
-            out[key] = out.get(key, 0.0) + k * v
+            out[key] = get(key, 0.0) + k * v
     return out
 
 
@@ -227,6 +228,7 @@ class Probes:
         self.cache: dict[tuple, object] = {}  # stage estimates; ("beside", ...) -> Beside
         self.batch = dims.batch
         self.peaks: dict[tuple, object] = {}  # (kind, n, b) and ("phases", ...)
+        self._rings: dict[str, bool] = {}  # kind -> whether its stages have rings
         self._model, self._dims = model, dims
         self._recompute = recompute
         self._compiled = {} if compiled is None else compiled
@@ -297,7 +299,7 @@ class Probes:
         under recompute, `working_set`)."""
         # `overlap tensor`: a scatter ring keeps its input's chunks as views at one sample (the
         # sequence leads) and as copies from two on (ring_memory.py): linear from two samples
-        lo = 2 if b > 1 and find_rings(self.program(kind, 1, 1)) else 1
+        lo = 2 if b > 1 and self.has_rings(kind) else 1
         f11, f21 = self._at(kind, 1, lo, data, zero), self._at(kind, 2, lo, data, zero)
         d = self.data
         s1 = _lin((1, self._at(kind, 1, lo + 1, d, 0)), (-1, self._at(kind, 1, lo, d, 0)))
@@ -315,6 +317,12 @@ class Probes:
         out[("beside_head",)], out[("beside_last",)] = beside.head, beside.last
         out[("beside_end",)] = beside.end
         return out
+
+    def has_rings(self, kind: str) -> bool:
+        """Whether a stage of `kind` has collective matmuls (found once per kind)."""
+        if kind not in self._rings:
+            self._rings[kind] = bool(find_rings(self.program(kind, 1, 1)))
+        return self._rings[kind]
 
     def beside(self, kind: str, n: int, data: int, zero: int) -> Beside:
         """What ZeRO holds beside the working set in a stage of n blocks (zero_memory.py: a

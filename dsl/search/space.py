@@ -182,11 +182,54 @@ def stage_blocks(blocks: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
     return out
 
 
+def layout_mesh(c: Candidate) -> tuple[tuple[str, int], ...]:
+    """The candidate's mesh: pipe, data, cp, model, outermost first (axes of 1 left out)."""
+    return tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("cp", c.context),
+                                     ("model", c.tensor)) if n > 1) or (("data", 1),)
+
+
+def layout_schedule(c: Candidate) -> ir.Schedule:
+    """The candidate's schedule: its own over stages, else 1F1B accumulation or none."""
+    if c.pipe > 1:
+        return ir.Schedule(c.schedule, c.microbatches, c.chunks)
+    return ir.Schedule("1f1b", c.microbatches, 1) if c.microbatches > 1 else ir.Schedule()
+
+
+@attrs.frozen
+class PipelineShape:
+    """What combine_pipeline reads of a layout (a StageGraph's fields), without compiling."""
+
+    model: str
+    parallel: str
+    mesh: tuple[tuple[str, int], ...]
+    axis: str | None
+    schedule: str
+    microbatches: int
+    chunks: int
+
+    @property
+    def pipe(self) -> int:
+        """The pipeline degree."""
+        return dict(self.mesh).get(self.axis, 1) if self.axis else 1
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the mesh."""
+        return math.prod(n for _, n in self.mesh)
+
+
+def pipeline_shape(model: str, c: Candidate, name: str = "planned") -> PipelineShape:
+    """What `to_parallel` of model `model` (its name) and `c` gives combine_pipeline, without
+    building its stage assignment of every block (the probed cost needs only this)."""
+    sched = layout_schedule(c)
+    return PipelineShape(model, name, layout_mesh(c), "pipe" if c.pipe > 1 else None,
+                         sched.kind, sched.microbatches, sched.chunks)
+
+
 def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
                 name: str = "planned") -> ir.Parallel:
     """The candidate as a parallel block of `model`."""
-    mesh = tuple((a, n) for a, n in (("pipe", c.pipe), ("data", c.data), ("cp", c.context),
-                                     ("model", c.tensor)) if n > 1) or (("data", 1),)
+    mesh = layout_mesh(c)
     sizes = dict(model.dims)
     over_data = dims.experts if c.experts_on_data else ()
     tensor = tuple((d, "model") for d in dims.tensor
@@ -204,14 +247,11 @@ def to_parallel(model: ir.Model, dims: LayoutDims, c: Candidate,
         balanced = tuple(d for d in dims.sequence if model.causal_over(d)
                          and sizes[d] % (2 * c.context) == 0)
     operator: tuple[ir.StageAssignment, ...] = ()
-    schedule = ir.Schedule()
     if c.pipe > 1:
         runs = stage_blocks(model.blocks, c.stages)
         operator = tuple(ir.StageAssignment(run, "pipe", c.rank_of(i))
                          for i, run in enumerate(runs))
-        schedule = ir.Schedule(c.schedule, c.microbatches, c.chunks)
-    elif c.microbatches > 1:
-        schedule = ir.Schedule("1f1b", c.microbatches, 1)
+    schedule = layout_schedule(c)
     return ir.Parallel(name, model.name, mesh,
                        sample=((dims.batch, "data"),) if c.data > 1 else (),
                        attribute=seq, parameter=tensor, operator=operator,

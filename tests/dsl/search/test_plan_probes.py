@@ -84,9 +84,11 @@ def _assert_probed_is_full(planner, c):
     a, b = probed.estimate.to_data(), full.estimate.to_data()
     # the working set (transient) is a peak: the 2-block probe's, walked at the candidate's
     # samples per microbatch, plus ZeRO's buffers, which grow with the blocks
+    # and the layout as the compiled graph has it (the probes' pipeline_shape, not compiled)
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                 "transient_bytes", "bubble", "comm_bytes_per_axis", "without_recompute",
-                "recompute_flops"):
+                "recompute_flops", "model", "parallel", "world_size", "mesh", "schedule",
+                "microbatches", "stages"):
         assert a.get(key) == b.get(key), (c.label, key, a.get(key), b.get(key))
     assert sorted(map(str, probed.estimate.traffic)) == \
         sorted(map(str, full.estimate.traffic)), c.label
