@@ -108,7 +108,7 @@ def supervise() -> None:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig in sent:  # the job was sent it: the child had no handler yet, not a crash
-            _say_stopped(rank, sig)
+            _say_stopped(rank, child, host, sig)
         else:
             _say(death_line(rank, child, host, sig))
         os._exit(128 + sig)
@@ -148,11 +148,14 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _say_stopped(rank: int, sig: int) -> None:
+def _say_stopped(rank: int, pid: int, host: str, sig: int) -> None:
     if rank == 0:
         _say(stopped_line(sig))
-    else:
-        time.sleep(STOP_WAIT_S)  # usually ended sooner by hydra, once rank 0 has exited
+        return
+    time.sleep(STOP_WAIT_S)  # a signal sent to the job: hydra ends this sooner, once rank 0 exits
+    # still here: the signal came to this rank alone (a kill of its pid), so say whose it was
+    _say(f"soapstone: rank {rank} (pid {pid} on {host}) stopped by "
+         f"{signal.Signals(sig).name}, sent to it alone; the launcher ends the job")
 
 
 def _forward(child: int, signum: int, sent: set[int]) -> None:

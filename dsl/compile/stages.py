@@ -229,5 +229,7 @@ def lower_pipeline(model: ir.Model, parallel: ir.Parallel) -> StageGraph:
     return StageGraph(
         model=model.name, parallel=parallel.name, mesh=parallel.mesh, axis=axis,
         stages=tuple(stages), edges=tuple(edges), schedule=sched.kind,
-        microbatches=mb, chunks=sched.chunks, batch_dim=bdim, batch=batch, shared=shared)
+        microbatches=mb, chunks=sched.chunks, batch_dim=bdim, batch=batch, shared=shared,
+        unread=tuple(i.name for i in model.inputs
+                     if not any(i.name in s.data_inputs for s in stages)))
 

@@ -41,7 +41,7 @@ import importlib.util
 import inspect
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -135,8 +135,11 @@ def define(
     if not isinstance(name, str) or not _IDENT.match(name):
         raise LayerError(f"layer name {name!r} is not an identifier; use letters, digits and _")
     # a lone string is a sequence of one-letter patterns or dims: say so, not what it makes
+    # listed first: a generator would be spent by the check
+    inputs, dims = (list(v) if isinstance(v, Iterable) and not isinstance(v, str) else v
+                    for v in (inputs, dims))
     for arg, value in (("inputs", inputs), ("dims", dims)):
-        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise LayerError(f"layer {name}: {arg}={value!r}; give a list of strings, e.g. "
                              + ("inputs=['x[..., hidden]']" if arg == "inputs"
                                 else "dims=['ffn']"))

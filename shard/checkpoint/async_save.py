@@ -139,6 +139,7 @@ class AsyncSaver:
         another (no collective; a save in flight is waited for first, collectively: call
         wait() before, to learn what it published)."""
         check_args(step, seed, settings, self.keep)  # on every rank, before a collective
+        step, seed = int(step), int(seed)  # numpy's integers are no JSON
         if self.job is not None:
             self.wait()
         tmp = self.root / f"{ix.step_dir(self.root, step).name}.tmp-{self.token}"

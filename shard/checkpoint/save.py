@@ -22,6 +22,7 @@ A rank killed before the rename leaves only a .tmp directory, which readers pass
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ def save(executor, root: str | Path, step: int, seed: int, settings: dict,
     directory. settings: the run's settings, recorded as they are (JSON-ready). A failed write
     on any rank is a CheckpointError on every rank, the partial save removed."""
     check_args(step, seed, settings, keep)
+    step, seed = int(step), int(seed)  # numpy's integers are no JSON
     mesh = executor.mesh
     world = mesh.world if mesh is not None else None
     rank = world.rank if world is not None else 0
@@ -94,8 +96,8 @@ def check_args(step: int, seed: int, settings: dict, keep: int | None) -> None:
     every rank alike before a byte is written: a negative or non-int step names no step
     directory, settings that are no JSON object fail on rank 0 alone mid-save, and keep=0
     would prune the checkpoint just written."""
-    def whole(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
+    def whole(v) -> bool:  # numpy's integers too, as train_step takes them
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
     if not whole(step) or step < 0:
         raise ix.CheckpointError(f"save: step={step!r}; give an int >= 0 (optimizer steps done)")

@@ -76,21 +76,23 @@ def check_ranges(ranges: dict[str, IndexRange], batch: dict[str, torch.Tensor]) 
 
 
 def check_batch(graph: StageGraph, batch, what: str = "batch") -> None:
-    """DataError unless `batch` is a dict holding exactly the data inputs of `graph`'s stages,
-    each a torch.Tensor of its declared dtype (an integer input's exactly; a float input's any
-    float dtype, cast to the model's) and full global shape; the message names the input."""
+    """DataError unless `batch` is a dict holding the data inputs of `graph`'s stages (and
+    none but the model's inputs), each a torch.Tensor of its declared kind (an integer input
+    any integer dtype, a float input any float dtype) and full global shape; the message
+    names the input."""
     if not isinstance(batch, dict):
         raise DataError(f"{what} is of type {type(batch).__name__}; pass a dict of input name -> "
                         "torch.Tensor (the full global batch)")
     values = {n: s.program.value(n) for s in graph.stages for n in s.data_inputs}
     sizes = {d: n for s in graph.stages for d, n in s.program.dims}
+    declared = [*values, *graph.unread]  # an input declared and never read may come along
     missing = [n for n in values if n not in batch]
-    extra = sorted(str(k) for k in batch if k not in values)
+    extra = sorted(str(k) for k in batch if k not in declared)
     if missing or extra:
         said = [f"missing {', '.join(missing)}"] if missing else []
         said += [f"no input named {', '.join(extra)}"] if extra else []
         raise DataError(f"{what}: {'; '.join(said)}; the model's inputs are "
-                        f"{', '.join(values)}")
+                        f"{', '.join(declared)}")
     for name, v in values.items():
         t = batch[name]
         # the batch dim is cut into microbatches: each stage's Program holds one of them
@@ -99,8 +101,11 @@ def check_batch(graph: StageGraph, batch, what: str = "batch") -> None:
         if not isinstance(t, torch.Tensor):
             raise DataError(f"{what}: input {name} is of type {type(t).__name__}; pass a "
                             f"torch.Tensor of {v.dtype}[{shape}] (torch.as_tensor(...))")
-        dtype = getattr(torch, DTYPES[v.dtype].torch_name)
-        if not (t.is_floating_point() if v.is_float else t.dtype == dtype):
+        # an integer input of any width is taken (the executor indexes with int64), a float
+        # input in any float dtype (cast to the model's)
+        integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        if not (t.is_floating_point() if v.is_float else integer):
+            dtype = getattr(torch, DTYPES[v.dtype].torch_name)
             raise DataError(f"{what}: input {name} is {t.dtype}, the spec declares {v.dtype}; "
                             f"pass it as {dtype} (`.to({dtype})`)")
         if list(t.shape) != want:

@@ -145,5 +145,5 @@ def random_inputs(program: Program, step: int) -> dict[str, torch.Tensor]:
         if role == "float":
             out[name] = torch.randn(shape, generator=g)
         else:
-            out[name] = torch.randint(0, limit, shape, generator=g).to(input_dtype(program, name))
+            out[name] = torch.randint(0, limit, shape, generator=g)
     return out

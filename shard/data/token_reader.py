@@ -5,8 +5,9 @@ the process that touches it with SIGBUS, which no Python code can turn into an e
 checking the size (fstat) before touching the map only narrows the window between check and
 touch. A read has no such window: past the end it comes back short, and a short read is a
 DataError naming the file and its size now and when it was opened. The size is also checked
-before each batch's reads, so a shrunk file is reported at the first batch after it shrank,
-not only when a window happens to fall past the new end.
+before each batch's reads, so a shrunk file is reported at the first batch a rank reads after
+it shrank, not only when a window happens to fall past the new end (a rank that reads no rows
+checks nothing: the reading ranks' error ends the job).
 
 Not detected: a file whose bytes change while its size stays (nothing cheap tells); its ids
 are still range-checked wherever token_memmap.py checks them. A file replaced by rename is

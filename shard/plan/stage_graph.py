@@ -83,6 +83,8 @@ class StageGraph:
     batch_dim: str | None  # the dim microbatching cuts (None: no batched input)
     batch: int  # its global size
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # param -> virtual stages using it
+    # the model's inputs no stage reads (declared, never used): a batch may carry them
+    unread: tuple[str, ...] = ()
 
     @property
     def pipe(self) -> int:

@@ -261,6 +261,8 @@ class Executor:
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(g.microbatches)]
         for n, d in dims.items():
             t = batch[n]
+            if not t.is_floating_point() and t.dtype != torch.int64:
+                t = t.long()  # torch's embedding and cross-entropy index with int64 only
             if g.batch_dim in d:
                 k = d.index(g.batch_dim)
                 for i, piece in enumerate(t.chunk(g.microbatches, k)):

@@ -185,6 +185,9 @@ def check_setting(name: str, value, positive: bool = False) -> float:
     """`value` as a float where it is a finite real number >= 0 (> 0 where `positive`); else
     SettingError naming the setting. A NaN, negative or string rate would reach the update
     kernels and train silently on NaN weights, or against the gradient."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+            and value.dtype != torch.bool:
+        value = value.item()  # a schedule written with torch math hands one-element tensors
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) \
         and math.isfinite(value) and (value > 0 if positive else value >= 0)
     if not ok:

@@ -72,14 +72,18 @@ def test_a_normal_end_keeps_its_code_and_says_nothing(code):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_forwarded_sigterm_is_a_stop_not_a_death(rank):
     """The launcher's SIGTERM reaches a child that has no handler of its own yet: the
-    default action ends it, and that is the stop the job was asked for. Rank 0 says so."""
+    default action ends it, and that is the stop the job was asked for. Rank 0 says so; any
+    other rank still alive a moment later (no hydra here to end it) was sent it alone, and
+    names itself."""
     p = _supervised("sleep", rank)
-    _child_pid(p)
+    child = _child_pid(p)
     p.send_signal(signal.SIGTERM)  # to the supervisor, as hydra sends it
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "died" not in err, err
-    assert err == (stopped_line(signal.SIGTERM) + "\n" if rank == 0 else ""), err
+    alone = (f"soapstone: rank {rank} (pid {child} on {socket.gethostname()}) stopped by "
+             "SIGTERM, sent to it alone; the launcher ends the job\n")
+    assert err == (stopped_line(signal.SIGTERM) + "\n" if rank == 0 else alone), err
 
 
 def test_sigterm_to_the_rank_alone_is_a_death():

@@ -7,6 +7,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cli_calls import cli
@@ -113,8 +114,8 @@ def test_save_arguments_that_cannot_work_are_refused_before_a_byte(tmp_path, arg
         AsyncSaver(ex, tmp_path / "async", kw["keep"]).start(kw["step"], kw["seed"],
                                                              kw["settings"])
     assert not (tmp_path / "ckpt").exists() and not list((tmp_path / "async").glob("step-*"))
-    d = save(ex, tmp_path / "ckpt", 2, 0, {"accumulate": 1}, keep=1)
-    assert (d / "index.json").is_file()
+    d = save(ex, tmp_path / "ckpt", np.int64(2), np.int64(0), {"accumulate": 1}, keep=1)
+    assert (d / "index.json").is_file()  # numpy's integers are integers (saved as ints)
 
 
 def test_weights_of_integers_or_not_finite_are_refused_at_load(tmp_path):

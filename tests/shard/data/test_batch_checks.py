@@ -15,6 +15,7 @@ from mpirun import run_mpi
 
 from soapstone import dsl
 from soapstone.dsl.compile.stages import lower_graph
+from soapstone.shard.data.batch_check import check_batch
 from soapstone.shard.data.errors import DataError
 from soapstone.shard.data.tasks import SyntheticTask
 from soapstone.shard.runtime.executor import Executor
@@ -39,8 +40,8 @@ BAD = [
     ({**GOOD, "target": GOOD["targets"]}, "batch: no input named target"),
     ({**GOOD, "tokens": GOOD["tokens"].float()},
      "batch: input tokens is torch.float32, the spec declares i64; pass it as torch.int64"),
-    ({**GOOD, "targets": GOOD["targets"].int()},
-     "batch: input targets is torch.int32, the spec declares i64"),
+    ({**GOOD, "targets": GOOD["targets"].bool()},
+     "batch: input targets is torch.bool, the spec declares i64"),
     ({**GOOD, "tokens": GOOD["tokens"].numpy()},
      "batch: input tokens is of type ndarray; pass a torch.Tensor of i64[batch=8, seq=16]"),
     ({**GOOD, "targets": GOOD["targets"][:, :8]},
@@ -54,7 +55,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("batch,said", BAD, ids=["missing", "extra", "float ids",
-                                                 "int32 targets", "numpy", "short seq",
+                                                 "bool targets", "numpy", "short seq",
                                                  "not a dict", "empty list", "unequal list"])
 def test_a_bad_batch_is_a_data_error_naming_the_input_and_nothing_runs(batch, said):
     """Refused before any forward: the step after it trains exactly as a fresh executor's
@@ -67,6 +68,35 @@ def test_a_bad_batch_is_a_data_error_naming_the_input_and_nothing_runs(batch, sa
     assert ex.train_step(GOOD, step=0) == fresh.train_step(GOOD, step=0)
     after, want = ex.full_state_dict(), fresh.full_state_dict()
     assert all(torch.equal(after[k], want[k]) for k in want)
+
+
+def test_integer_inputs_of_any_width_train_as_int64():
+    """Ids are indexes: an int32 or uint8 batch (a file's width, a spec's i32) trains exactly
+    as its int64 copy (torch's embedding and cross-entropy index with int64 only)."""
+    want = executor().train_step(GOOD, step=0)
+    for dtype in (torch.int32, torch.uint8):
+        narrow = {k: v.to(dtype) for k, v in GOOD.items()}
+        assert executor().train_step(narrow, step=0) == want, dtype
+
+
+def test_an_input_the_model_declares_and_no_stage_reads_may_come_along():
+    """A pipeline's stages take only the inputs their ops read; the task is built from the
+    whole model, so it carries one declared and unread: taken, while a misspelt key is not."""
+    text = (ROOT / "examples/gpt.par").read_text().replace(
+        "  input targets : i64[batch, seq]\n",
+        "  input targets : i64[batch, seq]\n  input extra : f32[batch, seq]\n")
+    text += ("\nparallel pipe2 for gpt on mesh(pipe = 1) {\n"
+             "  operator  layer[0..1] -> pipe 0, layer[2..3] -> pipe 0\n"
+             "  schedule  1f1b, microbatches = 2\n}\n")
+    spec = dsl.load(text, filename="gpt_extra.par")
+    graph = lower_graph(spec.model(), spec.parallel("pipe2"))
+    assert graph.unread == ("extra",)
+    batch = SyntheticTask(lower_graph(spec.model(), None).program, seed=0).batch(0)
+    assert "extra" in batch
+    check_batch(graph, batch)
+    with pytest.raises(DataError, match="no input named extr; the model's inputs are tokens, "
+                                        "targets, extra"):
+        check_batch(graph, {**batch, "extr": batch["extra"]})
 
 
 def test_infer_refuses_a_bad_batch_and_an_unknown_output_to_gather():

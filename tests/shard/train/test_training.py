@@ -71,12 +71,13 @@ def test_a_schedule_that_cannot_work_is_a_setting_error(args, needle):
 
 
 def test_set_lr_is_the_rate_of_the_update():
-    """An optimizer built at lr 1 and set to 0.25 updates exactly as one built at 0.25."""
+    """An optimizer built at lr 1 and set to 0.25 (or a tensor of it) updates exactly as one
+    built at 0.25."""
     s = dsl.load(ROOT / "examples/mlp.par")
     graph = lower_graph(s.model(), None)
     batch = SyntheticTask(graph.program, 0).batch(0)
     exs = []
-    for built, rate in ((1.0, 0.25), (0.25, None), (1.0, None)):
+    for built, rate in ((1.0, 0.25), (0.25, None), (1.0, None), (1.0, torch.tensor(0.25))):
         ex = Executor(graph, None, seed=0)
         ex.use_optimizer(name="sgd", lr=built, momentum=0.0)
         if rate is not None:
@@ -85,6 +86,8 @@ def test_set_lr_is_the_rate_of_the_update():
         exs.append(ex.full_state_dict())
     assert all(torch.equal(exs[0][k], exs[1][k]) for k in exs[0])
     assert not all(torch.equal(exs[0][k], exs[2][k]) for k in exs[0])
+    # a schedule written with torch math: its one-element tensor is the same rate
+    assert all(torch.equal(exs[0][k], exs[3][k]) for k in exs[0])
 
 
 @pytest.mark.parametrize("setting,value", [
