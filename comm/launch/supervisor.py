@@ -55,7 +55,7 @@ PR_SET_PDEATHSIG = 1
 EXIT_EARLY = 1  # the job's exit code when a rank left with 0 before its end
 # a stopped rank other than 0 waits this long before exiting: hydra kills every rank the
 # moment the first one exits, and rank 0's supervisor must get its line out first
-STOP_WAIT_S = 1.0
+STOP_WAIT_S = 2.0
 # the page shared by supervisor and child: [ended normally, step + 1 (0: none yet)]
 _LAYOUT = struct.Struct("qq")
 _shared: mmap.mmap | None = None  # the child's view of it (None: not supervised)
