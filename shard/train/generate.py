@@ -20,6 +20,7 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from soapstone.comm.errors import UserError
@@ -48,8 +49,8 @@ def generate_ids(executor, ids: str, targets: str, logits: str, prompt: list[int
                  classes: int | None = None) -> Iterator[int]:
     """`generate`'s ids one at a time, as each is drawn (collective, as `generate`); its
     arguments are checked at the call, not at the first id drawn."""
-    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
-        prompt = prompt.tolist()
+    if isinstance(prompt, torch.Tensor | np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()  # then checked as a list: float ids are refused there
     check_args(prompt, tokens, temperature, top_k, classes)
     return _draw(executor, ids, targets, logits, list(prompt), tokens, temperature, top_k,
                  seed, shape, world, classes)
@@ -69,7 +70,8 @@ def check_args(prompt, tokens: int, temperature: float, top_k: int | None,
         raise DataError(f"prompt={_short(prompt)}: give a non-empty list of token ids >= 0 "
                         "(text encoded by the model's tokenizer)")
     if classes is not None and max(prompt) >= classes:
-        raise DataError(f"prompt: id {max(prompt)} does not fit the model's {classes} ids")
+        raise DataError(f"prompt: id {max(prompt)} does not fit the model's {classes} ids; "
+                        f"give ids below {classes}, encoded by the model's own tokenizer")
     if not whole(tokens) or tokens < 1:
         raise SettingError(f"tokens={tokens!r}: give at least 1 (how many ids to draw)")
     if not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:

@@ -83,7 +83,9 @@ def test_next_id():
     ({"prompt": []}, DataError, "prompt=[]: give a non-empty list of token ids >= 0"),
     ({"prompt": "the cat"}, DataError, "prompt='the cat': give a non-empty list"),
     ({"prompt": [1.5]}, DataError, "prompt=[1.5]: give a non-empty list"),
-    ({"prompt": [70]}, DataError, "prompt: id 70 does not fit the model's 64 ids"),
+    ({"prompt": [70]}, DataError, "prompt: id 70 does not fit the model's 64 ids; give ids "
+                                  "below 64"),
+    ({"prompt": np.array([1.5])}, DataError, "prompt=[1.5]: give a non-empty list"),
     ({"tokens": 0}, SettingError, "tokens=0: give at least 1"),
     ({"temperature": -1.0}, SettingError, "temperature=-1.0: give 0 (greedy) or more"),
     ({"temperature": float("nan")}, SettingError, "temperature=nan: give 0"),
@@ -106,8 +108,9 @@ def test_the_python_api_refuses_what_the_flags_refuse(args, error, said):
         gen.generate_ids(ex, lm.ids, lm.targets, lm.logits_output, kw.pop("prompt"),
                          kw.pop("tokens"), shape=(8, lm.seq), classes=lm.real, **kw)
     assert str(e.value).startswith(said), str(e.value)
-    assert len(gen.generate(ex, lm.ids, lm.targets, lm.logits_output, [1, 2], 2,
-                            shape=(8, lm.seq), classes=lm.real)) == 2
+    drawn = [gen.generate(ex, lm.ids, lm.targets, lm.logits_output, p, 2, shape=(8, lm.seq),
+                          classes=lm.real) for p in ([1, 2], np.array([1, 2]))]
+    assert len(drawn[0]) == 2 and drawn[0] == drawn[1]  # a numpy prompt is its list
 
 
 BAD = [
