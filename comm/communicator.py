@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from soapstone.comm.accounting import bus_factor
+from soapstone.comm.arg_checks import as_int, check_shared, check_tag, counts
 from soapstone.comm.dtypes import FLOATING, SUPPORTED, SUPPORTED_SET, dtype_name
 from soapstone.comm.errors import CommError
 from soapstone.comm.observe._flight_ring import use_tensor_getters, use_tensor_reader
@@ -206,6 +207,8 @@ class Communicator(abc.ABC):
 
     def _check_dim(self, op: str, t: torch.Tensor, dim: int, name: str = "dim") -> int:
         nd = t.dim()
+        if type(dim) is not int:  # a str, None or float would fail deep in the layout math
+            dim = as_int(op, name, dim, "a dim")
         if not -nd <= dim < nd or nd == 0:
             raise CommError(
                 f"{op}: `{name}`={dim} is out of range for a tensor of shape {tuple(t.shape)}; "
@@ -368,8 +371,8 @@ class Communicator(abc.ABC):
         slices from each rank j along `dim` (a new tensor)."""
         dtype = self._check("alltoallv", t)
         dim = self._check_dim("alltoallv", t, dim)
-        send_sizes = [int(s) for s in send_sizes]
-        recv_sizes = [int(s) for s in recv_sizes]
+        send_sizes = counts("alltoallv", "send_sizes", send_sizes)
+        recv_sizes = counts("alltoallv", "recv_sizes", recv_sizes)
         for name, sizes in (("send_sizes", send_sizes), ("recv_sizes", recv_sizes)):
             if len(sizes) != self.size or min(sizes, default=0) < 0:
                 raise CommError(
@@ -407,7 +410,7 @@ class Communicator(abc.ABC):
     def _p2p(self, op: str, t: torch.Tensor, peer: int, tag: int, async_op: bool):
         """send, recv, isend, irecv: check, record, count, hand to the backend."""
         sending = op in ("send", "isend")
-        dtype = self._check_p2p(op, t, peer, "dst" if sending else "src")
+        dtype = self._check_p2p(op, t, peer, "dst" if sending else "src", tag)
         if sending:
             fn = self._send_debug if self.debug else self._send
         else:
@@ -443,11 +446,13 @@ class Communicator(abc.ABC):
         work = self._recv(t, src, tag, True)
         return Work(None, None, lambda: pending.check(work), keep=(work, pending))
 
-    def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str) -> torch.dtype:
+    def _check_p2p(self, op: str, t: torch.Tensor, peer: int, name: str,
+                   tag: int) -> torch.dtype:
         dtype = self._check(op, t)
         self._check_rank(op, peer, name)
         if peer == self.rank:
             raise CommError(f"{op}: `{name}`={peer} is this rank; p2p to oneself deadlocks")
+        check_tag(op, tag)
         return dtype
 
     def barrier(self) -> None:
@@ -460,6 +465,7 @@ class Communicator(abc.ABC):
         """A zeroed flat tensor whose sum allreduce this backend can do faster in place (MPI
         ranks on one node: a buffer in shared memory, backends/shm.py), or None where it has
         none: allocate a plain one then. Collective."""
+        check_shared(numel, dtype)
         return None
 
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

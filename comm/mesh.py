@@ -57,6 +57,9 @@ class Mesh:
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
         """Row-major coordinates of world rank `rank`."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world.size:
+            raise CommError(f"Mesh.coords_of: rank {rank!r} is not a world rank; "
+                            f"pass an int in [0, {self.world.size - 1}]")
         out = []
         for n in reversed(self.shape.values()):
             out.append(rank % n)
@@ -65,11 +68,14 @@ class Mesh:
 
     def rank_of(self, **coords: int) -> int:
         """World rank at the given coordinates (unnamed axes: this rank's coordinate)."""
+        for axis in coords:  # a misspelt axis would otherwise be this rank's coordinate
+            self._axis(axis)
         r = 0
         for axis, n in self.shape.items():
             c = coords.get(axis, self.coord(axis))
-            if not 0 <= c < n:
-                raise CommError(f"Mesh.rank_of: {axis}={c} is outside [0, {n - 1}]")
+            if not isinstance(c, int) or not 0 <= c < n:
+                raise CommError(f"Mesh.rank_of: {axis}={c!r} is not a coordinate; "
+                                f"pass an int in [0, {n - 1}]")
             r = r * n + c
         return r
 
@@ -107,7 +113,7 @@ class Mesh:
         self.free()
 
     def _axis(self, axis: str) -> str:
-        if axis not in self.shape:
+        if not isinstance(axis, str) or axis not in self.shape:
             raise CommError(f"Mesh: no axis {axis!r}; the axes are {', '.join(self.axes)}")
         return axis
 

@@ -47,7 +47,7 @@ class GroupedP2P:
         for o in ops:  # all checked before any is posted
             if o.op not in OPS:
                 raise CommError(f"batch_p2p: op {o.op!r} is unknown; pass one of {OPS}")
-            self._check_p2p(o.op, o.tensor, o.peer, "dst" if o.op == "isend" else "src")
+            self._check_p2p(o.op, o.tensor, o.peer, "dst" if o.op == "isend" else "src", o.tag)
         if not ops:
             return []
         with self._p2p_group(synchronous):

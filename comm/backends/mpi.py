@@ -16,6 +16,7 @@ import math
 import torch
 from mpi4py import MPI
 
+from soapstone.comm.arg_checks import check_shared
 from soapstone.comm.backends import shm
 from soapstone.comm.communicator import (
     Communicator,
@@ -27,6 +28,7 @@ from soapstone.comm.communicator import (
     gather_layout,
 )
 from soapstone.comm.dtypes import SUPPORTED, mpi_op, mpi_type
+from soapstone.comm.errors import CommError
 from soapstone.comm.p2p import GroupedP2P
 
 _fromaddress = MPI.buffer.fromaddress
@@ -67,6 +69,7 @@ class MPICommunicator(GroupedP2P, Communicator):
         """A zeroed flat tensor in memory every rank maps, whose sum allreduce then runs
         through shared memory (backends/shm.py), when all ranks share a node; else None.
         Collective."""
+        check_shared(numel, dtype)
         if self.size == 1 or numel == 0 or not shm.enabled():
             return None
         if self._shared is None:
@@ -90,7 +93,7 @@ class MPICommunicator(GroupedP2P, Communicator):
         if op == "sum" and self._shared and self._shared.owns(t):
             return self._shared.allreduce(t, async_op)
         c = self.mpi
-        finish = (lambda: t.div_(self.size)) if op == "avg" else None
+        finish = _averager(t, self.size) if op == "avg" else None
         args = (MPI.IN_PLACE, _spec(t), mpi_op(t.dtype, op))
         return self._run(c.Allreduce, c.Iallreduce, args, t, async_op, finish, keep=t)
 
@@ -173,13 +176,77 @@ class MPICommunicator(GroupedP2P, Communicator):
 
     def _recv(self, t, src, tag, async_op):
         if async_op:
-            req = self.mpi.Irecv(_spec(t), src, tag)
-            return Work(req.Wait, t, keep=t, test=req.Test)
-        self.mpi.Recv(_spec(t), src, tag)
+            receipt = _Receipt(self.mpi.Irecv(_spec(t), src, tag), t, src, tag)
+            return Work(receipt.wait, t, keep=t, test=receipt.test)
+        status = MPI.Status()
+        try:
+            self.mpi.Recv(_spec(t), src, tag, status)
+        except MPI.Exception as e:
+            raise _recv_error(t, src, tag, e) from None
+        if status.Get_count(MPI.BYTE) != t.nbytes:
+            raise _recv_error(t, src, tag, status)
         return t
 
     def _barrier(self):
         self.mpi.Barrier()
+
+
+def _averager(t: torch.Tensor, n: int):
+    """avg's finish: divide the sum in `t` by `n`; return `t`."""
+    def finish() -> torch.Tensor:
+        # through a detached view: MPI wrote the sum past autograd and the division must pass
+        # it too (an nn.Parameter or an inference tensor refuses autograd's in-place ops)
+        t.detach().div_(n)
+        return t
+    return finish
+
+
+class _Receipt:
+    """An irecv's request: whichever of test() and wait() completes it checks, once, that
+    the message filled `t` exactly (MPI leaves a shorter one's tail stale without a word)."""
+
+    __slots__ = ("req", "t", "src", "tag", "status", "error")
+
+    def __init__(self, req, t: torch.Tensor, src: int, tag: int):
+        self.req, self.t, self.src, self.tag = req, t, src, tag
+        self.status = MPI.Status()
+        self.error: CommError | bool | None = None  # None: not complete yet; False: fine
+
+    def wait(self) -> None:
+        self._complete(self.req.Wait)
+
+    def test(self) -> bool:
+        return self._complete(self.req.Test)
+
+    def _complete(self, call) -> bool:
+        if self.error is None:
+            try:
+                if not call(self.status):
+                    return False
+                got = self.status.Get_count(MPI.BYTE)
+                self.error = got != self.t.nbytes and _recv_error(
+                    self.t, self.src, self.tag, self.status, "irecv")
+            except MPI.Exception as e:
+                self.error = _recv_error(self.t, self.src, self.tag, e, "irecv")
+        if self.error:
+            raise self.error
+        return True
+
+
+def _recv_error(t: torch.Tensor, src: int, tag: int, why, op: str = "recv") -> CommError:
+    """The CommError of a receive whose message does not fit `t` (`why`: the status of a
+    shorter message, or MPI's truncation error); other MPI errors are re-raised as they are."""
+    if isinstance(why, MPI.Exception):
+        if why.Get_error_class() != MPI.ERR_TRUNCATE:
+            raise why
+        size = f"more than {t.nbytes}"
+    else:
+        size = str(why.Get_count(MPI.BYTE))
+    return CommError(
+        f"{op}: the message from rank {src} (tag {tag}) holds {size} bytes, but `t` is "
+        f"{tuple(t.shape)} {t.dtype}, {t.nbytes} bytes; receive into a tensor of the sent "
+        "shape and dtype (SOAPSTONE_DEBUG_COLLECTIVES=1 names what each side passed)"
+    )
 
 
 def _displs(counts: list[int]) -> list[int]:
