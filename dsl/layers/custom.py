@@ -134,8 +134,8 @@ def define(
     """A custom layer's checked definition (LayerError if the signature is malformed)."""
     if not isinstance(name, str) or not _IDENT.match(name):
         raise LayerError(f"layer name {name!r} is not an identifier; use letters, digits and _")
-    # a lone string is a sequence of one-letter patterns or dims: say so, not what it makes
-    # listed first: a generator would be spent by the check
+    # listed first, as a generator would be spent by the check; a lone string stays one (it
+    # is a sequence of one-letter patterns or dims: say so, not what it makes)
     inputs, dims = (list(v) if isinstance(v, Iterable) and not isinstance(v, str) else v
                     for v in (inputs, dims))
     for arg, value in (("inputs", inputs), ("dims", dims)):
