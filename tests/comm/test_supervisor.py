@@ -98,8 +98,7 @@ def test_sigterm_to_the_rank_alone_is_a_death():
 
 # -- real jobs ---------------------------------------------------------------------------------
 def _run(argv: list[str], env: dict | None = None) -> subprocess.Popen:
-    if mpiexec() is None:
-        pytest.skip("no mpiexec")
+    assert mpiexec() is not None, "no mpiexec: `make test` installs the mpich wheel"
     return subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "-m", "soapstone.dsl.cli",
                              "run", "examples/gpt.par", "--parallel", "dp2", "--quiet", *argv],
                             cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -83,22 +83,17 @@ def test_an_int64_result_stops_a_single_rank_run_with_exit_2():
            "torch.int64; it must return a torch.Tensor of dtype torch.float32" in out, out
 
 
-def test_a_wrong_dtype_on_one_rank_ends_the_job_with_one_line():
-    """Without the check, rank 1's float64 partial sum meets rank 0's float32 one in the
-    allreduce: MPI's `Message truncated`, no soapstone message."""
+@pytest.mark.parametrize("mode,said", [("double", "returned a tensor of dtype torch.float64"),
+                                       ("short", "returned a tensor of local shape [")])
+def test_a_wrong_result_on_one_rank_ends_the_job_with_one_line(mode, said):
+    """Without the checks, rank 1's float64 partial sum meets rank 0's float32 one in the
+    allreduce (MPI's `Message truncated`, no soapstone message), and a short result is a
+    shape error met mid-step."""
     r = run_mpi(2, [*CLI, *RUN, "--parallel", "tp2", "--steps", "3"], timeout=180,
-                env={"SOAPSTONE_TEST_RESULT": "1:double"})
+                env={"SOAPSTONE_TEST_RESULT": f"1:{mode}"})
     out = ended(r, 2)
     assert out.count("error: custom layer 'swiglu'") == 1, out
-    assert "returned a tensor of dtype torch.float64" in out, out
-
-
-def test_a_short_result_on_one_rank_ends_the_job_naming_the_layer():
-    r = run_mpi(2, [*CLI, *RUN, "--parallel", "tp2", "--steps", "3"], timeout=180,
-                env={"SOAPSTONE_TEST_RESULT": "1:short"})
-    out = ended(r, 2)
-    assert out.count("error: custom layer 'swiglu'") == 1, out
-    assert "returned a tensor of local shape [" in out, out
+    assert said in out, out
 
 
 def test_a_system_exit_on_one_rank_ends_the_job_naming_rank_and_code():
